@@ -1,0 +1,9 @@
+"""mm3: MiniMax-M3-style block-sparse attention on any hardware through pluggable backends."""
+from mm3.batch import BatchMetadata
+from mm3.buffers import PagedKVCache, TopkBuffer
+from mm3.capabilities import BackendCapabilities, Probe, Requirements
+from mm3.errors import *  # noqa: F401,F403
+from mm3.hookspecs import hookimpl, hookspec
+from mm3.params import SparseAttentionParams
+
+__version__ = "0.1.0"

@@ -1,0 +1,291 @@
+"""Buffers that carry their own layout: the top-k buffer and the paged caches.
+
+The top-k buffer is written by an indexer and read by an attention, which may
+come from different backends. Its storage order is a *property of the object*,
+never guessed from a shape: a reader asks for the view or the ``(h, t, k)``
+strides it needs and gets the right answer whatever the writer preferred.
+
+Example:
+    >>> import torch
+    >>> buf = TopkBuffer.allocate(num_tokens=6, num_heads=2, topk=4, layout="token_major")
+    >>> buf.head_major().shape          # logical [H, T, K], a strided view
+    torch.Size([2, 6, 4])
+    >>> buf.strides()                  # element strides in (h, t, k) order
+    (4, 8, 1)
+    >>> step = buf.rows(0, 3)          # the first 3 tokens of this step, same storage
+    >>> step.num_tokens, step.layout
+    (3, 'token_major')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union, cast, get_args
+
+import torch
+
+from mm3.capabilities import KVCacheLayout, TopkLayout
+from mm3.errors import InputError
+
+__all__ = ["TopkBuffer", "PagedKVCache", "TORCH_DTYPES", "dtype_name"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the spelling capabilities use)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_layout(layout: str) -> TopkLayout:
+    if layout not in get_args(TopkLayout):
+        raise InputError(
+            f"unknown top-k layout {layout!r}; use 'head_major' ([H, T, K]) or "
+            f"'token_major' ([T, H, K])")
+    return cast(TopkLayout, layout)
+
+
+class TopkBuffer:
+    """An int32 top-k buffer with a declared storage layout.
+
+    Logical shape is always ``[H, T, K]`` (KV head, token, slot). Storage is
+    ``[H, T, K]`` for ``head_major`` and ``[T, H, K]`` for ``token_major``.
+    Slots hold logical block ids (0-based) as a prefix, then ``-1``.
+
+    Construct with :meth:`allocate`, or wrap an existing tensor with
+    ``TopkBuffer(tensor, layout)`` - the layout is always explicit.
+    """
+
+    __slots__ = ("_data", "_layout")
+
+    def __init__(self, data: torch.Tensor, layout: str) -> None:
+        self._layout = _check_layout(layout)
+        if not isinstance(data, torch.Tensor):
+            raise InputError(f"TopkBuffer needs a torch.Tensor, got {type(data).__name__}")
+        if data.dtype != torch.int32:
+            raise InputError(f"top-k buffer must be int32, got {data.dtype}; allocate with "
+                             f"TopkBuffer.allocate(...) or pass tensor.to(torch.int32)")
+        if data.dim() != 3:
+            raise InputError(f"top-k storage must be 3-D ({'[H, T, K]' if layout == 'head_major' else '[T, H, K]'}"
+                             f" for {layout}), got shape {tuple(data.shape)}")
+        self._data = data
+
+    # -- construction ---------------------------------------------------------
+    @classmethod
+    def allocate(cls, num_tokens: int, num_heads: int, topk: int,
+                 layout: str = "head_major",
+                 device: Union[str, torch.device, None] = None,
+                 fill: int = -1) -> "TopkBuffer":
+        """A new contiguous buffer in ``layout``, filled with ``fill``."""
+        layout = _check_layout(layout)
+        for label, v in (("num_tokens", num_tokens), ("num_heads", num_heads), ("topk", topk)):
+            if not isinstance(v, int) or v < (0 if label == "num_tokens" else 1):
+                raise InputError(f"TopkBuffer.allocate: {label} must be a "
+                                 f"{'non-negative' if label == 'num_tokens' else 'positive'} int, got {v!r}")
+        shape = (num_heads, num_tokens, topk) if layout == "head_major" else (num_tokens, num_heads, topk)
+        data = torch.full(shape, fill, dtype=torch.int32, device=device)
+        return cls(data, layout)
+
+    # -- facts ------------------------------------------------------------------
+    @property
+    def layout(self) -> TopkLayout:
+        return self._layout
+
+    @property
+    def storage(self) -> torch.Tensor:
+        """The tensor in storage order (see :attr:`layout`)."""
+        return self._data
+
+    @property
+    def num_heads(self) -> int:
+        return self._data.shape[0 if self._layout == "head_major" else 1]
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows (tokens) this buffer can hold: its capacity."""
+        return self._data.shape[1 if self._layout == "head_major" else 0]
+
+    capacity = num_tokens
+
+    @property
+    def topk(self) -> int:
+        return self._data.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self._data.device
+
+    def is_contiguous(self) -> bool:
+        """True when the storage is dense in its own layout (no gaps)."""
+        return self._data.is_contiguous()
+
+    # -- views --------------------------------------------------------------------
+    def head_major(self) -> torch.Tensor:
+        """Logical ``[H, T, K]`` view (a permuted view for token-major storage)."""
+        return self._data if self._layout == "head_major" else self._data.permute(1, 0, 2)
+
+    def token_major(self) -> torch.Tensor:
+        """Logical ``[T, H, K]`` view (a permuted view for head-major storage)."""
+        return self._data if self._layout == "token_major" else self._data.permute(1, 0, 2)
+
+    def view(self, layout: str) -> torch.Tensor:
+        """The view for ``layout``; same as :meth:`head_major` / :meth:`token_major`."""
+        return self.head_major() if _check_layout(layout) == "head_major" else self.token_major()
+
+    def strides(self) -> tuple[int, int, int]:
+        """Element strides of the logical ``(h, t, k)`` axes, for kernels."""
+        sh, st, sk = self.head_major().stride()
+        return sh, st, sk
+
+    def rows(self, start: int, stop: int) -> "TopkBuffer":
+        """Tokens ``[start, stop)`` as a buffer sharing this storage."""
+        if not (0 <= start <= stop <= self.num_tokens):
+            raise InputError(
+                f"top-k buffer rows [{start}, {stop}) out of range: capacity is {self.num_tokens} "
+                f"tokens; allocate a larger buffer (max_num_tokens) for this step")
+        if self._layout == "head_major":
+            return TopkBuffer(self._data[:, start:stop], self._layout)
+        return TopkBuffer(self._data[start:stop], self._layout)
+
+    # -- mutation / conversion -------------------------------------------------------
+    def fill_(self, value: int) -> "TopkBuffer":
+        self._data.fill_(value)
+        return self
+
+    def copy_(self, other: "TopkBuffer") -> "TopkBuffer":
+        """Copy ``other``'s contents into this buffer, whatever either layout is."""
+        if (other.num_heads, other.num_tokens, other.topk) != (self.num_heads, self.num_tokens, self.topk):
+            raise InputError(
+                f"cannot copy top-k buffer [H={other.num_heads}, T={other.num_tokens}, K={other.topk}] "
+                f"into [H={self.num_heads}, T={self.num_tokens}, K={self.topk}]")
+        self.head_major().copy_(other.head_major())
+        return self
+
+    def to_layout(self, layout: str, *, contiguous: bool = True) -> "TopkBuffer":
+        """This buffer in ``layout``: ``self`` if already there (and contiguous when asked), else a copy."""
+        layout = _check_layout(layout)
+        if layout == self._layout and (not contiguous or self.is_contiguous()):
+            return self
+        out = TopkBuffer.allocate(self.num_tokens, self.num_heads, self.topk, layout, self.device)
+        return out.copy_(self)
+
+    def clone(self) -> "TopkBuffer":
+        return TopkBuffer(self._data.clone(), self._layout)
+
+    def __repr__(self) -> str:
+        return (f"TopkBuffer(layout={self._layout!r}, H={self.num_heads}, T={self.num_tokens}, "
+                f"K={self.topk}, device={self.device}, contiguous={self.is_contiguous()})")
+
+
+@dataclass(frozen=True)
+class PagedKVCache:
+    """The paged key, value and index-key caches of one layer.
+
+    Logical shapes: ``k``/``v`` = ``[num_pages, block_size, Hkv, D]`` and
+    ``index`` = ``[num_pages, block_size, Di]``. The storage may be any strided
+    view of that shape; :meth:`allocate` with ``layout="HND"`` stores each page
+    heads-first and returns the permuted (logical) view. Kernels index through
+    the tensors' strides, so both layouts work without copies.
+
+    Example:
+        >>> c = PagedKVCache.allocate(num_pages=4, block_size=16, num_kv_heads=2,
+        ...                           head_dim=8, index_head_dim=8, layout="HND")
+        >>> c.k.shape, c.kv_layout
+        (torch.Size([4, 16, 2, 8]), 'HND')
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    index: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise InputError(f"{name} cache must be a 4-D tensor [num_pages, block_size, Hkv, D], "
+                                 f"got {getattr(t, 'shape', type(t).__name__)}")
+        if self.k.shape != self.v.shape:
+            raise InputError(f"k cache {tuple(self.k.shape)} and v cache {tuple(self.v.shape)} differ in shape")
+        if self.k.dtype != self.v.dtype:
+            raise InputError(f"k cache ({self.k.dtype}) and v cache ({self.v.dtype}) differ in dtype")
+        if not isinstance(self.index, torch.Tensor) or self.index.dim() != 3:
+            raise InputError("index cache must be a 3-D tensor [num_pages, block_size, Di], got "
+                             f"{getattr(self.index, 'shape', type(self.index).__name__)}")
+        if tuple(self.index.shape[:2]) != tuple(self.k.shape[:2]):
+            raise InputError(f"index cache pages/block {tuple(self.index.shape[:2])} do not match the "
+                             f"KV cache's {tuple(self.k.shape[:2])}")
+        devs = {self.k.device, self.v.device, self.index.device}
+        if len(devs) != 1:
+            raise InputError(f"caches live on different devices: {sorted(map(str, devs))}")
+        if self.index.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
+            raise InputError(f"index cache dtype {self.index.dtype} unsupported; use bfloat16 or "
+                             f"float8_e4m3fn (float16/float32 accepted by the reference)")
+
+    @classmethod
+    def allocate(cls, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 index_head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                 index_dtype: torch.dtype = torch.bfloat16, layout: str = "NHD",
+                 device: Union[str, torch.device, None] = None) -> "PagedKVCache":
+        """Uninitialised caches (``torch.empty``) in the given page layout."""
+        if layout not in ("NHD", "HND"):
+            raise InputError(f"unknown KV cache layout {layout!r}; use 'NHD' or 'HND'")
+
+        def kv() -> torch.Tensor:
+            if layout == "NHD":
+                return torch.empty(num_pages, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            return torch.empty(num_pages, num_kv_heads, block_size, head_dim, dtype=dtype,
+                               device=device).transpose(1, 2)
+
+        index = torch.empty(num_pages, block_size, index_head_dim, dtype=index_dtype, device=device)
+        return cls(kv(), kv(), index)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def index_head_dim(self) -> int:
+        return self.index.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def index_dtype(self) -> torch.dtype:
+        return self.index.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        """``"HND"`` when a page stores heads outermost (stride of H > stride of B), else ``"NHD"``."""
+        return "HND" if self.k.stride(2) > self.k.stride(1) else "NHD"
+
+    def to_layout(self, layout: Literal["NHD", "HND"]) -> "PagedKVCache":
+        """A copy of the caches with pages stored in ``layout`` (same logical contents)."""
+        out = PagedKVCache.allocate(self.num_pages, self.block_size, self.num_kv_heads, self.head_dim,
+                                    self.index_head_dim, self.dtype, self.index_dtype, layout, self.device)
+        out.k.copy_(self.k)
+        out.v.copy_(self.v)
+        out.index.copy_(self.index)
+        return out

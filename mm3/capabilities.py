@@ -1,0 +1,160 @@
+"""What a backend declares it can do, and what a call needs.
+
+A backend never tells the core which platform it is; it declares capabilities
+(this module) and answers a probe. The core compares a :class:`Requirements`
+object with each backend's :class:`BackendCapabilities` and keeps the reasons
+for every mismatch, so selection can explain itself.
+
+Torch types stay out of these models: dtypes and devices are strings, so the
+models serialise, compare and print without importing torch.
+
+Example:
+    >>> caps = BackendCapabilities(
+    ...     name="my_backend", ops={"index_topk", "attention"},
+    ...     device_types={"cpu"}, topk_layout="token_major")
+    >>> req = Requirements(device_type="cpu", ops={"attention"}, dtype="bfloat16",
+    ...     index_cache_dtype="bfloat16", head_dim=128, index_head_dim=128,
+    ...     block_size=128, topk=16, gqa_group=8, decode_query_len=1)
+    >>> caps.unmet(req)
+    []
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "TopkLayout",
+    "KVCacheLayout",
+    "Op",
+    "DType",
+    "IndexDType",
+    "BackendCapabilities",
+    "Requirements",
+    "Probe",
+    "ALL_OPS",
+]
+
+TopkLayout = Literal["head_major", "token_major"]
+"""Storage order of a top-k buffer: ``head_major`` = [H, T, K], ``token_major`` = [T, H, K]."""
+
+KVCacheLayout = Literal["NHD", "HND"]
+"""Storage order inside one KV page: tokens-then-heads (NHD) or heads-then-tokens (HND)."""
+
+Op = Literal["index_topk", "attention"]
+ALL_OPS: frozenset[str] = frozenset({"index_topk", "attention"})
+
+DType = Literal["bfloat16", "float16", "float32"]
+IndexDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class BackendCapabilities(_Frozen):
+    """A backend's static declaration of what it computes and how it wants data.
+
+    ``None`` in a limit field means "no limit". ``frozenset`` fields accept any
+    iterable. Validation errors name the offending field, and the registry
+    reports them with the plugin's distribution.
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="unique backend name")
+    description: str = ""
+    priority: int = Field(0, description="auto selection tries higher priorities first")
+    device_types: frozenset[str] = Field(min_length=1, description='torch device types, e.g. {"cuda"}')
+    ops: frozenset[Op] = Field(min_length=1)
+    topk_layout: TopkLayout
+    topk_requires_contiguous: bool = Field(
+        False, description="reads/writes need a contiguous buffer in topk_layout")
+    kv_cache_layout: KVCacheLayout = Field("NHD", description="preferred page layout")
+    dtypes: frozenset[DType] = frozenset({"bfloat16", "float16", "float32"})
+    index_cache_dtypes: frozenset[IndexDType] = frozenset({"bfloat16", "float8_e4m3fn"})
+    head_dims: Optional[frozenset[int]] = None
+    index_head_dims: Optional[frozenset[int]] = None
+    block_sizes: Optional[frozenset[int]] = None
+    max_topk: Optional[int] = Field(None, ge=1)
+    max_gqa_group: Optional[int] = Field(None, ge=1)
+    max_decode_query_len: int = Field(1, ge=1, description="1 + draft tokens (speculative decoding)")
+    cuda_graph_safe: bool = False
+
+    def unmet(self, req: "Requirements") -> list[str]:
+        """Every reason this backend cannot serve ``req`` (empty list = capable)."""
+        reasons: list[str] = []
+        if req.device_type not in self.device_types:
+            reasons.append(f"device type {req.device_type!r} not in {sorted(self.device_types)}")
+        missing = set(req.ops) - set(self.ops)
+        if missing:
+            reasons.append(f"does not provide op(s) {sorted(missing)} (provides {sorted(self.ops)})")
+        if "attention" in req.ops and req.dtype not in self.dtypes:
+            reasons.append(f"dtype {req.dtype} not in {sorted(self.dtypes)}")
+        if "index_topk" in req.ops and req.index_cache_dtype not in self.index_cache_dtypes:
+            reasons.append(
+                f"index cache dtype {req.index_cache_dtype} not in {sorted(self.index_cache_dtypes)}")
+        checks = [
+            ("head_dim", req.head_dim, self.head_dims, "attention"),
+            ("index_head_dim", req.index_head_dim, self.index_head_dims, "index_topk"),
+            ("block_size", req.block_size, self.block_sizes, None),
+        ]
+        for field, value, allowed, op in checks:
+            if (op is None or op in req.ops) and allowed is not None and value not in allowed:
+                reasons.append(f"{field} {value} not in {sorted(allowed)}")
+        if self.max_topk is not None and req.topk > self.max_topk:
+            reasons.append(f"topk {req.topk} > max_topk {self.max_topk}")
+        if ("attention" in req.ops and self.max_gqa_group is not None
+                and req.gqa_group > self.max_gqa_group):
+            reasons.append(f"GQA group {req.gqa_group} > max_gqa_group {self.max_gqa_group}")
+        if req.decode_query_len > self.max_decode_query_len:
+            reasons.append(
+                f"decode query length {req.decode_query_len} > max_decode_query_len "
+                f"{self.max_decode_query_len}")
+        if req.cuda_graph and not self.cuda_graph_safe:
+            reasons.append("CUDA-graph capture requested but backend is not cuda_graph_safe")
+        return reasons
+
+
+class Requirements(_Frozen):
+    """What one use of the op needs; derived from params, device and dtypes.
+
+    ``SparseAttention`` builds this for you; build it by hand only to ask
+    the registry what would be chosen.
+    """
+
+    device_type: str
+    ops: frozenset[Op] = ALL_OPS  # type: ignore[assignment]
+    dtype: DType = "bfloat16"
+    index_cache_dtype: IndexDType = "bfloat16"
+    head_dim: int = 128
+    index_head_dim: int = 128
+    block_size: int = 128
+    topk: int = 16
+    gqa_group: int = 16
+    decode_query_len: int = 1
+    cuda_graph: bool = False
+
+    def for_ops(self, *ops: str) -> "Requirements":
+        """The same requirements restricted to ``ops`` (e.g. only the indexer)."""
+        return self.model_copy(update={"ops": frozenset(ops)})
+
+
+class Probe(_Frozen):
+    """The answer to "can this backend run on this device, here, now?".
+
+    Example:
+        >>> Probe.no("Triton is not installed (pip install triton)").available
+        False
+    """
+
+    available: bool
+    reason: str = ""
+
+    @classmethod
+    def yes(cls, reason: str = "available") -> "Probe":
+        return cls(available=True, reason=reason)
+
+    @classmethod
+    def no(cls, reason: str) -> "Probe":
+        return cls(available=False, reason=reason)

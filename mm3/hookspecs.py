@@ -1,0 +1,95 @@
+"""The backend contract: pluggy hook specifications for project ``"mm3"``.
+
+One plugin is one backend: a module or object with ``@hookimpl`` functions.
+Every hook is ``firstresult``; the registry binds each backend's own
+implementations directly (see :mod:`mm3.registry`), so hooks of different
+backends never mix and no ``pm.hook`` call happens per forward.
+
+A minimal attention-only plugin::
+
+    from mm3 import hookimpl, BackendCapabilities, Probe
+
+    @hookimpl
+    def backend_capabilities():
+        return BackendCapabilities(name="mine", ops={"attention"},
+                                   device_types={"cpu"}, topk_layout="token_major")
+
+    @hookimpl
+    def backend_probe(device):
+        return Probe.yes()
+
+    @hookimpl
+    def attention_forward(q, caches, topk, batch, params, out):
+        ...  # read topk.head_major() / topk.strides(); write out[:batch.num_tokens]
+
+Register it under the entry-point group ``mm3.backends`` in your
+``pyproject.toml``; see docs/plugins.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from mm3.batch import BatchMetadata
+    from mm3.buffers import PagedKVCache, TopkBuffer
+    from mm3.capabilities import BackendCapabilities, Probe
+    from mm3.params import SparseAttentionParams
+
+__all__ = ["PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "OP_HOOKS"]
+
+PROJECT = "mm3"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec(firstresult=True)
+def backend_capabilities() -> "BackendCapabilities":
+    """Static declaration of the backend (name, ops, layouts, limits). Required.
+
+    Must be cheap and must not touch a GPU.
+    """
+
+
+@hookspec(firstresult=True)
+def backend_probe(device: "torch.device") -> "Probe":
+    """Can this backend run on ``device`` here? Return ``Probe.no(reason)`` if not.
+
+    Lazy and cheap: import optional dependencies here, not at module import.
+    Raising is treated as "unavailable" and reported with the exception.
+    """
+
+
+@hookspec(firstresult=True)
+def alloc_topk_buffer(num_tokens: int, num_heads: int, topk: int,
+                      device: "torch.device") -> "TopkBuffer":
+    """Allocate a persistent top-k buffer in this backend's declared ``topk_layout``.
+
+    Optional: without it the core allocates ``TopkBuffer.allocate(..., layout=topk_layout)``.
+    """
+
+
+@hookspec(firstresult=True)
+def index_topk(index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
+               params: "SparseAttentionParams", out: "TopkBuffer") -> None:
+    """The indexer (SPEC §3): write rows ``[0, batch.num_tokens)`` of ``out``.
+
+    ``index_q`` is ``[T, Hidx, Di]``; ``out`` holds exactly the step's rows.
+    """
+
+
+@hookspec(firstresult=True)
+def attention_forward(q: "torch.Tensor", caches: "PagedKVCache", topk: "TopkBuffer",
+                      batch: "BatchMetadata", params: "SparseAttentionParams",
+                      out: "torch.Tensor") -> None:
+    """Block-sparse attention (SPEC §4): write ``out[:T]`` (``[T, Hq, D]``, q's dtype)."""
+
+
+HOOK_NAMES = ("backend_capabilities", "backend_probe", "alloc_topk_buffer",
+              "index_topk", "attention_forward")
+OP_HOOKS = {"index_topk": "index_topk", "attention": "attention_forward"}
+"""Capability op name -> the hook that implements it."""

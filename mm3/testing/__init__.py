@@ -1,0 +1,1 @@
+"""The testing kit: fp64 oracle, random step factories, mock backend, conformance suite."""

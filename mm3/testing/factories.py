@@ -1,0 +1,114 @@
+"""Build realistic random steps: paged caches with permuted pages and a mixed batch.
+
+Example:
+    >>> from mm3.params import SparseAttentionParams
+    >>> p = SparseAttentionParams(num_heads=8, num_kv_heads=2, head_dim=32,
+    ...     num_index_heads=2, index_head_dim=32, block_size=16, topk=4)
+    >>> c = make_case(p, decodes=[100, 40], prefills=[(30, 90)], decode_query_len=2,
+    ...               padding_decodes=1, dtype="float16", seed=1)
+    >>> c.batch.num_decodes, c.batch.num_tokens, c.q.shape
+    (3, 36, torch.Size([36, 8, 32]))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from mm3.batch import BatchMetadata
+from mm3.buffers import TORCH_DTYPES, PagedKVCache
+from mm3.params import SparseAttentionParams
+
+__all__ = ["Case", "make_case", "random_caches"]
+
+
+@dataclass
+class Case:
+    """One step's inputs: queries, index queries, caches and batch metadata."""
+
+    params: SparseAttentionParams
+    q: torch.Tensor
+    index_q: torch.Tensor
+    caches: PagedKVCache
+    batch: BatchMetadata
+
+    def to(self, device: Union[str, torch.device]) -> "Case":
+        c = self.caches
+        return Case(self.params, self.q.to(device), self.index_q.to(device),
+                    PagedKVCache(c.k.to(device), c.v.to(device), c.index.to(device)),
+                    self.batch.to(device))
+
+
+def _dtype(d: Union[str, torch.dtype]) -> torch.dtype:
+    return TORCH_DTYPES[d] if isinstance(d, str) else d
+
+
+def random_caches(params: SparseAttentionParams, num_pages: int, *, dtype: torch.dtype,
+                  index_dtype: torch.dtype, kv_layout: str, device: Union[str, torch.device],
+                  generator: torch.Generator) -> PagedKVCache:
+    """Caches filled with N(0, 1) values (never zeros), generated on the CPU then moved."""
+    caches = PagedKVCache.allocate(num_pages, params.block_size, params.num_kv_heads, params.head_dim,
+                                   params.index_head_dim, dtype, index_dtype, kv_layout, device)
+    for t in (caches.k, caches.v):
+        t.copy_(torch.randn(t.shape, generator=generator))
+    caches.index.copy_(torch.randn(caches.index.shape, generator=generator).to(index_dtype))
+    return caches
+
+
+def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
+              prefills: Sequence[tuple[int, int]] = (), decode_query_len: int = 1,
+              padding_decodes: int = 0, empty_decodes: int = 0,
+              dtype: Union[str, torch.dtype] = "bfloat16",
+              index_dtype: Union[str, torch.dtype] = "bfloat16", kv_layout: str = "NHD",
+              device: Union[str, torch.device] = "cpu", seed: int = 0,
+              extra_pages: int = 3, extra_block_columns: int = 1,
+              generator: Optional[torch.Generator] = None) -> Case:
+    """A random decode-first step.
+
+    ``decodes``: seq_len of each decode (each has ``decode_query_len`` new tokens).
+    ``prefills``: ``(query_len, seq_len)`` per prefill; ``seq_len > query_len`` is a
+    chunked prefill with context. ``padding_decodes`` adds decodes with seq_len 0
+    that keep their token slots; ``empty_decodes`` adds decodes with no tokens.
+    Pages are a random permutation with spare pages; unused block-table entries
+    hold ``-1`` so a backend that reads past a request's blocks is caught.
+    """
+    g = generator or torch.Generator().manual_seed(seed)
+    dtype, index_dtype = _dtype(dtype), _dtype(index_dtype)
+    ql: list[int] = []
+    sl: list[int] = []
+    for s in decodes:
+        ql.append(decode_query_len)
+        sl.append(s)
+    # Padding decodes go between real decodes so "padding sits last" is never assumed.
+    for i in range(padding_decodes):
+        pos = min(len(ql), 1 + 2 * i)
+        ql.insert(pos, decode_query_len)
+        sl.insert(pos, 0)
+    for _ in range(empty_decodes):
+        ql.append(0)
+        sl.append(0)
+    num_decodes = len(ql)
+    for q, s in prefills:
+        ql.append(q)
+        sl.append(s)
+    B = params.block_size
+    need = [-(-s // B) for s in sl]
+    num_pages = sum(need) + extra_pages
+    perm = torch.randperm(num_pages, generator=g).to(torch.int32)
+    width = max(need, default=0) + extra_block_columns
+    bt = torch.full((len(ql), max(width, 1)), -1, dtype=torch.int32)
+    i = 0
+    for r, n in enumerate(need):
+        bt[r, :n] = perm[i:i + n]
+        i += n
+    batch = BatchMetadata.build(ql, sl, bt, block_size=B, num_decodes=num_decodes,
+                                decode_query_len=decode_query_len, num_pages=num_pages, device=device)
+    caches = random_caches(params, num_pages, dtype=dtype, index_dtype=index_dtype,
+                           kv_layout=kv_layout, device=device, generator=g)
+    T = batch.num_tokens
+    q = torch.randn(T, params.num_heads, params.head_dim, generator=g).to(dtype).to(device)
+    index_q = torch.randn(T, params.num_index_heads, params.index_head_dim, generator=g)
+    index_q = index_q.to(dtype).to(device)
+    return Case(params, q, index_q, caches, batch)
