@@ -121,8 +121,19 @@ class TopkBuffer:
         return self._data.device
 
     def is_contiguous(self) -> bool:
-        """True when the storage is dense in its own layout (no gaps)."""
+        """True when the storage tensor is fully contiguous."""
         return self._data.is_contiguous()
+
+    def is_dense(self) -> bool:
+        """True when the inner two storage axes are packed (the outer stride may be larger).
+
+        A row range of a contiguous buffer is dense in either layout: for
+        ``head_major`` storage ``[H, T, K]`` the head stride keeps the full
+        capacity. This is what ``topk_requires_contiguous`` backends need:
+        unit stride over K and K elements between consecutive inner rows.
+        """
+        d = self._data
+        return d.stride(2) == 1 and d.stride(1) == d.shape[2] and d.stride(0) >= d.shape[1] * d.shape[2]
 
     # -- views --------------------------------------------------------------------
     def head_major(self) -> torch.Tensor:
@@ -167,9 +178,9 @@ class TopkBuffer:
         return self
 
     def to_layout(self, layout: str, *, contiguous: bool = True) -> "TopkBuffer":
-        """This buffer in ``layout``: ``self`` if already there (and contiguous when asked), else a copy."""
+        """This buffer in ``layout``: ``self`` if already there (and dense when asked), else a copy."""
         layout = _check_layout(layout)
-        if layout == self._layout and (not contiguous or self.is_contiguous()):
+        if layout == self._layout and (not contiguous or self.is_dense()):
             return self
         out = TopkBuffer.allocate(self.num_tokens, self.num_heads, self.topk, layout, self.device)
         return out.copy_(self)
@@ -179,7 +190,7 @@ class TopkBuffer:
 
     def __repr__(self) -> str:
         return (f"TopkBuffer(layout={self._layout!r}, H={self.num_heads}, T={self.num_tokens}, "
-                f"K={self.topk}, device={self.device}, contiguous={self.is_contiguous()})")
+                f"K={self.topk}, device={self.device}, dense={self.is_dense()})")
 
 
 @dataclass(frozen=True)
