@@ -1,0 +1,13 @@
+"""Suite-wide setup.
+
+Without a GPU, the Triton backends run through Triton's interpreter on CPU
+tensors. The interpreter is chosen when a kernel is *decorated*, so the
+variable must be set before any kernel module is imported: here, first.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
