@@ -1,0 +1,180 @@
+"""The composed op: indexer -> top-k buffer -> attention.
+
+``SparseAttention`` selects its backends once, allocates one persistent top-k
+buffer through the indexer backend (sized for the largest step, so its address
+is stable for CUDA graphs) and, per step, calls the two bound backend
+functions on ``rows(0, T)`` of that buffer. When the attention backend needs
+the buffer in another layout, the core converts it and the selection trace
+says so; nothing ever guesses a layout from a shape.
+
+Example:
+    >>> import torch, mm3
+    >>> from mm3.testing.factories import make_case
+    >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=32,
+    ...     num_index_heads=2, index_head_dim=32, block_size=16, topk=4)
+    >>> case = make_case(p, decodes=[70, 40], prefills=[(9, 30)], dtype="float32")
+    >>> layer = mm3.SparseAttention(p, dtype=torch.float32, max_num_tokens=64, backend="cpu_ref")
+    >>> out = layer(case.q, case.index_q, case.caches, case.batch)
+    >>> out.shape
+    torch.Size([11, 4, 32])
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from mm3.batch import BatchMetadata
+from mm3.buffers import PagedKVCache, TopkBuffer
+from mm3.config import Settings
+from mm3.errors import InputError
+from mm3.params import SparseAttentionParams
+from mm3.registry import Backend, Registry, default_registry
+from mm3.scope import current_scope
+from mm3.selection import Selection, requirements_for, select
+from mm3.validate import check_step_inputs
+
+__all__ = ["SparseAttention"]
+
+DeviceLike = Union[str, torch.device]
+
+
+@dataclass
+class _Bound:
+    """One resolved choice: the backends, their bound calls and the persistent buffer."""
+
+    selection: Selection
+    indexer: Backend
+    attention: Backend
+    topk: TopkBuffer
+    convert_to: Optional[str]  # layout the attention needs, when a per-step copy is required
+
+
+class SparseAttention:
+    """MiniMax-M3 block-sparse attention for one layer, on the selected backends.
+
+    Args:
+        params: shapes and selection policy (:meth:`SparseAttentionParams.minimax_m3`).
+        device: where inputs live; selection probes backends on it.
+        dtype: attention dtype of ``q``, ``index_q`` and the KV cache.
+        index_dtype: dtype of the index cache (bf16, or float8_e4m3fn).
+        max_num_tokens: the largest step (tokens) this layer will see; sizes the
+            persistent top-k buffer.
+        max_decode_query_len: 1 + draft tokens for speculative decoding.
+        backend / indexer_backend: backend names, or ``None`` to follow
+            ``use_backend`` scopes, then settings (``MM3_BACKEND``...), then "auto".
+        settings: explicit :class:`~mm3.config.Settings` (default: read env/files).
+        registry: the backend registry (default: the process-wide one).
+        cuda_graph: require backends that are safe to capture in CUDA graphs.
+    """
+
+    def __init__(self, params: SparseAttentionParams, *, device: DeviceLike = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, index_dtype: torch.dtype = torch.bfloat16,
+                 max_num_tokens: int = 8192, max_decode_query_len: int = 1,
+                 backend: Optional[str] = None, indexer_backend: Optional[str] = None,
+                 settings: Optional[Settings] = None, registry: Optional[Registry] = None,
+                 cuda_graph: bool = False) -> None:
+        if not isinstance(params, SparseAttentionParams):
+            raise InputError(f"params must be SparseAttentionParams, got {type(params).__name__}")
+        if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
+            raise InputError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
+        self.params = params
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.index_dtype = index_dtype
+        self.max_num_tokens = max_num_tokens
+        self.max_decode_query_len = max_decode_query_len
+        self.settings = settings if settings is not None else Settings()
+        self.registry = registry if registry is not None else default_registry()
+        self._explicit = (backend, indexer_backend) if backend is not None or indexer_backend is not None else None
+        self.requirements = requirements_for(params, dtype, index_dtype, self.device,
+                                             decode_query_len=max_decode_query_len, cuda_graph=cuda_graph)
+        self._bound: dict[tuple[str, Optional[str]], _Bound] = {}
+        self._lock = threading.Lock()
+        self._resolve()  # select now so configuration errors surface at construction
+
+    # -- selection -------------------------------------------------------------------
+    def _names(self) -> tuple[str, Optional[str]]:
+        if self._explicit is not None:
+            return (self._explicit[0] or self.settings.backend, self._explicit[1])
+        scope = current_scope()
+        if scope is not None:
+            return (scope.backend, scope.indexer_backend)
+        return (self.settings.backend, self.settings.indexer_backend)
+
+    def _resolve(self) -> _Bound:
+        key = self._names()
+        bound = self._bound.get(key)
+        if bound is not None:
+            return bound
+        with self._lock:
+            bound = self._bound.get(key)
+            if bound is None:
+                bound = self._bind(*key)
+                self._bound[key] = bound
+        return bound
+
+    def _bind(self, backend: str, indexer_backend: Optional[str]) -> _Bound:
+        sel = select(self.requirements, self.registry, backend=backend, indexer_backend=indexer_backend,
+                     allow_fallback=self.settings.allow_fallback, device=self.device)
+        idx, att = sel.indexer, sel.attention
+        p = self.params
+        buf = idx.alloc_topk_buffer(self.max_num_tokens, p.num_index_heads, p.topk, self.device)
+        if not isinstance(buf, TopkBuffer):
+            raise InputError(f"backend {idx.name!r}: alloc_topk_buffer returned {type(buf).__name__}, "
+                             f"not a TopkBuffer")
+        att_caps = att.capabilities
+        convert = None
+        if att_caps.topk_requires_contiguous and (buf.layout != att_caps.topk_layout or not buf.is_dense()):
+            convert = att_caps.topk_layout
+        return _Bound(sel, idx, att, buf, convert)
+
+    @property
+    def selection(self) -> Selection:
+        """The current choice (honours an active ``use_backend`` scope)."""
+        return self._resolve().selection
+
+    @property
+    def topk_buffer(self) -> TopkBuffer:
+        """The persistent top-k buffer of the current indexer backend (all ``max_num_tokens`` rows)."""
+        return self._resolve().topk
+
+    def explain(self) -> str:
+        """The selection trace, readable: every candidate with its reasons."""
+        return self._resolve().selection.explain()
+
+    # -- the step -------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, index_q: torch.Tensor, caches: PagedKVCache,
+                batch: BatchMetadata, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run the indexer then the attention for one step; returns ``out[:T]``.
+
+        ``out`` (optional) may have more rows than the step; only ``[0, T)`` is written.
+        """
+        b = self._resolve()
+        check_step_inputs(self.params, q, index_q, caches, batch, out, dtype=self.dtype,
+                          index_dtype=self.index_dtype, device=self.device,
+                          capacity=b.topk.num_tokens, max_decode_query_len=self.max_decode_query_len)
+        T = batch.num_tokens
+        if out is None:
+            out = torch.empty_like(q)
+        out_rows = out[:T]
+        topk = b.topk.rows(0, T)
+        b.indexer.index_topk(index_q, caches, batch, self.params, topk)
+        if b.convert_to is not None:
+            topk = topk.to_layout(b.convert_to, contiguous=True)
+        b.attention.attention_forward(q, caches, topk, batch, self.params, out_rows)
+        return out_rows
+
+    __call__ = forward
+
+    def __repr__(self) -> str:
+        try:
+            b = self._resolve()
+            chosen = f"indexer={b.indexer.name!r}, attention={b.attention.name!r}"
+        except Exception as e:  # repr must never raise
+            chosen = f"unresolved: {e}"
+        return f"SparseAttention({chosen}, heads={self.params.num_heads}/{self.params.num_kv_heads}, " \
+               f"dtype={self.dtype}, device={self.device})"

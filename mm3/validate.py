@@ -1,0 +1,78 @@
+"""Cheap checks of one step's inputs, run before any backend sees them.
+
+Everything here reads shapes, dtypes and devices only: no device
+synchronisation, so it stays on in production (and inside CUDA graphs).
+Checks that need the data (block ids in range) run where the batch is built
+(:meth:`mm3.batch.BatchMetadata.build` with ``num_pages``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mm3.batch import BatchMetadata
+from mm3.buffers import PagedKVCache
+from mm3.errors import InputError
+from mm3.params import SparseAttentionParams
+
+__all__ = ["check_step_inputs"]
+
+
+def _shape(name: str, t: object, expected: tuple[int, ...], hint: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != expected:
+        raise InputError(f"{name} has shape {tuple(t.shape)}, expected {expected} {hint}")
+
+
+def check_step_inputs(params: SparseAttentionParams, q: torch.Tensor, index_q: torch.Tensor,
+                      caches: PagedKVCache, batch: BatchMetadata, out: Optional[torch.Tensor], *,
+                      dtype: torch.dtype, index_dtype: torch.dtype, device: torch.device,
+                      capacity: int, max_decode_query_len: int) -> None:
+    """Raise :class:`InputError` naming the first input that does not fit the layer."""
+    if not isinstance(caches, PagedKVCache):
+        raise InputError(f"caches must be an mm3.PagedKVCache, got {type(caches).__name__}; wrap your "
+                         f"tensors: PagedKVCache(k=..., v=..., index=...)")
+    if not isinstance(batch, BatchMetadata):
+        raise InputError(f"batch must be an mm3.BatchMetadata (BatchMetadata.build(...)), "
+                         f"got {type(batch).__name__}")
+    T = batch.num_tokens
+    p = params
+    _shape("q", q, (T, p.num_heads, p.head_dim), "= [num_tokens, num_heads, head_dim]")
+    _shape("index_q", index_q, (T, p.num_index_heads, p.index_head_dim),
+           "= [num_tokens, num_index_heads, index_head_dim]")
+    if caches.block_size != p.block_size:
+        raise InputError(f"cache pages hold {caches.block_size} tokens but params.block_size is "
+                         f"{p.block_size}; the sparse block is the KV page")
+    if batch.block_size != p.block_size:
+        raise InputError(f"batch was built with block_size {batch.block_size}, params say {p.block_size}")
+    if (caches.num_kv_heads, caches.head_dim) != (p.num_kv_heads, p.head_dim):
+        raise InputError(f"KV cache has {caches.num_kv_heads} heads of dim {caches.head_dim}; params "
+                         f"expect {p.num_kv_heads} of dim {p.head_dim}")
+    if caches.index_head_dim != p.index_head_dim:
+        raise InputError(f"index cache dim {caches.index_head_dim} != params.index_head_dim "
+                         f"{p.index_head_dim}")
+    for name, t, want in (("q", q, dtype), ("index_q", index_q, dtype), ("k/v cache", caches.k, dtype),
+                          ("index cache", caches.index, index_dtype)):
+        if t.dtype != want:
+            raise InputError(f"{name} is {t.dtype} but this layer was built for {want}; cast it, or "
+                             f"build the layer with the matching dtype/index_dtype")
+    for name, t in (("q", q), ("index_q", index_q), ("caches", caches.k), ("batch", batch.seq_lens)):
+        if t.device.type != device.type or (device.index is not None and t.device != device):
+            raise InputError(f"{name} is on {t.device} but the layer runs on {device}; move it with .to()")
+    if T > capacity:
+        raise InputError(f"step has {T} tokens but the top-k buffer holds {capacity}; build the layer "
+                         f"with max_num_tokens >= {T}")
+    if batch.num_decodes and batch.decode_query_len > max_decode_query_len:
+        raise InputError(f"decode query length {batch.decode_query_len} exceeds the layer's "
+                         f"max_decode_query_len {max_decode_query_len}; build it with a larger one")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise InputError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.dim() != 3 or out.shape[0] < T or tuple(out.shape[1:]) != (p.num_heads, p.head_dim):
+            raise InputError(f"out has shape {tuple(out.shape)}; needs [>= {T}, {p.num_heads}, "
+                             f"{p.head_dim}]")
+        if out.dtype != dtype or out.device != q.device:
+            raise InputError(f"out is {out.dtype} on {out.device}; needs {dtype} on {q.device}")

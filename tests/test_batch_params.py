@@ -1,0 +1,99 @@
+"""BatchMetadata and SparseAttentionParams: construction and every rejected input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mm3.batch import BatchMetadata
+from mm3.errors import InputError
+from mm3.params import SparseAttentionParams
+
+
+def _bt(rows: int, cols: int = 4) -> torch.Tensor:
+    return torch.arange(rows * cols, dtype=torch.int32).reshape(rows, cols)
+
+
+def test_mixed_batch_with_spec_decode_padding_and_chunked_prefill() -> None:
+    b = BatchMetadata.build(query_lens=[3, 3, 0, 4, 2], seq_lens=[40, 0, 0, 4, 30], block_table=_bt(5),
+                            block_size=16, num_decodes=3)
+    assert (b.num_decodes, b.num_prefills, b.decode_query_len) == (3, 2, 3)
+    assert (b.num_tokens, b.num_decode_tokens, b.max_query_len) == (12, 6, 4)
+    assert b.query_start_loc.tolist() == [0, 3, 6, 6, 10, 12]
+    assert b.token_positions.tolist() == [37, 38, 39, -1, -1, -1, 0, 1, 2, 3, 28, 29]
+    assert b.token_to_request.tolist() == [0, 0, 0, 1, 1, 1, 3, 3, 3, 3, 4, 4]
+    assert b.context_lens.tolist() == [37, 0, 0, 0, 28]
+    assert b.block_table.dtype == torch.int32
+
+
+def test_is_decode_flags() -> None:
+    b = BatchMetadata.build([1, 5], [9, 5], _bt(2), block_size=16, is_decode=[True, False])
+    assert b.num_decodes == 1
+    with pytest.raises(InputError, match="not decode-first: request 1 is a decode after prefill request 0"):
+        BatchMetadata.build([5, 1], [5, 9], _bt(2), block_size=16, is_decode=[False, True])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(query_lens=[1, 2], seq_lens=[9, 9], num_decodes=2), "decode query lengths must be uniform"),
+    (dict(query_lens=[1], seq_lens=[9, 9]), "query_lens has 1 requests but seq_lens has 2"),
+    (dict(query_lens=[-1], seq_lens=[9]), "negative length"),
+    (dict(query_lens=[5], seq_lens=[3]), "seq_len 3 < query_len 5"),
+    (dict(query_lens=[0], seq_lens=[3]), "prefills need >= 1 token"),
+    (dict(query_lens=[1], seq_lens=[65]), "needs 5 blocks of 16 but block_table has only 4 columns"),
+    (dict(query_lens=[1], seq_lens=[9], num_decodes=1, decode_query_len=2), "decode_query_len=2"),
+    (dict(query_lens=[1], seq_lens=[9], num_decodes=3), "num_decodes=3 must be in"),
+    (dict(query_lens=[1], seq_lens=[9], num_pages=0), r"block_table\[0, 0\] = 0 is not a page id"),
+])
+def test_bad_batches_are_rejected(kwargs: dict, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        BatchMetadata.build(block_table=_bt(len(kwargs["query_lens"])), block_size=16, **kwargs)
+
+
+def test_float_lengths_are_refused() -> None:
+    with pytest.raises(InputError, match="integer tensor"):
+        BatchMetadata.build(torch.tensor([1.5]), [9], _bt(1), block_size=16)
+
+
+def test_block_ids_beyond_cache_are_named() -> None:
+    bt = torch.tensor([[0, 7, -1]], dtype=torch.int32)
+    with pytest.raises(InputError, match=r"block_table\[0, 1\] = 7 is not a page id in \[0, 4\)"):
+        BatchMetadata.build([1], [20], bt, block_size=16, num_pages=4)
+    # Entries past the request's blocks are never looked at.
+    BatchMetadata.build([1], [16], bt, block_size=16, num_pages=4)
+
+
+def test_update_in_place_keeps_addresses() -> None:
+    a = BatchMetadata.build([1, 1], [20, 30], _bt(2), block_size=16, num_decodes=2)
+    b = BatchMetadata.build([1, 1], [25, 33], _bt(2), block_size=16, num_decodes=2)
+    ptr = a.seq_lens.data_ptr()
+    a.update_(b)
+    assert a.seq_lens.data_ptr() == ptr and a.seq_lens.tolist() == [25, 33]
+    c = BatchMetadata.build([1], [20], _bt(1), block_size=16, num_decodes=1)
+    with pytest.raises(InputError, match="shape"):
+        a.update_(c)
+
+
+@pytest.mark.parametrize("tp,heads", [(1, (64, 4, 4)), (2, (32, 2, 2)), (4, (16, 1, 1)), (8, (8, 1, 1))])
+def test_minimax_m3_presets(tp: int, heads: tuple[int, int, int]) -> None:
+    p = SparseAttentionParams.minimax_m3(tp)
+    assert (p.num_heads, p.num_kv_heads, p.num_index_heads) == heads
+    assert (p.head_dim, p.block_size, p.topk, p.local_blocks, p.init_blocks) == (128, 128, 16, 1, 0)
+    assert p.softmax_scale == pytest.approx(128 ** -0.5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_index_heads=2), "must equal num_kv_heads"),
+    (dict(num_heads=6), "multiple of num_kv_heads"),
+    (dict(init_blocks=10, topk=8), "forced blocks would not fit"),
+    (dict(head_dim=0), "greater than 0"),
+    (dict(bogus=1), "Extra inputs are not permitted"),
+])
+def test_bad_params(kwargs: dict, match: str) -> None:
+    base = dict(num_heads=8, num_kv_heads=4, head_dim=16, num_index_heads=4, index_head_dim=16)
+    with pytest.raises(ValueError, match=match):
+        SparseAttentionParams(**{**base, **kwargs})
+
+
+def test_bad_tp_size() -> None:
+    with pytest.raises(InputError, match="tp_size 1, 2, 4 or 8"):
+        SparseAttentionParams.minimax_m3(3)

@@ -1,0 +1,93 @@
+"""TopkBuffer owns its layout; PagedKVCache validates and reports its page layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mm3.buffers import PagedKVCache, TopkBuffer
+from mm3.errors import InputError
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_views_agree_whatever_the_storage(layout: str) -> None:
+    H, T, K = 3, 7, 5
+    buf = TopkBuffer.allocate(T, H, K, layout)
+    logical = torch.arange(H * T * K, dtype=torch.int32).reshape(H, T, K)
+    buf.head_major().copy_(logical)
+    assert torch.equal(buf.head_major(), logical)
+    assert torch.equal(buf.token_major(), logical.permute(1, 0, 2))
+    sh, st, sk = buf.strides()
+    flat = buf.storage.reshape(-1) if buf.is_contiguous() else None
+    assert flat is not None
+    for h, t, k in [(0, 0, 0), (2, 6, 4), (1, 3, 2)]:
+        assert int(flat[h * sh + t * st + k * sk]) == int(logical[h, t, k])
+    assert (buf.num_heads, buf.num_tokens, buf.topk, buf.layout) == (H, T, K, layout)
+
+
+def test_storage_order_is_the_declared_one() -> None:
+    hm = TopkBuffer.allocate(4, 2, 3, "head_major")
+    tm = TopkBuffer.allocate(4, 2, 3, "token_major")
+    assert hm.storage.shape == (2, 4, 3) and hm.strides() == (12, 3, 1)
+    assert tm.storage.shape == (4, 2, 3) and tm.strides() == (3, 6, 1)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_rows_share_storage_and_leave_other_rows_alone(layout: str) -> None:
+    buf = TopkBuffer.allocate(10, 2, 4, layout, fill=777)
+    step = buf.rows(0, 6)
+    assert step.num_tokens == 6 and step.layout == layout and step.is_dense()
+    step.fill_(-1)
+    hm = buf.head_major()
+    assert bool((hm[:, :6] == -1).all()) and bool((hm[:, 6:] == 777).all())
+    with pytest.raises(InputError, match="capacity is 10"):
+        buf.rows(0, 11)
+
+
+@pytest.mark.parametrize("src,dst", [("head_major", "token_major"), ("token_major", "head_major")])
+def test_to_layout_converts_contents(src: str, dst: str) -> None:
+    a = TopkBuffer.allocate(5, 3, 4, src)
+    a.head_major().copy_(torch.randint(-1, 50, (3, 5, 4), dtype=torch.int32))
+    b = a.rows(0, 4).to_layout(dst)
+    assert b.layout == dst and b.is_contiguous()
+    assert torch.equal(b.head_major(), a.head_major()[:, :4])
+    assert a.to_layout(src) is a
+
+
+def test_bad_buffers_are_rejected_with_reasons() -> None:
+    with pytest.raises(InputError, match="int32"):
+        TopkBuffer(torch.zeros(2, 3, 4, dtype=torch.int64), "head_major")
+    with pytest.raises(InputError, match="unknown top-k layout"):
+        TopkBuffer(torch.zeros(2, 3, 4, dtype=torch.int32), "HTK")
+    with pytest.raises(InputError, match="3-D"):
+        TopkBuffer(torch.zeros(6, 4, dtype=torch.int32), "token_major")
+    with pytest.raises(InputError, match="cannot copy"):
+        TopkBuffer.allocate(3, 2, 4).copy_(TopkBuffer.allocate(4, 2, 4))
+
+
+def test_non_dense_view_is_reported() -> None:
+    # A token-major storage wrapped with a stride gap is not dense.
+    big = torch.zeros(6, 2, 8, dtype=torch.int32)
+    buf = TopkBuffer(big[:, :, :4], "token_major")
+    assert not buf.is_dense()
+
+
+def test_paged_cache_layouts() -> None:
+    nhd = PagedKVCache.allocate(3, 16, 2, 8, 8, torch.float32, torch.float32, "NHD")
+    hnd = nhd.to_layout("HND")
+    assert nhd.kv_layout == "NHD" and hnd.kv_layout == "HND"
+    nhd.k.copy_(torch.randn(nhd.k.shape))
+    assert torch.equal(nhd.to_layout("HND").k, nhd.k)
+    assert (hnd.num_pages, hnd.block_size, hnd.num_kv_heads, hnd.head_dim) == (3, 16, 2, 8)
+
+
+def test_paged_cache_rejects_mismatches() -> None:
+    k = torch.zeros(3, 16, 2, 8)
+    with pytest.raises(InputError, match="differ in shape"):
+        PagedKVCache(k, torch.zeros(3, 16, 2, 4), torch.zeros(3, 16, 8))
+    with pytest.raises(InputError, match="index cache pages/block"):
+        PagedKVCache(k, k.clone(), torch.zeros(3, 8, 8))
+    with pytest.raises(InputError, match="4-D"):
+        PagedKVCache(torch.zeros(3, 16, 16), k, torch.zeros(3, 16, 8))
+    with pytest.raises(InputError, match="dtype"):
+        PagedKVCache(k, k.to(torch.float16), torch.zeros(3, 16, 8))
