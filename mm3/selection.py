@@ -1,0 +1,326 @@
+"""Choose the indexer and attention backends for a request, and say why.
+
+:func:`select` is a pure function of the requirements, the registry's
+backends (their capabilities and probes) and the requested names. It returns a
+:class:`Selection` whose trace holds one entry per candidate per role, accepted
+or rejected with every reason, so a surprising choice can always be explained.
+
+Rules (DESIGN §4):
+
+* ``backend`` governs the attention. A *named* backend that cannot serve
+  raises :class:`~mm3.errors.BackendUnavailableError` with its reasons; with
+  ``allow_fallback=True`` selection falls back to ``"auto"`` instead and the
+  trace says so. An unknown name always raises
+  :class:`~mm3.errors.UnknownBackendError` (a typo is not a reason to fall back).
+* ``"auto"`` takes the highest-priority backend that is available on the
+  device and capable (ties broken by name).
+* The indexer is ``indexer_backend`` when given (same rules); otherwise the
+  attention backend itself when it provides ``index_topk`` and is capable;
+  otherwise ``"auto"`` for the indexer role.
+* Nothing fits -> :class:`~mm3.errors.NoBackendError` listing the request and
+  each candidate's reasons.
+* When the attention backend needs a contiguous top-k buffer in a layout other
+  than the one the indexer writes, :attr:`Selection.topk_conversion` says the
+  core converts the buffer each step.
+
+Example:
+    >>> import torch
+    >>> from mm3.params import SparseAttentionParams
+    >>> req = requirements_for(SparseAttentionParams.minimax_m3(tp_size=8),
+    ...                        torch.bfloat16, torch.bfloat16, "cpu")
+    >>> sel = select(req, default_registry(), device="cpu")       # doctest: +SKIP
+    >>> sel.attention.name, sel.indexer.name                       # doctest: +SKIP
+    ('cpu_ref', 'cpu_ref')
+    >>> print(sel.explain())                                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Optional, Union
+
+from pydantic import ValidationError
+
+from mm3.buffers import dtype_name
+from mm3.capabilities import ALL_OPS, Probe, Requirements
+from mm3.errors import BackendUnavailableError, InputError, NoBackendError
+
+if TYPE_CHECKING:
+    import torch
+
+    from mm3.params import SparseAttentionParams
+    from mm3.registry import Backend, Registry
+
+__all__ = ["Role", "TraceEntry", "Selection", "select", "requirements_for", "describe_requirements"]
+
+logger = logging.getLogger("mm3")
+
+Role = Literal["indexer", "attention"]
+_ROLE_OP: dict[str, str] = {"indexer": "index_topk", "attention": "attention"}
+DeviceLike = Union[str, "torch.device"]
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    """One candidate considered for one role.
+
+    ``reasons`` lists every reason the backend was rejected (empty when
+    accepted); ``probe`` is its probe answer on the device; ``chosen`` marks the
+    winner; ``note`` says how it came to be considered (named, auto, fallback...).
+    """
+
+    backend: str
+    role: Role
+    accepted: bool
+    reasons: tuple[str, ...]
+    probe: Probe
+    priority: int
+    chosen: bool = False
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chosen backends for one request, with the trace that led there.
+
+    Example:
+        >>> sel.indexer.name, sel.attention.name, sel.topk_conversion   # doctest: +SKIP
+        ('cuda', 'cuda', None)
+    """
+
+    indexer: "Backend"
+    attention: "Backend"
+    requirements: Requirements
+    device: str
+    topk_conversion: Optional[str] = None
+    trace: list[TraceEntry] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def entries(self, role: Role) -> list[TraceEntry]:
+        """Trace entries of one role, in the order they were considered."""
+        return [e for e in self.trace if e.role == role]
+
+    def summary(self) -> str:
+        """One line: ``indexer=cuda attention=cuda on cuda:0``."""
+        conv = " (top-k converted per step)" if self.topk_conversion else ""
+        return f"indexer={self.indexer.name} attention={self.attention.name} on {self.device}{conv}"
+
+    def explain(self) -> str:
+        """A readable multi-line trace; ``*`` marks the chosen backend of each role."""
+        lines = [f"mm3 backend selection on {self.device}: {describe_requirements(self.requirements)}"]
+        for role in ("attention", "indexer"):
+            lines.append(f"{role}:")
+            entries = self.entries(role)  # type: ignore[arg-type]
+            width = max((len(e.backend) for e in entries), default=0)
+            for e in entries:
+                mark = "*" if e.chosen else " "
+                note = f" [{e.note}]" if e.note else ""
+                if e.chosen:
+                    status = f"chosen (priority {e.priority}; {e.probe.reason or 'available'})"
+                elif e.accepted:
+                    status = f"capable, not chosen (priority {e.priority})"
+                else:
+                    status = "rejected: " + "; ".join(e.reasons)
+                lines.append(f"  {mark} {e.backend:<{width}}  {status}{note}")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        if self.topk_conversion:
+            lines.append(f"top-k conversion: {self.topk_conversion}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def describe_requirements(req: Requirements) -> str:
+    """A compact human description of a request, for messages and traces."""
+    return (f"device type {req.device_type}, dtype {req.dtype}, index cache {req.index_cache_dtype}, "
+            f"head_dim {req.head_dim}, index_head_dim {req.index_head_dim}, block_size "
+            f"{req.block_size}, topk {req.topk}, GQA group {req.gqa_group}, decode query len "
+            f"{req.decode_query_len}" + (", CUDA graph" if req.cuda_graph else ""))
+
+
+def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtype", str],
+                     index_dtype: Union["torch.dtype", str], device: DeviceLike,
+                     decode_query_len: int = 1, cuda_graph: bool = False) -> Requirements:
+    """The :class:`Requirements` of running ``params`` with these dtypes on ``device``.
+
+    Example:
+        >>> import torch
+        >>> from mm3.params import SparseAttentionParams
+        >>> r = requirements_for(SparseAttentionParams.minimax_m3(tp_size=8),
+        ...                      torch.bfloat16, torch.float8_e4m3fn, "cpu")
+        >>> r.device_type, r.index_cache_dtype, r.gqa_group
+        ('cpu', 'float8_e4m3fn', 8)
+    """
+    import torch
+
+    dev = device if isinstance(device, torch.device) else torch.device(device)
+    dt = q_dtype if isinstance(q_dtype, str) else dtype_name(q_dtype)
+    idt = index_dtype if isinstance(index_dtype, str) else dtype_name(index_dtype)
+    try:
+        return Requirements(device_type=dev.type, ops=ALL_OPS, dtype=dt, index_cache_dtype=idt,
+                            head_dim=params.head_dim, index_head_dim=params.index_head_dim,
+                            block_size=params.block_size, topk=params.topk,
+                            gqa_group=params.gqa_group, decode_query_len=decode_query_len,
+                            cuda_graph=cuda_graph)
+    except ValidationError as e:
+        errs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']} (got {x.get('input')!r})"
+                         for x in e.errors())
+        raise InputError(f"unsupported request: {errs}; attention runs in bfloat16/float16/float32 "
+                         f"and the index cache in bfloat16/float16/float32/float8_e4m3fn") from None
+
+
+def _evaluate(be: "Backend", role: Role, req: Requirements, device: DeviceLike,
+              note: str) -> TraceEntry:
+    probe = be.probe(device)
+    reasons: list[str] = []
+    if not probe.available:
+        reasons.append(f"unavailable on {device}: {probe.reason}")
+    reasons.extend(be.capabilities.unmet(req.for_ops(_ROLE_OP[role])))
+    return TraceEntry(be.name, role, not reasons, tuple(reasons), probe, be.priority, note=note)
+
+
+def _auto(role: Role, req: Requirements, registry: "Registry", device: DeviceLike,
+          trace: list[TraceEntry], note: str, skip: Optional[str] = None) -> Optional["Backend"]:
+    """Evaluate every backend (priority order) for ``role``; return the first accepted."""
+    chosen: Optional[Backend] = None
+    for be in registry.backends():
+        if be.name == skip:
+            continue
+        entry = _evaluate(be, role, req, device, note)
+        if entry.accepted and chosen is None:
+            chosen = be
+            entry = _mark(entry)
+        trace.append(entry)
+    return chosen
+
+
+def _mark(entry: TraceEntry) -> TraceEntry:
+    return TraceEntry(entry.backend, entry.role, entry.accepted, entry.reasons, entry.probe,
+                      entry.priority, chosen=True, note=entry.note)
+
+
+def _no_backend(role: Role, req: Requirements, registry: "Registry", device: DeviceLike,
+                trace: list[TraceEntry]) -> NoBackendError:
+    what = role if role == _ROLE_OP[role] else f"{role} ({_ROLE_OP[role]})"
+    lines = [f"no backend can serve the {what} on {device} for {describe_requirements(req)}."]
+    rejected = [e for e in trace if e.role == role and not e.accepted]
+    if rejected:
+        lines.append("Candidates:")
+        lines += [f"  {e.backend}: {'; '.join(e.reasons)}" for e in rejected]
+    else:
+        lines.append("No backends are registered.")
+    problems = registry.problems()
+    if problems:
+        lines.append("Excluded plugins:")
+        lines += [f"  {p}" for p in problems]
+    lines.append("Install or enable a backend that supports this request (see `mm3 backends`), "
+                 "or change the dtype/shape.")
+    return NoBackendError("\n".join(lines))
+
+
+def _pick(role: Role, name: Optional[str], req: Requirements, registry: "Registry",
+          device: DeviceLike, allow_fallback: bool, trace: list[TraceEntry],
+          notes: list[str], setting: str) -> "Backend":
+    if name is None or name == "auto":
+        chosen = _auto(role, req, registry, device, trace, note="auto")
+        if chosen is None:
+            raise _no_backend(role, req, registry, device, trace)
+        return chosen
+    be = registry.get(name)  # UnknownBackendError / PluginError (duplicate) propagate
+    entry = _evaluate(be, role, req, device, note=f"named by {setting}")
+    if entry.accepted:
+        trace.append(_mark(entry))
+        return be
+    trace.append(entry)
+    if not allow_fallback:
+        raise BackendUnavailableError(
+            f"backend {name!r} (named by {setting}) cannot serve the {role} on {device}: "
+            f"{'; '.join(entry.reasons)}. Choose another backend ({setting}=auto picks one that "
+            f"can), or set allow_fallback=True / MM3_ALLOW_FALLBACK=1 to fall back automatically.")
+    notes.append(f"{setting}={name!r} cannot serve the {role} ({'; '.join(entry.reasons)}); "
+                 f"falling back to auto because allow_fallback is set")
+    chosen = _auto(role, req, registry, device, trace, note="fallback", skip=name)
+    if chosen is None:
+        raise _no_backend(role, req, registry, device, trace)
+    return chosen
+
+
+def _conversion(indexer: "Backend", attention: "Backend") -> Optional[str]:
+    att, idx = attention.capabilities, indexer.capabilities
+    if att.topk_requires_contiguous and att.topk_layout != idx.topk_layout:
+        return (f"indexer {indexer.name!r} writes a {idx.topk_layout} top-k buffer but attention "
+                f"{attention.name!r} requires a contiguous {att.topk_layout} one, so the core "
+                f"copies the step's rows into {att.topk_layout} layout before each attention call")
+    return None
+
+
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def _log_once(sel: Selection) -> None:
+    # Every layer of a model selects; the same choice is logged once per process.
+    msg = f"mm3: {sel.summary()} for {describe_requirements(sel.requirements)}"
+    with _logged_lock:
+        if msg in _logged:
+            return
+        _logged.add(msg)
+    logger.info(msg)
+
+
+def select(requirements: Requirements, registry: "Registry", *, backend: str = "auto",
+           indexer_backend: Optional[str] = None, allow_fallback: bool = False,
+           device: DeviceLike) -> Selection:
+    """Choose the indexer and attention backends for ``requirements`` on ``device``.
+
+    ``requirements.ops`` is ignored: each role is checked against its own op.
+    See the module docstring for the rules.
+
+    Raises:
+        UnknownBackendError: a named backend does not exist.
+        PluginError: a named backend is declared by several plugins.
+        BackendUnavailableError: a named backend cannot serve (and no ``allow_fallback``).
+        NoBackendError: no backend fits a role.
+
+    Example:
+        >>> sel = select(req, reg, backend="auto", device="cpu")   # doctest: +SKIP
+        >>> print(sel.explain())                                   # doctest: +SKIP
+    """
+    device_str = str(device)
+    trace: list[TraceEntry] = []
+    notes: list[str] = []
+    attention = _pick("attention", backend, requirements, registry, device_str, allow_fallback,
+                      trace, notes, setting="backend")
+    if indexer_backend is not None and indexer_backend != "auto":
+        indexer = _pick("indexer", indexer_backend, requirements, registry, device_str,
+                        allow_fallback, trace, notes, setting="indexer_backend")
+    elif indexer_backend is None and attention.provides("index_topk"):
+        entry = _evaluate(attention, "indexer", requirements, device_str,
+                          note="same backend as attention")
+        if entry.accepted:
+            trace.append(_mark(entry))
+            indexer = attention
+        else:
+            trace.append(entry)
+            notes.append(f"attention backend {attention.name!r} cannot serve as indexer "
+                         f"({'; '.join(entry.reasons)}); indexer chosen by auto")
+            chosen = _auto("indexer", requirements, registry, device_str, trace, note="auto",
+                           skip=attention.name)
+            if chosen is None:
+                raise _no_backend("indexer", requirements, registry, device_str, trace)
+            indexer = chosen
+    else:
+        if indexer_backend is None:
+            notes.append(f"attention backend {attention.name!r} does not provide index_topk; "
+                         f"indexer chosen by auto")
+        indexer = _pick("indexer", "auto", requirements, registry, device_str, allow_fallback,
+                        trace, notes, setting="indexer_backend")
+    sel = Selection(indexer=indexer, attention=attention, requirements=requirements,
+                    device=device_str, topk_conversion=_conversion(indexer, attention),
+                    trace=trace, notes=notes)
+    _log_once(sel)
+    return sel
