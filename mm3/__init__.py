@@ -4,6 +4,9 @@ from mm3.buffers import PagedKVCache, TopkBuffer
 from mm3.capabilities import BackendCapabilities, Probe, Requirements
 from mm3.errors import *  # noqa: F401,F403
 from mm3.hookspecs import hookimpl, hookspec
+from mm3.config import Settings
 from mm3.params import SparseAttentionParams
+from mm3.registry import Backend, Registry, default_registry
+from mm3.selection import Selection, select
 
 __version__ = "0.1.0"
