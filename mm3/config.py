@@ -253,8 +253,11 @@ class Settings(BaseSettings):
                 prov = {}
             raise ConfigError(_format_validation_error(e, prov)) from None
         cfg = _locate_config(values)
-        self._config_file = cfg.path
         self._provenance = _provenance(type(self), values, cfg)
+        # A discovered pyproject.toml without [tool.mm3] configures nothing: don't claim it.
+        used = cfg.explicit or not cfg.pyproject or any(
+            src.startswith("file ") for src in self._provenance.values()) or _has_table(cfg)
+        self._config_file = cfg.path if used else None
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -318,6 +321,15 @@ class Settings(BaseSettings):
         """Field -> where its value came from: ``"argument"``, ``"env MM3_X"``,
         ``"file PATH"`` (``"file PATH [tool.mm3]"``) or ``"default"``."""
         return dict(self._provenance)
+
+
+def _has_table(cfg: _ConfigFile) -> bool:
+    """True when the pyproject file has a ``[tool.mm3]`` table (even an empty one)."""
+    if cfg.path is None:
+        return False
+    with open(cfg.path, "rb") as f:  # already parsed once by the source, so it is valid TOML
+        data = tomllib.load(f)
+    return isinstance(data.get("tool"), dict) and "mm3" in data["tool"]
 
 
 def _provenance(settings_cls: type[BaseSettings], init_kwargs: Mapping[str, Any],

@@ -1,0 +1,303 @@
+"""The ``mm3`` command.
+
+Subcommands are listed in :data:`COMMANDS` by *import path*, and a command's
+module is imported only when that command runs: a missing or broken optional
+command (``bench`` without matplotlib, say) never breaks ``mm3 backends``.
+
+A command is any object (usually a module) with two functions::
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None: ...
+    def run(args: argparse.Namespace) -> int: ...          # the exit status
+
+Add one with a line in :data:`COMMANDS` (or :func:`add_command` at runtime).
+
+Example:
+    $ mm3 backends --device cpu
+    $ mm3 config
+    $ mm3 demo
+
+Errors that mm3 raises on purpose (:class:`~mm3.errors.MM3Error`) print one
+line, ``mm3: error: ...``, and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from mm3.errors import MM3Error
+
+__all__ = ["Command", "COMMANDS", "add_command", "main", "build_parser", "default_device"]
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its name, one-line help and where its code lives.
+
+    ``target`` is ``"package.module"`` or ``"package.module:attribute"``; the
+    object found there has ``add_arguments(parser)`` and ``run(args) -> int``.
+    """
+
+    name: str
+    help: str
+    target: str
+
+    def load(self) -> Any:
+        module_name, _, attr = self.target.partition(":")
+        obj: Any = importlib.import_module(module_name)
+        if attr:
+            obj = getattr(obj, attr)
+        for fn in ("add_arguments", "run"):
+            if not callable(getattr(obj, fn, None)):
+                raise AttributeError(f"{self.target} has no {fn}() function")
+        return obj
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def add_command(name: str, help: str, target: str) -> None:
+    """Register (or replace) subcommand ``name`` implemented at ``target``."""
+    COMMANDS[name] = Command(name, help, target)
+
+
+add_command("backends", "list backends: source, availability, layouts, ops, auto choice, problems",
+            "mm3.cli:BackendsCommand")
+add_command("config", "show each effective setting, its value and where it came from",
+            "mm3.cli:ConfigCommand")
+add_command("demo", "run a realistic paged mixed batch through the selected backend and check it",
+            "mm3.demo")
+add_command("check", "run the conformance suite against a backend (mm3 check NAME)", "mm3.check")
+add_command("bench", "benchmark the backends on a GPU (writes JSON and a plot)", "mm3.bench")
+
+
+def default_device() -> str:
+    """The current accelerator's device type if torch sees one, else ``"cpu"``."""
+    import torch
+
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return acc.type if acc is not None else "cpu"
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(part.strip() for part in str(msg).splitlines() if part.strip())
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    out = []
+    for r in [header, *rows]:
+        cells = [str(c).ljust(w) for c, w in zip(r, widths)]
+        out.append((indent + "  ".join(cells)).rstrip())
+    return out
+
+
+# -- mm3 backends --------------------------------------------------------------------------------
+
+class BackendsCommand:
+    """``mm3 backends``: what is installed, from where, whether it runs here, what auto picks."""
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--device", default=None,
+                            help="torch device to probe (default: the current accelerator, else cpu)")
+        parser.add_argument("--tp", type=int, default=8, choices=(1, 2, 4, 8),
+                            help="MiniMax-M3 tensor-parallel size for the 'auto' column (default 8)")
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+        parser.add_argument("--verbose", action="store_true",
+                            help="print full tracebacks of excluded plugins")
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        import torch
+
+        from mm3.params import SparseAttentionParams
+        from mm3.registry import default_registry
+        from mm3.selection import requirements_for, select
+
+        device = args.device or default_device()
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise _UsageError(f"invalid --device {device!r}: {e}") from None
+        reg = default_registry()
+        backends = reg.backends()
+        problems = reg.problems()
+
+        params = SparseAttentionParams.minimax_m3(tp_size=args.tp)
+        req = requirements_for(params, torch.bfloat16, torch.bfloat16, device)
+        picks: dict[str, list[str]] = {}
+        auto_line: str
+        try:
+            sel = select(req, reg, device=device)
+            picks.setdefault(sel.attention.name, []).append("attention")
+            picks.setdefault(sel.indexer.name, []).append("indexer")
+            auto_line = (f"auto picks attention={sel.attention.name}, indexer={sel.indexer.name} "
+                         f"for MiniMax-M3 TP{args.tp} bfloat16 on {device}")
+            if sel.topk_conversion:
+                auto_line += f" (top-k buffer converted each step)"
+        except MM3Error as e:
+            auto_line = f"auto finds no backend for MiniMax-M3 TP{args.tp} bfloat16 on {device}: " \
+                        f"{_one_line(str(e)).split(' Candidates:')[0]}"
+
+        if args.json:
+            data = {
+                "device": device,
+                "auto": {role: name for name, roles in picks.items() for role in roles},
+                "backends": [{
+                    "name": b.name, "distribution": b.source.distribution, "version": b.source.version,
+                    "entry_point": b.source.entry_point, "available": b.probe(device).available,
+                    "reason": b.probe(device).reason, "topk_layout": b.capabilities.topk_layout,
+                    "topk_requires_contiguous": b.capabilities.topk_requires_contiguous,
+                    "kv_cache_layout": b.capabilities.kv_cache_layout,
+                    "ops": sorted(b.capabilities.ops), "priority": b.priority,
+                } for b in backends],
+                "problems": [{
+                    "name": p.name, "distribution": p.distribution, "version": p.version,
+                    "entry_point": p.source.entry_point, "stage": p.stage, "error": p.error,
+                } for p in problems],
+            }
+            print(json.dumps(data, indent=2))
+            return 0
+
+        print(f"mm3 backends (probed on {device})")
+        if backends:
+            rows = []
+            for b in backends:
+                probe = b.probe(device)
+                c = b.capabilities
+                layout = c.topk_layout + (" (contiguous)" if c.topk_requires_contiguous else "")
+                rows.append([
+                    b.name, b.source.dist_label,
+                    "yes" if probe.available else "no", layout, c.kv_cache_layout,
+                    ",".join(sorted(c.ops)), str(c.priority), "+".join(picks.get(b.name, [])),
+                    probe.reason,
+                ])
+            header = ["NAME", "SOURCE", "AVAILABLE", "TOPK LAYOUT", "KV", "OPS", "PRIORITY",
+                      "AUTO", "REASON"]
+            print("\n".join(_table(header, rows)))
+        else:
+            print("  (no usable backends)")
+        print(auto_line)
+        print()
+        if problems:
+            print(f"problems ({len(problems)} plugin(s) excluded):")
+            for p in problems:
+                print(f"  {p.name} from {p.source.dist_label} [{p.stage}]: {p.error}")
+                if args.verbose and p.details:
+                    print("    " + p.details.rstrip().replace("\n", "\n    "))
+        else:
+            print("problems: none")
+        return 0
+
+
+# -- mm3 config ----------------------------------------------------------------------------------
+
+class ConfigCommand:
+    """``mm3 config``: each effective setting, its value and its source."""
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        from mm3.config import Settings, explain_settings
+
+        settings = Settings()
+        rows = explain_settings(settings)
+        if args.json:
+            print(json.dumps({"config_file": str(settings.config_file) if settings.config_file else None,
+                              "settings": [{"key": k, "value": v, "source": s} for k, v, s in rows]},
+                             indent=2, default=str))
+            return 0
+        cfg = settings.config_file
+        print(f"mm3 settings (config file: {cfg if cfg else 'none found'})")
+        print("\n".join(_table(["KEY", "VALUE", "SOURCE"],
+                               [[k, _show(v), s] for k, v, s in rows])))
+        return 0
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "[]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+# -- main --------------------------------------------------------------------------------------------
+
+class _UsageError(MM3Error):
+    """A command-line mistake detected after argparse (exit 2 like argparse's own)."""
+
+
+def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
+    """The argument parser; only ``selected``'s module is imported to add its arguments."""
+    from mm3 import __version__
+
+    parser = argparse.ArgumentParser(prog="mm3", description="MiniMax-M3 block-sparse attention "
+                                     "on pluggable backends.")
+    parser.add_argument("--version", action="version", version=f"mm3 {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (selection choices)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for cmd in COMMANDS.values():
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        if cmd.name == selected:
+            cmd.load().add_arguments(p)
+    return parser
+
+
+def _selected(argv: Sequence[str]) -> Optional[str]:
+    for token in argv:
+        if token in COMMANDS:
+            return token
+        if not token.startswith("-"):
+            return None  # an unknown command: argparse reports it
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``mm3`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = _selected(argv)
+    try:
+        try:
+            parser = build_parser(name)
+        except (ImportError, AttributeError) as e:
+            print(f"mm3: error: command {name!r} is not available: {_one_line(str(e))} "
+                  f"(from {COMMANDS[name].target}; run `mm3 --help` for the others)", file=sys.stderr)
+            return 2
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    command = COMMANDS[args.command].load()
+    try:
+        with warnings.catch_warnings():
+            # Excluded plugins are listed by `mm3 backends`; raw warnings would only repeat them.
+            from mm3.registry import PluginLoadWarning
+
+            warnings.simplefilter("ignore", PluginLoadWarning)
+            return int(command.run(args) or 0)
+    except MM3Error as e:
+        print(f"mm3: error: {_one_line(str(e))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
