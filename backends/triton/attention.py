@@ -1,0 +1,257 @@
+"""Triton block-sparse attention kernels (SPEC §4).
+
+All kernels address ``q``, ``out``, the paged K/V caches (NHD or HND, any
+strides), the block table and the top-k buffer (head- or token-major, through
+its ``(h, t, k)`` strides) without copies. Softmax is base-2 with the scale
+folded in; accumulation is fp32; ``P`` is rounded to V's dtype for the second
+``tl.dot`` as in flash attention.
+
+``_decode_attention_kernel`` grid ``(decode tokens, KV heads, splits)``
+    Flash-decoding: one program takes one token, one KV head with *all* ``G``
+    query heads of its group as the rows of one tile, and a contiguous range of
+    that token's top-k slots. It runs an online softmax over those blocks (the
+    causal mask only bites in the token's own, partially filled block) and
+    either writes the output (one split) or its partial ``(max, sum, acc)``.
+
+``_merge_kernel`` grid ``(decode tokens, KV heads)``
+    Exact log-sum-exp merge of the splits' partials.
+
+``_prefill_attention_kernel`` grid ``(prefill requests, token tiles, KV heads)``
+    One program takes ``M`` consecutive tokens of one prefill request times the
+    ``G`` query heads of a KV head (``M * G`` rows) and walks the request's
+    visible blocks once; a block is loaded only if at least one row selected it,
+    and then serves every row that did (rows that did not are masked), so
+    neighbouring tokens that share blocks share the loads and the tensor-core
+    tiles.
+
+Rows and slots that hold no valid block (``-1``, ids ``>= nb``, repeated ids)
+contribute nothing; a token with no visible key (padding) outputs zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mm3.batch import BatchMetadata
+from mm3.buffers import PagedKVCache, TopkBuffer
+from mm3.params import SparseAttentionParams
+
+from .launch import LaunchConfig, next_pow2
+from .tl_utils import dot_config, launch_options
+
+__all__ = ["attention_forward"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_mask, pos, b,
+                  qk_scale, B: tl.constexpr, D: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One online-softmax step over block ``b`` (its page's K/V head slices), for the masked rows."""
+    offs_j = tl.arange(0, B)
+    offs_d = tl.arange(0, D)
+    keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd).to(DOT_DTYPE)
+    vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd).to(DOT_DTYPE)
+    s = tl.dot(q, tl.trans(keys), input_precision=DOT_PREC) * qk_scale
+    visible = row_mask[:, None] & ((b * B + offs_j)[None, :] <= pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # rows with nothing visible so far keep m = -inf; shift by 0 there to avoid inf - inf
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, s_qt, s_qh, s_qd,
+    k_ptr, s_kp, s_kb, s_kh, s_kd,
+    v_ptr, s_vp, s_vb, s_vh, s_vd,
+    bt_ptr, s_bt_r, s_bt_b,
+    tok_req_ptr, pos_ptr,
+    sel_ptr, s_sel_h, s_sel_t, s_sel_k,
+    out_ptr, s_ot, s_oh, s_od,
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+    G, qk_scale,
+    B: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+    K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    num_h = tl.num_programs(1)
+    r = tl.load(tok_req_ptr + t)
+    pos = tl.load(pos_ptr + t)
+    rows = tl.arange(0, G_PAD)
+    row_ok = rows < G
+    offs_d = tl.arange(0, D)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    if pos >= 0:
+        nb = pos // B + 1
+        qh = h * G + rows
+        q = tl.load(q_ptr + t * s_qt + qh[:, None] * s_qh + offs_d[None, :] * s_qd,
+                    mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+        pos_rows = tl.full([G_PAD], 0, tl.int32) + pos
+        slots = tl.arange(0, K_PAD)
+        sel_row = sel_ptr + h * s_sel_h + t * s_sel_t
+        sel = tl.load(sel_row + slots * s_sel_k, mask=slots < K, other=-1)
+        for i in tl.range(sp * KPS, sp * KPS + KPS):
+            blk = tl.load(sel_row + i * s_sel_k, mask=i < K, other=-1)
+            repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
+            if (blk >= 0) & (blk < nb) & (repeated == 0):
+                page = tl.load(bt_ptr + r * s_bt_r + blk * s_bt_b).to(tl.int64)
+                m_i, l_i, acc = _attend_block(
+                    q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
+                    s_kb, s_kd, s_vb, s_vd, row_ok, pos_rows, blk, qk_scale, B, D, DOT_DTYPE, DOT_PREC)
+    if SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + t * s_ot + (h * G + rows)[:, None] * s_oh + offs_d[None, :] * s_od,
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        base = (t * num_h + h) * SPLITS + sp
+        tl.store(ws_m_ptr + base * G_PAD + rows, m_i)
+        tl.store(ws_l_ptr + base * G_PAD + rows, l_i)
+        tl.store(ws_acc_ptr + (base * G_PAD + rows)[:, None] * D + offs_d[None, :], acc)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, s_ot, s_oh, s_od,
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+    G,
+    D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    num_h = tl.num_programs(1)
+    rows = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    splits = tl.arange(0, S_PAD)
+    base = (t * num_h + h) * SPLITS
+    m_all = tl.load(ws_m_ptr + (base + splits)[:, None] * G_PAD + rows[None, :],
+                    mask=(splits < SPLITS)[:, None], other=float("-inf"))
+    m_max = tl.max(m_all, axis=0)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_tot = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for s in tl.range(0, SPLITS):
+        m_s = tl.load(ws_m_ptr + (base + s) * G_PAD + rows)
+        w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_ref))
+        l_tot += w * tl.load(ws_l_ptr + (base + s) * G_PAD + rows)
+        acc += w[:, None] * tl.load(ws_acc_ptr + ((base + s) * G_PAD + rows)[:, None] * D + offs_d[None, :])
+    o = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
+    row_ok = rows < G
+    tl.store(out_ptr + t * s_ot + (h * G + rows)[:, None] * s_oh + offs_d[None, :] * s_od,
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, s_qt, s_qh, s_qd,
+    k_ptr, s_kp, s_kb, s_kh, s_kd,
+    v_ptr, s_vp, s_vb, s_vh, s_vd,
+    bt_ptr, s_bt_r, s_bt_b,
+    qsl_ptr, pos_ptr,
+    sel_ptr, s_sel_h, s_sel_t, s_sel_k,
+    out_ptr, s_ot, s_oh, s_od,
+    G, first_request, qk_scale,
+    B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
+    K: tl.constexpr, K_PAD: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    r = first_request + tl.program_id(0)
+    t0 = tl.program_id(1) * M
+    h = tl.program_id(2)
+    start = tl.load(qsl_ptr + r)
+    qlen = tl.load(qsl_ptr + r + 1) - start
+    if t0 < qlen:
+        rows = tl.arange(0, ROWS)
+        mi = rows // G
+        gi = rows % G
+        row_in = (mi < M) & (t0 + mi < qlen)
+        tok = start + t0 + mi
+        pos = tl.load(pos_ptr + tok, mask=row_in, other=-1)
+        row_ok = row_in & (pos >= 0)
+        nb_row = tl.where(row_ok, pos // B + 1, 0)
+        nb_max = tl.max(nb_row, axis=0)
+        offs_d = tl.arange(0, D)
+        qh = h * G + gi
+        q = tl.load(q_ptr + tok[:, None] * s_qt + qh[:, None] * s_qh + offs_d[None, :] * s_qd,
+                    mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+        slots = tl.arange(0, K_PAD)
+        sel = tl.load(sel_ptr + h * s_sel_h + tok[:, None] * s_sel_t + slots[None, :] * s_sel_k,
+                      mask=row_ok[:, None] & (slots < K)[None, :], other=-1)
+        # ids outside [0, nb) select nothing (SPEC §4: only j <= p is attended)
+        sel = tl.where(sel < nb_row[:, None], sel, -1)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        for b in tl.range(0, nb_max):
+            member = tl.max((sel == b).to(tl.int32), axis=1) > 0
+            if tl.max(member.to(tl.int32), axis=0) > 0:
+                page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
+                m_i, l_i, acc = _attend_block(
+                    q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
+                    s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, D, DOT_DTYPE, DOT_PREC)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * s_ot + qh[:, None] * s_oh + offs_d[None, :] * s_od,
+                 o.to(out_ptr.dtype.element_ty), mask=row_in[:, None])
+
+
+def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
+                      params: SparseAttentionParams, out: torch.Tensor, cfg: LaunchConfig) -> None:
+    """Block-sparse attention for the whole step; writes ``out[:batch.num_tokens]``.
+
+    Inputs are assumed validated (see :mod:`.checks`). The decode launch
+    depends on shapes only (CUDA-graph capturable).
+    """
+    Hkv, G, K, B, D = params.num_kv_heads, params.gqa_group, params.topk, params.block_size, params.head_dim
+    k, v, bt = caches.k, caches.v, batch.block_table
+    dot_dtype, dot_prec = dot_config(q.dtype, k.dtype)
+    qk_scale = params.softmax_scale * LOG2E
+    sh, st, sk = topk.strides()
+    opts = launch_options(cfg)
+    common = dict(B=B, D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
+    tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()))
+
+    td = batch.num_decode_tokens
+    if td > 0:
+        splits = cfg.decode_attention_splits(td, Hkv, K)
+        kps = -(-K // splits)
+        splits = -(-K // kps)
+        g_pad = max(16, next_pow2(G))
+        if splits > 1:
+            ws_m = torch.empty((td, Hkv, splits, g_pad), dtype=torch.float32, device=q.device)
+            ws_l = torch.empty_like(ws_m)
+            ws_acc = torch.empty((td, Hkv, splits, g_pad, D), dtype=torch.float32, device=q.device)
+        else:  # never touched: the single-split kernel writes the output directly
+            ws_m = ws_l = ws_acc = out
+        _decode_attention_kernel[(td, Hkv, splits)](
+            *tensors, batch.token_to_request, batch.token_positions,
+            topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, qk_scale,
+            G_PAD=g_pad, SPLITS=splits, KPS=kps, **common,
+            num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **opts)
+        if splits > 1:
+            _merge_kernel[(td, Hkv)](
+                out, *out.stride(), ws_m, ws_l, ws_acc, G,
+                D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits),
+                num_warps=cfg.decode_attention_warps, **opts)
+
+    npf = batch.num_prefills
+    if npf > 0:
+        rows = max(cfg.prefill_attention_rows, next_pow2(G), 16)
+        m = rows // G
+        _prefill_attention_kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m), Hkv)](
+            *tensors, batch.query_start_loc, batch.token_positions,
+            topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale,
+            ROWS=rows, M=m, **common,
+            num_warps=cfg.prefill_attention_warps, num_stages=cfg.num_stages, **opts)

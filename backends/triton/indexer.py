@@ -1,0 +1,244 @@
+"""Triton indexer kernels (SPEC §3): block scores, forced blocks and top-k selection.
+
+Three kernels, all stride-generic (index queries, the paged index cache, the
+block table and the top-k buffer are addressed through their element strides,
+so head-major and token-major buffers work without copies):
+
+``_decode_score_kernel``  grid ``(decode requests, context splits)``
+    One program owns a run of ``BPS`` consecutive blocks of one decode request
+    and scores them for *every* row of that request at once: rows are
+    ``(speculative row, index head)`` pairs, so each index key (shared by all
+    index heads) is read from memory exactly once per step. It writes the
+    per-block maximum (SPEC §3.3) to a small fp32 workspace
+    ``[requests, rows, table_width]``.
+
+``_decode_topk_kernel``   grid ``(decode requests, rows)``
+    Loads one row of block scores, applies the forced init/local blocks and
+    selects ``min(K, nb)`` blocks by ``K`` rounds of arg-max (ties: lowest
+    block id), writing a prefix of ids then ``-1``.
+
+``_prefill_index_kernel`` grid ``(prefill requests, token tiles)``
+    One program takes a tile of consecutive query tokens of one prefill request
+    for all index heads, walks the visible blocks once (``tl.dot`` on
+    ``[tokens*heads, Di] x [Di, B]`` tiles, causal mask inside each block) and
+    keeps a running top-K per row in registers, so no ``[H, T, blocks]`` score
+    matrix is ever written, whatever the context length.
+
+Decode grids depend only on shapes (CUDA-graph capturable); the prefill grid
+uses the host-side maximum prefill length.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mm3.batch import BatchMetadata
+from mm3.buffers import PagedKVCache, TopkBuffer
+from mm3.params import SparseAttentionParams
+
+from .launch import LaunchConfig, next_pow2
+from .tl_utils import dot_config, launch_options
+
+__all__ = ["index_topk"]
+
+# SPEC §3.4 constants; tl.constexpr so the kernels may read them as globals
+FORCED_INIT = tl.constexpr(1e30)
+FORCED_LOCAL = tl.constexpr(1e29)
+NAN_SCORE = tl.constexpr(-1e30)
+
+
+@triton.jit
+def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos,
+                      B: tl.constexpr, DI: tl.constexpr,
+                      DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Max over block ``b``'s visible keys (``j <= pos``) of ``<q_row, key_j>``, per row; NaN -> -1e30."""
+    offs_j = tl.arange(0, B)
+    offs_d = tl.arange(0, DI)
+    keys = tl.load(page_ptr + offs_j[:, None] * s_ik_b + offs_d[None, :] * s_ik_d)
+    s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PREC)        # [ROWS, B] fp32
+    visible = (b * B + offs_j)[None, :] <= pos[:, None]
+    s = tl.where(visible, s, float("-inf"))
+    smax = tl.max(s, axis=1)
+    has_nan = tl.max((s != s).to(tl.int32), axis=1)
+    return tl.where(has_nan > 0, NAN_SCORE, smax)
+
+
+@triton.jit
+def _decode_score_kernel(
+    iq_ptr, s_iq_t, s_iq_h, s_iq_d,
+    ik_ptr, s_ik_p, s_ik_b, s_ik_d,
+    bt_ptr, s_bt_r, s_bt_b,
+    qsl_ptr, pos_ptr,
+    ws_ptr, s_ws_r, s_ws_row,
+    H,
+    B: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr, BPS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    r = tl.program_id(0)
+    split = tl.program_id(1)
+    start = tl.load(qsl_ptr + r)
+    qlen = tl.load(qsl_ptr + r + 1) - start
+    rows = tl.arange(0, ROWS)
+    qi = rows // H
+    hh = rows % H
+    row_ok = (qi < qlen) & (qi < Q)
+    tok = start + qi
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+    row_ok = row_ok & (pos >= 0)
+    max_pos = tl.max(tl.where(row_ok, pos, -1), axis=0)
+    # no negative integer division: Triton truncates where Python floors
+    nb_req = tl.where(max_pos >= 0, max_pos // B + 1, 0)
+    b0 = split * BPS
+    if b0 < nb_req:
+        offs_d = tl.arange(0, DI)
+        q = tl.load(iq_ptr + tok[:, None] * s_iq_t + hh[:, None] * s_iq_h + offs_d[None, :] * s_iq_d,
+                    mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+        b_end = tl.minimum(b0 + BPS, nb_req)
+        for b in tl.range(b0, b_end):
+            page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
+            smax = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos,
+                                     B, DI, DOT_DTYPE, DOT_PREC)
+            tl.store(ws_ptr + r * s_ws_r + rows * s_ws_row + b, smax, mask=row_ok)
+
+
+@triton.jit
+def _decode_topk_kernel(
+    ws_ptr, s_ws_r, s_ws_row,
+    qsl_ptr, pos_ptr,
+    out_ptr, s_out_h, s_out_t, s_out_k,
+    H,
+    B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+    INIT: tl.constexpr, LOCAL: tl.constexpr,
+):
+    r = tl.program_id(0)
+    row = tl.program_id(1)
+    qi = row // H
+    hh = row % H
+    start = tl.load(qsl_ptr + r)
+    qlen = tl.load(qsl_ptr + r + 1) - start
+    if qi < qlen:
+        tok = start + qi
+        pos = tl.load(pos_ptr + tok)
+        slots = tl.arange(0, K_PAD)
+        result = tl.full([K_PAD], -1, tl.int32)
+        if pos >= 0:
+            nb = pos // B + 1
+            blocks = tl.arange(0, NB_PAD)
+            avail = blocks < nb
+            S = tl.load(ws_ptr + r * s_ws_r + row * s_ws_row + blocks, mask=avail, other=float("-inf"))
+            S = tl.where(blocks < INIT, FORCED_INIT, S)
+            S = tl.where(blocks >= nb - LOCAL, FORCED_LOCAL, S)
+            # K rounds of arg-max; availability is a mask, so a legitimate -inf score still counts
+            for i in tl.range(0, K):
+                cand = tl.where(avail, S, float("-inf"))
+                best = tl.max(cand, axis=0)
+                idx = tl.min(tl.where(avail & (cand == best), blocks, NB_PAD), axis=0)
+                result = tl.where((slots == i) & (idx < NB_PAD), idx, result)
+                avail = avail & (blocks != idx)
+        tl.store(out_ptr + hh * s_out_h + tok * s_out_t + slots * s_out_k, result, mask=slots < K)
+
+
+@triton.jit
+def _prefill_index_kernel(
+    iq_ptr, s_iq_t, s_iq_h, s_iq_d,
+    ik_ptr, s_ik_p, s_ik_b, s_ik_d,
+    bt_ptr, s_bt_r, s_bt_b,
+    qsl_ptr, pos_ptr,
+    out_ptr, s_out_h, s_out_t, s_out_k,
+    H, first_request,
+    B: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
+    K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    r = first_request + tl.program_id(0)
+    t0 = tl.program_id(1) * M
+    start = tl.load(qsl_ptr + r)
+    qlen = tl.load(qsl_ptr + r + 1) - start
+    if t0 < qlen:
+        rows = tl.arange(0, ROWS)
+        mi = rows // H
+        hh = rows % H
+        row_in = (mi < M) & (t0 + mi < qlen)
+        tok = start + t0 + mi
+        pos = tl.load(pos_ptr + tok, mask=row_in, other=-1)
+        row_ok = row_in & (pos >= 0)
+        nb_row = tl.where(row_ok, pos // B + 1, 0)
+        nb_max = tl.max(nb_row, axis=0)
+        offs_d = tl.arange(0, DI)
+        q = tl.load(iq_ptr + tok[:, None] * s_iq_t + hh[:, None] * s_iq_h + offs_d[None, :] * s_iq_d,
+                    mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+        slots = tl.arange(0, K_PAD)[None, :]
+        # Running top-K per row. Slot ids: -1 = empty, -2 = padding slot (>= K, never used).
+        best_i = tl.where(slots < K, -1, -2) + tl.zeros([ROWS, K_PAD], tl.int32)
+        best_v = tl.full([ROWS, K_PAD], float("inf"), tl.float32)
+        for b in tl.range(0, nb_max):
+            page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
+            sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos,
+                                   B, DI, DOT_DTYPE, DOT_PREC)
+            sb = tl.where(b < INIT, FORCED_INIT, sb)
+            sb = tl.where(b >= nb_row - LOCAL, FORCED_LOCAL, sb)
+            eligible = b < nb_row
+            empty = best_i == -1
+            has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
+            first_empty = tl.min(tl.where(empty, slots, K_PAD), axis=1)
+            filled = best_i >= 0
+            min_v = tl.min(tl.where(filled, best_v, float("inf")), axis=1)
+            min_slot = tl.min(tl.where(filled & (best_v == min_v[:, None]), slots, K_PAD), axis=1)
+            # strict '>' keeps the lower block id on ties (blocks arrive in increasing order)
+            take = eligible & (has_empty | (sb > min_v))
+            target = tl.where(has_empty, first_empty, min_slot)
+            upd = (slots == target[:, None]) & take[:, None]
+            best_v = tl.where(upd, sb[:, None], best_v)
+            best_i = tl.where(upd, b, best_i)
+        # empty slots are a suffix (filled lowest-first, never emptied): the ids form a prefix
+        tl.store(out_ptr + hh[:, None] * s_out_h + tok[:, None] * s_out_t + slots * s_out_k,
+                 tl.maximum(best_i, -1), mask=row_in[:, None] & (slots < K))
+
+
+def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+               params: SparseAttentionParams, out: TopkBuffer, cfg: LaunchConfig) -> None:
+    """Run the indexer for the whole step; writes rows ``[0, batch.num_tokens)`` of ``out``.
+
+    Inputs are assumed validated (see :mod:`.checks`). Decode launches depend
+    on shapes only; the prefill launch uses ``batch.max_prefill_query_len``.
+    """
+    H, K, B = params.num_index_heads, params.topk, params.block_size
+    Di = params.index_head_dim
+    ik = caches.index
+    bt = batch.block_table
+    dot_dtype, dot_prec = dot_config(index_q.dtype, ik.dtype)
+    sh, st, sk = out.strides()
+    opts = launch_options(cfg)
+    common = dict(B=B, DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
+
+    nd = batch.num_decodes
+    if nd > 0 and batch.num_decode_tokens > 0:
+        Q = batch.decode_query_len
+        rows = Q * H
+        width = bt.shape[1]
+        bps = cfg.decode_index_blocks_per_split(nd, width)
+        ws = torch.empty((nd, rows, width), dtype=torch.float32, device=ik.device)
+        _decode_score_kernel[(nd, triton.cdiv(width, bps))](
+            index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(),
+            batch.query_start_loc, batch.token_positions, ws, ws.stride(0), ws.stride(1), H,
+            ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, **common,
+            num_warps=cfg.decode_index_warps, num_stages=cfg.num_stages, **opts)
+        _decode_topk_kernel[(nd, rows)](
+            ws, ws.stride(0), ws.stride(1), batch.query_start_loc, batch.token_positions,
+            out.storage, sh, st, sk, H,
+            B=B, K=K, K_PAD=next_pow2(K), NB_PAD=next_pow2(width),
+            INIT=params.init_blocks, LOCAL=params.local_blocks,
+            num_warps=cfg.topk_warps, **opts)
+
+    npf = batch.num_prefills
+    if npf > 0:
+        rows = max(cfg.prefill_index_rows, next_pow2(H), 16)
+        m = rows // H
+        _prefill_index_kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m))](
+            index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(),
+            batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd,
+            ROWS=rows, M=m, K=K, K_PAD=next_pow2(K),
+            INIT=params.init_blocks, LOCAL=params.local_blocks, **common,
+            num_warps=cfg.prefill_index_warps, num_stages=cfg.num_stages, **opts)

@@ -1,0 +1,87 @@
+"""Launch configurations of the shared Triton kernels, and the shape-only heuristics that use them.
+
+A platform plugin (``cuda``, ``rocm``) picks one :class:`LaunchConfig`; the
+kernels themselves are the same. Everything here is plain Python: no Triton
+import, no GPU query at import time.
+
+Every grid size is computed from *shapes* (number of decode requests, decode
+query length, block-table width, top-k) and the device's multiprocessor
+count, never from tensor contents, so the decode path can be captured in a
+CUDA graph and replayed with new lengths and positions.
+
+Example:
+    >>> cfg = LaunchConfig(target_programs=264)
+    >>> cfg.decode_index_blocks_per_split(num_requests=64, table_width=512)
+    128
+    >>> cfg.decode_attention_splits(num_tokens=64, num_kv_heads=4, topk=16)
+    2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+__all__ = ["LaunchConfig", "next_pow2"]
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two ``>= n`` (and ``>= 1``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes, warps and pipelining depth for one platform.
+
+    ``target_programs`` is the number of programs a bandwidth-bound decode
+    kernel should launch to fill the device (about two per multiprocessor);
+    plugins replace it with the measured multiprocessor count at call time
+    (:meth:`for_device_sms`).
+    """
+
+    #: programs that fill the device (2 x SMs on NVIDIA, 2 x CUs on AMD)
+    target_programs: int = 264
+    #: warp (wavefront) width of the platform; informative, Triton knows it
+    warp_size: int = 32
+    # decode indexer: one program scores a run of blocks of one request for all rows
+    decode_index_min_blocks: int = 4
+    decode_index_max_blocks: int = 128
+    decode_index_warps: int = 4
+    # top-k over a decode row's block scores
+    topk_warps: int = 4
+    # prefill indexer: rows = tokens x index heads in one tile
+    prefill_index_rows: int = 64
+    prefill_index_warps: int = 4
+    # decode attention: all query heads of a KV group in one tile; split over selected blocks
+    decode_attention_warps: int = 4
+    decode_attention_max_splits: int = 16
+    # prefill attention: rows = tokens x query heads of one KV group
+    prefill_attention_rows: int = 64
+    prefill_attention_warps: int = 4
+    num_stages: int = 2
+    #: extra launch options for this platform's Triton backend only (e.g. AMD's
+    #: ``waves_per_eu``); applied only when the running backend is that platform
+    platform_launch_options: tuple[tuple[str, Any], ...] = ()
+
+    def for_device_sms(self, sms: int) -> "LaunchConfig":
+        """This config with ``target_programs`` sized for a device with ``sms`` multiprocessors."""
+        return replace(self, target_programs=max(1, 2 * sms))
+
+    def decode_index_blocks_per_split(self, num_requests: int, table_width: int) -> int:
+        """Blocks one decode-indexer program scores (a power of two).
+
+        Small enough that ``num_requests * splits`` fills the device even for a
+        single long request, large enough that each program streams a useful
+        run of index keys.
+        """
+        splits_wanted = max(1, -(-self.target_programs // max(1, num_requests)))
+        per_split = -(-max(1, table_width) // splits_wanted)
+        per_split = min(max(per_split, self.decode_index_min_blocks), self.decode_index_max_blocks)
+        return next_pow2(per_split)
+
+    def decode_attention_splits(self, num_tokens: int, num_kv_heads: int, topk: int) -> int:
+        """Flash-decoding splits over the selected blocks (1 = no merge pass)."""
+        programs = max(1, num_tokens * num_kv_heads)
+        splits = -(-self.target_programs // programs)
+        return max(1, min(splits, topk, self.decode_attention_max_splits))

@@ -1,0 +1,189 @@
+"""Build a platform plugin's pluggy hooks from one declarative :class:`TritonPluginSpec`.
+
+The ``cuda`` and ``rocm`` plugins run the same kernels; they differ in their
+capabilities (name, top-k layout), their probe (which platform they accept)
+and their launch configuration. Each plugin module is therefore a spec plus
+one line that binds the hooks this factory returns::
+
+    (backend_capabilities, backend_probe, alloc_topk_buffer,
+     index_topk, attention_forward) = make_hookimpls(SPEC)
+
+Triton and the kernel modules are imported on first use, never at plugin
+import, so ``mm3 backends`` stays cheap and works where Triton is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+import torch
+
+from mm3.buffers import TopkBuffer
+from mm3.capabilities import BackendCapabilities, KVCacheLayout, Probe, TopkLayout
+from mm3.hookspecs import hookimpl
+from mm3.params import MINIMAX_M3_MAX_DECODE_QUERY_LEN
+
+from .launch import LaunchConfig
+
+if TYPE_CHECKING:
+    from mm3.batch import BatchMetadata
+    from mm3.buffers import PagedKVCache
+    from mm3.params import SparseAttentionParams
+
+__all__ = ["TritonPluginSpec", "TritonHooks", "make_hookimpls", "triton_missing", "interpreter_probe",
+           "INTERPRETER_CONFIG", "SUPPORTED_TILE_SIZES"]
+
+#: head dims, index head dims and block sizes the kernels tile (powers of two >= 16)
+SUPPORTED_TILE_SIZES = frozenset({16, 32, 64, 128, 256})
+
+#: launch sizes under the interpreter: few programs (each is simulated in Python),
+#: but more than one split so the flash-decoding merge runs in CI too
+INTERPRETER_CONFIG = LaunchConfig(target_programs=8, decode_index_min_blocks=1,
+                                  prefill_index_rows=32, prefill_attention_rows=32)
+
+
+def triton_missing() -> str:
+    """Why Triton cannot be used here ('' when it can)."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install 'mm3[triton]')"
+    return ""
+
+
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def interpreter_probe(backend: str) -> Probe:
+    """The answer for CPU tensors: only through Triton's interpreter, which is for tests."""
+    if not _interpreter_on():
+        return Probe.no(f"{backend} runs on CPU tensors only through Triton's interpreter (test-only): "
+                        f"set TRITON_INTERPRET=1 before the kernels are imported")
+    missing = triton_missing()
+    if missing:
+        return Probe.no(missing)
+    kernels = _loaded_kernel_mode()
+    if kernels == "compiled":
+        return Probe.no(f"{backend}: the Triton kernels were imported before TRITON_INTERPRET=1 was set, "
+                        f"so they are compiled for a GPU; set it before importing mm3_backends.triton")
+    return Probe.yes("Triton interpreter on CPU tensors (TRITON_INTERPRET=1; test-only, slow)")
+
+
+def _loaded_kernel_mode() -> str:
+    """'interpreted' / 'compiled' for already imported kernels, '' if not imported yet."""
+    import sys
+
+    mod = sys.modules.get(f"{__package__}.attention")
+    if mod is None:
+        return ""
+    kernel = getattr(mod, "_decode_attention_kernel")
+    return "interpreted" if type(kernel).__name__ == "InterpretedFunction" else "compiled"
+
+
+@dataclass(frozen=True)
+class TritonPluginSpec:
+    """Everything that distinguishes one Triton platform plugin from another."""
+
+    name: str
+    description: str
+    topk_layout: TopkLayout
+    probe: Callable[[torch.device], Probe]
+    launch: LaunchConfig
+    priority: int = 100
+    kv_cache_layout: KVCacheLayout = "NHD"
+    max_decode_query_len: int = MINIMAX_M3_MAX_DECODE_QUERY_LEN
+
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(
+            name=self.name, description=self.description, priority=self.priority,
+            # "cpu" only so the interpreter path can be probed; the probe says no
+            # on CPU unless TRITON_INTERPRET=1
+            device_types={"cuda", "cpu"}, ops={"index_topk", "attention"},
+            topk_layout=self.topk_layout, topk_requires_contiguous=False,
+            kv_cache_layout=self.kv_cache_layout,
+            dtypes={"bfloat16", "float16", "float32"},
+            index_cache_dtypes={"bfloat16", "float16", "float32", "float8_e4m3fn"},
+            head_dims=SUPPORTED_TILE_SIZES, index_head_dims=SUPPORTED_TILE_SIZES,
+            block_sizes=SUPPORTED_TILE_SIZES, max_topk=64, max_gqa_group=64,
+            max_decode_query_len=self.max_decode_query_len, cuda_graph_safe=True)
+
+    def device_problem(self, device: torch.device) -> str:
+        """Why the kernels cannot run on tensors of ``device`` ('' if they can)."""
+        if device.type == "cuda":
+            return ""
+        if device.type == "cpu":
+            mode = _loaded_kernel_mode()
+            if mode == "compiled" or (not mode and not _interpreter_on()):
+                return ("got CPU tensors; the Triton kernels need a GPU, or TRITON_INTERPRET=1 set before "
+                        "the kernels are imported (test-only)")
+            return ""
+        return f"device type {device.type!r} is not supported (cuda, or cpu under the Triton interpreter)"
+
+    def launch_config(self, device: torch.device) -> LaunchConfig:
+        """The launch config sized for ``device`` (its multiprocessor count), cached per device."""
+        if device.type != "cuda" or _interpreter_on():
+            return INTERPRETER_CONFIG
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _sized_config(self.launch, index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sized_config(launch: LaunchConfig, device_index: int) -> LaunchConfig:
+    # one device-properties query per (config, GPU); never inside a captured graph's hot path
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return launch.for_device_sms(sms)
+
+
+class TritonHooks(NamedTuple):
+    """The five hook implementations of one plugin, in hookspec order."""
+
+    backend_capabilities: Callable[..., BackendCapabilities]
+    backend_probe: Callable[..., Probe]
+    alloc_topk_buffer: Callable[..., TopkBuffer]
+    index_topk: Callable[..., None]
+    attention_forward: Callable[..., None]
+
+
+def make_hookimpls(spec: TritonPluginSpec) -> TritonHooks:
+    """The pluggy hook implementations of a Triton plugin described by ``spec``."""
+    caps = spec.capabilities()
+
+    @hookimpl
+    def backend_capabilities() -> BackendCapabilities:
+        return caps
+
+    @hookimpl
+    def backend_probe(device: torch.device) -> Probe:
+        return spec.probe(torch.device(device))
+
+    @hookimpl
+    def alloc_topk_buffer(num_tokens: int, num_heads: int, topk: int, device: torch.device) -> TopkBuffer:
+        return TopkBuffer.allocate(num_tokens, num_heads, topk, layout=spec.topk_layout, device=device)
+
+    @hookimpl
+    def index_topk(index_q: torch.Tensor, caches: "PagedKVCache", batch: "BatchMetadata",
+                   params: "SparseAttentionParams", out: TopkBuffer) -> None:
+        from . import checks, indexer
+
+        checks.check_index_inputs(spec.name, index_q, caches, batch, params, out,
+                                  max_decode_query_len=spec.max_decode_query_len,
+                                  device_ok=spec.device_problem)
+        if batch.num_tokens:
+            indexer.index_topk(index_q, caches, batch, params, out, spec.launch_config(caches.device))
+
+    @hookimpl
+    def attention_forward(q: torch.Tensor, caches: "PagedKVCache", topk: TopkBuffer, batch: "BatchMetadata",
+                          params: "SparseAttentionParams", out: torch.Tensor) -> None:
+        from . import attention, checks
+
+        checks.check_attention_inputs(spec.name, q, caches, topk, batch, params, out,
+                                      max_decode_query_len=spec.max_decode_query_len,
+                                      device_ok=spec.device_problem)
+        if batch.num_tokens:
+            attention.attention_forward(q, caches, topk, batch, params, out,
+                                        spec.launch_config(caches.device))
+
+    return TritonHooks(backend_capabilities, backend_probe, alloc_topk_buffer, index_topk, attention_forward)

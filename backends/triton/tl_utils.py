@@ -1,0 +1,64 @@
+"""Small host-side helpers shared by the kernel launchers (dtype choices, platform options)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import LaunchConfig
+
+__all__ = ["dot_config", "launch_options", "interpreting", "TL_DTYPES"]
+
+TL_DTYPES: dict[torch.dtype, Any] = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+}
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_config(a: torch.dtype, b: torch.dtype) -> tuple[Any, str]:
+    """``(operand dtype, input_precision)`` for a ``tl.dot`` of an ``a`` tile with a ``b`` tile.
+
+    Same 16-bit dtype: native tensor-core dot. An fp8 ``b`` (the index cache)
+    with a 16-bit ``a``: ``b`` is widened exactly to ``a``'s dtype. Anything
+    else (fp32, or two different 16-bit types) goes through fp32 with
+    ``ieee`` precision, because tf32 would round scores to about 1e-3, the
+    size of the selection tolerance itself.
+    """
+    if a == b and a in (torch.float16, torch.bfloat16):
+        return TL_DTYPES[a], "tf32"
+    if b == torch.float8_e4m3fn and a in (torch.float16, torch.bfloat16):
+        return TL_DTYPES[a], "tf32"
+    return tl.float32, "ieee"
+
+
+@functools.lru_cache(maxsize=None)
+def _active_backend() -> str:
+    if interpreting():
+        return "interpreter"
+    try:
+        return triton.runtime.driver.active.get_current_target().backend
+    except Exception:  # no driver at all: options are never used then
+        return "unknown"
+
+
+def launch_options(cfg: LaunchConfig) -> dict[str, Any]:
+    """The config's platform-only launch options, when the active Triton backend is that platform.
+
+    AMD options such as ``waves_per_eu`` are rejected by the NVIDIA backend,
+    so the ROCm plugin running on an NVIDIA GPU (test-only override) or under
+    the interpreter launches without them.
+    """
+    if cfg.platform_launch_options and _active_backend() == "hip":
+        return dict(cfg.platform_launch_options)
+    return {}
