@@ -642,10 +642,16 @@ class Registry:
         try:
             self._pm.register(plugin, name=pm_name)
         except pluggy.PluginValidationError as e:
+            # pluggy does not roll back a half-done registration: do it here so no
+            # hookimpl of the rejected plugin stays in the manager.
+            if self._pm.has_plugin(pm_name):
+                self._pm.unregister(name=pm_name)
             return PluginProblem(label, source, "register",
                                  " ".join(str(e).split()) + "; make the hookimpl's arguments a "
                                  "subset of the hookspec's (see mm3.hookspecs)")
         except Exception as e:  # e.g. an attribute that raises on access
+            if self._pm.has_plugin(pm_name):
+                self._pm.unregister(name=pm_name)
             return PluginProblem(label, source, "register", _exc_line(e),
                                  details=traceback.format_exc())
 
@@ -701,7 +707,8 @@ class Registry:
         missing = [op for op in sorted(caps.ops) if OP_HOOKS[op] not in impls]
         if missing:
             hooks = ", ".join(OP_HOOKS[op] for op in missing)
-            return fail("hooks", f"capabilities declare op(s) {missing} but the plugin has no "
+            return fail("hooks", f"backend {caps.name!r}: capabilities declare op(s) {missing} "
+                                 f"but the plugin has no "
                                  f"@hookimpl {hooks}; implement it or remove the op from "
                                  f"capabilities.ops", backend=caps.name)
 
