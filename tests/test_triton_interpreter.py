@@ -1,0 +1,261 @@
+"""Both Triton plugins (cuda: token-major, rocm: head-major) against the fp64 oracle, on the CPU.
+
+The kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set by
+conftest.py before any kernel import), with tiny shapes. bf16 is not tested
+here: the interpreter computes bf16 arithmetic wrongly (``tl.dot`` and even
+``q * q``), so bf16 runs on the GPU only (tests/gpu). Every case draws fresh
+random inputs, poisons the outputs first, and covers SPEC §5's regressions:
+mixed batches with >= 2 decode tokens and >= 2 prefills, H = 1 and H > 1,
+T not a multiple of 4, sentinel rows >= T unchanged, and writer and reader
+in different layouts.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import pytest
+import torch
+
+from mm3.buffers import PagedKVCache, TopkBuffer
+from mm3.errors import InputError
+from mm3.params import SparseAttentionParams
+from mm3.testing.factories import Case, make_case
+from mm3.testing.oracle import check_topk, oracle_attention, oracle_topk
+from mm3_backends.cuda import plugin as cuda_plugin
+from mm3_backends.rocm import plugin as rocm_plugin
+from mm3_backends.triton.launch import LaunchConfig
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                       reason="CPU-interpreter tests; a GPU machine runs tests/gpu instead"),
+]
+
+PLUGINS = {"cuda": cuda_plugin, "rocm": rocm_plugin}
+CPU = torch.device("cpu")
+SENTINEL = -7
+# SPEC §4 tolerances against the fp64 oracle: (max, mean)
+ATTN_TOL = {torch.float16: (1e-2, 1.5e-4), torch.float32: (1e-5, 1e-5)}
+
+
+def _params(h: int, g: int, d: int = 32, di: int = 32, **kw: int) -> SparseAttentionParams:
+    return SparseAttentionParams(num_heads=h * g, num_kv_heads=h, head_dim=d, num_index_heads=h,
+                                 index_head_dim=di, block_size=16, topk=4, **kw)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One interpreter case: parameters and the factory arguments of its batch."""
+
+    params: SparseAttentionParams
+    make: dict = field(default_factory=dict)
+
+
+CASES = {
+    # SPEC §5: 3 decodes (+1 padding, +1 empty) and 3 prefills (one chunked), H > 1, T = 3 + 1 + 20 + 3 + 17 = 44;
+    # contexts span up to 9 blocks > topk 4, so both top-k paths must choose
+    "mixed_h2_fp16_nhd": Spec(_params(2, 2), dict(
+        decodes=[70, 33, 90], prefills=[(20, 130), (3, 3), (17, 17)], padding_decodes=1,
+        empty_decodes=1, dtype="float16", index_dtype="float16", kv_layout="NHD")),
+    # H = 1 (both layouts share a memory map, so a layout bug hides unless H > 1 is also run),
+    # T = 2*3 + 13 + 2 = 21 (not a multiple of 4), spec decode rows, fp8 index cache, HND pages
+    "spec3_h1_fp32_hnd_fp8": Spec(_params(1, 4, d=64), dict(
+        decodes=[45, 64], prefills=[(13, 110), (2, 2)], decode_query_len=3, padding_decodes=1,
+        dtype="float32", index_dtype="float8_e4m3fn", kv_layout="HND")),
+    # forced init blocks, GQA group 3 (non power of two rows), bf16 index cache read as fp32
+    "init1_h2_g3_fp32": Spec(_params(2, 3, init_blocks=1), dict(
+        decodes=[100, 17], prefills=[(9, 100), (30, 30)], decode_query_len=2,
+        dtype="float32", index_dtype="bfloat16", kv_layout="NHD")),
+}
+
+
+def _case(name: str, seed: int) -> Case:
+    spec = CASES[name]
+    return make_case(spec.params, seed=seed, **spec.make)
+
+
+def _poisoned_buffer(plugin: ModuleType, T: int, p: SparseAttentionParams, extra: int = 5) -> TopkBuffer:
+    buf = plugin.alloc_topk_buffer(T + extra, p.num_kv_heads, p.topk, CPU)
+    return buf.fill_(SENTINEL)
+
+
+def _assert_attention_close(out: torch.Tensor, ref: torch.Tensor, T: int) -> None:
+    assert not torch.isnan(out[:T]).any(), "unwritten (NaN-poisoned) output elements"
+    err = (out[:T].double() - ref).abs()
+    max_tol, mean_tol = ATTN_TOL[out.dtype]
+    assert err.max().item() <= max_tol and err.mean().item() <= mean_tol, (
+        f"attention error max {err.max().item():.3g} (tol {max_tol}), mean {err.mean().item():.3g} "
+        f"(tol {mean_tol})")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("backend", sorted(PLUGINS))
+def test_step_matches_oracle(backend: str, name: str) -> None:
+    """Indexer and attention of one plugin on a mixed step, each against the oracle."""
+    plugin = PLUGINS[backend]
+    case = _case(name, seed=zlib.crc32(f"{backend}/{name}".encode()) % 1000)
+    p, T = case.params, case.batch.num_tokens
+    buf = _poisoned_buffer(plugin, T, p)
+    assert buf.layout == plugin.SPEC.topk_layout
+    plugin.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, T))
+
+    errors = check_topk(buf.rows(0, T), case.index_q, case.caches, case.batch, p)
+    assert not errors, "\n".join(map(str, errors[:5]))
+    assert (buf.head_major()[:, T:] == SENTINEL).all(), "rows >= T were written"
+
+    # attention reads the buffer this plugin's indexer wrote (its own layout) ...
+    ref = oracle_attention(case.q, case.caches, buf.rows(0, T), case.batch, p)
+    out = torch.full_like(case.q, float("nan"))
+    plugin.attention_forward(case.q, case.caches, buf.rows(0, T), case.batch, p, out)
+    _assert_attention_close(out, ref, T)
+
+
+@pytest.mark.parametrize("backend", sorted(PLUGINS))
+def test_reader_in_other_layout(backend: str) -> None:
+    """SPEC §5: the attention reads a buffer written in the other layout (the oracle's selection)."""
+    plugin = PLUGINS[backend]
+    case = _case("mixed_h2_fp16_nhd", seed=11)
+    p, T = case.params, case.batch.num_tokens
+    other = "head_major" if plugin.SPEC.topk_layout == "token_major" else "token_major"
+    sel = oracle_topk(case.index_q, case.caches, case.batch, p)
+    foreign = TopkBuffer.allocate(T + 3, p.num_kv_heads, p.topk, other, fill=SENTINEL).rows(0, T).copy_(sel)
+    out = torch.full_like(case.q, float("nan"))
+    plugin.attention_forward(case.q, case.caches, foreign, case.batch, p, out)
+    _assert_attention_close(out, oracle_attention(case.q, case.caches, sel, case.batch, p), T)
+
+
+def test_cross_plugin_buffers() -> None:
+    """rocm's indexer (head-major) feeds cuda's attention and vice versa; outputs agree."""
+    case = _case("spec3_h1_fp32_hnd_fp8", seed=5)
+    p, T = case.params, case.batch.num_tokens
+    outs = []
+    for writer, reader in (("rocm", "cuda"), ("cuda", "rocm")):
+        buf = _poisoned_buffer(PLUGINS[writer], T, p)
+        PLUGINS[writer].index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, T))
+        out = torch.full_like(case.q, float("nan"))
+        PLUGINS[reader].attention_forward(case.q, case.caches, buf.rows(0, T), case.batch, p, out)
+        _assert_attention_close(out, oracle_attention(case.q, case.caches, buf.rows(0, T), case.batch, p), T)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
+
+
+def test_forced_splits_and_merge() -> None:
+    """Many context splits in the decode indexer and 4 flash-decoding splits with the LSE merge."""
+    from mm3_backends.triton import attention, indexer
+
+    cfg = LaunchConfig(target_programs=64, decode_index_min_blocks=1, decode_index_max_blocks=2,
+                       prefill_index_rows=16, prefill_attention_rows=16)
+    p = _params(2, 2, d=32)
+    case = make_case(p, decodes=[150, 61, 33], prefills=[(5, 40), (4, 4)], decode_query_len=2,
+                     padding_decodes=1, dtype="float16", index_dtype="float16", seed=21)
+    T = case.batch.num_tokens
+    assert cfg.decode_attention_splits(case.batch.num_decode_tokens, p.num_kv_heads, p.topk) == 4
+    buf = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, "head_major", fill=SENTINEL)
+    indexer.index_topk(case.index_q, case.caches, case.batch, p, buf, cfg)
+    errors = check_topk(buf, case.index_q, case.caches, case.batch, p)
+    assert not errors, "\n".join(map(str, errors[:5]))
+    out = torch.full_like(case.q, float("nan"))
+    attention.attention_forward(case.q, case.caches, buf, case.batch, p, out, cfg)
+    _assert_attention_close(out, oracle_attention(case.q, case.caches, buf, case.batch, p), T)
+
+
+def test_attention_ignores_invalid_and_repeated_ids() -> None:
+    """Out-of-range ids and repeats select nothing extra (SPEC §4 treats the selection as a set)."""
+    plugin = cuda_plugin
+    case = _case("mixed_h2_fp16_nhd", seed=2)
+    p, T = case.params, case.batch.num_tokens
+    sel = oracle_topk(case.index_q, case.caches, case.batch, p)
+    messy = sel.clone()
+    view = messy.head_major()
+    nb = (case.batch.token_positions.clamp(min=0) // p.block_size + 1)
+    valid = case.batch.token_positions >= 0
+    # slot 3 repeats slot 0 where the row has room, and an id past the visible range elsewhere
+    view[:, :, 3] = torch.where((view[:, :, 3] == -1) & valid, view[:, :, 0], nb.to(torch.int32) + 2)
+    out = torch.full_like(case.q, float("nan"))
+    plugin.attention_forward(case.q, case.caches, messy, case.batch, p, out)
+    # the oracle walks positions j <= p of the *set* of ids, so it is the reference for any row
+    _assert_attention_close(out, oracle_attention(case.q, case.caches, messy, case.batch, p), T)
+
+
+def test_pure_decode_and_pure_prefill() -> None:
+    """The decode-only and prefill-only launch paths (one of the two kernels families idle)."""
+    p = _params(2, 2)
+    for kw in (dict(decodes=[40, 80]), dict(prefills=[(6, 6), (5, 37)])):
+        case = make_case(p, dtype="float16", index_dtype="float16", seed=4, **kw)
+        T = case.batch.num_tokens
+        buf = _poisoned_buffer(rocm_plugin, T, p)
+        rocm_plugin.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, T))
+        assert not check_topk(buf.rows(0, T), case.index_q, case.caches, case.batch, p)
+        out = torch.full_like(case.q, float("nan"))
+        rocm_plugin.attention_forward(case.q, case.caches, buf.rows(0, T), case.batch, p, out)
+        _assert_attention_close(out, oracle_attention(case.q, case.caches, buf.rows(0, T), case.batch, p), T)
+
+
+# --- the plugin boundary -------------------------------------------------------------------------
+
+def _small() -> Case:
+    return make_case(_params(2, 2), decodes=[20], prefills=[(3, 3)], dtype="float16",
+                     index_dtype="float16", seed=1)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda c, o: (c.q.to(torch.bfloat16), c.caches, o), "KV cache dtype"),
+    (lambda c, o: (c.q[:, :2], c.caches, o), "heads"),
+    (lambda c, o: (c.q, c.caches, o[:, :, :16]), "out has shape"),
+    (lambda c, o: (c.q, PagedKVCache(c.caches.k[:, :, :1], c.caches.v[:, :, :1], c.caches.index), o),
+     "KV heads"),
+])
+def test_attention_rejects_bad_inputs(mutate, match: str) -> None:
+    case = _small()
+    buf = cuda_plugin.alloc_topk_buffer(case.batch.num_tokens, 2, 4, CPU)
+    q, caches, out = mutate(case, torch.empty_like(case.q))
+    with pytest.raises(InputError, match=match):
+        cuda_plugin.attention_forward(q, caches, buf, case.batch, case.params, out)
+
+
+def test_index_rejects_bad_inputs() -> None:
+    case = _small()
+    T = case.batch.num_tokens
+    small = cuda_plugin.alloc_topk_buffer(T - 1, 2, 4, CPU)
+    with pytest.raises(InputError, match="holds 3 rows"):
+        cuda_plugin.index_topk(case.index_q, case.caches, case.batch, case.params, small)
+    buf = cuda_plugin.alloc_topk_buffer(T, 2, 4, CPU)
+    with pytest.raises(InputError, match="index_q dtype"):
+        cuda_plugin.index_topk(case.index_q.to(torch.int32), case.caches, case.batch, case.params, buf)
+    odd = make_case(SparseAttentionParams(num_heads=2, num_kv_heads=1, head_dim=24, num_index_heads=1,
+                                          index_head_dim=24, block_size=16, topk=4),
+                    decodes=[20], dtype="float16", index_dtype="float16")
+    with pytest.raises(InputError, match="power of two"):
+        cuda_plugin.index_topk(odd.index_q, odd.caches, odd.batch, odd.params,
+                               cuda_plugin.alloc_topk_buffer(1, 1, 4, CPU))
+
+
+# --- probes and capabilities ----------------------------------------------------------------------
+
+def test_capabilities_declare_layouts() -> None:
+    c, r = cuda_plugin.backend_capabilities(), rocm_plugin.backend_capabilities()
+    assert (c.name, c.topk_layout, c.cuda_graph_safe) == ("cuda", "token_major", True)
+    assert (r.name, r.topk_layout) == ("rocm", "head_major")
+    assert c.priority > 0 and r.priority > 0 and c.max_decode_query_len == 8
+
+
+def test_probe_cpu_needs_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cuda_plugin.backend_probe(CPU).available
+    assert rocm_plugin.backend_probe(CPU).available
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for plugin in PLUGINS.values():
+        probe = plugin.backend_probe(CPU)
+        assert not probe.available and "TRITON_INTERPRET=1" in probe.reason
+
+
+def test_rocm_probe_on_non_rocm_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a ROCm build the rocm probe says no and names the test-only override."""
+    if torch.version.hip:
+        pytest.skip("this is a ROCm build")
+    monkeypatch.delenv(rocm_plugin.ALLOW_NON_ROCM_ENV, raising=False)
+    probe = rocm_plugin.backend_probe(torch.device("cuda"))
+    assert not probe.available and rocm_plugin.ALLOW_NON_ROCM_ENV in probe.reason
