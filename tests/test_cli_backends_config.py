@@ -1,0 +1,232 @@
+"""The `mm3 backends` and `mm3 config` commands, and the CLI's command plumbing."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+import mm3.cli as cli
+import mm3.registry as registry_mod
+from mm3 import BackendCapabilities, Probe, hookimpl
+from mm3.registry import reset_default_registry
+
+
+class Plugin:
+    def __init__(self, name: str, priority: int, layout: str, available: bool, reason: str,
+                 ops=("index_topk", "attention"), kv: str = "NHD", contiguous: bool = False) -> None:
+        self._caps = BackendCapabilities(name=name, priority=priority, ops=set(ops), device_types={"cpu"},
+                                         topk_layout=layout, kv_cache_layout=kv,
+                                         topk_requires_contiguous=contiguous)
+        self._probe = Probe(available=available, reason=reason)
+
+    @hookimpl
+    def backend_capabilities(self):
+        return self._caps
+
+    @hookimpl
+    def backend_probe(self, device):
+        return self._probe
+
+    @hookimpl
+    def index_topk(self, index_q, caches, batch, params, out):
+        pass
+
+    @hookimpl
+    def attention_forward(self, q, caches, topk, batch, params, out):
+        pass
+
+
+@dataclass
+class Dist:
+    name: str
+    version: str
+
+
+class EP:
+    def __init__(self, name: str, target: Any, dist: str, version: str) -> None:
+        self.name, self.value, self.dist, self._t = name, f"{dist}.plugin", Dist(dist, version), target
+
+    def load(self) -> Any:
+        if isinstance(self._t, BaseException):
+            raise self._t
+        return self._t
+
+
+@pytest.fixture(autouse=True)
+def env(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    for k in list(os.environ):
+        if k.upper().startswith("MM3_"):
+            monkeypatch.delenv(k)
+    monkeypatch.chdir(tmp_path)
+    eps = [
+        EP("ref_ep", Plugin("ref", 0, "head_major", True, "plain PyTorch: always available"),
+           "mm3", "0.1.0"),
+        EP("fast_ep", Plugin("fast", 50, "token_major", True, "fast ready", kv="HND"),
+           "fast-attn", "2.3.4"),
+        EP("gone_ep", Plugin("gone", 100, "head_major", False, "needs an accelerator"),
+           "gone-attn", "1.0"),
+        EP("broken_ep", ImportError("cannot import name 'kernel' from 'vendor_ext'"),
+           "vendor-ext", "0.9"),
+    ]
+    monkeypatch.setattr(registry_mod, "list_entry_points", lambda group="mm3.backends": eps)
+    reset_default_registry()
+    yield tmp_path
+    reset_default_registry()
+
+
+def rows_by_name(out: str) -> dict[str, str]:
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if parts and parts[0] in {"ref", "fast", "gone"}:
+            rows[parts[0]] = line
+    return rows
+
+
+def test_backends_table(capsys):
+    assert cli.main(["backends", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "NAME" in line)
+    for col in ("SOURCE", "AVAILABLE", "TOPK LAYOUT", "KV", "OPS", "PRIORITY", "AUTO", "REASON"):
+        assert col in header
+    rows = rows_by_name(out)
+    assert list(rows) == ["gone", "fast", "ref"]  # priority order
+    fast = rows["fast"].split()
+    assert fast[1:3] == ["fast-attn", "2.3.4"] and "yes" in fast and "token_major" in fast
+    assert "HND" in fast and "attention,index_topk" in fast and "50" in fast
+    assert "attention+indexer" in rows["fast"] and "fast ready" in rows["fast"]
+    assert "no" in rows["gone"].split() and "needs an accelerator" in rows["gone"]
+    assert "attention+indexer" not in rows["ref"] and "indexer" not in rows["ref"].split()
+    assert "auto picks attention=fast, indexer=fast" in out and "TP8" in out
+    # problems section: the broken entry point, with its distribution and error
+    problems = out[out.index("problems"):]
+    assert "broken_ep" in problems and "vendor-ext 0.9" in problems
+    assert "ImportError: cannot import name 'kernel'" in problems
+
+
+def test_backends_json(capsys):
+    assert cli.main(["backends", "--device", "cpu", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["auto"] == {"attention": "fast", "indexer": "fast"}
+    by = {b["name"]: b for b in data["backends"]}
+    assert by["gone"]["available"] is False and by["gone"]["reason"] == "needs an accelerator"
+    assert by["fast"]["distribution"] == "fast-attn" and by["fast"]["version"] == "2.3.4"
+    (p,) = data["problems"]
+    assert (p["name"], p["distribution"], p["stage"]) == ("broken_ep", "vendor-ext", "import")
+
+
+def test_backends_respects_settings_and_reports_disabled(capsys, monkeypatch):
+    monkeypatch.setenv("MM3_DISABLE_PLUGINS", "fast_ep")
+    assert cli.main(["backends", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "fast" not in rows_by_name(out)
+    assert "auto picks attention=ref, indexer=ref" in out
+    assert "excluded by MM3_DISABLE_PLUGINS" in out
+
+
+def test_backends_when_nothing_fits(capsys, monkeypatch):
+    monkeypatch.setenv("MM3_PLUGINS", "gone_ep")
+    assert cli.main(["backends", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "auto finds no backend" in out and "needs an accelerator" in out
+
+
+def test_backends_verbose_prints_traceback(capsys):
+    assert cli.main(["backends", "--device", "cpu", "--verbose"]) == 0
+    assert "Traceback" in capsys.readouterr().out
+
+
+def test_config_command_shows_values_and_sources(capsys, monkeypatch, env):
+    (env / "mm3.toml").write_text('disable_plugins = ["rocm"]\n')
+    monkeypatch.setenv("MM3_BACKEND", "fast")
+    assert cli.main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert f"config file: {env / 'mm3.toml'}" in out
+    lines = {line.split()[0]: line for line in out.splitlines()[2:] if line.strip()}
+    assert lines["backend"].split()[1:] == ["fast", "env", "MM3_BACKEND"]
+    assert lines["disable_plugins"].split()[1:] == ["rocm", "file", str(env / "mm3.toml")]
+    assert lines["allow_fallback"].split()[1:] == ["false", "default"]
+    assert set(lines) >= {"indexer_backend", "plugins", "no_plugin_autoload", "check_contracts", "config"}
+
+
+def test_config_json(capsys, monkeypatch):
+    monkeypatch.setenv("MM3_ALLOW_FALLBACK", "1")
+    assert cli.main(["config", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {r["key"]: r for r in data["settings"]}
+    assert rows["allow_fallback"] == {"key": "allow_fallback", "value": True, "source": "env MM3_ALLOW_FALLBACK"}
+
+
+@pytest.mark.parametrize("argv", [["config"], ["backends"]])
+def test_config_errors_exit_2_with_one_line(capsys, monkeypatch, argv):
+    monkeypatch.setenv("MM3_BACKEDN", "cuda")
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("mm3: error: unknown environment variable MM3_BACKEDN")
+    assert "\n" not in err and "Traceback" not in err
+    assert "MM3_BACKEND" in err
+
+
+def test_malformed_config_file_exit_2(capsys, env):
+    (env / "mm3.toml").write_text("backend = \n")
+    assert cli.main(["config"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mm3: error: malformed TOML") and "mm3.toml" in err
+
+
+def test_missing_command_module_fails_cleanly_and_others_still_work(capsys, monkeypatch):
+    monkeypatch.setitem(cli.COMMANDS, "ghost", cli.Command("ghost", "not there", "mm3.no_such_module"))
+    assert cli.main(["ghost"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mm3: error: command 'ghost' is not available") and "no_such_module" in err
+    assert cli.main(["backends", "--device", "cpu"]) == 0
+    assert "auto picks" in capsys.readouterr().out
+
+
+def test_added_command_is_imported_lazily_by_module_path(capsys, monkeypatch):
+    mod = types.ModuleType("fake_mm3_cmd")
+    imported: list[str] = []
+
+    def add_arguments(parser):
+        imported.append("add_arguments")
+        parser.add_argument("--times", type=int, default=1)
+
+    def run(args):
+        print("hello " * args.times)
+        return 3
+
+    mod.add_arguments, mod.run = add_arguments, run
+    monkeypatch.setitem(sys.modules, "fake_mm3_cmd", mod)
+    monkeypatch.setitem(cli.COMMANDS, "hello", cli.Command("hello", "say hello", "fake_mm3_cmd"))
+    assert cli.main(["config"]) == 0
+    assert imported == []  # another command never imports this one
+    capsys.readouterr()
+    assert cli.main(["hello", "--times", "2"]) == 3
+    assert capsys.readouterr().out.strip() == "hello hello"
+
+
+def test_help_lists_commands_without_importing_them(capsys, monkeypatch):
+    monkeypatch.setitem(cli.COMMANDS, "ghost", cli.Command("ghost", "a ghost command", "mm3.no_such_module"))
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("backends", "config", "demo", "check", "bench", "ghost"):
+        assert name in out
+
+
+def test_no_command_and_bad_usage(capsys):
+    assert cli.main([]) == 2
+    assert cli.main(["nonsense"]) == 2
+    assert cli.main(["backends", "--device"]) == 2
+    assert "mm3" in capsys.readouterr().err
+
+
+def test_bad_device_is_a_clean_error(capsys):
+    assert cli.main(["backends", "--device", "not_a_device"]) == 2
+    assert capsys.readouterr().err.startswith("mm3: error: invalid --device")
