@@ -22,7 +22,11 @@ comma-separated string (``MM3_PLUGINS=cpu_ref,cuda``). An empty
 Mistakes are errors, never ignored: an unknown key in a file, an unknown
 ``MM3_*`` environment variable (``MM3_BACKEDN``), malformed TOML or an invalid
 value raises :class:`~mm3.errors.ConfigError` naming the key, the file and the
-valid choices.
+valid choices. Two ``MM3_*`` namespaces are not settings and pass through:
+``MM3_<PLUGIN>_*`` where ``<PLUGIN>`` is an installed backend entry-point name
+(a plugin's own knobs, e.g. ``MM3_ROCM_ALLOW_NON_ROCM``), and
+:data:`RESERVED_ENV_PREFIXES` (``MM3_TEST_*``, ``MM3_GPU_*``, ``MM3_BENCH_*``)
+for test suites and benchmarks.
 
 Example:
     >>> s = Settings(backend="cpu_ref")
@@ -65,12 +69,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - pyproject pins tomli for 3.10
     import tomli as tomllib
 
-__all__ = ["Settings", "explain_settings", "ENV_PREFIX", "CONFIG_FILE_NAME", "PYPROJECT_TABLE"]
+__all__ = ["Settings", "explain_settings", "ENV_PREFIX", "CONFIG_FILE_NAME", "PYPROJECT_TABLE",
+           "RESERVED_ENV_PREFIXES"]
 
 ENV_PREFIX = "MM3_"
 CONFIG_FILE_NAME = "mm3.toml"
 PYPROJECT_TABLE = ("tool", "mm3")
 _NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+RESERVED_ENV_PREFIXES = ("MM3_TEST_", "MM3_GPU_", "MM3_BENCH_")
+"""``MM3_*`` namespaces owned by test suites and benchmarks, not by Settings."""
 
 
 def _split_names(value: Any) -> Any:
@@ -123,15 +130,39 @@ def _locate_config(init_kwargs: Mapping[str, Any]) -> _ConfigFile:
     return _ConfigFile(None, False, explicit=False)
 
 
+def _plugin_env_prefixes() -> tuple[str, ...]:
+    """``MM3_<ENTRY POINT NAME>_`` for every installed backend entry point.
+
+    Listing entry points imports no plugin (about 2 ms), and it only happens
+    when an ``MM3_*`` variable is not a setting.
+    """
+    from mm3.registry import ENTRY_POINT_GROUP, list_entry_points  # registry imports config lazily
+
+    try:
+        names = [ep.name for ep in list_entry_points(ENTRY_POINT_GROUP)]
+    except Exception:  # broken metadata must not turn into a config error
+        names = []
+    return tuple(f"{ENV_PREFIX}{n.upper()}_" for n in names)
+
+
 def _check_env(settings_cls: type[BaseSettings]) -> None:
     valid = sorted(ENV_PREFIX + n.upper() for n in settings_cls.model_fields)
-    for key in os.environ:
-        upper = key.upper()
-        if upper.startswith(ENV_PREFIX) and upper not in valid:
-            close = difflib.get_close_matches(upper, valid, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}? " if close else ""
-            raise ConfigError(f"unknown environment variable {key}: {hint}valid mm3 variables are "
-                              f"{', '.join(valid)}; rename or unset it")
+    unknown = [k for k in os.environ
+               if k.upper().startswith(ENV_PREFIX) and k.upper() not in valid
+               and not k.upper().startswith(RESERVED_ENV_PREFIXES)]
+    if not unknown:
+        return
+    plugin_owned = _plugin_env_prefixes()
+    for key in unknown:
+        if key.upper().startswith(plugin_owned):
+            continue
+        close = difflib.get_close_matches(key.upper(), valid, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(
+            f"unknown environment variable {key}: {hint}valid mm3 variables are {', '.join(valid)} "
+            f"(plus MM3_<PLUGIN>_* for an installed backend plugin and "
+            f"{', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)} for tests and benchmarks); "
+            f"rename or unset it")
 
 
 def _file_source(settings_cls: type[BaseSettings], cfg: _ConfigFile) -> Optional[TomlConfigSettingsSource]:

@@ -230,3 +230,18 @@ def test_settings_are_frozen():
     s = Settings()
     with pytest.raises(Exception):
         s.backend = "cuda"  # type: ignore[misc]
+
+
+def test_plugin_and_tool_env_namespaces_are_not_settings(monkeypatch):
+    import mm3.registry as registry_mod
+
+    class EP:
+        name = "vendorx"
+
+    monkeypatch.setattr(registry_mod, "list_entry_points", lambda group="mm3.backends": [EP()])
+    monkeypatch.setenv("MM3_VENDORX_TUNING", "aggressive")  # a plugin's own knob
+    monkeypatch.setenv("MM3_GPU_REPORT", "/tmp/report.jsonl")  # a test-suite knob
+    assert Settings().backend == "auto"
+    monkeypatch.setenv("MM3_OTHERVENDOR_TUNING", "1")  # no such plugin installed
+    with pytest.raises(ConfigError, match="MM3_OTHERVENDOR_TUNING"):
+        Settings()
