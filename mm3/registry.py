@@ -72,9 +72,10 @@ import traceback
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Optional, Sequence, Union
 
 import pluggy
+import torch
 from pydantic import ValidationError
 
 import mm3.hookspecs as _hookspecs
@@ -84,8 +85,6 @@ from mm3.errors import BackendUnavailableError, PluginError, UnknownBackendError
 from mm3.hookspecs import HOOK_NAMES, OP_HOOKS, PROJECT
 
 if TYPE_CHECKING:
-    import torch
-
     from mm3.batch import BatchMetadata
     from mm3.buffers import PagedKVCache
     from mm3.params import SparseAttentionParams
@@ -115,7 +114,7 @@ ProblemStage = Literal["disabled", "not_found", "import", "register", "hooks",
 signature; ``hooks`` = unknown/missing/unsupported hooks; ``capabilities``
 invalid; ``duplicate`` backend name."""
 
-DeviceLike = Union[str, "torch.device"]
+DeviceLike = Union[str, torch.device]
 
 
 class PluginLoadWarning(UserWarning):
@@ -284,8 +283,6 @@ class Backend:
         A probe that raises or returns something other than a :class:`Probe`
         yields ``Probe.no(...)`` naming the problem; it never propagates.
         """
-        import torch
-
         dev = torch.device(device) if not isinstance(device, torch.device) else device
         key = str(dev)
         cached = self._probe_cache.get(key)
@@ -317,8 +314,6 @@ class Backend:
         Uses the plugin's ``alloc_topk_buffer`` hook when it has one, else
         ``TopkBuffer.allocate(..., layout=capabilities.topk_layout)``.
         """
-        import torch
-
         dev = torch.device(device) if not isinstance(device, torch.device) else device
         fn = self._impls.get("alloc_topk_buffer")
         if fn is None:
@@ -464,7 +459,7 @@ class Registry:
         with self._lock:
             return name in self._backends
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Backend]:
         return iter(self.backends())
 
     def __len__(self) -> int:
