@@ -150,6 +150,7 @@ class Probe(_Frozen):
 
     available: bool
     reason: str = ""
+    auto: bool = Field(True, description="may auto selection pick it? False = only when named")
 
     @classmethod
     def yes(cls, reason: str = "available") -> "Probe":
@@ -158,3 +159,12 @@ class Probe(_Frozen):
     @classmethod
     def no(cls, reason: str) -> "Probe":
         return cls(available=False, reason=reason)
+
+    @classmethod
+    def named_only(cls, reason: str) -> "Probe":
+        """Available, but only when asked for by name: ``auto`` passes it over.
+
+        For test-only paths (a GPU backend under Triton's interpreter on the
+        CPU) that work but that nobody should get by accident.
+        """
+        return cls(available=True, reason=reason, auto=False)

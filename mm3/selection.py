@@ -174,11 +174,13 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
 
 
 def _evaluate(be: "Backend", role: Role, req: Requirements, device: DeviceLike,
-              note: str) -> TraceEntry:
+              note: str, auto: bool = False) -> TraceEntry:
     probe = be.probe(device)
     reasons: list[str] = []
     if not probe.available:
         reasons.append(f"unavailable on {device}: {probe.reason}")
+    elif auto and not probe.auto:
+        reasons.append(f"available on {device} only when named ({probe.reason}); auto passes it over")
     reasons.extend(be.capabilities.unmet(req.for_ops(_ROLE_OP[role])))
     return TraceEntry(be.name, role, not reasons, tuple(reasons), probe, be.priority, note=note)
 
@@ -190,7 +192,7 @@ def _auto(role: Role, req: Requirements, registry: "Registry", device: DeviceLik
     for be in registry.backends():
         if be.name == skip:
             continue
-        entry = _evaluate(be, role, req, device, note)
+        entry = _evaluate(be, role, req, device, note, auto=True)
         if entry.accepted and chosen is None:
             chosen = be
             entry = _mark(entry)

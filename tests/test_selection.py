@@ -283,3 +283,42 @@ def test_requirements_for_maps_params_dtypes_and_device():
 def test_requirements_for_rejects_unsupported_dtype():
     with pytest.raises(InputError, match="float64"):
         requirements_for(SparseAttentionParams.minimax_m3(), torch.float64, torch.bfloat16, "cpu")
+
+
+def test_named_only_probe_is_passed_over_by_auto_but_served_by_name() -> None:
+    """A test-only path (e.g. a GPU backend under Triton's interpreter) is never picked by accident."""
+    from mm3 import hookimpl
+    from mm3.capabilities import BackendCapabilities, Probe
+    from mm3.registry import Registry
+    from mm3.selection import select
+
+    class Plugin:
+        def __init__(self, name: str, priority: int, probe: Probe) -> None:
+            self.name, self.priority, self._probe = name, priority, probe
+
+        @hookimpl
+        def backend_capabilities(self) -> BackendCapabilities:
+            return BackendCapabilities(name=self.name, priority=self.priority, device_types={"cpu"},
+                                       ops={"index_topk", "attention"}, topk_layout="head_major")
+
+        @hookimpl
+        def backend_probe(self, device):  # noqa: ANN001
+            return self._probe
+
+        @hookimpl
+        def index_topk(self, index_q, caches, batch, params, out):  # noqa: ANN001
+            pass
+
+        @hookimpl
+        def attention_forward(self, q, caches, topk, batch, params, out):  # noqa: ANN001
+            pass
+
+    reg = Registry(plugins=[Plugin("interp", 100, Probe.named_only("interpreter")),
+                            Plugin("plain", 0, Probe.yes())], entry_points=False)
+    from mm3.capabilities import Requirements
+    req = Requirements(device_type="cpu")
+    auto = select(req, reg, device="cpu")
+    assert auto.attention.name == "plain" and auto.indexer.name == "plain"
+    assert "only when named" in auto.explain()
+    named = select(req, reg, backend="interp", device="cpu")
+    assert named.attention.name == "interp" and named.indexer.name == "interp"

@@ -69,7 +69,7 @@ def interpreter_probe(backend: str) -> Probe:
     if kernels == "compiled":
         return Probe.no(f"{backend}: the Triton kernels were imported before TRITON_INTERPRET=1 was set, "
                         f"so they are compiled for a GPU; set it before importing mm3_backends.triton")
-    return Probe.yes("Triton interpreter on CPU tensors (TRITON_INTERPRET=1; test-only, slow)")
+    return Probe.named_only("Triton interpreter on CPU tensors (TRITON_INTERPRET=1; test-only, slow)")
 
 
 def _loaded_kernel_mode() -> str:
