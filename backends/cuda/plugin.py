@@ -27,10 +27,10 @@ NVIDIA_LAUNCH = LaunchConfig(
     decode_index_warps=4,       # a [B, Di] bf16 key tile per step: 32 KB in flight per program
     topk_warps=4,
     prefill_index_rows=64,
-    prefill_index_warps=4,
-    decode_attention_warps=4,
+    prefill_index_warps=8,
+    decode_attention_warps=8,
     prefill_attention_rows=64,
-    prefill_attention_warps=4,
+    prefill_attention_warps=8,
     num_stages=2,
 )
 

@@ -48,24 +48,30 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_mask, pos, b,
-                  qk_scale, B: tl.constexpr, D: tl.constexpr,
+                  qk_scale, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One online-softmax step over block ``b`` (its page's K/V head slices), for the masked rows."""
-    offs_j = tl.arange(0, B)
+    """Online-softmax steps over block ``b`` (its page's K/V head slices) for the masked rows.
+
+    The block is taken ``BN`` keys at a time: a whole 128 x 128 K tile plus its V
+    tile would not fit in registers next to the accumulator.
+    """
     offs_d = tl.arange(0, D)
-    keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd).to(DOT_DTYPE)
-    vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd).to(DOT_DTYPE)
-    s = tl.dot(q, tl.trans(keys), input_precision=DOT_PREC) * qk_scale
-    visible = row_mask[:, None] & ((b * B + offs_j)[None, :] <= pos[:, None])
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # rows with nothing visible so far keep m = -inf; shift by 0 there to avoid inf - inf
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
-    return m_new, l_i, acc
+    for c in tl.static_range(0, B, BN):
+        offs_j = c + tl.arange(0, BN)
+        keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd).to(DOT_DTYPE)
+        vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(keys), input_precision=DOT_PREC) * qk_scale
+        visible = row_mask[:, None] & ((b * B + offs_j)[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # rows with nothing visible so far keep m = -inf; shift by 0 there to avoid inf - inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -79,7 +85,7 @@ def _decode_attention_kernel(
     out_ptr, s_ot, s_oh, s_od,
     ws_m_ptr, ws_l_ptr, ws_acc_ptr,
     G, qk_scale,
-    B: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+    B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -111,7 +117,7 @@ def _decode_attention_kernel(
                 page = tl.load(bt_ptr + r * s_bt_r + blk * s_bt_b).to(tl.int64)
                 m_i, l_i, acc = _attend_block(
                     q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                    s_kb, s_kd, s_vb, s_vd, row_ok, pos_rows, blk, qk_scale, B, D, DOT_DTYPE, DOT_PREC)
+                    s_kb, s_kd, s_vb, s_vd, row_ok, pos_rows, blk, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
     if SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + t * s_ot + (h * G + rows)[:, None] * s_oh + offs_d[None, :] * s_od,
@@ -164,7 +170,7 @@ def _prefill_attention_kernel(
     sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od,
     G, first_request, qk_scale,
-    B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
+    B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -201,7 +207,7 @@ def _prefill_attention_kernel(
                 page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
                 m_i, l_i, acc = _attend_block(
                     q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                    s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, D, DOT_DTYPE, DOT_PREC)
+                    s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * s_ot + qh[:, None] * s_oh + offs_d[None, :] * s_od,
                  o.to(out_ptr.dtype.element_ty), mask=row_in[:, None])
@@ -220,7 +226,8 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     qk_scale = params.softmax_scale * LOG2E
     sh, st, sk = topk.strides()
     opts = launch_options(cfg)
-    common = dict(B=B, D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
+    common = dict(B=B, BN=min(B, cfg.attention_block_n), D=D, K=K, K_PAD=next_pow2(K),
+                  DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
     tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()))
 
     td = batch.num_decode_tokens

@@ -51,18 +51,23 @@ NAN_SCORE = tl.constexpr(-1e30)
 
 @triton.jit
 def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos,
-                      B: tl.constexpr, DI: tl.constexpr,
+                      ROWS: tl.constexpr, B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Max over block ``b``'s visible keys (``j <= pos``) of ``<q_row, key_j>``, per row; NaN -> -1e30."""
-    offs_j = tl.arange(0, B)
+    """Max over block ``b``'s visible keys (``j <= pos``) of ``<q_row, key_j>``, per row; NaN -> -1e30.
+
+    Keys are read ``BN`` at a time to bound register use.
+    """
     offs_d = tl.arange(0, DI)
-    keys = tl.load(page_ptr + offs_j[:, None] * s_ik_b + offs_d[None, :] * s_ik_d)
-    s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PREC)        # [ROWS, B] fp32
-    visible = (b * B + offs_j)[None, :] <= pos[:, None]
-    s = tl.where(visible, s, float("-inf"))
-    smax = tl.max(s, axis=1)
-    has_nan = tl.max((s != s).to(tl.int32), axis=1)
-    return tl.where(has_nan > 0, NAN_SCORE, smax)
+    smax = tl.full([ROWS], float("-inf"), tl.float32)
+    nans = tl.zeros([ROWS], tl.int32)
+    for c in tl.static_range(0, B, BN):
+        offs_j = c + tl.arange(0, BN)
+        keys = tl.load(page_ptr + offs_j[:, None] * s_ik_b + offs_d[None, :] * s_ik_d)
+        s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PREC)      # [ROWS, BN] fp32
+        s = tl.where((b * B + offs_j)[None, :] <= pos[:, None], s, float("-inf"))
+        smax = tl.maximum(smax, tl.max(s, axis=1))
+        nans += tl.max((s != s).to(tl.int32), axis=1)
+    return tl.where(nans > 0, NAN_SCORE, smax)
 
 
 @triton.jit
@@ -73,7 +78,8 @@ def _decode_score_kernel(
     qsl_ptr, pos_ptr,
     ws_ptr, s_ws_r, s_ws_row,
     H,
-    B: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr, BPS: tl.constexpr,
+    B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
+    BPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -99,7 +105,7 @@ def _decode_score_kernel(
         for b in tl.range(b0, b_end):
             page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
             smax = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos,
-                                     B, DI, DOT_DTYPE, DOT_PREC)
+                                     ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC)
             tl.store(ws_ptr + r * s_ws_r + rows * s_ws_row + b, smax, mask=row_ok)
 
 
@@ -148,7 +154,7 @@ def _prefill_index_kernel(
     qsl_ptr, pos_ptr,
     out_ptr, s_out_h, s_out_t, s_out_k,
     H, first_request,
-    B: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
+    B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -176,7 +182,7 @@ def _prefill_index_kernel(
         for b in tl.range(0, nb_max):
             page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
             sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos,
-                                   B, DI, DOT_DTYPE, DOT_PREC)
+                                   ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC)
             sb = tl.where(b < INIT, FORCED_INIT, sb)
             sb = tl.where(b >= nb_row - LOCAL, FORCED_LOCAL, sb)
             eligible = b < nb_row
@@ -211,7 +217,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     dot_dtype, dot_prec = dot_config(index_q.dtype, ik.dtype)
     sh, st, sk = out.strides()
     opts = launch_options(cfg)
-    common = dict(B=B, DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
+    common = dict(B=B, BN=min(B, cfg.index_block_n), DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
 
     nd = batch.num_decodes
     if nd > 0 and batch.num_decode_tokens > 0:

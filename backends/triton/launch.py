@@ -60,6 +60,9 @@ class LaunchConfig:
     prefill_attention_rows: int = 64
     prefill_attention_warps: int = 4
     num_stages: int = 2
+    #: keys per inner tile (a divisor of the block size, >= 16): bounds registers
+    index_block_n: int = 64
+    attention_block_n: int = 64
     #: extra launch options for this platform's Triton backend only (e.g. AMD's
     #: ``waves_per_eu``); applied only when the running backend is that platform
     platform_launch_options: tuple[tuple[str, Any], ...] = ()

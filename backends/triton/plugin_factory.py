@@ -43,7 +43,8 @@ SUPPORTED_TILE_SIZES = frozenset({16, 32, 64, 128, 256})
 #: launch sizes under the interpreter: few programs (each is simulated in Python),
 #: but more than one split so the flash-decoding merge runs in CI too
 INTERPRETER_CONFIG = LaunchConfig(target_programs=8, decode_index_min_blocks=1,
-                                  prefill_index_rows=32, prefill_attention_rows=32)
+                                  prefill_index_rows=32, prefill_attention_rows=32,
+                                  index_block_n=16, attention_block_n=16)
 
 
 def triton_missing() -> str:

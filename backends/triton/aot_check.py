@@ -1,0 +1,190 @@
+"""Compile every kernel for NVIDIA (sm_90) and AMD (gfx942) ahead of time, with no GPU.
+
+The interpreter proves the kernels' arithmetic on the CPU, but not that they
+*compile* for a GPU (tile minimums of ``tl.dot``, layouts, register limits).
+This module runs the real launchers of :mod:`.indexer` and :mod:`.attention`
+on CPU tensors at MiniMax-M3 shapes with each plugin's launch configuration,
+records every launch instead of running it, and compiles each recorded launch
+with Triton's own compiler for both targets. For NVIDIA it also reports
+registers and stack (spill) bytes from the cubin.
+
+Run (Triton's interpreter must be off: it replaces the kernels)::
+
+    python -m mm3_backends.triton.aot_check
+
+Exit status 0 when everything compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["Launch", "record_launches", "compile_launch", "main"]
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+@dataclass
+class Launch:
+    """One recorded kernel launch: the JIT function, its arguments and launch options."""
+
+    label: str
+    kernel: Any
+    args: tuple
+    kwargs: dict
+    options: dict = field(default_factory=dict)
+
+    def signature(self) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int], list]]:
+        """(signature, constexprs, attrs) as the JIT would specialize this call.
+
+        Like the JIT: an int argument equal to 1 becomes a constant, and ints
+        divisible by 16 and (aligned) pointers carry ``tt.divisibility = 16``;
+        without these the compiler cannot vectorize and the resource numbers
+        would be meaningless.
+        """
+        names = list(self.kernel.arg_names)
+        values = dict(zip(names, self.args))
+        values.update({k: v for k, v in self.kwargs.items() if k in names})
+        sig: dict[str, str] = {}
+        constexprs: dict[str, Any] = {}
+        attrs: dict[tuple[int], list] = {}
+        aligned = [["tt.divisibility", 16]]
+        for i, name in enumerate(names):
+            v = values[name]
+            if i in self.kernel.constexprs:
+                sig[name], constexprs[name] = "constexpr", v
+            elif isinstance(v, torch.Tensor):
+                sig[name] = "*" + _TYPES[v.dtype]
+                attrs[(i,)] = aligned
+            elif isinstance(v, bool):
+                sig[name] = "i1"
+            elif isinstance(v, int) and v == 1:
+                sig[name], constexprs[name] = "constexpr", 1
+            elif isinstance(v, int):
+                sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+                if v % 16 == 0:
+                    attrs[(i,)] = aligned
+            else:
+                sig[name] = "fp32"
+        return sig, constexprs, attrs
+
+
+class _Recorder:
+    def __init__(self, kernel: Any, label: str, sink: list[Launch]) -> None:
+        self.kernel, self.label, self.sink = kernel, label, sink
+
+    def __getitem__(self, grid: Any):  # noqa: ANN204 - mimics JITFunction[grid]
+        def launch(*args: Any, **kwargs: Any) -> None:
+            opts = {k: v for k, v in kwargs.items() if k not in self.kernel.arg_names}
+            self.sink.append(Launch(self.label, self.kernel, args, kwargs, opts))
+        return launch
+
+
+def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
+    """Every launch the plugin's hooks make on a mixed M3 step per shape variant (nothing runs)."""
+    from mm3.buffers import TopkBuffer
+    from mm3.params import SparseAttentionParams
+    from mm3.testing.factories import make_case
+
+    from . import attention, indexer
+
+    sink: list[Launch] = []
+    kernels = {m: [n for n in dir(m) if n.startswith("_") and n.endswith("_kernel")] for m in (indexer, attention)}
+    saved = {(m, n): getattr(m, n) for m, names in kernels.items() for n in names}
+    try:
+        for (m, n), k in saved.items():
+            setattr(m, n, _Recorder(k, f"{label}:{n}", sink))
+        cfg = plugin_spec.launch.for_device_sms(132)
+        # (tp, dtype, index dtype, decode query len, decodes); fp32 (tests only) is left out:
+        # its ieee dots take ten times longer to compile
+        variants = [
+            (1, torch.bfloat16, torch.bfloat16, 1, 64),
+            (8, torch.float16, torch.float8_e4m3fn, 4, 8),
+        ]
+        for tp, dtype, idt, dq, ndec in variants:
+            p = SparseAttentionParams.minimax_m3(tp_size=tp)
+            case = make_case(p, decodes=[300] * ndec, prefills=[(5, 260)], decode_query_len=dq,
+                             dtype=dtype, index_dtype=idt, seed=0)
+            T = case.batch.num_tokens
+            topk = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, plugin_spec.topk_layout)
+            indexer.index_topk(case.index_q, case.caches, case.batch, p, topk, cfg)
+            attention.attention_forward(case.q, case.caches, topk, case.batch, p, torch.empty_like(case.q), cfg)
+        for launch in sink:
+            launch.options.update(dict(cfg.platform_launch_options))
+    finally:
+        for (m, n), k in saved.items():
+            setattr(m, n, k)
+    return sink
+
+
+def _nvidia_usage(kernel: Any) -> str:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    line = next((ln for ln in out.splitlines() if "REG:" in ln), "")
+    return " ".join(line.split()[:2])
+
+
+def compile_launch(launch: Launch, target: str) -> tuple[Optional[str], str]:
+    """Compile ``launch`` for ``target`` ('nvidia' or 'amd'); returns (error or None, resource note)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    gpu = GPUTarget("cuda", 90, 32) if target == "nvidia" else GPUTarget("hip", "gfx942", 64)
+    options = dict(launch.options)
+    if target == "nvidia":
+        options = {k: v for k, v in options.items() if k in ("num_warps", "num_stages")}
+    sig, constexprs, attrs = launch.signature()
+    try:
+        k = triton.compile(ASTSource(launch.kernel, sig, constexprs=constexprs, attrs=attrs), target=gpu,
+                           options=options)
+    except Exception as e:  # any compiler failure is the finding
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}", ""
+    note = _nvidia_usage(k) if target == "nvidia" else ""
+    return None, f"{note} smem {k.metadata.shared}".strip()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("aot_check: unset TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
+        return 2
+    from mm3_backends.cuda.plugin import SPEC as CUDA
+    from mm3_backends.rocm.plugin import SPEC as ROCM
+
+    failures = 0
+    seen: set[str] = set()
+    for spec, target in ((CUDA, "nvidia"), (ROCM, "amd"), (ROCM, "nvidia")):
+        for launch in record_launches(spec, spec.name):
+            sig, constexprs, _ = launch.signature()
+            key = f"{target}:{launch.kernel.__name__}:{sorted(sig.items())}:{constexprs}:{launch.options}"
+            if key in seen:
+                continue
+            seen.add(key)
+            t0 = time.perf_counter()
+            err, note = compile_launch(launch, target)
+            failures += err is not None
+            shown = {k: v for k, v in constexprs.items() if k.isupper() and k != "DOT_PREC"}
+            print(f"{'FAIL' if err else 'ok  '} {target:6} {launch.label:32} {time.perf_counter() - t0:5.1f}s "
+                  f"{note:30} {shown} {launch.options}" + (f"\n     {err}" if err else ""), flush=True)
+    print(f"{len(seen)} compilations, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

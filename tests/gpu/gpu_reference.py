@@ -1,0 +1,183 @@
+"""GPU-side fp64 references for real M3 shapes, where the CPU oracle is too slow.
+
+``mm3.testing.oracle`` converts the *whole* caches to fp64 on the CPU and walks
+positions in Python: fine for tiny shapes, hopeless at 128K contexts. These
+helpers compute the same SPEC §3/§4 quantities for a chosen subset of tokens,
+in float64 on the GPU, gathering only the pages each token can see. Like the
+oracle, they share no code with any backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from mm3.batch import BatchMetadata
+from mm3.buffers import PagedKVCache, TopkBuffer
+from mm3.params import SparseAttentionParams
+
+__all__ = ["GpuCase", "build_case", "block_scores", "selection_errors", "attention_reference",
+           "sample_tokens"]
+
+FORCED_INIT, FORCED_LOCAL, NAN_SCORE = 1e30, 1e29, -1e30
+
+
+@dataclass
+class GpuCase:
+    params: SparseAttentionParams
+    q: torch.Tensor
+    index_q: torch.Tensor
+    caches: PagedKVCache
+    batch: BatchMetadata
+
+
+def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefills: Sequence[tuple[int, int]],
+               decode_query_len: int = 1, padding_decodes: int = 0, dtype: torch.dtype = torch.bfloat16,
+               index_dtype: torch.dtype = torch.bfloat16, kv_layout: str = "NHD", seed: int = 0,
+               width: Optional[int] = None, num_pages: Optional[int] = None,
+               device: str = "cuda") -> GpuCase:
+    """A random mixed step generated on the GPU, pages randomly permuted, unused table entries -1.
+
+    ``width`` (block-table columns) defaults to the longest request's blocks + 3.
+    """
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    ql = [decode_query_len] * len(decodes)
+    sl = list(decodes)
+    for i in range(padding_decodes):          # padding between real decodes, not only at the end
+        at = min(len(ql), 1 + 2 * i)
+        ql.insert(at, decode_query_len)
+        sl.insert(at, 0)
+    nd = len(ql)
+    for q, s in prefills:
+        ql.append(q)
+        sl.append(s)
+    B = params.block_size
+    need = [-(-s // B) for s in sl]
+    pages = num_pages or sum(need) + 8
+    perm = torch.randperm(pages, device=dev, generator=g).to(torch.int32)
+    bt = torch.full((len(ql), width or max(need) + 3), -1, dtype=torch.int32, device=dev)
+    at = 0
+    for r, n in enumerate(need):
+        bt[r, :n] = perm[at:at + n]
+        at += n
+    batch = BatchMetadata.build(ql, sl, bt, block_size=B, num_decodes=nd, decode_query_len=decode_query_len,
+                                device=dev)
+    caches = PagedKVCache.allocate(pages, B, params.num_kv_heads, params.head_dim, params.index_head_dim,
+                                   dtype, index_dtype, kv_layout, dev)
+    for t in (caches.k, caches.v):
+        t.copy_(torch.randn(t.shape, device=dev, generator=g, dtype=torch.float32))
+    caches.index.copy_(torch.randn(caches.index.shape, device=dev, generator=g).to(index_dtype))
+    T = batch.num_tokens
+    q = torch.randn(T, params.num_heads, params.head_dim, device=dev, generator=g).to(dtype)
+    index_q = torch.randn(T, params.num_index_heads, params.index_head_dim, device=dev, generator=g).to(dtype)
+    return GpuCase(params, q, index_q, caches, batch)
+
+
+def sample_tokens(batch: BatchMetadata, per_prefill: int = 24) -> list[int]:
+    """All decode tokens, and for each prefill its first, last and ``per_prefill`` spread tokens."""
+    toks = list(range(batch.num_decode_tokens))
+    qsl = batch.query_start_loc.tolist()
+    for r in range(batch.num_decodes, batch.num_requests):
+        a, b = qsl[r], qsl[r + 1]
+        step = max(1, (b - a) // per_prefill)
+        toks.extend(sorted(set(range(a, b, step)) | {a, b - 1}))
+    return toks
+
+
+def _visible(batch: BatchMetadata, caches: PagedKVCache, t: int, host: dict) -> tuple[int, int, torch.Tensor]:
+    """(request, position, page of each visible block) of token ``t``."""
+    r, p = host["req"][t], host["pos"][t]
+    nb = p // batch.block_size + 1
+    return r, p, batch.block_table[r, :nb].long()
+
+
+def _host(batch: BatchMetadata) -> dict:
+    return {"req": batch.token_to_request.tolist(), "pos": batch.token_positions.tolist()}
+
+
+def block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+                 params: SparseAttentionParams, tokens: Iterable[int]) -> dict[int, torch.Tensor]:
+    """SPEC §3.3-3.4 block scores S ``[H, nb]`` (fp64, forced blocks applied) for each token in ``tokens``."""
+    host, B = _host(batch), params.block_size
+    out: dict[int, torch.Tensor] = {}
+    for t in tokens:
+        if host["pos"][t] < 0:
+            out[t] = torch.empty(params.num_index_heads, 0, dtype=torch.float64)
+            continue
+        r, p, pages = _visible(batch, caches, t, host)
+        # gather as bytes: advanced indexing of float8 tensors is not available everywhere
+        raw = caches.index.view(torch.uint8) if caches.index.dtype == torch.float8_e4m3fn else caches.index
+        keys = raw[pages].view(caches.index.dtype).float().to(torch.float64).reshape(-1, params.index_head_dim)
+        s = index_q[t].to(torch.float64) @ keys.T                                          # [H, nb*B]
+        s[:, p + 1:] = float("-inf")
+        S = s.view(s.shape[0], -1, B).amax(dim=2)
+        S = torch.nan_to_num(S, nan=NAN_SCORE, posinf=float("inf"), neginf=float("-inf"))
+        nb = S.shape[1]
+        S[:, :min(params.init_blocks, nb)] = FORCED_INIT
+        S[:, max(nb - params.local_blocks, 0):] = FORCED_LOCAL
+        out[t] = S.cpu()
+    return out
+
+
+def selection_errors(buf: TopkBuffer, scores: dict[int, torch.Tensor], params: SparseAttentionParams,
+                     rel_tol: float = 1e-3) -> list[str]:
+    """SPEC §3's row rules (format, forced blocks, tie-tolerant optimality) for the sampled tokens."""
+    view = buf.head_major()
+    errors: list[str] = []
+    K = params.topk
+    for t, S in scores.items():
+        rows = view[:, t].cpu().tolist()
+        nb = S.shape[1]
+        for h, row in enumerate(rows):
+            where = f"token {t} head {h}: row {row}"
+            if nb == 0:
+                if any(x != -1 for x in row):
+                    errors.append(f"{where}: padding token must be all -1")
+                continue
+            k = min(K, nb)
+            valid = row[:k]
+            if any(x == -1 for x in valid) or any(x != -1 for x in row[k:]):
+                errors.append(f"{where}: expected {k} ids then -1")
+            elif len(set(valid)) != k or not all(0 <= x < nb for x in valid):
+                errors.append(f"{where}: duplicate or out-of-range id (nb={nb})")
+            else:
+                chosen = torch.zeros(nb, dtype=torch.bool)
+                chosen[valid] = True
+                Sh = S[h]
+                if bool(((Sh >= FORCED_LOCAL) & ~chosen).any()):
+                    errors.append(f"{where}: a forced block is missing")
+                elif not bool(chosen.all()):
+                    free = Sh[(Sh < FORCED_LOCAL) & (Sh > NAN_SCORE)]
+                    tol = rel_tol * (float(free.abs().max()) if free.numel() else 1.0)
+                    lo, hi = float(Sh[chosen].min()), float(Sh[~chosen].max())
+                    if lo < hi - tol:
+                        errors.append(f"{where}: selected {lo:.6g} < unselected {hi:.6g} - {tol:.3g}")
+    return errors
+
+
+def attention_reference(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
+                        params: SparseAttentionParams, tokens: Iterable[int]) -> dict[int, torch.Tensor]:
+    """SPEC §4 output ``[Hq, D]`` (fp64) of each token in ``tokens``, for the selection in ``topk``."""
+    host, B, G = _host(batch), params.block_size, params.gqa_group
+    view = topk.head_major()
+    out: dict[int, torch.Tensor] = {}
+    for t in tokens:
+        res = torch.zeros(params.num_heads, params.head_dim, dtype=torch.float64, device=q.device)
+        if host["pos"][t] >= 0:
+            r, p, pages = _visible(batch, caches, t, host)
+            for h in range(params.num_kv_heads):
+                ids = sorted({b for b in view[h, t].tolist() if 0 <= b < pages.numel()})
+                if not ids:
+                    continue
+                js = torch.cat([torch.arange(b * B, min(b * B + B, p + 1), device=q.device) for b in ids])
+                pg = pages[js // B]
+                keys = caches.k[pg, js % B, h].to(torch.float64)
+                vals = caches.v[pg, js % B, h].to(torch.float64)
+                qs = q[t, h * G:(h + 1) * G].to(torch.float64)
+                w = torch.softmax(params.softmax_scale * (qs @ keys.T), dim=1)
+                res[h * G:(h + 1) * G] = w @ vals
+        out[t] = res
+    return out
