@@ -198,7 +198,18 @@ class PluginProblem:
 
 
 def _exc_line(exc: BaseException) -> str:
-    """The last line of a traceback: ``"ModuleNotFoundError: No module named 'x'"``."""
+    """The last line of a traceback: ``"ModuleNotFoundError: No module named 'x'"``.
+
+    A pydantic ``ValidationError`` (e.g. ``BackendCapabilities(...)`` built with a
+    bad field inside a plugin) spans several lines; it becomes one line naming
+    each field, so ``mm3 backends`` can print it as one readable line.
+    """
+    if isinstance(exc, ValidationError):
+        fields = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc']) or '(model)'}: {err['msg']}"
+            + (f" (got {err['input']!r})" if err["type"] != "missing" else "")
+            for err in exc.errors())
+        return f"ValidationError: invalid {exc.title}: {fields}"
     return traceback.format_exception_only(type(exc), exc)[-1].strip()
 
 
