@@ -8,5 +8,7 @@ from mm3.config import Settings
 from mm3.params import SparseAttentionParams
 from mm3.registry import Backend, Registry, default_registry
 from mm3.selection import Selection, select
+from mm3.layer import SparseAttention
+from mm3.scope import use_backend
 
 __version__ = "0.1.0"
