@@ -39,6 +39,7 @@ from mm3.buffers import PagedKVCache, TopkBuffer
 from mm3.params import SparseAttentionParams
 
 from .launch import LaunchConfig, next_pow2
+from .tiles import load_rows, store_rows, token_rows
 from .tl_utils import dot_config, launch_options
 
 __all__ = ["attention_forward"]
@@ -76,15 +77,9 @@ def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, s_qt, s_qh, s_qd,
-    k_ptr, s_kp, s_kb, s_kh, s_kd,
-    v_ptr, s_vp, s_vb, s_vh, s_vd,
-    bt_ptr, s_bt_r, s_bt_b,
-    tok_req_ptr, pos_ptr,
-    sel_ptr, s_sel_h, s_sel_t, s_sel_k,
-    out_ptr, s_ot, s_oh, s_od,
-    ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-    G, qk_scale,
+    q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
+    bt_ptr, s_bt_r, s_bt_b, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
+    out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, qk_scale,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -101,11 +96,10 @@ def _decode_attention_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
+    toks = tl.full([G_PAD], 0, tl.int32) + t
     if pos >= 0:
         nb = pos // B + 1
-        qh = h * G + rows
-        q = tl.load(q_ptr + t * s_qt + qh[:, None] * s_qh + offs_d[None, :] * s_qd,
-                    mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+        q = load_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
         pos_rows = tl.full([G_PAD], 0, tl.int32) + pos
         slots = tl.arange(0, K_PAD)
         sel_row = sel_ptr + h * s_sel_h + t * s_sel_t
@@ -119,9 +113,7 @@ def _decode_attention_kernel(
                     q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                     s_kb, s_kd, s_vb, s_vd, row_ok, pos_rows, blk, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
     if SPLITS == 1:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + t * s_ot + (h * G + rows)[:, None] * s_oh + offs_d[None, :] * s_od,
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        store_rows(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
     else:
         base = (t * num_h + h) * SPLITS + sp
         tl.store(ws_m_ptr + base * G_PAD + rows, m_i)
@@ -131,9 +123,7 @@ def _decode_attention_kernel(
 
 @triton.jit
 def _merge_kernel(
-    out_ptr, s_ot, s_oh, s_od,
-    ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-    G,
+    out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G,
     D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -154,45 +144,26 @@ def _merge_kernel(
         w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_ref))
         l_tot += w * tl.load(ws_l_ptr + (base + s) * G_PAD + rows)
         acc += w[:, None] * tl.load(ws_acc_ptr + ((base + s) * G_PAD + rows)[:, None] * D + offs_d[None, :])
-    o = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
-    row_ok = rows < G
-    tl.store(out_ptr + t * s_ot + (h * G + rows)[:, None] * s_oh + offs_d[None, :] * s_od,
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    store_rows(out_ptr, tl.full([G_PAD], 0, tl.int32) + t, h * G + rows, s_ot, s_oh, s_od, acc, l_tot,
+               rows < G, D)
 
 
 @triton.jit
 def _prefill_attention_kernel(
-    q_ptr, s_qt, s_qh, s_qd,
-    k_ptr, s_kp, s_kb, s_kh, s_kd,
-    v_ptr, s_vp, s_vb, s_vh, s_vd,
-    bt_ptr, s_bt_r, s_bt_b,
-    qsl_ptr, pos_ptr,
-    sel_ptr, s_sel_h, s_sel_t, s_sel_k,
-    out_ptr, s_ot, s_oh, s_od,
-    G, first_request, qk_scale,
+    q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
+    bt_ptr, s_bt_r, s_bt_b, qsl_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
+    out_ptr, s_ot, s_oh, s_od, G, first_request, qk_scale,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
-    K: tl.constexpr, K_PAD: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    K: tl.constexpr, K_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     r = first_request + tl.program_id(0)
-    t0 = tl.program_id(1) * M
     h = tl.program_id(2)
-    start = tl.load(qsl_ptr + r)
-    qlen = tl.load(qsl_ptr + r + 1) - start
-    if t0 < qlen:
-        rows = tl.arange(0, ROWS)
-        mi = rows // G
-        gi = rows % G
-        row_in = (mi < M) & (t0 + mi < qlen)
-        tok = start + t0 + mi
-        pos = tl.load(pos_ptr + tok, mask=row_in, other=-1)
-        row_ok = row_in & (pos >= 0)
-        nb_row = tl.where(row_ok, pos // B + 1, 0)
+    tok, gi, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, G,
+                                                      ROWS, M, B)
+    if tl.max(row_in.to(tl.int32), axis=0) > 0:
         nb_max = tl.max(nb_row, axis=0)
-        offs_d = tl.arange(0, D)
         qh = h * G + gi
-        q = tl.load(q_ptr + tok[:, None] * s_qt + qh[:, None] * s_qh + offs_d[None, :] * s_qd,
-                    mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+        q = load_rows(q_ptr, tok, qh, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
         slots = tl.arange(0, K_PAD)
         sel = tl.load(sel_ptr + h * s_sel_h + tok[:, None] * s_sel_t + slots[None, :] * s_sel_k,
                       mask=row_ok[:, None] & (slots < K)[None, :], other=-1)
@@ -208,9 +179,7 @@ def _prefill_attention_kernel(
                 m_i, l_i, acc = _attend_block(
                     q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                     s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + tok[:, None] * s_ot + qh[:, None] * s_oh + offs_d[None, :] * s_od,
-                 o.to(out_ptr.dtype.element_ty), mask=row_in[:, None])
+        store_rows(out_ptr, tok, qh, s_ot, s_oh, s_od, acc, l_i, row_in, D)
 
 
 def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,

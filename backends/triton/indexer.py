@@ -39,6 +39,7 @@ from mm3.buffers import PagedKVCache, TopkBuffer
 from mm3.params import SparseAttentionParams
 
 from .launch import LaunchConfig, next_pow2
+from .tiles import load_rows, token_rows
 from .tl_utils import dot_config, launch_options
 
 __all__ = ["index_topk"]
@@ -72,37 +73,20 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos,
 
 @triton.jit
 def _decode_score_kernel(
-    iq_ptr, s_iq_t, s_iq_h, s_iq_d,
-    ik_ptr, s_ik_p, s_ik_b, s_ik_d,
-    bt_ptr, s_bt_r, s_bt_b,
-    qsl_ptr, pos_ptr,
-    ws_ptr, s_ws_r, s_ws_row,
-    H,
+    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b,
+    qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
-    BPS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     r = tl.program_id(0)
-    split = tl.program_id(1)
-    start = tl.load(qsl_ptr + r)
-    qlen = tl.load(qsl_ptr + r + 1) - start
-    rows = tl.arange(0, ROWS)
-    qi = rows // H
-    hh = rows % H
-    row_ok = (qi < qlen) & (qi < Q)
-    tok = start + qi
-    pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
-    row_ok = row_ok & (pos >= 0)
-    max_pos = tl.max(tl.where(row_ok, pos, -1), axis=0)
-    # no negative integer division: Triton truncates where Python floors
-    nb_req = tl.where(max_pos >= 0, max_pos // B + 1, 0)
-    b0 = split * BPS
+    b0 = tl.program_id(1) * BPS
+    # rows = (speculative row, index head): every index key is read once for all of them
+    tok, hh, row_in, pos, row_ok, nb = token_rows(qsl_ptr, pos_ptr, r, 0, H, ROWS, Q, B)
+    nb_req = tl.max(nb, axis=0)
     if b0 < nb_req:
-        offs_d = tl.arange(0, DI)
-        q = tl.load(iq_ptr + tok[:, None] * s_iq_t + hh[:, None] * s_iq_h + offs_d[None, :] * s_iq_d,
-                    mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
-        b_end = tl.minimum(b0 + BPS, nb_req)
-        for b in tl.range(b0, b_end):
+        q = load_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE)
+        rows = tl.arange(0, ROWS)
+        for b in tl.range(b0, tl.minimum(b0 + BPS, nb_req)):
             page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
             smax = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos,
                                      ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC)
@@ -111,10 +95,7 @@ def _decode_score_kernel(
 
 @triton.jit
 def _decode_topk_kernel(
-    ws_ptr, s_ws_r, s_ws_row,
-    qsl_ptr, pos_ptr,
-    out_ptr, s_out_h, s_out_t, s_out_k,
-    H,
+    ws_ptr, s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H,
     B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
     INIT: tl.constexpr, LOCAL: tl.constexpr,
 ):
@@ -148,33 +129,18 @@ def _decode_topk_kernel(
 
 @triton.jit
 def _prefill_index_kernel(
-    iq_ptr, s_iq_t, s_iq_h, s_iq_d,
-    ik_ptr, s_ik_p, s_ik_b, s_ik_d,
-    bt_ptr, s_bt_r, s_bt_b,
-    qsl_ptr, pos_ptr,
-    out_ptr, s_out_h, s_out_t, s_out_k,
-    H, first_request,
+    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b,
+    qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     r = first_request + tl.program_id(0)
-    t0 = tl.program_id(1) * M
-    start = tl.load(qsl_ptr + r)
-    qlen = tl.load(qsl_ptr + r + 1) - start
-    if t0 < qlen:
-        rows = tl.arange(0, ROWS)
-        mi = rows // H
-        hh = rows % H
-        row_in = (mi < M) & (t0 + mi < qlen)
-        tok = start + t0 + mi
-        pos = tl.load(pos_ptr + tok, mask=row_in, other=-1)
-        row_ok = row_in & (pos >= 0)
-        nb_row = tl.where(row_ok, pos // B + 1, 0)
+    tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H,
+                                                      ROWS, M, B)
+    if tl.max(row_in.to(tl.int32), axis=0) > 0:
         nb_max = tl.max(nb_row, axis=0)
-        offs_d = tl.arange(0, DI)
-        q = tl.load(iq_ptr + tok[:, None] * s_iq_t + hh[:, None] * s_iq_h + offs_d[None, :] * s_iq_d,
-                    mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+        q = load_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE)
         slots = tl.arange(0, K_PAD)[None, :]
         # Running top-K per row. Slot ids: -1 = empty, -2 = padding slot (>= K, never used).
         best_i = tl.where(slots < K, -1, -2) + tl.zeros([ROWS, K_PAD], tl.int32)

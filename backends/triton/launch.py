@@ -32,7 +32,7 @@ def next_pow2(n: int) -> int:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes, warps and pipelining depth for one platform.
+    """Tile sizes, warps and pipelining depth for one platform (defaults: NVIDIA Hopper/Ampere).
 
     ``target_programs`` is the number of programs a bandwidth-bound decode
     kernel should launch to fill the device (about two per multiprocessor);
@@ -52,13 +52,14 @@ class LaunchConfig:
     topk_warps: int = 4
     # prefill indexer: rows = tokens x index heads in one tile
     prefill_index_rows: int = 64
-    prefill_index_warps: int = 4
-    # decode attention: all query heads of a KV group in one tile; split over selected blocks
-    decode_attention_warps: int = 4
+    prefill_index_warps: int = 8
+    # decode attention: all query heads of a KV group in one tile; split over selected blocks.
+    # 8 warps: at 4, a 16 x 64 key sub-tile plus V and the accumulator spill on sm_90
+    decode_attention_warps: int = 8
     decode_attention_max_splits: int = 16
     # prefill attention: rows = tokens x query heads of one KV group
     prefill_attention_rows: int = 64
-    prefill_attention_warps: int = 4
+    prefill_attention_warps: int = 8
     num_stages: int = 2
     #: keys per inner tile (a divisor of the block size, >= 16): bounds registers
     index_block_n: int = 64

@@ -86,16 +86,33 @@ def _loaded_kernel_mode() -> str:
 
 @dataclass(frozen=True)
 class TritonPluginSpec:
-    """Everything that distinguishes one Triton platform plugin from another."""
+    """Everything that distinguishes one Triton platform plugin from another.
+
+    ``platform()`` answers for a GPU device: ``(problem, note)``; a non-empty
+    problem makes the probe say no with it, else the note is the probe's reason.
+    """
 
     name: str
     description: str
     topk_layout: TopkLayout
-    probe: Callable[[torch.device], Probe]
+    platform: Callable[[], tuple[str, str]]
     launch: LaunchConfig
     priority: int = 100
     kv_cache_layout: KVCacheLayout = "NHD"
     max_decode_query_len: int = MINIMAX_M3_MAX_DECODE_QUERY_LEN
+
+    def probe(self, device: torch.device) -> Probe:
+        """CPU: the interpreter only; GPU: the platform check, a visible device, Triton."""
+        if device.type == "cpu":
+            return interpreter_probe(self.name)
+        if device.type != "cuda":
+            return Probe.no(f"{self.name} serves GPU tensors (torch device type 'cuda'), not {device.type!r}")
+        problem, note = self.platform()
+        if problem:
+            return Probe.no(problem)
+        if not torch.cuda.is_available():
+            return Probe.no("no GPU is visible (torch.cuda.is_available() is False)")
+        return Probe.no(triton_missing()) if triton_missing() else Probe.yes(note)
 
     def capabilities(self) -> BackendCapabilities:
         return BackendCapabilities(

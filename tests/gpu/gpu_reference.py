@@ -17,6 +17,7 @@ import torch
 from mm3.batch import BatchMetadata
 from mm3.buffers import PagedKVCache, TopkBuffer
 from mm3.params import SparseAttentionParams
+from mm3.testing.factories import make_case
 
 __all__ = ["GpuCase", "build_case", "block_scores", "selection_errors", "attention_reference",
            "sample_tokens"]
@@ -38,33 +39,25 @@ def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefill
                index_dtype: torch.dtype = torch.bfloat16, kv_layout: str = "NHD", seed: int = 0,
                width: Optional[int] = None, num_pages: Optional[int] = None,
                device: str = "cuda") -> GpuCase:
-    """A random mixed step generated on the GPU, pages randomly permuted, unused table entries -1.
+    """A random mixed step whose caches and queries are generated on ``device``.
 
+    The batch (decode-first order, padding decodes between real ones, permuted
+    pages, ``-1`` in unused table entries) comes from ``make_case`` run with
+    16-wide heads, whose CPU-made caches are tiny; the real caches are drawn
+    here on the GPU, ``num_pages`` of them (at least what the batch uses).
     ``width`` (block-table columns) defaults to the longest request's blocks + 3.
     """
+    B = params.block_size
+    need = max([-(-s // B) for s in list(decodes) + [s for _, s in prefills]])
+    shape_only = SparseAttentionParams(num_heads=1, num_kv_heads=1, head_dim=16, num_index_heads=1,
+                                       index_head_dim=16, block_size=B, topk=params.topk,
+                                       init_blocks=params.init_blocks, local_blocks=params.local_blocks)
+    batch = make_case(shape_only, decodes=decodes, prefills=prefills, decode_query_len=decode_query_len,
+                      padding_decodes=padding_decodes, dtype="float32", index_dtype="float32", seed=seed,
+                      extra_block_columns=(width or need + 3) - need, device=device).batch
+    pages = max(num_pages or 0, int(batch.block_table.max()) + 1)
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
-    ql = [decode_query_len] * len(decodes)
-    sl = list(decodes)
-    for i in range(padding_decodes):          # padding between real decodes, not only at the end
-        at = min(len(ql), 1 + 2 * i)
-        ql.insert(at, decode_query_len)
-        sl.insert(at, 0)
-    nd = len(ql)
-    for q, s in prefills:
-        ql.append(q)
-        sl.append(s)
-    B = params.block_size
-    need = [-(-s // B) for s in sl]
-    pages = num_pages or sum(need) + 8
-    perm = torch.randperm(pages, device=dev, generator=g).to(torch.int32)
-    bt = torch.full((len(ql), width or max(need) + 3), -1, dtype=torch.int32, device=dev)
-    at = 0
-    for r, n in enumerate(need):
-        bt[r, :n] = perm[at:at + n]
-        at += n
-    batch = BatchMetadata.build(ql, sl, bt, block_size=B, num_decodes=nd, decode_query_len=decode_query_len,
-                                device=dev)
     caches = PagedKVCache.allocate(pages, B, params.num_kv_heads, params.head_dim, params.index_head_dim,
                                    dtype, index_dtype, kv_layout, dev)
     for t in (caches.k, caches.v):
