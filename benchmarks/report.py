@@ -1,0 +1,407 @@
+"""Turn the harness's records into JSON, a Markdown report, PNG plots and a target scorecard.
+
+Records are flat dicts (see :mod:`benchmarks.harness`): one per (configuration,
+implementation, part) with ``ms`` and, where counted, ``bytes``/``GBps``/
+``pct_copy`` or ``flops``/``TFLOPs``; failed peers carry ``error``, skipped
+configurations ``note``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+__all__ = ["write_all", "targets", "markdown", "summary_text", "check_failures", "TOLERANCES"]
+
+K = 1024
+FP8 = "float8_e4m3fn"
+#: (selection agreement with cpu_ref, max |attention error|) below which a check fails
+TOLERANCES = {"sel_match": 0.95, "attn_max_err": 2e-2, "flex_diff": 3e-2}
+
+
+def _find(records: Iterable[dict], **kw: Any) -> Optional[dict]:
+    for r in records:
+        if "ms" in r and all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def _best_dense(records: list[dict], **kw: Any) -> Optional[dict]:
+    """The faster of flash and cuDNN SDPA (the peers named by the targets)."""
+    got = [r for n in ("sdpa:flash", "sdpa:cudnn") if (r := _find(records, impl=n, **kw)) is not None]
+    return min(got, key=lambda r: r["ms"]) if got else None
+
+
+def _mm3(records: list[dict]) -> str:
+    for r in records:
+        if str(r.get("impl", "")).startswith("mm3:"):
+            return r["impl"]
+    return "mm3:?"
+
+
+def targets(records: list[dict], ceil: dict) -> list[dict]:
+    """Issue 4's targets, each with the goal, the measured figure and whether it is met."""
+    me = _mm3(records)
+    dec = dict(kind="decode", shape="TP1", batch=64, context=64 * K, qlen=1)
+    out: list[dict] = []
+
+    def add(name: str, goal: str, measured: Optional[float], ok: Optional[bool], text: str, note: str = "") -> None:
+        out.append({"target": name, "goal": goal, "measured": measured, "met": ok if measured is not None else None,
+                    "text": text, "note": note})
+
+    s = _find(records, impl=me, part="step", index_dtype="bfloat16", **dec)
+    add("decode TP1 b64 64K bf16 index: % of copy bandwidth", ">= 97%",
+        s and s.get("pct_copy"), s is not None and s.get("pct_copy", 0) >= 97,
+        f"{s['pct_copy']:.1f}% of copy ({s['ms'] * 1e3:.0f} us, {s['GBps']:.0f} GB/s; "
+        f"{s.get('pct_read', float('nan')):.1f}% of pure read)" if s else "not measured")
+    f8 = _find(records, impl=me, part="step", index_dtype=FP8, **dec)
+    add("decode TP1 b64 64K fp8 index: time", "<= 200 us", f8 and f8["ms"] * 1e3,
+        f8 is not None and f8["ms"] <= 0.200,
+        f"{f8['ms'] * 1e3:.0f} us ({f8.get('pct_copy', float('nan')):.1f}% of copy)" if f8 else "not measured")
+    b1 = _find(records, impl=me, part="step", kind="decode", shape="TP1", batch=1, context=64 * K, qlen=1,
+               index_dtype="bfloat16")
+    add("decode TP1 b1 64K: time (CUDA graph)", "<= 12 us", b1 and b1["ms"] * 1e3,
+        b1 is not None and b1["ms"] <= 0.012, f"{b1['ms'] * 1e3:.1f} us" if b1 else "not measured")
+    dense = _best_dense(records, **dec)
+    for rec, goal, label in ((s, 6.0, "bf16"), (f8, 10.0, "fp8")):
+        x = dense["ms"] / rec["ms"] if dense and rec else None
+        add(f"decode TP1 b64 64K {label} index: speed-up over best dense SDPA", f">= {goal:g}x", x,
+            x is not None and x >= goal,
+            f"{x:.1f}x ({dense['impl']} {dense['ms'] * 1e3:.0f} us)" if x else "not measured")
+    a = _find(records, impl=me, part="attention", index_dtype="bfloat16", **dec)
+    fx = _find(records, impl="flex", part="attention", index_dtype="bfloat16", **dec)
+    x = fx["ms"] / a["ms"] if a and fx else None
+    add("decode TP1 b64 64K attention: speed-up over FlexAttention", ">= 1.4x", x, x is not None and x >= 1.4,
+        f"{x:.2f}x (mm3 {a['ms'] * 1e3:.0f} us, flex {fx['ms'] * 1e3:.0f} us)" if x else "not measured")
+    for ctx_ in (32 * K, 0):
+        for loc in (0.0, 0.9):
+            r = _find(records, impl=me, part="attention", kind="prefill", shape="TP1", context=ctx_, locality=loc)
+            sel = "random" if loc == 0 else f"shared {loc:g}"
+            add(f"prefill TP1 8K ctx {ctx_ // K}K ({sel} sel.): sparse attention TFLOP/s", ">= 350 (stretch 500)",
+                r and r["TFLOPs"], r is not None and r["TFLOPs"] >= 350,
+                f"{r['TFLOPs']:.0f} TFLOP/s ({r['ms']:.3f} ms)" if r else "not measured")
+    r = _find(records, impl=me, part="indexer", kind="prefill", shape="TP1", context=64 * K)
+    add("prefill TP1 8K ctx 64K: indexer TFLOP/s", ">= 450", r and r["TFLOPs"],
+        r is not None and r["TFLOPs"] >= 450, f"{r['TFLOPs']:.0f} TFLOP/s ({r['ms']:.3f} ms)" if r else "not measured")
+    for loc in (0.0, 0.9):
+        r = _find(records, impl=me, part="step", kind="prefill", shape="TP1", context=32 * K, locality=loc)
+        sel = "random" if loc == 0 else f"shared {loc:g}"
+        add(f"prefill TP1 8K ctx 32K ({sel} sel.): whole step", "<= 2.0 ms", r and r["ms"],
+            r is not None and r["ms"] <= 2.0, f"{r['ms']:.3f} ms" if r else "not measured")
+    for loc in (0.0, 0.9):
+        r = _find(records, impl=me, part="step", kind="prefill", shape="TP1", context=0, locality=loc)
+        d = _best_dense(records, kind="prefill", shape="TP1", context=0, locality=0.0)
+        sel = "random" if loc == 0 else f"shared {loc:g}"
+        x = d["ms"] / r["ms"] if r and d else None
+        add(f"prefill TP1 8K ctx 0 ({sel} sel.): step vs dense causal SDPA", "faster (> 1x)", x,
+            x is not None and x > 1.0,
+            f"{x:.2f}x (mm3 {r['ms']:.3f} ms, {d['impl']} {d['ms']:.3f} ms)" if x else "not measured")
+    return out
+
+
+def check_failures(records: list[dict]) -> list[str]:
+    """Correctness checks that failed: selection agreement, attention error, FlexAttention agreement."""
+    bad = []
+    for r in records:
+        c = r.get("check") or {}
+        if "sel_match" in c and c["sel_match"] < TOLERANCES["sel_match"]:
+            bad.append(f"{r['config']} {r['impl']}: selection agrees with the reference on "
+                       f"{c['sel_match'] * 100:.1f}% of rows")
+        if "attn_max_err" in c and not c["attn_max_err"] <= TOLERANCES["attn_max_err"]:
+            bad.append(f"{r['config']} {r['impl']}: attention max error {c['attn_max_err']:.3g}")
+        if "max_abs_diff_vs_mm3" in c and not c["max_abs_diff_vs_mm3"] <= TOLERANCES["flex_diff"]:
+            bad.append(f"{r['config']} flex: differs from mm3 by {c['max_abs_diff_vs_mm3']:.3g}")
+    return bad
+
+
+# -- Markdown ----------------------------------------------------------------------------------------
+
+def _us(r: Optional[dict]) -> str:
+    if r is None:
+        return "-"
+    return f"{r['ms'] * 1e3:.1f}" if r["ms"] < 10 else f"{r['ms'] * 1e3:.0f}"
+
+
+def _ctxs(n: int) -> str:
+    return f"{n // K}K" if n >= K and n % K == 0 else str(n)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return lines
+
+
+def _decode_rows(records: list[dict]) -> list[list[str]]:
+    me = _mm3(records)
+    configs: dict[str, dict] = {}
+    for r in records:
+        if r.get("kind") == "decode" and "ms" in r:
+            configs.setdefault(r["config"], r)
+    rows = []
+    for name, r0 in configs.items():
+        key = dict(config=name)
+        idx, att, st = (_find(records, impl=me, part=p, **key) for p in ("indexer", "attention", "step"))
+        fl, cu, ef = (_find(records, impl=f"sdpa:{n}", **key) for n in ("flash", "cudnn", "efficient"))
+        default = _find(records, impl="sdpa:default", **key)
+        fx = _find(records, impl="flex", **key)
+        cr = _find(records, impl="cpu_ref", part="step", **key)
+        best = min([x for x in (fl, cu, default) if x], key=lambda x: x["ms"], default=None)
+        chk = (st or {}).get("check") or {}
+        rows.append([
+            r0["shape"], str(r0["batch"]), _ctxs(r0["context"]), str(r0["qlen"]),
+            "fp8" if r0["index_dtype"] == FP8 else "bf16", str(st["sets"]) if st else "-",
+            _us(idx), f"{idx['pct_copy']:.0f}%" if idx and "pct_copy" in idx else "-",
+            _us(att), f"{att['pct_copy']:.0f}%" if att and "pct_copy" in att else "-",
+            _us(st), f"{st['bytes'] / 1e6:.1f}" if st else "-",
+            f"{st['pct_copy']:.1f}%" if st and "pct_copy" in st else "-",
+            _us(fl) if fl else _us(default), _us(cu), _us(ef), _us(fx), _us(cr),
+            f"{best['ms'] / st['ms']:.1f}x" if best and st else "-",
+            f"{chk['sel_match'] * 100:.0f}% / {chk['attn_max_err']:.0e}" if chk else "-",
+        ])
+    return rows
+
+
+def _prefill_rows(records: list[dict]) -> list[list[str]]:
+    me = _mm3(records)
+    configs: dict[str, dict] = {}
+    for r in records:
+        if r.get("kind") == "prefill" and "ms" in r:
+            configs.setdefault(r["config"], r)
+
+    def ms_tf(r: Optional[dict]) -> str:
+        if r is None:
+            return "-"
+        return f"{r['ms']:.3f}" + (f" ({r['TFLOPs']:.0f})" if "TFLOPs" in r else "")
+    rows = []
+    for name, r0 in configs.items():
+        key = dict(config=name)
+        idx, att, st = (_find(records, impl=me, part=p, **key) for p in ("indexer", "attention", "step"))
+        chk = next((x.get("check") for x in records if x.get("config") == name and x.get("impl") == me
+                    and x.get("check")), None) or {}
+        sd = [_find(records, impl=f"sdpa:{n}", **key) for n in ("flash", "cudnn", "efficient", "default")]
+        fx = _find(records, impl="flex", **key)
+        cr = _find(records, impl="cpu_ref", **key)
+        rows.append([
+            r0["shape"], _ctxs(r0["context"]), "random" if not r0.get("locality") else f"shared {r0['locality']:g}",
+            f"{chk['overlap_next_token']:.2f}" if "overlap_next_token" in chk else "-",
+            ms_tf(idx), ms_tf(att), ms_tf(st),
+            *[f"{x['ms']:.3f}" if x else "-" for x in sd[:3]], ms_tf(fx), ms_tf(cr),
+            f"{chk['sel_match'] * 100:.0f}% / {chk['attn_max_err']:.0e}" if chk else "-",
+        ])
+    return rows
+
+
+def markdown(env: dict, ceil: dict, records: list[dict]) -> str:
+    lines = [f"# mm3 benchmark: {env.get('gpu', env.get('device'))}", ""]
+    lines.append(f"- date: {env.get('date')}; backend under test: `{env.get('backend')}`; "
+                 f"reference: `{env.get('reference')}`")
+    lines.append(f"- torch {env.get('torch')}, triton {env.get('triton')}, python {env.get('python')}"
+                 + (f", CUDA {env['cuda']}, {env['sms']} SMs, L2 {env['l2_MB']} MB, {env['memory_GiB']} GiB"
+                    if "sms" in env else ""))
+    lines.append(f"- command: `{env.get('command')}`; inputs rotated over >= "
+                 f"{env.get('rotate_bytes', 0) / 1e6:.0f} MB per measurement; times are medians")
+    lines.append("")
+    if ceil:
+        lines += ["## Ceilings (measured in this run)", ""]
+        lines += _table(["what", "result", "median time"], [
+            ["device-to-device copy (bytes read + written)", f"{ceil['copy']['GBps']:.0f} GB/s",
+             f"{ceil['copy']['ms']:.3f} ms"],
+            ["pure read (sum of a large fp32 tensor)", f"{ceil['read']['GBps']:.0f} GB/s", f"{ceil['read']['ms']:.3f} ms"],
+            [f"bf16 matmul {ceil['matmul_bf16']['n']}^3", f"{ceil['matmul_bf16']['TFLOPs']:.0f} TFLOP/s",
+             f"{ceil['matmul_bf16']['ms']:.3f} ms"]])
+        lines.append("")
+    lines += ["## Targets (issue 4)", ""]
+    lines += _table(["target", "goal", "measured", "met"],
+                    [[t["target"], t["goal"], t["text"], {True: "yes", False: "**no**", None: "-"}[t["met"]]]
+                     for t in targets(records, ceil)])
+    lines.append("")
+    lines += ["## Decode (CUDA graphs; times in us)", "",
+              "`%copy` = minimal bytes / time as a share of the measured copy bandwidth. Dense SDPA and "
+              "FlexAttention are attention only (they need no indexer); `vs dense` = the faster of "
+              "flash/cuDNN (or the default SDPA) over the mm3 step. `check` = selection agreement with the "
+              "reference on the first and last request / max |attention error| there.", ""]
+    lines += _table(["shape", "batch", "ctx", "q", "index", "sets", "indexer", "%copy", "attention", "%copy",
+                     "step", "min MB", "step %copy", "sdpa flash", "sdpa cudnn", "sdpa eff.", "flex attn",
+                     "cpu_ref step", "vs dense", "check"], _decode_rows(records))
+    lines.append("")
+    lines += ["## Prefill (8K-token chunk; ms, TFLOP/s in parentheses)", "",
+              "mm3 TFLOP/s count sparse FLOPs (the keys each token's selected blocks give it); SDPA is dense "
+              "causal attention over the whole context. `overlap` = share of a token's blocks its successor "
+              "also selected.", ""]
+    lines += _table(["shape", "ctx", "selection", "overlap", "indexer", "attention", "step", "sdpa flash",
+                     "sdpa cudnn", "sdpa eff.", "flex attn", "cpu_ref", "check"], _prefill_rows(records))
+    lines.append("")
+    probs = [r for r in records if "error" in r or "note" in r and str(r.get("note", "")).startswith("skipped")]
+    if probs:
+        lines += ["## Errors and skips", ""]
+        for r in probs:
+            lines.append(f"- {r.get('config')} {r.get('impl', '')} {r.get('part', '')}: "
+                         f"{r.get('error') or r.get('note')}")
+        lines.append("")
+    fails = check_failures(records)
+    if fails:
+        lines += ["## FAILED CHECKS", ""] + [f"- {f}" for f in fails] + [""]
+    return "\n".join(lines)
+
+
+def summary_text(env: dict, ceil: dict, records: list[dict]) -> str:
+    """A short plain-text table of the targets (printed last, so it lands in a log's tail)."""
+    lines = ["", "targets:"]
+    for t in targets(records, ceil):
+        mark = {True: "MET ", False: "MISS", None: "  - "}[t["met"]]
+        lines.append(f"  [{mark}] {t['target']}: {t['text']} (goal {t['goal']})")
+    return "\n".join(lines)
+
+
+# -- plots -------------------------------------------------------------------------------------------
+
+LINES = [  # (impl, part, index dtype or None, label, style)
+    ("mm3", "step", "bfloat16", "mm3 step", "-o"),
+    ("mm3", "step", FP8, "mm3 step (fp8 index)", "-s"),
+    ("mm3", "indexer", "bfloat16", "mm3 indexer", ":o"),
+    ("mm3", "attention", "bfloat16", "mm3 attention", ":^"),
+    ("sdpa:flash", "attention", "bfloat16", "SDPA flash (dense)", "--x"),
+    ("sdpa:cudnn", "attention", "bfloat16", "SDPA cuDNN (dense)", "--+"),
+    ("sdpa:efficient", "attention", "bfloat16", "SDPA efficient (dense)", "--d"),
+    ("sdpa:default", "attention", "bfloat16", "SDPA (dense)", "--x"),
+    ("flex", "attention", "bfloat16", "FlexAttention (same selection)", "-.v"),
+    ("cpu_ref", "step", "bfloat16", "cpu_ref step", "-.*"),
+]
+
+
+def _plot_decode(records: list[dict], path: Path) -> Optional[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    me = _mm3(records)
+    dec = [r for r in records if r.get("kind") == "decode" and r.get("qlen") == 1 and "ms" in r]
+    panels = sorted({(r["shape"], r["batch"]) for r in dec})
+    if not panels:
+        return None
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
+    for ax, (shape, batch) in zip(axes.flat, panels):
+        for impl, part, idt, label, style in LINES:
+            name = me if impl == "mm3" else impl
+            pts = sorted((r["context"], r["ms"] * 1e3) for r in dec if r["shape"] == shape and r["batch"] == batch
+                         and r["impl"] == name and r["part"] == part and r["index_dtype"] == idt)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, ms=4)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"decode {shape}, batch {batch}, q1", fontsize=10)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("time (us)")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles, labels = [], []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_prefill(records: list[dict], path: Path) -> Optional[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    me = _mm3(records)
+    pre = [r for r in records if r.get("kind") == "prefill" and "ms" in r]
+    panels = sorted({(r["shape"], r.get("locality", 0.0)) for r in pre})
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    series = [(me, "indexer", "mm3 indexer", ":o"), (me, "attention", "mm3 attention", ":^"),
+              (me, "step", "mm3 step", "-o"), ("sdpa:flash", "attention", "SDPA flash (dense causal)", "--x"),
+              ("sdpa:cudnn", "attention", "SDPA cuDNN (dense causal)", "--+"),
+              ("sdpa:default", "attention", "SDPA (dense causal)", "--x"),
+              ("flex", "attention", "FlexAttention (same selection)", "-.v"), ("cpu_ref", "step", "cpu_ref step", "-.*")]
+    for ax, (shape, loc) in zip(axes[0], panels):
+        for impl, part, label, style in series:
+            pts = sorted((r["context"], r["ms"]) for r in pre if r["shape"] == shape and
+                         r.get("locality", 0.0) == loc and r["impl"] == impl and r["part"] == part)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, ms=4)
+        ax.set_yscale("log")
+        ax.set_title(f"prefill {shape}, {'random' if not loc else f'shared {loc:g}'} selection", fontsize=10)
+        ax.set_xlabel("cached context before the chunk (tokens)")
+        ax.set_ylabel("time (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_blockmaps(maps: list[dict], path: Path) -> Optional[Path]:
+    if not maps:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    heads = max(m["bitmap"].shape[0] for m in maps)
+    fig, axes = plt.subplots(len(maps), heads, figsize=(3.2 * heads, 3.4 * len(maps)), squeeze=False)
+    for row, m in enumerate(maps):
+        bm = m["bitmap"]                     # [H, T, nb] bool
+        H, T, nb = bm.shape
+        g = max(1, T // 1024)                # rows: groups of g tokens (any selection in the group)
+        img = bm[:, : (T // g) * g].view(H, T // g, g, nb).float().mean(2)
+        for h in range(heads):
+            ax = axes[row][h]
+            if h >= H:
+                ax.axis("off")
+                continue
+            ax.imshow(img[h].numpy(), aspect="auto", interpolation="nearest", cmap="Greys", vmin=0, vmax=1,
+                      extent=(0, nb, (T // g) * g, 0))
+            ax.set_title(f"{m['config']}\nhead {h} (overlap {m['overlap']:.2f})", fontsize=7)
+            ax.set_xlabel("block")
+            ax.set_ylabel("token of the chunk")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_all(out: Path, env: dict, ceil: dict, records: list[dict], blockmaps: list[dict]) -> list[Path]:
+    """Write results.json, results.md and the plots (when matplotlib is importable)."""
+    files = []
+    data = {"environment": env, "ceilings": ceil, "targets": targets(records, ceil), "records": records}
+    (out / "results.json").write_text(json.dumps(data, indent=1, default=_jsonable))
+    files.append(out / "results.json")
+    (out / "results.md").write_text(markdown(env, ceil, records))
+    files.append(out / "results.md")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib not installed: no plots", flush=True)
+        return files
+    for fn, name in ((_plot_decode, "decode_vs_context.png"), (_plot_prefill, "prefill_vs_context.png")):
+        p = fn(records, out / name)
+        if p:
+            files.append(p)
+    p = _plot_blockmaps(blockmaps, out / "blockmap.png")
+    if p:
+        files.append(p)
+    return files
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return str(x)

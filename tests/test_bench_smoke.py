@@ -1,0 +1,102 @@
+"""`mm3 bench --tiny`: the whole benchmark pipeline on tiny shapes, on the CPU, in seconds.
+
+Runs a reduced tiny grid in-process through the same loader `mm3 bench` uses
+(the harness is loaded by path from benchmarks/), with every peer that runs
+on a CPU (SDPA, eager FlexAttention, the reference backend), and checks the
+outputs: JSON with records and targets, the Markdown report, the plots when
+matplotlib is installed, and that every correctness check inside passed
+(so the FlexAttention block mask built from a selection is right).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mm3 import bench
+
+
+def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
+    harness = bench.load_harness()
+    ap = argparse.ArgumentParser()
+    harness.add_arguments(ap)
+    return ap.parse_args(["--tiny", "--device", "cpu", "--out", str(tmp_path), *extra])
+
+
+def test_harness_is_found_and_loaded_lazily() -> None:
+    folder = bench.find_harness()
+    assert (folder / "harness.py").is_file()
+    mod = bench.load_harness(folder)
+    assert callable(mod.run) and callable(mod.add_arguments)
+
+
+def test_tiny_run_writes_every_output(tmp_path: Path) -> None:
+    harness = bench.load_harness()
+    only = r"tiny b3 ctx200 q1 idx-bf16|tiny b2 ctx256 q2|48 new ctx80 sel-random"
+    rc = harness.run(_args(tmp_path, "--only", only))
+    assert rc == 0, (tmp_path / "results.md").read_text()
+
+    data = json.loads((tmp_path / "results.json").read_text())
+    recs = data["records"]
+    assert data["ceilings"]["copy"]["GBps"] > 0
+    assert {r["kind"] for r in recs if "ms" in r} == {"decode", "prefill"}
+    impls = {r.get("impl") for r in recs if "ms" in r}
+    assert {"mm3:cpu_ref", "sdpa:default", "flex"} <= impls
+    for part in ("indexer", "attention", "step"):
+        r = next(r for r in recs if r.get("impl") == "mm3:cpu_ref" and r.get("part") == part
+                 and r["kind"] == "decode")
+        assert r["ms"] > 0 and r["bytes"] > 0 and r["GBps"] > 0 and "pct_copy" in r
+    pre = next(r for r in recs if r["kind"] == "prefill" and r.get("part") == "attention"
+               and r.get("impl") == "mm3:cpu_ref")
+    assert pre["flops"] > 0 and pre["TFLOPs"] > 0
+    # FlexAttention with the block mask built from the selection computes the same attention
+    flex = [r for r in recs if r.get("impl") == "flex" and "ms" in r]
+    assert len(flex) == 3 and all(r["check"]["max_abs_diff_vs_mm3"] < 3e-2 for r in flex)
+    assert not [r for r in recs if "error" in r], [r["error"] for r in recs if "error" in r]
+    assert len(data["targets"]) >= 10
+
+    md = (tmp_path / "results.md").read_text()
+    for heading in ("## Ceilings", "## Targets", "## Decode", "## Prefill"):
+        assert heading in md
+    assert "FAILED CHECKS" not in md
+    if importlib.util.find_spec("matplotlib") is not None:
+        for name in ("decode_vs_context.png", "prefill_vs_context.png", "blockmap.png"):
+            assert (tmp_path / name).stat().st_size > 1000, name
+
+
+def test_minimal_byte_counts_match_the_notes() -> None:
+    """The counts BENCHMARKS.md and NOTES.md quote for M3 TP1, batch 64, 64K context."""
+    counts = bench.load_harness().counts
+    from mm3.params import SparseAttentionParams
+
+    p = SparseAttentionParams.minimax_m3(tp_size=1)
+    kv_tokens = 64 * 4 * 16 * 128
+    bf16 = counts.decode_bytes(p, batch=64, context=65536, qlen=1, index_elt=2, kv_elt=2, kv_tokens=kv_tokens)
+    fp8 = counts.decode_bytes(p, batch=64, context=65536, qlen=1, index_elt=1, kv_elt=2, kv_tokens=kv_tokens)
+    assert bf16["index_keys"] == 64 * 65536 * 128 * 2
+    assert bf16["kv"] == 64 * 4 * 16 * 128 * 128 * 2 * 2
+    assert abs(bf16["step"] / 1e9 - 1.345) < 1e-3 and abs(fp8["step"] / 1e9 - 0.808) < 1e-3
+    assert 0.79 < bf16["index_keys"] / bf16["step"] < 0.81
+
+
+def test_distinct_kv_counts_shared_blocks_once() -> None:
+    counts = bench.load_harness().counts
+    # 1 head, 2 requests x 2 speculative rows, K = 3; request 0's rows share block 1
+    sel = torch.tensor([[[0, 1, -1], [1, 2, -1], [3, -1, -1], [3, -1, -1]]], dtype=torch.int32)
+    seq = torch.tensor([300, 400])    # request 0's block 2 holds 300 - 256 = 44 visible tokens,
+    got = counts.distinct_kv_tokens(sel, seq, qlen=2, block_size=128)   # request 1's block 3 holds 16
+    assert got == 128 + 128 + 44 + 16
+
+
+@pytest.mark.parametrize("mode", ["cli"])
+def test_cli_help_lists_bench_options(mode: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from mm3.cli import main
+
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--tiny" in out and "--budget-s" in out
