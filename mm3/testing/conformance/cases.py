@@ -1,0 +1,491 @@
+"""The conformance cases: what each one builds, runs and checks.
+
+Every case builds a fresh random step with :func:`~mm3.testing.factories.make_case`
+(N(0, 1) values, randomly permuted pages, ``-1`` in unused block-table
+entries), runs the backend on it and compares with the fp64 oracle:
+
+* **indexer** cases run ``index_topk`` into ``rows(0, T)`` of a buffer from the
+  backend's own ``alloc_topk_buffer`` with spare rows filled with a sentinel,
+  then check every row with :func:`~mm3.testing.oracle.check_topk` (format,
+  forced blocks, tie-tolerant optimality) and that the spare rows are intact;
+* **attention** cases give every backend the *same* selection (the oracle's,
+  or the reference indexer's) and a NaN-poisoned output with spare rows, then
+  compare with :func:`~mm3.testing.oracle.oracle_attention` under SPEC §4's
+  tolerances, require exact zeros on padding tokens and untouched spare rows;
+* **composed** cases run the backend's indexer then its attention on the same
+  buffer, and check both;
+* **buffer** cases are SPEC §5's regressions: sentinel rows past the step,
+  the allocated layout, and writers/readers in different layouts.
+
+Shapes are tiny (block 16, top-4 for the indexer, head dims 32/64) so an
+interpreted GPU backend runs the quick suite in minutes. Attention and
+composed cases use top-16 (M3's value) and contexts of 300-600 tokens, so most
+tokens attend to 256 keys, as most tokens of a real step attend to many keys.
+This matters for SPEC §4's *absolute* tolerances: with N(0, 1) inputs an
+output's magnitude falls like 1/sqrt(keys), and so does the error of merely
+rounding a perfect result to bf16. With top-4 of 16-token blocks that
+rounding floor alone is about 3e-4, the whole bf16 mean budget; here it is
+about 1e-4. Every attention result reports it as ``floor_mean``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import traceback
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from mm3.buffers import TopkBuffer
+from mm3.params import SparseAttentionParams
+from mm3.testing.factories import Case, make_case
+from mm3.testing.oracle import check_topk, oracle_attention, oracle_block_scores, oracle_topk
+
+if TYPE_CHECKING:
+    from mm3.registry import Backend
+
+__all__ = ["Step", "CaseSpec", "CaseContext", "CaseFailure", "TOLERANCES", "SENTINEL", "OUT_POISON",
+           "INDEXER_STEPS", "ATTENTION_STEPS", "COMPOSED_STEPS", "LARGE_STEPS", "BUFFER_CASES"]
+
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "bfloat16": (3e-4, 2e-2),
+    "float16": (1.5e-4, 1e-2),
+    "float32": (1e-5, 1e-5),
+}
+"""SPEC §4: ``(mean, max)`` absolute error against the fp64 oracle, per attention dtype."""
+
+SENTINEL = 123456789
+"""Fills top-k rows a backend must not write (an int32 no block id can equal)."""
+
+OUT_POISON = 7777.0
+"""Fills output rows past the step; rows of the step start as NaN."""
+
+
+# -- the oracle, memoised ---------------------------------------------------------------------------
+# The fp64 oracle is deliberately slow (Python loops per token). Running the
+# suite on several backends in one process (tests, `mm3 check a b`) feeds the
+# oracle identical inputs, so its results are cached by a digest of exactly
+# the tensors it reads: a hit is bit-for-bit the same question.
+
+_CACHE: "OrderedDict[tuple[str, str], Any]" = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+_CACHE_SIZE = 256
+
+
+def _digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _memo(kind: str, key: str, compute: Callable[[], Any]) -> Any:
+    with _CACHE_LOCK:
+        if (kind, key) in _CACHE:
+            _CACHE.move_to_end((kind, key))
+            return _CACHE[(kind, key)]
+    value = compute()
+    with _CACHE_LOCK:
+        _CACHE[(kind, key)] = value
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return value
+
+
+def _index_key(case: Case) -> str:
+    b = case.batch
+    return _digest(case.index_q, case.caches.index, b.block_table, b.token_positions, b.token_to_request) + \
+        repr(case.params)
+
+
+def oracle_scores_cached(case: Case) -> list[torch.Tensor]:
+    """:func:`~mm3.testing.oracle.oracle_block_scores` of ``case``, memoised."""
+    return _memo("scores", _index_key(case), lambda: oracle_block_scores(
+        case.index_q, case.caches, case.batch, case.params))
+
+
+def oracle_topk_cached(case: Case) -> TopkBuffer:
+    """:func:`~mm3.testing.oracle.oracle_topk` of ``case`` (head-major, CPU), memoised; a fresh copy."""
+    return _memo("topk", _index_key(case), lambda: oracle_topk(
+        case.index_q, case.caches, case.batch, case.params)).clone()
+
+
+def oracle_attention_cached(case: Case, sel: TopkBuffer) -> torch.Tensor:
+    """:func:`~mm3.testing.oracle.oracle_attention` of ``case`` on ``sel``, memoised."""
+    b = case.batch
+    key = _digest(case.q, case.caches.k, case.caches.v, b.block_table, b.token_positions,
+                  b.token_to_request, sel.head_major()) + repr(case.params)
+    return _memo("attention", key, lambda: oracle_attention(case.q, case.caches, sel, case.batch,
+                                                            case.params))
+
+
+class CaseFailure(AssertionError):
+    """A conformance check did not hold; ``details`` carries the numbers."""
+
+    def __init__(self, message: str, details: Optional[dict[str, Any]] = None) -> None:
+        super().__init__(message)
+        self.details = details or {}
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step's shape: heads, sizes, policy and the batch (decode seq_lens, prefill (q, seq))."""
+
+    H: int = 2
+    G: int = 2
+    D: int = 32
+    Di: int = 32
+    B: int = 16
+    K: int = 4
+    init: int = 0
+    local: int = 1
+    decodes: tuple[int, ...] = ()
+    dq: int = 1
+    prefills: tuple[tuple[int, int], ...] = ()
+    padding: int = 0
+    empty: int = 0
+    kv_layout: str = "NHD"
+    nan_tokens: tuple[int, ...] = ()
+
+    def params(self) -> SparseAttentionParams:
+        return SparseAttentionParams(num_heads=self.H * self.G, num_kv_heads=self.H, head_dim=self.D,
+                                     num_index_heads=self.H, index_head_dim=self.Di, block_size=self.B,
+                                     topk=self.K, init_blocks=self.init, local_blocks=self.local)
+
+    def build(self, dtype: str, index_dtype: str, device: torch.device, seed: int) -> Case:
+        case = make_case(self.params(), decodes=self.decodes, prefills=self.prefills,
+                         decode_query_len=self.dq, padding_decodes=self.padding, empty_decodes=self.empty,
+                         dtype=dtype, index_dtype=index_dtype, kv_layout=self.kv_layout, device=device,
+                         seed=seed)
+        for t in self.nan_tokens:
+            case.index_q[t, 0, 1] = float("nan")
+        return case
+
+
+@dataclass(frozen=True)
+class CaseContext:
+    """What a case body needs: the backend, the device and the optional reference indexer."""
+
+    backend: "Backend"
+    device: torch.device
+    reference_indexer: Optional["Backend"] = None
+
+
+Body = Callable[[CaseContext, "CaseSpec"], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """One case, resolved to dtypes: ``run(ctx)`` returns a pass/fail outcome.
+
+    ``ops`` are the backend ops it needs; ``dtype`` is the attention (and
+    query) dtype, ``index_dtype`` the index cache dtype.
+    """
+
+    name: str
+    kind: str
+    step: Step
+    body: Body
+    ops: frozenset[str]
+    dtype: str
+    index_dtype: str
+    needs_any_layout: bool = False   # the backend itself must write a non-native layout
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seed(self) -> int:
+        return zlib.crc32(self.name.encode()) & 0x7FFFFFFF
+
+    def run(self, ctx: CaseContext) -> tuple[bool, str, dict[str, Any], float]:
+        """``(passed, message, details, elapsed_s)``; exceptions from the backend fail the case."""
+        t0 = time.perf_counter()
+        try:
+            details = self.body(ctx, self)
+            return True, "", details, time.perf_counter() - t0
+        except CaseFailure as e:
+            return False, str(e), e.details, time.perf_counter() - t0
+        except Exception as e:  # a backend crash is a failed case, not a crashed suite
+            return (False, f"{type(e).__name__}: {e}", {"traceback": traceback.format_exc()},
+                    time.perf_counter() - t0)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _timed(device: torch.device, fn: Callable[[], None]) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _alloc(ctx: CaseContext, case: Case, capacity: int) -> TopkBuffer:
+    """A buffer from the backend, checked against its declaration, filled with the sentinel."""
+    p = case.params
+    be = ctx.backend
+    buf = be.alloc_topk_buffer(capacity, p.num_index_heads, p.topk, ctx.device)
+    declared = be.capabilities.topk_layout
+    if buf.layout != declared:
+        raise CaseFailure(f"alloc_topk_buffer returned a {buf.layout} buffer; the backend declares "
+                          f"topk_layout={declared!r}")
+    if (buf.num_heads, buf.num_tokens, buf.topk) != (p.num_index_heads, capacity, p.topk):
+        raise CaseFailure(f"alloc_topk_buffer returned [H={buf.num_heads}, T={buf.num_tokens}, "
+                          f"K={buf.topk}], asked for [H={p.num_index_heads}, T={capacity}, K={p.topk}]")
+    if not buf.is_contiguous():
+        raise CaseFailure(
+            f"alloc_topk_buffer returned a buffer labelled {buf.layout} whose storage is not a contiguous "
+            f"{buf.layout} tensor (strides {tuple(buf.storage.stride())} for shape "
+            f"{tuple(buf.storage.shape)}): the label and the memory map disagree, as in vLLM's "
+            f"token-major/head-major bug; allocate with TopkBuffer.allocate(..., layout=declared)")
+    if buf.device != ctx.device:
+        raise CaseFailure(f"alloc_topk_buffer put the buffer on {buf.device}, asked for {ctx.device}")
+    return buf.fill_(SENTINEL)
+
+
+def _check_spare_rows(full: TopkBuffer, start: int, stop: int, what: str) -> None:
+    """Rows outside ``[start, stop)`` of ``full`` must still hold the sentinel."""
+    hm = full.head_major()
+    for label, part in (("before", hm[:, :start]), ("past", hm[:, stop:])):
+        bad = (part != SENTINEL).nonzero()
+        if bad.numel():
+            h, t = int(bad[0, 0]), int(bad[0, 1]) + (0 if label == "before" else stop)
+            raise CaseFailure(
+                f"{what} wrote top-k rows {label} the step's rows [{start}, {stop}) (first: head {h}, "
+                f"buffer row {t}, now {hm[h, t].tolist()}); kernels must write only the rows they are given",
+                {"rows_changed": int((part != SENTINEL).any(dim=-1).sum())})
+
+
+def _check_selection(case: Case, sel: TopkBuffer, details: dict[str, Any]) -> None:
+    errors = check_topk(sel, case.index_q, case.caches, case.batch, case.params,
+                        scores=oracle_scores_cached(case))
+    details["topk_rows"] = case.params.num_index_heads * case.batch.num_tokens
+    details["bad_rows"] = len(errors)
+    if errors:
+        raise CaseFailure(f"{len(errors)} of {details['topk_rows']} top-k rows break SPEC §3; first: "
+                          f"{errors[0]}", details)
+
+
+def _selection(ctx: CaseContext, case: Case) -> TopkBuffer:
+    """The selection every backend's attention gets: the reference indexer's, else the oracle's."""
+    p, T = case.params, case.batch.num_tokens
+    ref = ctx.reference_indexer
+    if ref is None:
+        return oracle_topk_cached(case)
+    buf = ref.alloc_topk_buffer(T, p.num_index_heads, p.topk, ctx.device)
+    ref.index_topk(case.index_q, case.caches, case.batch, p, buf)
+    return buf
+
+
+def _poisoned_out(case: Case, spare: int = 3) -> torch.Tensor:
+    T = case.batch.num_tokens
+    out = torch.full((T + spare, *case.q.shape[1:]), float("nan"), dtype=case.q.dtype, device=case.q.device)
+    out[T:] = OUT_POISON
+    return out
+
+
+def _check_attention(case: Case, sel: TopkBuffer, out: torch.Tensor, details: dict[str, Any]) -> None:
+    """``out[:T]`` against the oracle on ``sel``; padding rows zero; spare rows untouched."""
+    T = case.batch.num_tokens
+    if not torch.equal(out[T:], torch.full_like(out[T:], OUT_POISON)):
+        raise CaseFailure(f"attention wrote output rows past the step ({T} tokens); write only out[:T]",
+                          details)
+    got = out[:T].detach().to("cpu", torch.float64)
+    pos = case.batch.token_positions.to("cpu")
+    real, pad = pos >= 0, pos < 0
+    if pad.any() and not bool((got[pad] == 0).all()):
+        t = int(pad.nonzero()[0, 0])
+        raise CaseFailure(f"padding token {t} (position -1) must output zeros; got values like "
+                          f"{got[pad][got[pad] != 0][:3].tolist()}", details)
+    bad = ~torch.isfinite(got[real])
+    if bad.any():
+        t = int(real.nonzero()[bad.any(dim=-1).any(dim=-1).nonzero()[0, 0], 0])
+        raise CaseFailure(f"non-finite output for token {t} (NaN/inf, or a row left unwritten: rows "
+                          f"start as NaN)", details)
+    ref = oracle_attention_cached(case, sel)
+    dtype = str(case.q.dtype).removeprefix("torch.")
+    mean_tol, max_tol = TOLERANCES[dtype]
+    err = (got - ref).abs()[real]
+    floor = (ref.to(case.q.dtype).to(torch.float64) - ref).abs()[real]
+    if err.numel():
+        details.update(mean_err=float(err.mean()), max_err=float(err.max()),
+                       floor_mean=float(floor.mean()), mean_tol=mean_tol, max_tol=max_tol)
+        if details["mean_err"] > mean_tol or details["max_err"] > max_tol:
+            worst = torch.nonzero(err == err.max())[0].tolist()
+            token = int(real.nonzero()[worst[0], 0])
+            raise CaseFailure(
+                f"attention error vs fp64 oracle: mean {details['mean_err']:.3g} (tol {mean_tol:g}), max "
+                f"{details['max_err']:.3g} (tol {max_tol:g}) at token {token}, head {worst[1]} "
+                f"(the {dtype} rounding floor alone is mean {details['floor_mean']:.3g})", details)
+
+
+def _to_consumer(ctx: CaseContext, buf: TopkBuffer) -> TopkBuffer:
+    """What the core hands the attention: a dense copy in its layout only when it asks for one."""
+    caps = ctx.backend.capabilities
+    if caps.topk_requires_contiguous and (buf.layout != caps.topk_layout or not buf.is_dense()):
+        return buf.to_layout(caps.topk_layout, contiguous=True)
+    return buf
+
+
+def _other(layout: str) -> str:
+    return "token_major" if layout == "head_major" else "head_major"
+
+
+# -- case bodies ------------------------------------------------------------------------------
+
+
+def indexer_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any]:
+    """Indexer into rows(0, T) of the backend's own buffer with spare sentinel rows."""
+    case = spec.step.build(spec.dtype, spec.index_dtype, ctx.device, spec.seed)
+    T = case.batch.num_tokens
+    spare = spec.extra.get("spare_rows", 3)
+    full = _alloc(ctx, case, T + spare)
+    sel = full.rows(0, T)
+    details: dict[str, Any] = {"tokens": T, "layout": full.layout}
+    details["backend_s"] = _timed(ctx.device, lambda: ctx.backend.index_topk(
+        case.index_q, case.caches, case.batch, case.params, sel))
+    _check_spare_rows(full, 0, T, "index_topk")
+    _check_selection(case, sel, details)
+    return details
+
+
+def indexer_other_layout_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any]:
+    """Indexer writes rows(0, T) of a larger buffer in the layout it does *not* prefer."""
+    case = spec.step.build(spec.dtype, spec.index_dtype, ctx.device, spec.seed)
+    p, T = case.params, case.batch.num_tokens
+    layout = _other(ctx.backend.capabilities.topk_layout)
+    full = TopkBuffer.allocate(T + 4, p.num_index_heads, p.topk, layout, ctx.device, fill=SENTINEL)
+    sel = full.rows(0, T)
+    details: dict[str, Any] = {"tokens": T, "layout": layout}
+    details["backend_s"] = _timed(ctx.device, lambda: ctx.backend.index_topk(
+        case.index_q, case.caches, case.batch, p, sel))
+    _check_spare_rows(full, 0, T, "index_topk")
+    _check_selection(case, sel, details)
+    return details
+
+
+def attention_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any]:
+    """Attention on the shared selection, delivered as ``spec.extra['delivery']`` says.
+
+    ``own`` (default): rows(0, T) of the backend's own buffer; ``other``: rows(0, T)
+    of a larger buffer in the other layout (converted first if the backend needs
+    a dense buffer in its layout); ``offset``: rows(3, T+3) of a larger own-layout buffer.
+    """
+    case = spec.step.build(spec.dtype, spec.index_dtype, ctx.device, spec.seed)
+    p, T = case.params, case.batch.num_tokens
+    shared = _selection(ctx, case)
+    delivery = spec.extra.get("delivery", "own")
+    if delivery == "own":
+        full = _alloc(ctx, case, T + 2)
+        start = 0
+    else:
+        layout = ctx.backend.capabilities.topk_layout if delivery == "offset" else \
+            _other(ctx.backend.capabilities.topk_layout)
+        full = TopkBuffer.allocate(T + 6, p.num_index_heads, p.topk, layout, ctx.device, fill=SENTINEL)
+        start = 3 if delivery == "offset" else 0
+    given = full.rows(start, start + T).copy_(shared)
+    given = _to_consumer(ctx, given)
+    out = _poisoned_out(case)
+    details: dict[str, Any] = {"tokens": T, "topk_given": f"{given.layout}{'' if given.is_dense() else ' (strided)'}"}
+    details["backend_s"] = _timed(ctx.device, lambda: ctx.backend.attention_forward(
+        case.q, case.caches, given, case.batch, p, out[:T]))
+    _check_spare_rows(full, start, start + T, "attention_forward")
+    if not torch.equal(full.rows(start, start + T).head_major().cpu(), shared.head_major().cpu()):
+        raise CaseFailure("attention_forward modified the top-k buffer it was given (it must only read it)",
+                          details)
+    _check_attention(case, shared.to_layout("head_major"), out, details)
+    return details
+
+
+def composed_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any]:
+    """The backend's indexer, then its attention, on rows(0, T) of its own buffer."""
+    case = spec.step.build(spec.dtype, spec.index_dtype, ctx.device, spec.seed)
+    p, T = case.params, case.batch.num_tokens
+    full = _alloc(ctx, case, T + 3)
+    sel = full.rows(0, T)
+    out = _poisoned_out(case)
+    details: dict[str, Any] = {"tokens": T}
+    details["index_s"] = _timed(ctx.device, lambda: ctx.backend.index_topk(
+        case.index_q, case.caches, case.batch, p, sel))
+    given = _to_consumer(ctx, sel)
+    details["attention_s"] = _timed(ctx.device, lambda: ctx.backend.attention_forward(
+        case.q, case.caches, given, case.batch, p, out[:T]))
+    _check_spare_rows(full, 0, T, "index_topk/attention_forward")
+    _check_selection(case, sel, details)
+    _check_attention(case, sel.to_layout("head_major"), out, details)
+    return details
+
+
+# -- the steps ----------------------------------------------------------------------------------
+
+MIXED_H1 = Step(H=1, G=4, decodes=(120, 65, 40), prefills=((23, 23), (31, 180)))
+MIXED_H2 = Step(H=2, G=2, decodes=(100, 33), padding=1, empty=1, prefills=((20, 20), (37, 150), (5, 40)))
+
+INDEXER_STEPS: dict[str, Step] = {
+    "mixed_h1": MIXED_H1,
+    "mixed_h2": MIXED_H2,
+    "mixed_h4_di64": Step(H=4, G=1, Di=64, decodes=(77, 16, 200), prefills=((9, 90), (41, 41))),
+    "spec_decode_q2": Step(H=1, G=4, dq=2, decodes=(90, 31, 150), prefills=((13, 70),)),
+    "spec_decode_q3": Step(H=2, G=2, dq=3, decodes=(64, 200), padding=1, prefills=((11, 11), (7, 100))),
+    "spec_decode_q4": Step(H=2, G=4, dq=4, decodes=(50, 170, 17), prefills=((30, 130),)),
+    "padding_decodes": Step(H=2, G=2, dq=2, decodes=(80,), padding=2, empty=2, prefills=((6, 50),)),
+    "init2_local0": Step(H=2, init=2, local=0, decodes=(150, 40, 20), prefills=((25, 25), (17, 120))),
+    "init2_local1": Step(H=2, init=2, local=1, decodes=(150, 40, 20), prefills=((25, 25), (17, 120))),
+    "init1_local2": Step(H=2, init=1, local=2, decodes=(150, 40, 20), prefills=((25, 25), (17, 120))),
+    "short_contexts": Step(H=2, K=6, decodes=(1, 17, 50), prefills=((5, 5), (10, 60))),
+    "nan_index_query": Step(H=2, init=1, decodes=(120, 90), prefills=((10, 100),), nan_tokens=(1, 5)),
+    "hnd_kv_cache": replace(MIXED_H2, kv_layout="HND"),
+}
+
+ATTENTION_STEPS: dict[str, Step] = {
+    "mixed_h1_g8": Step(H=1, G=8, D=64, K=16, decodes=(600, 340, 410), padding=1,
+                        prefills=((40, 520), (3, 3))),
+    "mixed_h2_g2": Step(H=2, G=2, K=16, decodes=(500, 280), prefills=((4, 4), (33, 460))),
+    "spec_decode_q4": Step(H=2, G=4, K=16, dq=4, decodes=(440, 360, 9), padding=1, prefills=((30, 600),)),
+    "chunked_prefill": Step(H=1, G=4, D=64, K=16, decodes=(520,), prefills=((64, 640), (48, 400))),
+    "hnd_kv_cache": Step(H=2, G=4, K=16, dq=2, decodes=(400, 300), prefills=((21, 360),), kv_layout="HND"),
+    "padding_decodes": Step(H=1, G=4, K=16, dq=2, decodes=(360,), padding=3, empty=1,
+                            prefills=((9, 400),)),
+}
+
+COMPOSED_STEPS: dict[str, Step] = {
+    "mixed": Step(H=2, G=4, K=16, decodes=(460, 260, 80), padding=1, prefills=((3, 3), (40, 520))),
+    "spec_decode_hnd": Step(H=1, G=8, D=64, Di=64, K=16, dq=3, decodes=(600, 240), prefills=((28, 400),),
+                            kv_layout="HND"),
+}
+
+LARGE_STEPS: dict[str, Step] = {
+    "large": Step(H=2, G=4, D=128, Di=128, B=32, K=8, dq=2, decodes=(1500, 900, 333),
+                  prefills=((12, 12), (96, 1200))),
+}
+"""Bigger shapes, added when ``quick=False`` (indexer, attention and composed)."""
+
+BUFFER_CASES: dict[str, tuple[str, Step, dict[str, Any]]] = {
+    # name: (body kind, step, extra)
+    "sentinel_rows_h1": ("indexer", MIXED_H1, {"spare_rows": 61}),
+    "sentinel_rows_h2": ("indexer", MIXED_H2, {"spare_rows": 70}),
+    "indexer_writes_other_layout_h2": ("indexer_other", MIXED_H2, {}),
+    "attention_reads_other_layout_h1": ("attention", ATTENTION_STEPS["mixed_h1_g8"], {"delivery": "other"}),
+    "attention_reads_other_layout_h2": ("attention", ATTENTION_STEPS["mixed_h2_g2"], {"delivery": "other"}),
+    "attention_reads_offset_rows_h2": ("attention", ATTENTION_STEPS["spec_decode_q4"], {"delivery": "offset"}),
+}
+"""SPEC §5 regressions: sentinel rows (capacity about 2T), layouts of writer and reader."""
+
+BODIES: dict[str, Body] = {
+    "indexer": indexer_body,
+    "indexer_other": indexer_other_layout_body,
+    "attention": attention_body,
+    "composed": composed_body,
+}

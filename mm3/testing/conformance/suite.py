@@ -1,0 +1,190 @@
+"""Plan the conformance cases for a backend and run them.
+
+:func:`plan_cases` expands the case table (:mod:`.cases`) over the dtypes a
+run asks for, and marks as *skipped* (never failed) every case the backend
+cannot serve by its own declaration: an op it does not provide, a dtype,
+head dim, block size or decode query length outside its capabilities, or a
+device its probe refuses. :func:`run_conformance` runs the plan.
+
+Example:
+    >>> from mm3.registry import default_registry
+    >>> report = run_conformance(default_registry().get("cpu_ref"), dtypes=["float32"],
+    ...                          index_dtypes=["bfloat16"])         # doctest: +SKIP
+    >>> print(report.format())                                      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
+
+import torch
+
+from mm3.errors import InputError
+from mm3.testing.conformance.cases import (
+    ATTENTION_STEPS, BODIES, BUFFER_CASES, COMPOSED_STEPS, INDEXER_STEPS, LARGE_STEPS, CaseContext,
+    CaseSpec, Step,
+)
+from mm3.testing.conformance.report import CaseResult, ConformanceReport
+
+if TYPE_CHECKING:
+    from mm3.registry import Backend
+
+__all__ = ["PlannedCase", "plan_cases", "run_conformance", "DEFAULT_DTYPES", "DEFAULT_INDEX_DTYPES"]
+
+DEFAULT_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+"""Attention dtypes tried by default (SPEC §1: bf16 or fp16; fp32 accepted by the reference)."""
+
+DEFAULT_INDEX_DTYPES: tuple[str, ...] = ("bfloat16", "float8_e4m3fn")
+"""Index cache dtypes tried by default (SPEC §1); ask for float16/float32 explicitly."""
+
+_ALL_DTYPES = ("bfloat16", "float16", "float32")
+_ALL_INDEX_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+
+
+@dataclass(frozen=True)
+class PlannedCase:
+    """A case bound to a backend and device; ``skip`` is the reason it will not run ('' = it runs)."""
+
+    spec: CaseSpec
+    backend: "Backend"
+    device: torch.device
+    skip: str = ""
+    reference_indexer: Optional["Backend"] = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def run(self) -> CaseResult:
+        if self.skip:
+            return CaseResult(self.spec.name, self.spec.kind, "skip", message=self.skip)
+        ok, message, details, elapsed = self.spec.run(
+            CaseContext(self.backend, self.device, self.reference_indexer))
+        return CaseResult(self.spec.name, self.spec.kind, "pass" if ok else "fail", message=message,
+                          details=details, elapsed=elapsed)
+
+
+def _resolve(backend: Union["Backend", str]) -> "Backend":
+    if isinstance(backend, str):
+        from mm3.registry import default_registry
+
+        return default_registry().get(backend)
+    return backend
+
+
+def _pick(wanted: Sequence[str], allowed: Iterable[str], known: Sequence[str], what: str) -> list[str]:
+    unknown = [d for d in wanted if d not in known]
+    if unknown:
+        raise InputError(f"unknown {what} {unknown}; choose from {list(known)}")
+    return [d for d in wanted if d in set(allowed)] or list(wanted[:1])
+
+
+def _preferred(candidates: Sequence[str], declared: Iterable[str]) -> str:
+    """bf16 when possible, else the first candidate the backend declares, else the first candidate."""
+    declared = set(declared)
+    usable = [d for d in candidates if d in declared] or list(candidates)
+    return "bfloat16" if "bfloat16" in usable else usable[0]
+
+
+def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.device] = "cpu",
+               quick: bool = True, dtypes: Optional[Sequence[str]] = None,
+               index_dtypes: Optional[Sequence[str]] = None,
+               reference_indexer: Optional[Union["Backend", str]] = None) -> list[PlannedCase]:
+    """Every case for ``backend`` on ``device``, each runnable or marked skipped with a reason.
+
+    ``dtypes`` (attention) and ``index_dtypes`` (index cache) restrict the
+    expansion (defaults :data:`DEFAULT_DTYPES`, :data:`DEFAULT_INDEX_DTYPES`);
+    a requested dtype the backend does not declare yields skipped cases.
+    ``quick=False`` adds the larger shapes of :data:`.cases.LARGE_STEPS`.
+    """
+    be = _resolve(backend)
+    ref = _resolve(reference_indexer) if reference_indexer is not None else None
+    dev = torch.device(device)
+    caps = be.capabilities
+    want_dt = list(dtypes) if dtypes is not None else list(DEFAULT_DTYPES)
+    want_idx = list(index_dtypes) if index_dtypes is not None else list(DEFAULT_INDEX_DTYPES)
+    _pick(want_dt, _ALL_DTYPES, _ALL_DTYPES, "dtype(s)")
+    _pick(want_idx, _ALL_INDEX_DTYPES, _ALL_INDEX_DTYPES, "index cache dtype(s)")
+    if not want_dt or not want_idx:
+        raise InputError("conformance needs at least one dtype and one index cache dtype")
+    base_dt = _preferred(want_dt, caps.dtypes)
+    base_idx = _preferred(want_idx, caps.index_cache_dtypes)
+
+    def q_dtype_for_index(idx: str) -> str:
+        # The index query has the model dtype: a float16/float32 index cache implies that dtype,
+        # an fp8 one goes with the run's base dtype (so `dtypes=["float16"]` avoids bf16 entirely).
+        return idx if idx in _ALL_DTYPES else base_dt
+
+    specs: list[CaseSpec] = []
+
+    def add(kind: str, name: str, step: Step, dtype: str, idx: str, ops: set[str], **extra: object) -> None:
+        body = BODIES[kind]
+        specs.append(CaseSpec(name=name, kind=name.split("/")[0], step=step, body=body,
+                              ops=frozenset(ops), dtype=dtype, index_dtype=idx, extra=dict(extra),
+                              needs_any_layout=kind == "indexer_other"))
+
+    large = {} if quick else LARGE_STEPS
+    for step_name, step in {**INDEXER_STEPS, **large}.items():
+        for idx in want_idx:
+            add("indexer", f"indexer/{step_name}:{idx}", step, q_dtype_for_index(idx), idx, {"index_topk"})
+    for case_name, (kind, step, extra) in BUFFER_CASES.items():
+        if kind.startswith("indexer"):
+            add(kind, f"buffer/{case_name}:{base_idx}", step, q_dtype_for_index(base_idx), base_idx,
+                {"index_topk"}, **extra)
+        else:
+            add(kind, f"buffer/{case_name}:{base_dt}", step, base_dt, base_idx, {"attention"}, **extra)
+    for step_name, step in {**ATTENTION_STEPS, **large}.items():
+        for dt in want_dt:
+            add("attention", f"attention/{step_name}:{dt}", step, dt, base_idx, {"attention"})
+    pairs = [(dt, base_idx) for dt in want_dt] + [(base_dt, i) for i in want_idx if i != base_idx]
+    for step_name, step in {**COMPOSED_STEPS, **large}.items():
+        for dt, idx in pairs:
+            add("composed", f"composed/{step_name}:{dt}+{idx}", step, dt, idx, {"index_topk", "attention"})
+
+    probe = be.probe(dev)
+    planned = []
+    from mm3.selection import requirements_for
+
+    for spec in specs:
+        reasons: list[str] = []
+        missing = [op for op in sorted(spec.ops) if not be.provides(op)]
+        if missing:
+            reasons.append(f"backend does not provide {missing}")
+        else:
+            req = requirements_for(spec.step.params(), spec.dtype, spec.index_dtype, dev,
+                                   decode_query_len=spec.step.dq).for_ops(*spec.ops)
+            reasons += caps.unmet(req)
+            if spec.needs_any_layout and caps.topk_requires_contiguous:
+                reasons.append(f"backend declares topk_requires_contiguous ({caps.topk_layout} only)")
+            if not reasons and not probe.available:
+                reasons.append(f"backend unavailable on {dev}: {probe.reason}")
+        planned.append(PlannedCase(spec, be, dev, "; ".join(reasons), ref))
+    return planned
+
+
+def run_conformance(backend: Union["Backend", str], *, device: Union[str, torch.device] = "cpu",
+                    quick: bool = True, dtypes: Optional[Sequence[str]] = None,
+                    index_dtypes: Optional[Sequence[str]] = None,
+                    reference_indexer: Optional[Union["Backend", str]] = None) -> ConformanceReport:
+    """Run the SPEC conformance suite on ``backend`` and return a report (never raises on failure).
+
+    Args:
+        backend: a bound :class:`~mm3.registry.Backend` (or a name in the
+            default registry).
+        device: where the inputs live (``"cpu"``, ``"cuda"``...).
+        quick: tiny shapes only; ``False`` adds bigger ones.
+        dtypes / index_dtypes: restrict the attention / index cache dtypes.
+        reference_indexer: a backend whose selection the attention cases use
+            instead of the fp64 oracle's (faster for big shapes).
+
+    Example:
+        >>> report = run_conformance("cpu_ref", dtypes=["float32"])   # doctest: +SKIP
+        >>> report.passed, [r.name for r in report.failures]          # doctest: +SKIP
+        (True, [])
+    """
+    be = _resolve(backend)
+    dev = torch.device(device)
+    plan = plan_cases(be, device=dev, quick=quick, dtypes=dtypes, index_dtypes=index_dtypes,
+                      reference_indexer=reference_indexer)
+    return ConformanceReport(be.name, str(dev), [c.run() for c in plan])

@@ -1,0 +1,269 @@
+"""``MockBackend``: a configurable backend that records calls and can misbehave on purpose.
+
+It declares whatever capabilities a test needs (any name, layout, ops,
+priority, availability...), records every hook call, delegates the math to a
+real backend (``cpu_ref`` by default, found through its entry point, so
+importing mm3 never imports a backend) and can inject one fault:
+
+==================  ====================================================================
+``fault``           what happens
+==================  ====================================================================
+``"raise"``         ``index_topk`` / ``attention_forward`` raise :class:`MockFault`
+``"wrong_layout"``  vLLM's bug: ``alloc_topk_buffer`` allocates storage in the *other*
+                    layout but labels it with the declared one, and ``index_topk`` writes
+                    like a raw-pointer kernel that assumes a dense buffer in the declared
+                    layout. With one head both memory maps coincide and all is well; with
+                    ``H > 1`` rows land on other tokens' rows.
+``"out_of_range"``  ``index_topk`` writes block id ``nb`` (one past the token's last
+                    visible block) into slot 0 of the first real token, head 0
+``"write_past_rows"``  ``index_topk`` also writes ``0`` into every row at or past ``T`` of
+                    the buffer it allocated (the step only receives ``rows(0, T)``, so the
+                    mock writes through the full buffer it kept)
+``"nan_output"``    ``attention_forward`` leaves NaN in the last row of ``out[:T]``
+==================  ====================================================================
+
+Example:
+    >>> from mm3.registry import Registry
+    >>> mock = MockBackend("mock_tm", topk_layout="token_major", priority=5)
+    >>> be = Registry(plugins=[mock], entry_points=False).get("mock_tm")
+    >>> be.alloc_topk_buffer(8, 2, 4, "cpu").layout
+    'token_major'
+    >>> [c.hook for c in mock.calls if c.hook == "alloc_topk_buffer"]
+    ['alloc_topk_buffer']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union, get_args
+
+import torch
+
+from mm3.batch import BatchMetadata
+from mm3.buffers import PagedKVCache, TopkBuffer
+from mm3.capabilities import BackendCapabilities, Probe
+from mm3.errors import InputError, UnknownBackendError
+from mm3.hookspecs import hookimpl
+from mm3.params import SparseAttentionParams
+
+__all__ = ["MockBackend", "MockFault", "Call", "Fault", "FAULTS"]
+
+Fault = Literal["raise", "wrong_layout", "out_of_range", "write_past_rows", "nan_output"]
+FAULTS: tuple[str, ...] = get_args(Fault)
+
+_DEFAULT_CAPABILITIES: dict[str, Any] = dict(
+    ops=frozenset({"index_topk", "attention"}),
+    device_types=frozenset({"cpu", "cuda"}),
+    topk_layout="head_major",
+    max_decode_query_len=16,
+    description="mm3.testing.MockBackend",
+)
+
+
+class MockFault(RuntimeError):
+    """Raised by a :class:`MockBackend` built with ``fault="raise"``."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One recorded hook call: its name and its arguments by name (the objects, not copies)."""
+
+    hook: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def _other(layout: str) -> str:
+    return "token_major" if layout == "head_major" else "head_major"
+
+
+def _dense_strides(storage: torch.Tensor) -> tuple[int, int, int]:
+    """Strides of a *contiguous* tensor shaped like ``storage``: its layout's memory map."""
+    a, b, c = storage.shape
+    return (b * c, c, 1)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _load_entry_point(name: str) -> object:
+    """The plugin registered under entry point ``name`` of the ``mm3.backends`` group."""
+    from mm3.registry import list_entry_points  # deferred: keep mm3.testing import-light
+
+    for ep in list_entry_points():
+        if ep.name == name:
+            return ep.load()
+    raise UnknownBackendError(
+        f"MockBackend: no installed backend entry point named {name!r} to delegate to; install it "
+        f"(pip install -e .) or pass delegate=<plugin module, plugin object or mm3 Backend>")
+
+
+class MockBackend:
+    """A plugin object (register it like a module) with configurable capabilities.
+
+    Args:
+        name: backend name (``capabilities.name``).
+        delegate: who does the math: a plugin module/object or a
+            :class:`~mm3.registry.Backend` (anything with ``index_topk`` /
+            ``attention_forward``), or an entry-point name. Default ``"cpu_ref"``,
+            loaded on first use.
+        fault: one of :data:`FAULTS` (see the module docstring), or ``None``.
+        available: what ``backend_probe`` answers; ``probe_reason`` says why.
+        strict: when the declared capabilities say ``topk_requires_contiguous``,
+            reject (:class:`~mm3.errors.InputError`) a top-k buffer that is not
+            dense in the declared layout, as a raw kernel would misread it. This
+            is how tests prove the caller converted the buffer.
+        **capabilities: any :class:`~mm3.capabilities.BackendCapabilities` field
+            (``topk_layout``, ``ops``, ``priority``, ``dtypes``...), overriding the
+            defaults (both ops, cpu+cuda, head-major, decode query length 16).
+
+    Attributes:
+        calls: every hook call, in order, as :class:`Call`.
+        allocated: every buffer ``alloc_topk_buffer`` returned.
+    """
+
+    def __init__(self, name: str = "mock", *, delegate: Union[object, str, None] = "cpu_ref",
+                 fault: Optional[Fault] = None, available: bool = True,
+                 probe_reason: str = "mock backend", strict: bool = True,
+                 **capabilities: Any) -> None:
+        if fault is not None and fault not in FAULTS:
+            raise InputError(f"MockBackend: unknown fault {fault!r}; use one of {list(FAULTS)} or None")
+        self.capabilities = BackendCapabilities(**{**_DEFAULT_CAPABILITIES, **capabilities, "name": name})
+        self.fault = fault
+        self.available = available
+        self.probe_reason = probe_reason
+        self.strict = strict
+        self._delegate_spec = delegate if delegate is not None else "cpu_ref"
+        self._delegate: Optional[object] = None
+        self.calls: list[Call] = []
+        self.allocated: list[TopkBuffer] = []
+
+    # -- bookkeeping ----------------------------------------------------------------
+    def calls_to(self, hook: str) -> list[Call]:
+        """The recorded calls of one hook."""
+        return [c for c in self.calls if c.hook == hook]
+
+    def reset(self) -> None:
+        """Forget recorded calls and allocated buffers."""
+        self.calls.clear()
+        self.allocated.clear()
+
+    def _record(self, hook: str, **args: Any) -> None:
+        self.calls.append(Call(hook, args))
+
+    # A method, not a property: pluggy getattr()s every attribute of a plugin
+    # at registration, which would resolve the delegate eagerly.
+    def resolve_delegate(self) -> object:
+        """The object doing the math (loaded on first use, then cached)."""
+        if self._delegate is None:
+            spec = self._delegate_spec
+            self._delegate = _load_entry_point(spec) if isinstance(spec, str) else spec
+        return self._delegate
+
+    def _delegate_layout_need(self) -> Optional[str]:
+        """The layout the delegate must be given, when it requires a dense buffer in it."""
+        d = self.resolve_delegate()
+        caps = getattr(d, "capabilities", None)
+        if caps is None and callable(getattr(d, "backend_capabilities", None)):
+            caps = d.backend_capabilities()  # type: ignore[attr-defined]
+        if isinstance(caps, BackendCapabilities) and caps.topk_requires_contiguous:
+            return caps.topk_layout
+        return None
+
+    def _check_declared(self, hook: str, buf: TopkBuffer) -> None:
+        caps = self.capabilities
+        if self.strict and caps.topk_requires_contiguous and (buf.layout != caps.topk_layout
+                                                               or not buf.is_dense()):
+            raise InputError(
+                f"mock backend {caps.name!r}.{hook}: got a {'dense' if buf.is_dense() else 'non-dense'} "
+                f"{buf.layout} top-k buffer but declares topk_requires_contiguous with "
+                f"topk_layout={caps.topk_layout!r}; convert it first: buf.to_layout({caps.topk_layout!r})")
+
+    # -- hooks ----------------------------------------------------------------------------
+    @hookimpl
+    def backend_capabilities(self) -> BackendCapabilities:
+        self._record("backend_capabilities")
+        return self.capabilities
+
+    @hookimpl
+    def backend_probe(self, device: torch.device) -> Probe:
+        self._record("backend_probe", device=device)
+        return Probe.yes(self.probe_reason) if self.available else Probe.no(self.probe_reason)
+
+    @hookimpl
+    def alloc_topk_buffer(self, num_tokens: int, num_heads: int, topk: int,
+                          device: torch.device) -> TopkBuffer:
+        self._record("alloc_topk_buffer", num_tokens=num_tokens, num_heads=num_heads, topk=topk,
+                     device=device)
+        layout = self.capabilities.topk_layout
+        if self.fault == "wrong_layout":
+            # Memory laid out in the other order, labelled as the declared one:
+            # the strides stay honest, the label and the memory map disagree.
+            real = TopkBuffer.allocate(num_tokens, num_heads, topk, _other(layout), device)
+            buf = TopkBuffer(real.storage.permute(1, 0, 2), layout)
+        else:
+            buf = TopkBuffer.allocate(num_tokens, num_heads, topk, layout, device)
+        self.allocated.append(buf)
+        return buf
+
+    @hookimpl
+    def index_topk(self, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+                   params: SparseAttentionParams, out: TopkBuffer) -> None:
+        self._record("index_topk", index_q=index_q, caches=caches, batch=batch, params=params, out=out)
+        if self.fault == "raise":
+            raise MockFault(f"mock backend {self.capabilities.name!r}: injected fault in index_topk")
+        self._check_declared("index_topk", out)
+        need = self._delegate_layout_need()
+        T = batch.num_tokens
+        if self.fault == "wrong_layout" or (need is not None and (out.layout != need or not out.is_dense())):
+            scratch = TopkBuffer.allocate(T, out.num_heads, out.topk, need or out.layout, out.device)
+            self.resolve_delegate().index_topk(index_q, caches, batch, params, scratch)  # type: ignore[attr-defined]
+            if self.fault == "wrong_layout":
+                self._write_as_dense(scratch.to_layout(out.layout), out.rows(0, T))
+            else:
+                out.rows(0, T).copy_(scratch)
+        else:
+            self.resolve_delegate().index_topk(index_q, caches, batch, params, out)  # type: ignore[attr-defined]
+        if self.fault == "out_of_range":
+            real = (batch.token_positions >= 0).nonzero()
+            if real.numel():
+                t = int(real[0, 0])
+                out.head_major()[0, t, 0] = int(batch.token_positions[t]) // params.block_size + 1
+        elif self.fault == "write_past_rows":
+            for full in self.allocated:
+                if _same_memory(full.storage, out.storage) and full.num_tokens > T:
+                    full.head_major()[:, T:] = 0
+
+    @staticmethod
+    def _write_as_dense(src: TopkBuffer, out: TopkBuffer) -> None:
+        """Write ``src`` the way a kernel assuming dense ``out.layout`` storage would.
+
+        The target addresses are those of a contiguous tensor starting at
+        ``out``'s first element, whatever ``out``'s real strides are. They stay
+        inside ``out``'s allocation because a step's rows never exceed capacity.
+        """
+        s = out.storage
+        raw = torch.as_strided(s, s.shape, _dense_strides(s), s.storage_offset())
+        raw.copy_(src.storage)
+
+    @hookimpl
+    def attention_forward(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
+                          batch: BatchMetadata, params: SparseAttentionParams,
+                          out: torch.Tensor) -> None:
+        self._record("attention_forward", q=q, caches=caches, topk=topk, batch=batch, params=params,
+                     out=out)
+        if self.fault == "raise":
+            raise MockFault(f"mock backend {self.capabilities.name!r}: injected fault in attention_forward")
+        self._check_declared("attention_forward", topk)
+        need = self._delegate_layout_need()
+        if need is not None:
+            topk = topk.to_layout(need)
+        self.resolve_delegate().attention_forward(q, caches, topk, batch, params, out)  # type: ignore[attr-defined]
+        T = batch.num_tokens
+        if self.fault == "nan_output" and T > 0:
+            out[T - 1] = float("nan")
+
+    def __repr__(self) -> str:
+        c = self.capabilities
+        return (f"MockBackend({c.name!r}, topk_layout={c.topk_layout!r}, ops={sorted(c.ops)}, "
+                f"fault={self.fault!r})")

@@ -1,0 +1,198 @@
+"""The conformance suite on cpu_ref and on mocks: layout negotiation, skips, and that it can fail.
+
+* cpu_ref (head-major) passes every case;
+* a token-major MockBackend delegating to cpu_ref passes too: the suite hands
+  every backend buffers in its own declared layout, and the "other layout"
+  cases hand it the layout it did not ask for;
+* a token-major mock that *requires* a contiguous buffer (and rejects anything
+  else) passes: the suite converts head-major buffers for it, as the core does;
+* each injected fault makes the cases that should catch it fail.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import pytest
+
+import mm3_backends.cpu_ref.plugin as cpu_ref
+from mm3.registry import Backend, Registry
+from mm3.testing.conformance import (
+    CaseResult, ConformanceReport, PlannedCase, plan_cases, run_conformance,
+)
+from mm3.testing.mock import MockBackend
+
+
+def _bind(plugin: object, name: str) -> Backend:
+    return Registry(plugins=[plugin], entry_points=False).get(name)
+
+
+CPU_REF = _bind(cpu_ref, "cpu_ref")
+TOKEN_MAJOR = _bind(MockBackend("mock_token_major", topk_layout="token_major"), "mock_token_major")
+CONTIGUOUS = _bind(MockBackend("mock_tm_contiguous", topk_layout="token_major", topk_requires_contiguous=True),
+                   "mock_tm_contiguous")
+
+
+def _run(case: PlannedCase) -> CaseResult:
+    result = case.run()
+    assert not result.failed, result.describe() + "\n" + result.details.get("traceback", "")
+    return result
+
+
+@pytest.mark.parametrize("case", plan_cases(CPU_REF), ids=lambda c: c.name)
+def test_cpu_ref(case: PlannedCase) -> None:
+    assert not case.skip, f"cpu_ref declares everything the quick suite asks for, got skip: {case.skip}"
+    assert _run(case).passed
+
+
+@pytest.mark.parametrize("case", plan_cases(TOKEN_MAJOR, dtypes=["bfloat16", "float32"]), ids=lambda c: c.name)
+def test_token_major_mock(case: PlannedCase) -> None:
+    assert not case.skip
+    result = _run(case)
+    if "layout" in result.details:
+        expect = "head_major" if "other_layout" in case.name else "token_major"
+        assert result.details["layout"] == expect
+
+
+@pytest.mark.parametrize("case", plan_cases(CONTIGUOUS, dtypes=["bfloat16"]), ids=lambda c: c.name)
+def test_contiguous_token_major_mock(case: PlannedCase) -> None:
+    result = _run(case)
+    if case.name.startswith("buffer/indexer_writes_other_layout"):
+        assert result.skipped and "topk_requires_contiguous" in result.message
+    else:
+        assert result.passed
+        given = result.details.get("topk_given")
+        if given is not None:  # converted by the suite, never handed a strided/other-layout view
+            assert given == "token_major"
+
+
+def test_contiguous_mock_really_rejects_head_major_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the suite's conversion the strict mock fails: the conversion above is what passed."""
+    from mm3.testing.conformance import cases as cases_mod
+
+    plan = plan_cases(CONTIGUOUS, dtypes=["bfloat16"])
+    case = next(c for c in plan if c.name.startswith("buffer/attention_reads_other_layout_h2"))
+    monkeypatch.setattr(cases_mod, "_to_consumer", lambda ctx, buf: buf)
+    result = case.run()
+    assert result.failed and "to_layout('token_major')" in result.message
+
+
+# -- the suite catches broken backends ----------------------------------------------------------------
+
+SUBSET = dict(dtypes=["float32"], index_dtypes=["bfloat16"])
+
+
+def _failures(fault: str, layout: str = "head_major") -> dict[str, str]:
+    name = f"faulty_{fault}_{layout}"
+    be = _bind(MockBackend(name, topk_layout=layout, fault=fault), name)  # type: ignore[arg-type]
+    report = run_conformance(be, **SUBSET)  # type: ignore[arg-type]
+    assert not report.passed
+    return {r.name: r.message for r in report.failures}
+
+
+def test_suite_catches_wrong_layout_storage_only_with_several_heads() -> None:
+    for layout in ("head_major", "token_major"):
+        failed = _failures("wrong_layout", layout)
+        assert "buffer/sentinel_rows_h2:bfloat16" in failed
+        assert "label and the memory map disagree" in failed["buffer/sentinel_rows_h2:bfloat16"]
+        assert "buffer/sentinel_rows_h1:bfloat16" not in failed     # one head: same memory map
+        assert "indexer/mixed_h1:bfloat16" not in failed
+
+
+def test_suite_catches_out_of_range_ids() -> None:
+    failed = _failures("out_of_range")
+    assert "indexer/mixed_h2:bfloat16" in failed and "outside" in failed["indexer/mixed_h2:bfloat16"]
+    assert any(n.startswith("composed/") for n in failed)
+    assert not any(n.startswith("attention/") for n in failed)
+
+
+def test_suite_catches_writes_past_the_step() -> None:
+    failed = _failures("write_past_rows")
+    assert "past the step's rows" in failed["buffer/sentinel_rows_h1:bfloat16"]
+    assert "indexer/spec_decode_q2:bfloat16" in failed
+
+
+def test_suite_catches_nan_output() -> None:
+    failed = _failures("nan_output")
+    assert "non-finite output" in failed["attention/mixed_h2_g2:float32"] or \
+        "padding" in failed["attention/mixed_h2_g2:float32"]
+    assert not any(n.startswith("indexer/") for n in failed)
+
+
+def test_suite_reports_backend_exceptions_as_failures() -> None:
+    failed = _failures("raise")
+    assert failed and all("MockFault" in m for m in failed.values())
+
+
+def test_suite_catches_inaccurate_attention() -> None:
+    """An attention 3e-3 off on every element fails SPEC §4's mean tolerance and says by how much."""
+    import torch
+
+    class Sloppy:
+        def index_topk(self, *a: object) -> None:
+            cpu_ref.index_topk(*a)  # type: ignore[arg-type]
+
+        def attention_forward(self, q, caches, topk, batch, params, out) -> None:  # type: ignore[no-untyped-def]
+            cpu_ref.attention_forward(q, caches, topk, batch, params, out)
+            real = batch.token_positions >= 0
+            out[real] += torch.randn_like(out[real]) * 3e-3
+
+    be = _bind(MockBackend("sloppy", delegate=Sloppy()), "sloppy")
+    report = run_conformance(be, dtypes=["bfloat16"], index_dtypes=["bfloat16"])
+    failed = {r.name: r for r in report.failures}
+    assert "attention/mixed_h1_g8:bfloat16" in failed
+    assert failed["attention/mixed_h1_g8:bfloat16"].details["mean_err"] > 3e-4
+
+
+# -- skips and reports --------------------------------------------------------------------------------
+
+
+def test_undeclared_ops_and_dtypes_are_skipped_not_failed() -> None:
+    be = _bind(MockBackend("att_only", ops={"attention"}, dtypes={"float32"}), "att_only")
+    report = run_conformance(be, dtypes=["bfloat16", "float32"], index_dtypes=["bfloat16"])
+    assert report.passed, report.format()
+    skipped = {r.name: r.message for r in report.skipped}
+    assert "does not provide ['index_topk']" in skipped["indexer/mixed_h1:bfloat16"]
+    assert "dtype bfloat16 not in ['float32']" in skipped["attention/mixed_h1_g8:bfloat16"]
+    assert all(r.name.startswith(("attention/", "buffer/attention")) for r in report.ran)
+
+
+def test_unavailable_backend_runs_nothing() -> None:
+    be = _bind(MockBackend("off", available=False, probe_reason="no device here"), "off")
+    report = run_conformance(be, **SUBSET)  # type: ignore[arg-type]
+    assert not report.ran and not report.passed
+    assert all("no device here" in r.message for r in report.skipped)
+    assert "NOTHING RAN" in report.format()
+
+
+def test_report_format_lists_every_case() -> None:
+    report = run_conformance(CPU_REF, dtypes=["float32"], index_dtypes=["float8_e4m3fn"])
+    assert isinstance(report, ConformanceReport) and report.passed
+    text = report.format()
+    assert text.count("\n") == len(report) + 1 and "PASSED" in text
+    assert "PASS attention/chunked_prefill:float32" in text and "mean_err=" in text
+
+
+def test_reference_indexer_feeds_attention_cases() -> None:
+    mock = MockBackend("ref_idx")
+    ref = _bind(mock, "ref_idx")
+    report = run_conformance(CPU_REF, dtypes=["float32"], index_dtypes=["bfloat16"], reference_indexer=ref)
+    assert report.passed
+    assert len(mock.calls_to("index_topk")) == sum(
+        r.name.startswith(("attention/", "buffer/attention")) for r in report.ran)
+
+
+def test_unknown_dtype_is_an_input_error() -> None:
+    from mm3.errors import InputError
+
+    with pytest.raises(InputError, match="float64"):
+        plan_cases(CPU_REF, dtypes=["float64"])
+
+
+def test_pytest_entry_point() -> None:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "mm3.testing.conformance",
+           "--mm3-backend", "cpu_ref", "--mm3-dtype", "float32", "--mm3-index-dtype", "bfloat16",
+           "-k", "mixed_h1 or sentinel"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert " passed" in r.stdout and "failed" not in r.stdout

@@ -1,0 +1,196 @@
+"""MockBackend: configurable declaration, call recording, delegation, and each injected fault."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mm3_backends.cpu_ref.plugin as cpu_ref
+from mm3 import SparseAttentionParams, TopkBuffer
+from mm3.errors import InputError, PluginError, UnknownBackendError
+from mm3.registry import Registry
+from mm3.testing.factories import make_case
+from mm3.testing.mock import FAULTS, Call, MockBackend, MockFault
+from mm3.testing.oracle import check_topk, oracle_attention
+
+
+def _params(H: int = 2) -> SparseAttentionParams:
+    return SparseAttentionParams(num_heads=2 * H, num_kv_heads=H, head_dim=32, num_index_heads=H,
+                                 index_head_dim=32, block_size=16, topk=4)
+
+
+def _case(H: int = 2, seed: int = 0):  # type: ignore[no-untyped-def]
+    # >= 2 decode tokens and >= 2 prefills, T = 2 + 5 + 30 = 37
+    return make_case(_params(H), decodes=[100, 70], prefills=[(5, 5), (30, 120)], seed=seed)
+
+
+def _bind(mock: MockBackend):  # type: ignore[no-untyped-def]
+    return Registry(plugins=[mock], entry_points=False).get(mock.capabilities.name)
+
+
+def test_declaration_is_configurable() -> None:
+    m = MockBackend("vendor_x", topk_layout="token_major", topk_requires_contiguous=True, priority=7,
+                    ops={"attention"}, dtypes={"bfloat16"}, device_types={"cpu"})
+    c = m.capabilities
+    assert (c.name, c.topk_layout, c.topk_requires_contiguous, c.priority) == ("vendor_x", "token_major", True, 7)
+    assert c.ops == {"attention"} and c.dtypes == {"bfloat16"}
+    be = _bind(m)
+    assert be.provides("attention") and not be.provides("index_topk")
+    with pytest.raises(InputError, match="unknown fault"):
+        MockBackend(fault="segfault")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        MockBackend("bad name!")
+
+
+def test_probe_availability() -> None:
+    assert _bind(MockBackend()).probe("cpu").available
+    be = _bind(MockBackend("off", available=False, probe_reason="driver too old"))
+    p = be.probe("cpu")
+    assert not p.available and p.reason == "driver too old"
+
+
+def test_records_every_call_and_delegates_to_cpu_ref() -> None:
+    mock = MockBackend("rec")
+    be = _bind(mock)
+    case = _case()
+    p, T = case.params, case.batch.num_tokens
+    buf = be.alloc_topk_buffer(T + 4, 2, 4, "cpu")
+    be.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, T))
+    out = torch.empty_like(case.q)
+    be.attention_forward(case.q, case.caches, buf.rows(0, T), case.batch, p, out)
+    hooks = [c.hook for c in mock.calls]
+    assert hooks[0] == "backend_capabilities"  # the registry asked at registration
+    assert hooks[-3:] == ["alloc_topk_buffer", "index_topk", "attention_forward"]
+    idx = mock.calls_to("index_topk")[0]
+    assert isinstance(idx, Call) and idx.args["batch"] is case.batch and idx.args["out"].num_tokens == T
+    assert mock.calls_to("alloc_topk_buffer")[0].args["num_tokens"] == T + 4
+    assert mock.allocated == [buf]
+    assert not check_topk(buf.rows(0, T), case.index_q, case.caches, case.batch, p)
+    ref = oracle_attention(case.q, case.caches, buf.rows(0, T), case.batch, p)
+    assert (out.double() - ref).abs().max() < 2e-2
+    mock.reset()
+    assert mock.calls == [] and mock.allocated == []
+
+
+def test_explicit_delegate_and_unknown_entry_point() -> None:
+    calls: list[str] = []
+
+    class Spy:
+        def index_topk(self, *args: object) -> None:
+            calls.append("index")
+            cpu_ref.index_topk(*args)  # type: ignore[arg-type]
+
+        def attention_forward(self, *args: object) -> None:
+            calls.append("attention")
+            cpu_ref.attention_forward(*args)  # type: ignore[arg-type]
+
+    case = _case()
+    be = _bind(MockBackend("spy", delegate=Spy()))
+    buf = be.alloc_topk_buffer(case.batch.num_tokens, 2, 4, "cpu")
+    be.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
+    be.attention_forward(case.q, case.caches, buf, case.batch, case.params, torch.empty_like(case.q))
+    assert calls == ["index", "attention"]
+    lost = _bind(MockBackend("lost", delegate="no_such_backend"))
+    with pytest.raises(UnknownBackendError, match="no_such_backend"):
+        lost.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
+
+
+def test_contiguous_declaration_is_enforced_when_strict() -> None:
+    case = _case()
+    T = case.batch.num_tokens
+    strict = _bind(MockBackend("tm", topk_layout="token_major", topk_requires_contiguous=True))
+    head_major = TopkBuffer.allocate(T, 2, 4, "head_major")
+    with pytest.raises(InputError, match="to_layout"):
+        strict.index_topk(case.index_q, case.caches, case.batch, case.params, head_major)
+    strict.index_topk(case.index_q, case.caches, case.batch, case.params, head_major.to_layout("token_major"))
+    lax = _bind(MockBackend("tm2", topk_layout="token_major", topk_requires_contiguous=True, strict=False))
+    lax.index_topk(case.index_q, case.caches, case.batch, case.params, head_major)
+    assert not check_topk(head_major, case.index_q, case.caches, case.batch, case.params)
+
+
+def test_delegate_that_needs_its_own_layout_gets_it() -> None:
+    """A mock may delegate to a strict backend: it converts the buffer for it."""
+    inner = MockBackend("inner_tm", topk_layout="token_major", topk_requires_contiguous=True)
+    outer = _bind(MockBackend("outer_hm", delegate=inner))
+    case = _case()
+    T = case.batch.num_tokens
+    buf = outer.alloc_topk_buffer(T + 2, 2, 4, "cpu")
+    outer.index_topk(case.index_q, case.caches, case.batch, case.params, buf.rows(0, T))
+    assert not check_topk(buf.rows(0, T), case.index_q, case.caches, case.batch, case.params)
+    out = torch.empty_like(case.q)
+    outer.attention_forward(case.q, case.caches, buf.rows(0, T), case.batch, case.params, out)
+    assert inner.calls_to("attention_forward")[0].args["topk"].layout == "token_major"
+
+
+# -- faults ---------------------------------------------------------------------------------------
+
+
+def test_fault_raise() -> None:
+    be = _bind(MockBackend("boom", fault="raise"))
+    case = _case()
+    buf = be.alloc_topk_buffer(case.batch.num_tokens, 2, 4, "cpu")
+    with pytest.raises(MockFault, match="index_topk"):
+        be.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
+    with pytest.raises(MockFault, match="attention_forward"):
+        be.attention_forward(case.q, case.caches, buf, case.batch, case.params, torch.empty_like(case.q))
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_fault_wrong_layout_is_harmless_with_one_head_and_scrambles_rows_with_two(layout: str) -> None:
+    for H, expect_ok in ((1, True), (2, False)):
+        mock = MockBackend(f"wl_{H}", topk_layout=layout, fault="wrong_layout")
+        be = _bind(mock)
+        case = _case(H)
+        T = case.batch.num_tokens
+        full = be.alloc_topk_buffer(T + 5, H, 4, "cpu")
+        assert full.layout == layout                      # labelled as declared ...
+        assert full.is_contiguous() == (H == 1)           # ... but stored the other way round
+        full.fill_(-7)
+        be.index_topk(case.index_q, case.caches, case.batch, case.params, full.rows(0, T))
+        errors = check_topk(full.rows(0, T), case.index_q, case.caches, case.batch, case.params)
+        assert (not errors) == expect_ok, f"H={H}: {len(errors)} bad rows"
+
+
+def test_fault_out_of_range() -> None:
+    be = _bind(MockBackend("oor", fault="out_of_range"))
+    case = _case()
+    T = case.batch.num_tokens
+    buf = be.alloc_topk_buffer(T, 2, 4, "cpu")
+    be.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
+    nb0 = int(case.batch.token_positions[0]) // 16 + 1
+    assert int(buf.head_major()[0, 0, 0]) == nb0
+    errors = check_topk(buf, case.index_q, case.caches, case.batch, case.params)
+    assert [(e.head, e.token) for e in errors] == [(0, 0)]
+
+
+def test_fault_write_past_rows() -> None:
+    mock = MockBackend("past", fault="write_past_rows")
+    be = _bind(mock)
+    case = _case()
+    T = case.batch.num_tokens
+    full = be.alloc_topk_buffer(T + 3, 2, 4, "cpu").fill_(123)
+    be.index_topk(case.index_q, case.caches, case.batch, case.params, full.rows(0, T))
+    assert (full.head_major()[:, T:] == 0).all()
+    assert not check_topk(full.rows(0, T), case.index_q, case.caches, case.batch, case.params)
+
+
+def test_fault_nan_output() -> None:
+    be = _bind(MockBackend("nan", fault="nan_output"))
+    case = _case()
+    T = case.batch.num_tokens
+    buf = be.alloc_topk_buffer(T, 2, 4, "cpu")
+    be.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
+    out = torch.zeros(T + 1, *case.q.shape[1:], dtype=case.q.dtype)
+    be.attention_forward(case.q, case.caches, buf, case.batch, case.params, out[:T])
+    assert out[T - 1].isnan().all() and not out[: T - 1].isnan().any() and (out[T] == 0).all()
+
+
+def test_every_fault_is_covered() -> None:
+    assert set(FAULTS) == {"raise", "wrong_layout", "out_of_range", "write_past_rows", "nan_output"}
+
+
+def test_registry_rejects_nothing_about_the_mock() -> None:
+    reg = Registry(plugins=[MockBackend("a"), MockBackend("b", topk_layout="token_major")], entry_points=False)
+    assert sorted(reg.names()) == ["a", "b"] and not reg.problems()
+    with pytest.raises(PluginError):
+        reg.register(MockBackend("a"))
