@@ -49,7 +49,7 @@ from mm3.buffers import TopkBuffer
 from mm3.params import SparseAttentionParams
 
 from . import counts, inputs, peers, report
-from .timing import Timer, ceilings
+from .timing import Timer, ceilings, kernel_breakdown
 
 __all__ = ["add_arguments", "run", "main", "DecodeCfg", "PrefillCfg", "full_grid", "tiny_grid"]
 
@@ -358,10 +358,12 @@ def run_decode(ctx: Context, c: DecodeCfg) -> None:
                                  kv_tokens=kv_tokens)
 
     tm = _time_parts(ctx, be, p, sets, bufs, ("indexer", "attention", "step"), graph=True)
+    kernels = _kernels(ctx, c, lambda: (be.index_topk(s0.index_q, s0.caches, s0.batch, p, b0),
+                                        be.attention_forward(s0.q, s0.caches, b0, s0.batch, p, s0.out)))
     summary = []
     for part, t in tm.items():
         rec = ctx.add(**base, impl=f"mm3:{be.name}", part=part, bytes=nbytes[part], **t.as_dict(),
-                      check=check if part == "step" else None)
+                      check=check if part == "step" else None, kernels=kernels if part == "step" else None)
         summary.append(f"{part} {_fmt_t(t.ms)}" + (f" ({rec['pct_copy']:.0f}% copy)" if "pct_copy" in rec else ""))
     ctx.log(f"{c.name} [{S} sets] mm3:{be.name}: " + ", ".join(summary) +
             f" | check: sel {check['sel_match'] * 100:.0f}% max err {check['attn_max_err']:.1e}")
@@ -457,10 +459,13 @@ def run_prefill(ctx: Context, c: PrefillCfg) -> None:
     flops = {"indexer": cnt["index_flops"], "attention": cnt["sparse_flops"],
              "step": cnt["index_flops"] + cnt["sparse_flops"]}
     tm = _time_parts(ctx, be, p, [s], [buf], c.parts, graph=False)
+    kernels = _kernels(ctx, c, lambda: (be.index_topk(s.index_q, s.caches, s.batch, p, buf),
+                                        be.attention_forward(s.q, s.caches, buf, s.batch, p, s.out)))
     summary = []
     for part, t in tm.items():
         rec = ctx.add(**base, impl=f"mm3:{be.name}", part=part, flops=flops[part],
                       bytes=cnt[f"{part}_bytes"], **t.as_dict(), check=check if part == "step" else None,
+                      kernels=kernels if part == "step" else None,
                       dense_flops=cnt["dense_flops"] if part != "indexer" else None)
         summary.append(f"{part} {_fmt_t(t.ms)} ({rec['TFLOPs']:.0f} TFLOP/s)")
     ctx.log(f"{c.name} mm3:{be.name}: " + ", ".join(summary) +
@@ -508,6 +513,18 @@ def run_prefill(ctx: Context, c: PrefillCfg) -> None:
         ctx.log(f"  cpu_ref: step {_fmt_t(tr['step'].ms)}")
 
 
+def _kernels(ctx: Context, c: Any, fn: Callable[[], object]) -> Optional[dict[str, float]]:
+    """Per-kernel device time of one eager step (profiler), for priority-0 configurations on a GPU."""
+    if not ctx.gpu or (c.priority > 0 and not ctx.args.profile_all):
+        return None
+    try:
+        k = kernel_breakdown(fn)
+    except Exception as e:  # the profiler is a diagnostic; never fail the run for it
+        return {"error": _err(e)}  # type: ignore[dict-item]
+    ctx.log("  kernels (us, eager): " + ", ".join(f"{n.split('(')[0]} {v:.1f}" for n, v in list(k.items())[:6]))
+    return k
+
+
 def _sdpa_names(ctx: Context) -> list[Optional[str]]:
     if not ctx.gpu:
         return [None]
@@ -538,6 +555,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pool-gb", type=float, default=96.0, help="largest paged-cache pool")
     ap.add_argument("--sdpa", default="flash,cudnn,efficient", help="SDPA backends to run as peers")
     ap.add_argument("--no-ceilings", action="store_true")
+    ap.add_argument("--profile-all", action="store_true",
+                    help="per-kernel profiler breakdown for every configuration (default: priority 0 only)")
     ap.add_argument("--seed", type=int, default=0)
 
 

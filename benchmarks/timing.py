@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["Timing", "Timer", "ceilings"]
+__all__ = ["Timing", "Timer", "ceilings", "kernel_breakdown"]
 
 Fn = Callable[[], object]
 
@@ -184,3 +184,26 @@ def ceilings(timer: Timer, *, copy_bytes: int, matmul_n: int) -> dict[str, dict]
         "read": {"bytes": nbytes, "GBps": nbytes / read.ms / 1e6, **read.as_dict()},
         "matmul_bf16": {"n": matmul_n, "TFLOPs": 2 * matmul_n ** 3 / mm.ms / 1e9, **mm.as_dict()},
     }
+
+
+def kernel_breakdown(fn: Fn, reps: int = 5) -> dict[str, float]:
+    """Mean device time (us) per launch of each kernel ``fn`` runs, eagerly, from the profiler.
+
+    Launch gaps are not included: compare the sum with the graph time to see them.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        dev_us = getattr(e, "device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(e, "cuda_time_total", 0.0)
+        if dev_us and e.count:
+            out[e.key[:60]] = dev_us / reps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
