@@ -15,7 +15,6 @@ import sys
 import pytest
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_all_launches_compile_for_sm90_and_gfx942() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
