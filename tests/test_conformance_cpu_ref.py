@@ -196,3 +196,9 @@ def test_pytest_entry_point() -> None:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert " passed" in r.stdout and "failed" not in r.stdout
+
+
+def test_seed_varies_inputs_reproducibly() -> None:
+    a, b, c = (plan_cases(CPU_REF, seed=s) for s in (0, 0, 1))
+    assert [x.spec.seed for x in a] == [x.spec.seed for x in b]
+    assert all(x.spec.seed != y.spec.seed for x, y in zip(a, c))

@@ -198,10 +198,12 @@ class CaseSpec:
     index_dtype: str
     needs_any_layout: bool = False   # the backend itself must write a non-native layout
     extra: dict[str, Any] = field(default_factory=dict)
+    salt: int = 0
 
     @property
     def seed(self) -> int:
-        return zlib.crc32(self.name.encode()) & 0x7FFFFFFF
+        """The case's random seed: stable per case name, varied by ``salt`` (``run_conformance(seed=)``)."""
+        return zlib.crc32(f"{self.name}#{self.salt}".encode()) & 0x7FFFFFFF
 
     def run(self, ctx: CaseContext) -> tuple[bool, str, dict[str, Any], float]:
         """``(passed, message, details, elapsed_s)``; exceptions from the backend fail the case."""

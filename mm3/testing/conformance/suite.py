@@ -90,13 +90,15 @@ def _preferred(candidates: Sequence[str], declared: Iterable[str]) -> str:
 def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.device] = "cpu",
                quick: bool = True, dtypes: Optional[Sequence[str]] = None,
                index_dtypes: Optional[Sequence[str]] = None,
-               reference_indexer: Optional[Union["Backend", str]] = None) -> list[PlannedCase]:
+               reference_indexer: Optional[Union["Backend", str]] = None,
+               seed: int = 0) -> list[PlannedCase]:
     """Every case for ``backend`` on ``device``, each runnable or marked skipped with a reason.
 
     ``dtypes`` (attention) and ``index_dtypes`` (index cache) restrict the
     expansion (defaults :data:`DEFAULT_DTYPES`, :data:`DEFAULT_INDEX_DTYPES`);
     a requested dtype the backend does not declare yields skipped cases.
     ``quick=False`` adds the larger shapes of :data:`.cases.LARGE_STEPS`.
+    ``seed`` varies every case's random inputs (each case is reproducible per seed).
     """
     be = _resolve(backend)
     ref = _resolve(reference_indexer) if reference_indexer is not None else None
@@ -122,7 +124,7 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
         body = BODIES[kind]
         specs.append(CaseSpec(name=name, kind=name.split("/")[0], step=step, body=body,
                               ops=frozenset(ops), dtype=dtype, index_dtype=idx, extra=dict(extra),
-                              needs_any_layout=kind == "indexer_other"))
+                              needs_any_layout=kind == "indexer_other", salt=seed))
 
     large = {} if quick else LARGE_STEPS
     for step_name, step in {**INDEXER_STEPS, **large}.items():
@@ -166,7 +168,8 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
 def run_conformance(backend: Union["Backend", str], *, device: Union[str, torch.device] = "cpu",
                     quick: bool = True, dtypes: Optional[Sequence[str]] = None,
                     index_dtypes: Optional[Sequence[str]] = None,
-                    reference_indexer: Optional[Union["Backend", str]] = None) -> ConformanceReport:
+                    reference_indexer: Optional[Union["Backend", str]] = None,
+                    seed: int = 0) -> ConformanceReport:
     """Run the SPEC conformance suite on ``backend`` and return a report (never raises on failure).
 
     Args:
@@ -177,6 +180,7 @@ def run_conformance(backend: Union["Backend", str], *, device: Union[str, torch.
         dtypes / index_dtypes: restrict the attention / index cache dtypes.
         reference_indexer: a backend whose selection the attention cases use
             instead of the fp64 oracle's (faster for big shapes).
+        seed: varies the random inputs of every case (0 = the standard set).
 
     Example:
         >>> report = run_conformance("cpu_ref", dtypes=["float32"])   # doctest: +SKIP
@@ -186,5 +190,5 @@ def run_conformance(backend: Union["Backend", str], *, device: Union[str, torch.
     be = _resolve(backend)
     dev = torch.device(device)
     plan = plan_cases(be, device=dev, quick=quick, dtypes=dtypes, index_dtypes=index_dtypes,
-                      reference_indexer=reference_indexer)
+                      reference_indexer=reference_indexer, seed=seed)
     return ConformanceReport(be.name, str(dev), [c.run() for c in plan])
