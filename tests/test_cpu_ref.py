@@ -216,6 +216,23 @@ def test_buffers_in_any_layout_and_strides() -> None:
     assert torch.equal(results[0], results[1])
 
 
+@pytest.mark.parametrize("strategy", ["gather", "dense"])
+def test_non_contiguous_inputs_and_fp32_caches(strategy: str) -> None:
+    """Strided q / index_q / out and fp32 HND caches (where .float() is a no-op view)."""
+    p = _params(2, 3)
+    base = make_case(p, dtype="float32", index_dtype="float32", kv_layout="HND", decode_query_len=2,
+                     seed=14, **MIXED)
+
+    def strided(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape[1], t.shape[0], t.shape[2], dtype=t.dtype).permute(1, 0, 2).copy_(t)
+
+    case = Case(p, strided(base.q), strided(base.index_q), base.caches, base.batch)
+    assert not case.q.is_contiguous() and not case.index_q.is_contiguous()
+    sel = _run_indexer(case, max_elements=3000)
+    _assert_indexer_ok(base, sel)
+    _assert_attention_ok(base, sel, _run_attention(case, sel, strategy=strategy, max_elements=3000))
+
+
 def test_input_errors_say_what_to_fix() -> None:
     p = _params(2, 2)
     case = make_case(p, decodes=[40], seed=0)

@@ -111,16 +111,17 @@ def _gather_chunk(q: torch.Tensor, pos: torch.Tensor, req: torch.Tensor, ids: to
     safe = torch.where(valid, ids, 0)
     pages = block_table[req.view(C, 1, 1), safe].to(torch.long).clamp_(0, caches.num_pages - 1)
     head = torch.arange(Hkv, device=dev).view(1, Hkv, 1)
-    # Advanced indices on dims 0 and 2 around a slice: result [C, Hkv, K, B, D].
-    kb = caches.k[pages, :, head].float().view(C, Hkv, K * B, D)
-    vb = caches.v[pages, :, head].float().view(C, Hkv, K * B, D)
+    # Advanced indices on dims 0 and 2 around a slice: result [C, Hkv, K, B, D], whose
+    # strides depend on the device's index kernel (hence reshape, not view).
+    kb = caches.k[pages, :, head].float().reshape(C, Hkv, K * B, D)
+    vb = caches.v[pages, :, head].float().reshape(C, Hkv, K * B, D)
     j = safe.unsqueeze(-1) * B + torch.arange(B, device=dev)
     keep = (valid.unsqueeze(-1) & (j <= pos.view(C, 1, 1, 1))).view(C, Hkv, K * B)
     vb.masked_fill_(~keep.unsqueeze(-1), 0.0)
-    qf = q.float().view(C, Hkv, G, D) * params.softmax_scale
+    qf = q.float().reshape(C, Hkv, G, D) * params.softmax_scale
     logits = torch.matmul(qf, kb.transpose(-1, -2))                      # [C, Hkv, G, K*B]
     o = _softmax_attend(logits, keep.unsqueeze(2), vb)
-    return o.view(C, Hq, D)
+    return o.reshape(C, Hq, D)
 
 
 def _dense_chunk(q: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor, kr: torch.Tensor,
@@ -142,8 +143,8 @@ def _dense_chunk(q: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor, kr: torc
     keep = chosen[..., :nblk].repeat_interleave(B, dim=-1)              # [C, Hkv, S]
     keep &= torch.arange(S, device=dev) <= pos.view(C, 1, 1)
     keep = keep.permute(1, 0, 2).unsqueeze(2)                            # [Hkv, C, 1, S]
-    qf = (q.float() * params.softmax_scale).view(C, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, C * G, D)
-    logits = torch.matmul(qf, kr.transpose(1, 2)).view(Hkv, C, G, S)
+    qf = (q.float() * params.softmax_scale).reshape(C, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, C * G, D)
+    logits = torch.matmul(qf, kr.transpose(1, 2)).reshape(Hkv, C, G, S)
     p_v = vr.unsqueeze(1)                                                # [Hkv, 1, S, D]
     o = _softmax_attend(logits, keep, p_v)                               # [Hkv, C, G, D]
     return o.permute(1, 0, 2, 3).reshape(C, Hq, D)

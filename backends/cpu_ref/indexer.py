@@ -199,6 +199,6 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
             view[:, a:a + C] = ids[0].permute(1, 0, 2)
         else:
             tok = (torch.tensor(item.token_starts, device=dev).view(-1, 1) + ar).view(-1)
-            iq = index_q[tok].float().view(len(item.requests), C, H, Di)
+            iq = index_q[tok].float().reshape(len(item.requests), C, H, Di)
             ids = _select(iq, pos, keys, params)
             view[:, tok] = ids.view(-1, H, K).permute(1, 0, 2)
