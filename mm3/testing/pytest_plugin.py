@@ -1,10 +1,31 @@
-"""pytest plugin (entry point ``pytest11``): mm3's fixtures and the ``--mm3-backend`` option."""
+"""pytest plugin (entry point ``pytest11``): mm3's fixtures and the conformance options.
+
+Installing mm3 makes this plugin load in every pytest run of the environment,
+so a backend or engine project gets, with no conftest.py:
+
+* the fixtures of :mod:`mm3.testing.fixtures`: ``mm3_registry`` (isolated
+  registries), ``mock_backend``, ``mm3_params``, ``mm3_case``, ``mm3_batch``,
+  ``mm3_caches``, ``mm3_clean_env``, ``mm3_conformance``; and
+  ``mm3_conformance_backend`` / ``mm3_conformance_device`` for extra tests of
+  the backend named on the command line;
+* the options of the conformance suite, run with
+  ``pytest --pyargs mm3.testing.conformance --mm3-backend NAME``
+  (``--mm3-device``, ``--mm3-full``, ``--mm3-dtype``, ``--mm3-index-dtype``).
+
+``pytest -p no:mm3`` turns it off. See docs/testing.md.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import pytest
+
+# Fixtures are found by name in a plugin module's namespace: importing them registers them.
+from mm3.testing.fixtures import (  # noqa: F401
+    mm3_batch, mm3_caches, mm3_case, mm3_clean_env, mm3_conformance, mm3_params, mm3_registry,
+    mock_backend,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +45,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="mm3 conformance: attention dtype(s) to try (repeatable; default bf16, fp16, fp32)")
     group.addoption("--mm3-index-dtype", action="append", default=[], metavar="DTYPE",
                     help="mm3 conformance: index cache dtype(s) to try (repeatable; default bf16, fp8)")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """One header line naming the backends under test, when ``--mm3-backend`` is given."""
+    names = config.getoption("--mm3-backend")
+    if not names:
+        return []
+    return [f"mm3 conformance: backend(s) {', '.join(names)} on {config.getoption('--mm3-device')}"
+            + (" (full)" if config.getoption("--mm3-full") else "")]
 
 
 @pytest.fixture(scope="session")
