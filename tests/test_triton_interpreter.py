@@ -42,9 +42,10 @@ SENTINEL = -7
 ATTN_TOL = {torch.float16: (1e-2, 1.5e-4), torch.float32: (1e-5, 1e-5)}
 
 
-def _params(h: int, g: int, d: int = 32, di: int = 32, **kw: int) -> SparseAttentionParams:
+def _params(h: int, g: int, d: int = 32, di: int = 32, block_size: int = 16,
+            **kw: int) -> SparseAttentionParams:
     return SparseAttentionParams(num_heads=h * g, num_kv_heads=h, head_dim=d, num_index_heads=h,
-                                 index_head_dim=di, block_size=16, topk=4, **kw)
+                                 index_head_dim=di, block_size=block_size, topk=4, **kw)
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,10 @@ CASES = {
     "spec3_h1_fp32_hnd_fp8": Spec(_params(1, 4, d=64), dict(
         decodes=[45, 64], prefills=[(13, 110), (2, 2)], decode_query_len=3, padding_decodes=1,
         dtype="float32", index_dtype="float8_e4m3fn", kv_layout="HND")),
-    # forced init blocks, GQA group 3 (non power of two rows), bf16 index cache read as fp32
-    "init1_h2_g3_fp32": Spec(_params(2, 3, init_blocks=1), dict(
-        decodes=[100, 17], prefills=[(9, 100), (30, 30)], decode_query_len=2,
+    # forced init blocks, GQA group 3 (non power of two rows), bf16 index cache read as fp32,
+    # block 32 = two 16-key inner tiles per block under the interpreter config
+    "init1_h2_g3_b32_fp32": Spec(_params(2, 3, block_size=32, init_blocks=1), dict(
+        decodes=[200, 17], prefills=[(9, 180), (30, 30)], decode_query_len=2,
         dtype="float32", index_dtype="bfloat16", kv_layout="NHD")),
 }
 
