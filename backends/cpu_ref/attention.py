@@ -63,6 +63,8 @@ top-16), bf16, 256 new tokens: dense/gather 66/326 ms on a 4K context,
 141/333 ms on 8K, 293/367 ms on 16K, 580/356 ms on 32K. Gather costs a fixed
 K*B keys per token but pays for a per-token copy of those keys; dense is one
 GEMM over the whole context. The crossover is near 10x ``topk`` blocks.
+(Both strategies were timed back to back on a shared machine: absolute times
+vary several-fold with load, the ratio is what sets this constant.)
 """
 
 
