@@ -172,3 +172,20 @@ def test_auto_selection_picks_cuda_here(monkeypatch: pytest.MonkeyPatch) -> None
     probe = reg.get("rocm").probe("cuda")
     assert not probe.available and "ROCm" in probe.reason
     _record({"test": "auto_selection", "attention": sel.attention.name, "rocm_probe": probe.reason})
+
+
+@pytest.mark.parametrize("backend", sorted(PLUGINS))
+def test_conformance_suite_bf16_on_gpu(backend: str) -> None:
+    """The official suite (full plan: small and larger shapes, all SPEC §5 buffer cases) in bf16."""
+    from mm3.registry import Registry
+    from mm3.testing.conformance import run_conformance
+
+    reg = Registry(plugins=[cuda_plugin, rocm_plugin], entry_points=False)
+    report = run_conformance(reg.get(backend), device="cuda", quick=False, dtypes=["bfloat16"],
+                             index_dtypes=["bfloat16", "float8_e4m3fn"])
+    worst = {k: max((r.details.get(k, 0.0) for r in report.results), default=0.0)
+             for k in ("max_err", "mean_err")}
+    _record({"test": "conformance_bf16", "backend": backend, "cases": len(report.results),
+             "passed": sum(r.passed for r in report.results), **{f"worst_{k}": v for k, v in worst.items()}})
+    assert report.results and report.passed, report.format()
+    assert all(r.passed for r in report.results), report.format()
