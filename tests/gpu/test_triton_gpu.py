@@ -181,7 +181,9 @@ def test_conformance_suite_bf16_on_gpu(backend: str) -> None:
     from mm3.testing.conformance import run_conformance
 
     reg = Registry(plugins=[cuda_plugin, rocm_plugin], entry_points=False)
-    report = run_conformance(reg.get(backend), device="cuda", quick=False, dtypes=["bfloat16"],
+    # name the device with its index: the suite compares torch.device objects, and "cuda" != "cuda:0"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    report = run_conformance(reg.get(backend), device=dev, quick=False, dtypes=["bfloat16"],
                              index_dtypes=["bfloat16", "float8_e4m3fn"])
     worst = {k: max((r.details.get(k, 0.0) for r in report.results), default=0.0)
              for k in ("max_err", "mean_err")}
