@@ -252,7 +252,9 @@ def _alloc(ctx: CaseContext, case: Case, capacity: int) -> TopkBuffer:
             f"{buf.layout} tensor (strides {tuple(buf.storage.stride())} for shape "
             f"{tuple(buf.storage.shape)}): the label and the memory map disagree, as in vLLM's "
             f"token-major/head-major bug; allocate with TopkBuffer.allocate(..., layout=declared)")
-    if buf.device != ctx.device:
+    want = torch.device(ctx.device)
+    # "cuda" names whichever GPU is current; the buffer reports "cuda:0": compare the index only if asked.
+    if buf.device.type != want.type or (want.index is not None and buf.device.index != want.index):
         raise CaseFailure(f"alloc_topk_buffer put the buffer on {buf.device}, asked for {ctx.device}")
     return buf.fill_(SENTINEL)
 
