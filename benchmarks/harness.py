@@ -213,6 +213,7 @@ class Context:
     pool: Optional[inputs.Pool] = None
     pool_key: tuple = ()
     pool_hint: dict = field(default_factory=dict)   # shape -> pages of its largest planned config
+    variants: list = field(default_factory=list)     # VariantBackend objects timed beside the backend
 
     @property
     def gpu(self) -> bool:
@@ -367,6 +368,8 @@ def run_decode(ctx: Context, c: DecodeCfg) -> None:
         summary.append(f"{part} {_fmt_t(t.ms)}" + (f" ({rec['pct_copy']:.0f}% copy)" if "pct_copy" in rec else ""))
     ctx.log(f"{c.name} [{S} sets] mm3:{be.name}: " + ", ".join(summary) +
             f" | check: sel {check['sel_match'] * 100:.0f}% max err {check['attn_max_err']:.1e}")
+    for vb in _variants_for(ctx, c, "decode"):
+        _run_variant(ctx, p, c, vb, sets, base, nbytes=nbytes, graph=True, ref_ms=tm)
 
     nb = -(-c.context // p.block_size)
     dense_bytes = S * c.batch * p.num_kv_heads * nb * p.block_size * p.head_dim * 2 * 2
@@ -403,6 +406,53 @@ def run_decode(ctx: Context, c: DecodeCfg) -> None:
         for part, t in tr.items():
             ctx.add(**base, impl="cpu_ref", part=part, bytes=nbytes[part], **t.as_dict())
         ctx.log(f"  cpu_ref: step {_fmt_t(tr['step'].ms)}")
+
+
+def _variants_for(ctx: Context, c: Any, kind: str) -> list:
+    if c.priority > ctx.args.variant_priority:
+        return []
+    return [v for v in ctx.variants if kind in v.kinds]
+
+
+def _run_variant(ctx: Context, p: SparseAttentionParams, c: Any, vb: Any, sets: list, base: dict, *,
+                 graph: bool, ref_ms: dict, nbytes: Optional[dict] = None, counts_: Optional[dict] = None,
+                 flops: Optional[dict] = None) -> None:
+    """Check and time one launch-config variant on the same inputs as the default backend."""
+    try:
+        T = sets[0].q.shape[0]
+        bufs = [vb.alloc_topk_buffer(T, p.num_index_heads, p.topk, ctx.device) for _ in sets]
+        s0, b0 = sets[0], bufs[0]
+        vb.index_topk(s0.index_q, s0.caches, s0.batch, p, b0)
+        vb.attention_forward(s0.q, s0.caches, b0, s0.batch, p, s0.out)
+        ctx.timer.sync()
+        if base["kind"] == "decode":
+            r = c.batch - 1
+            rows = slice(r * c.qlen, (r + 1) * c.qlen)
+            sub = BatchMetadata.build([c.qlen], [c.context], s0.batch.block_table[r:r + 1],
+                                      block_size=p.block_size, num_decodes=1, decode_query_len=c.qlen,
+                                      device=ctx.device)
+        else:
+            n = min(c.chunk, 256 if ctx.gpu else 16)
+            rows = slice(c.chunk - n, c.chunk)
+            sub = BatchMetadata.build([n], [c.context + c.chunk], s0.batch.block_table, block_size=p.block_size,
+                                      num_decodes=0, device=ctx.device)
+        check = _check_against_reference(ctx, p, s0, b0, rows, sub)
+        parts = ("indexer", "attention", "step") if base["kind"] == "decode" else c.parts
+        tm = _time_parts(ctx, vb, p, sets, bufs, parts, graph=graph)
+        out = []
+        for part, t in tm.items():
+            extra = {"bytes": nbytes[part]} if nbytes else {"flops": flops[part], "bytes": counts_[f"{part}_bytes"]}
+            ctx.add(**base, impl=f"mm3:{vb.name}", part=part, **extra, **t.as_dict(), variant=vb.overrides,
+                    check=check if part == "step" else None)
+            ratio = ref_ms[part].ms / t.ms if part in ref_ms else float("nan")
+            out.append(f"{part} {_fmt_t(t.ms)} ({ratio:.2f}x)")
+        ctx.log(f"  variant {vb.name}: " + ", ".join(out) +
+                f" | sel {check['sel_match'] * 100:.0f}% max err {check['attn_max_err']:.1e}")
+    except Exception as e:
+        ctx.add(**base, impl=f"mm3:{vb.name}", part="step", error=_err(e))
+        ctx.log(f"  variant {vb.name}: ERROR {_err(e)[:200]}")
+        if ctx.gpu and ("CUDA error" in str(e) or "illegal" in str(e)):
+            raise
 
 
 def _flex_decode(ctx: Context, p: SparseAttentionParams, c: DecodeCfg, sets: list, bufs: list, dense: list,
@@ -471,6 +521,8 @@ def run_prefill(ctx: Context, c: PrefillCfg) -> None:
     ctx.log(f"{c.name} mm3:{be.name}: " + ", ".join(summary) +
             f" | overlap {check['overlap_next_token']:.2f}, sel {check['sel_match'] * 100:.0f}%,"
             f" max err {check['attn_max_err']:.1e}")
+    for vb in _variants_for(ctx, c, "prefill"):
+        _run_variant(ctx, p, c, vb, [s], base, counts_=cnt, flops=flops, graph=False, ref_ms=tm)
 
     if "sdpa" in c.peers or "flex" in c.peers:
         k, v = inputs.dense_kv(s.caches, s.batch.block_table, nb, c.context + c.chunk)
@@ -555,6 +607,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pool-gb", type=float, default=96.0, help="largest paged-cache pool")
     ap.add_argument("--sdpa", default="flash,cudnn,efficient", help="SDPA backends to run as peers")
     ap.add_argument("--no-ceilings", action="store_true")
+    ap.add_argument("--variants", default="",
+                    help="launch-config variants of the cuda plugin to time beside it (names, or ALL; "
+                         "see benchmarks/variants.py)")
+    ap.add_argument("--variant-priority", type=int, default=0,
+                    help="time variants on configurations up to this priority")
     ap.add_argument("--profile-all", action="store_true",
                     help="per-kernel profiler breakdown for every configuration (default: priority 0 only)")
     ap.add_argument("--seed", type=int, default=0)
@@ -605,6 +662,9 @@ def run(args: argparse.Namespace) -> int:
         ref = be
     timer = Timer(dev, target_ms=args.target_ms if not args.tiny else 2.0, max_reps=200 if not args.tiny else 5)
     ctx = Context(args, dev, timer, shapes, be, ref)
+    if args.variants:
+        from .variants import make_variants
+        ctx.variants = make_variants(args.variants)
     if dev.type == "cuda":
         l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20)
         ctx.rotate_bytes = 4 * l2

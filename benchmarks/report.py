@@ -194,6 +194,34 @@ def _prefill_rows(records: list[dict]) -> list[list[str]]:
     return rows
 
 
+def _variant_rows(records: list[dict]) -> list[list[str]]:
+    me = _mm3(records)
+    rows = []
+    configs = []
+    for r in records:
+        if "variant" in r and r["config"] not in configs:
+            configs.append(r["config"])
+    for name in configs:
+        impls = [me] + sorted({r["impl"] for r in records if r.get("config") == name and "variant" in r})
+        for impl in impls:
+            cells = []
+            for part in ("indexer", "attention", "step"):
+                r = _find(records, config=name, impl=impl, part=part)
+                d = _find(records, config=name, impl=me, part=part)
+                if r is None:
+                    cells.append("-")
+                    continue
+                t = f"{r['ms'] * 1e3:.1f} us" if r["ms"] < 1 else f"{r['ms']:.3f} ms"
+                cells.append(t + (f" ({d['ms'] / r['ms']:.2f}x)" if d and impl != me else ""))
+            chk = next((x.get("check") for x in records if x.get("config") == name and x.get("impl") == impl
+                        and x.get("check")), None) or {}
+            err = next((x["error"] for x in records if x.get("config") == name and x.get("impl") == impl
+                        and "error" in x), "")
+            rows.append([name, impl, *cells, (f"{chk['sel_match'] * 100:.0f}% / {chk['attn_max_err']:.0e}"
+                                              if chk else "-") + (f" ERROR {err[:80]}" if err else "")])
+    return rows
+
+
 def markdown(env: dict, ceil: dict, records: list[dict]) -> str:
     lines = [f"# mm3 benchmark: {env.get('gpu', env.get('device'))}", ""]
     lines.append(f"- date: {env.get('date')}; backend under test: `{env.get('backend')}`; "
@@ -234,6 +262,14 @@ def markdown(env: dict, ceil: dict, records: list[dict]) -> str:
     lines += _table(["shape", "ctx", "selection", "overlap", "indexer", "attention", "step", "sdpa flash",
                      "sdpa cudnn", "sdpa eff.", "flex attn", "cpu_ref", "check"], _prefill_rows(records))
     lines.append("")
+    var = _variant_rows(records)
+    if var:
+        lines += ["## Launch-config variants (same inputs, same run)", "",
+                  "Each variant is the cuda plugin with some `LaunchConfig` fields changed "
+                  "(benchmarks/variants.py), checked against the reference first; `x` = default time / "
+                  "variant time (> 1 is faster).", ""]
+        lines += _table(["configuration", "implementation", "indexer", "attention", "step", "check"], var)
+        lines.append("")
     probs = [r for r in records if "error" in r or "note" in r and str(r.get("note", "")).startswith("skipped")]
     if probs:
         lines += ["## Errors and skips", ""]

@@ -76,13 +76,39 @@ def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_
 
 
 @triton.jit
+def _attend_block_masked(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_mask, pos, b, use,
+                         qk_scale, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """:func:`_attend_block` with the K/V loads predicated on ``use`` (scalar): no traffic when False."""
+    offs_d = tl.arange(0, D)
+    for c in tl.static_range(0, B, BN):
+        offs_j = c + tl.arange(0, BN)
+        # a full-shape mask (the interpreter cannot broadcast a scalar boolean mask)
+        ld = (tl.zeros([BN, D], tl.int32) + use.to(tl.int32)) > 0
+        keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd, mask=ld, other=0.0)
+        vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd, mask=ld, other=0.0)
+        s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PREC) * qk_scale
+        visible = row_mask[:, None] & ((b * B + offs_j)[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals.to(DOT_DTYPE), input_precision=DOT_PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, qk_scale,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BRANCHLESS: tl.constexpr = False,
+    STAGES: tl.constexpr = 2,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -104,14 +130,29 @@ def _decode_attention_kernel(
         slots = tl.arange(0, K_PAD)
         sel_row = sel_ptr + h * s_sel_h + t * s_sel_t
         sel = tl.load(sel_row + slots * s_sel_k, mask=slots < K, other=-1)
-        for i in tl.range(sp * KPS, sp * KPS + KPS):
-            blk = tl.load(sel_row + i * s_sel_k, mask=i < K, other=-1)
-            repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
-            if (blk >= 0) & (blk < nb) & (repeated == 0):
-                page = tl.load(bt_ptr + r * s_bt_r + blk * s_bt_b).to(tl.int64)
-                m_i, l_i, acc = _attend_block(
+        if BRANCHLESS:
+            # No data-dependent branch: an unusable slot (-1, id >= nb, a repeat) is a row mask
+            # of all False, its page lookup is clamped to block 0 and its K/V loads are masked
+            # off (no memory traffic), so the loop body is the same every iteration and the
+            # next slot's page, K and V loads can be issued before this one's math.
+            for i in tl.range(sp * KPS, sp * KPS + KPS, num_stages=STAGES):
+                blk = tl.load(sel_row + i * s_sel_k, mask=i < K, other=-1)
+                repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
+                use = (blk >= 0) & (blk < nb) & (repeated == 0)
+                page = tl.load(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b).to(tl.int64)
+                m_i, l_i, acc = _attend_block_masked(
                     q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                    s_kb, s_kd, s_vb, s_vd, row_ok, pos_rows, blk, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
+                    s_kb, s_kd, s_vb, s_vd, row_ok & use, pos_rows, blk, use, qk_scale, B, BN, D,
+                    DOT_DTYPE, DOT_PREC)
+        else:
+            for i in tl.range(sp * KPS, sp * KPS + KPS):
+                blk = tl.load(sel_row + i * s_sel_k, mask=i < K, other=-1)
+                repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
+                if (blk >= 0) & (blk < nb) & (repeated == 0):
+                    page = tl.load(bt_ptr + r * s_bt_r + blk * s_bt_b).to(tl.int64)
+                    m_i, l_i, acc = _attend_block(
+                        q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
+                        s_kb, s_kd, s_vb, s_vd, row_ok, pos_rows, blk, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
     if SPLITS == 1:
         store_rows(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
     else:
@@ -155,6 +196,7 @@ def _prefill_attention_kernel(
     out_ptr, s_ot, s_oh, s_od, G, first_request, qk_scale,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    UNION: tl.constexpr = False,
 ):
     r = first_request + tl.program_id(0)
     h = tl.program_id(2)
@@ -172,13 +214,28 @@ def _prefill_attention_kernel(
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
-        for b in tl.range(0, nb_max):
-            member = tl.max((sel == b).to(tl.int32), axis=1) > 0
-            if tl.max(member.to(tl.int32), axis=0) > 0:
-                page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
-                m_i, l_i, acc = _attend_block(
-                    q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                    s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
+        if UNION:
+            # Walk the tile's M x K top-k slots (token-major) instead of every visible block:
+            # slot i names block b; it is attended once, for every row whose token selected b,
+            # at the first slot that names it (later repeats are skipped).
+            slot_of = (tl.arange(0, ROWS) // G)[:, None] * K + slots[None, :]
+            for i in tl.range(0, M * K):
+                b = tl.max(tl.where(slot_of == i, sel, -1))
+                first = tl.max(((sel == b) & (slot_of < i)).to(tl.int32)) == 0
+                if (b >= 0) & first:
+                    member = tl.max((sel == b).to(tl.int32), axis=1) > 0
+                    page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
+                    m_i, l_i, acc = _attend_block(
+                        q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
+                        s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
+        else:
+            for b in tl.range(0, nb_max):
+                member = tl.max((sel == b).to(tl.int32), axis=1) > 0
+                if tl.max(member.to(tl.int32), axis=0) > 0:
+                    page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
+                    m_i, l_i, acc = _attend_block(
+                        q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
+                        s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
         store_rows(out_ptr, tok, qh, s_ot, s_oh, s_od, acc, l_i, row_in, D)
 
 
@@ -214,7 +271,8 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         _decode_attention_kernel[(td, Hkv, splits)](
             *tensors, batch.token_to_request, batch.token_positions,
             topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, qk_scale,
-            G_PAD=g_pad, SPLITS=splits, KPS=kps, **common,
+            G_PAD=g_pad, SPLITS=splits, KPS=kps, BRANCHLESS=cfg.decode_attention_branchless,
+            STAGES=cfg.decode_attention_stages, **common,
             num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **opts)
         if splits > 1:
             _merge_kernel[(td, Hkv)](
@@ -229,5 +287,5 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         _prefill_attention_kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m), Hkv)](
             *tensors, batch.query_start_loc, batch.token_positions,
             topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale,
-            ROWS=rows, M=m, **common,
+            ROWS=rows, M=m, UNION=cfg.prefill_attention_union, **common,
             num_warps=cfg.prefill_attention_warps, num_stages=cfg.num_stages, **opts)

@@ -53,10 +53,13 @@ NAN_SCORE = tl.constexpr(-1e30)
 @triton.jit
 def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos,
                       ROWS: tl.constexpr, B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr,
-                      DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+                      DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_A: tl.constexpr = False):
     """Max over block ``b``'s visible keys (``j <= pos``) of ``<q_row, key_j>``, per row; NaN -> -1e30.
 
-    Keys are read ``BN`` at a time to bound register use.
+    Keys are read ``BN`` at a time to bound register use. With ``KEYS_A`` the
+    caller passes ``q`` transposed (``[DI, ROWS]``) and the dot is
+    ``keys @ q^T``: the key tile is the register operand, so a widened fp8
+    tile goes to the tensor cores without a shared-memory round trip.
     """
     offs_d = tl.arange(0, DI)
     smax = tl.full([ROWS], float("-inf"), tl.float32)
@@ -64,10 +67,16 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos,
     for c in tl.static_range(0, B, BN):
         offs_j = c + tl.arange(0, BN)
         keys = tl.load(page_ptr + offs_j[:, None] * s_ik_b + offs_d[None, :] * s_ik_d)
-        s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PREC)      # [ROWS, BN] fp32
-        s = tl.where((b * B + offs_j)[None, :] <= pos[:, None], s, float("-inf"))
-        smax = tl.maximum(smax, tl.max(s, axis=1))
-        nans += tl.max((s != s).to(tl.int32), axis=1)
+        if KEYS_A:
+            st = tl.dot(keys.to(DOT_DTYPE), q, input_precision=DOT_PREC)           # [BN, ROWS] fp32
+            st = tl.where((b * B + offs_j)[:, None] <= pos[None, :], st, float("-inf"))
+            smax = tl.maximum(smax, tl.max(st, axis=0))
+            nans += tl.max((st != st).to(tl.int32), axis=0)
+        else:
+            s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PREC)  # [ROWS, BN] fp32
+            s = tl.where((b * B + offs_j)[None, :] <= pos[:, None], s, float("-inf"))
+            smax = tl.maximum(smax, tl.max(s, axis=1))
+            nans += tl.max((s != s).to(tl.int32), axis=1)
     return tl.where(nans > 0, NAN_SCORE, smax)
 
 
@@ -76,7 +85,7 @@ def _decode_score_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b,
     qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
-    BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_A: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     b0 = tl.program_id(1) * BPS
@@ -85,11 +94,13 @@ def _decode_score_kernel(
     nb_req = tl.max(nb, axis=0)
     if b0 < nb_req:
         q = load_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE)
+        if KEYS_A:
+            q = tl.trans(q)
         rows = tl.arange(0, ROWS)
         for b in tl.range(b0, tl.minimum(b0 + BPS, nb_req)):
             page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
             smax = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos,
-                                     ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC)
+                                     ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A)
             tl.store(ws_ptr + r * s_ws_r + rows * s_ws_row + b, smax, mask=row_ok)
 
 
@@ -124,6 +135,53 @@ def _decode_topk_kernel(
                 idx = tl.min(tl.where(avail & (cand == best), blocks, NB_PAD), axis=0)
                 result = tl.where((slots == i) & (idx < NB_PAD), idx, result)
                 avail = avail & (blocks != idx)
+        tl.store(out_ptr + hh * s_out_h + tok * s_out_t + slots * s_out_k, result, mask=slots < K)
+
+
+@triton.jit
+def _pack_keys(S, ids, avail, ID_SPAN: tl.constexpr):
+    """int64 sort keys ordered like (score, -id): a descending sort gives the highest score first and,
+    among equal scores, the lowest block id. Unavailable entries get the smallest key of all."""
+    bits = S.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)      # monotone in the float value
+    key = (ordered.to(tl.int64) << 32) | (ID_SPAN - 1 - ids).to(tl.int64)
+    return tl.where(avail, key, -9223372036854775807 - 1)
+
+
+@triton.jit
+def _unpack_ids(key, ID_SPAN: tl.constexpr):
+    """Block ids of keys from :func:`_pack_keys` (-1 for unavailable entries)."""
+    ids = ID_SPAN - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+    return tl.where(key == -9223372036854775807 - 1, -1, ids)
+
+
+@triton.jit
+def _decode_topk_sort_kernel(
+    ws_ptr, s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H,
+    B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+    INIT: tl.constexpr, LOCAL: tl.constexpr,
+):
+    """Same contract as :func:`_decode_topk_kernel`, one bitonic top-k instead of K arg-max rounds."""
+    r = tl.program_id(0)
+    row = tl.program_id(1)
+    qi = row // H
+    hh = row % H
+    start = tl.load(qsl_ptr + r)
+    qlen = tl.load(qsl_ptr + r + 1) - start
+    if qi < qlen:
+        tok = start + qi
+        pos = tl.load(pos_ptr + tok)
+        slots = tl.arange(0, K_PAD)
+        result = tl.full([K_PAD], -1, tl.int32)
+        if pos >= 0:
+            nb = pos // B + 1
+            blocks = tl.arange(0, NB_PAD)
+            avail = blocks < nb
+            S = tl.load(ws_ptr + r * s_ws_r + row * s_ws_row + blocks, mask=avail, other=float("-inf"))
+            S = tl.where(blocks < INIT, FORCED_INIT, S)
+            S = tl.where(blocks >= nb - LOCAL, FORCED_LOCAL, S)
+            top = tl.topk(_pack_keys(S, blocks, avail, NB_PAD), K_PAD)
+            result = tl.where(slots < K, _unpack_ids(top, NB_PAD), -1)
         tl.store(out_ptr + hh * s_out_h + tok * s_out_t + slots * s_out_k, result, mask=slots < K)
 
 
@@ -169,6 +227,45 @@ def _prefill_index_kernel(
                  tl.maximum(best_i, -1), mask=row_in[:, None] & (slots < K))
 
 
+@triton.jit
+def _prefill_index_chunked_kernel(
+    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b,
+    qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
+    B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
+    K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, CH: tl.constexpr, KEYS_A: tl.constexpr = False,
+):
+    """Same contract as :func:`_prefill_index_kernel`; the running top-K is kept as packed keys and
+    updated once per ``CH`` blocks (one bitonic top-k of the chunk, one of the merge) instead of
+    a dozen row reductions per block. Still no score matrix in memory."""
+    r = first_request + tl.program_id(0)
+    tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H,
+                                                      ROWS, M, B)
+    if tl.max(row_in.to(tl.int32), axis=0) > 0:
+        nb_max = tl.max(nb_row, axis=0)
+        q = load_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE)
+        if KEYS_A:
+            q = tl.trans(q)
+        cols = tl.arange(0, CH)[None, :]
+        best = tl.full([ROWS, K_PAD], -9223372036854775807 - 1, tl.int64)
+        for c0 in tl.range(0, nb_max, CH):
+            chunk = tl.full([ROWS, CH], -9223372036854775807 - 1, tl.int64)
+            for j in tl.range(0, tl.minimum(CH, nb_max - c0)):
+                b = c0 + j
+                page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
+                sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos,
+                                       ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A)
+                sb = tl.where(b < INIT, FORCED_INIT, sb)
+                sb = tl.where(b >= nb_row - LOCAL, FORCED_LOCAL, sb)
+                key = _pack_keys(sb, tl.zeros([ROWS], tl.int32) + b, b < nb_row, 1 << 30)
+                chunk = tl.where(cols == j, key[:, None], chunk)
+            both = tl.reshape(tl.join(best, tl.topk(chunk, K_PAD)), [ROWS, 2 * K_PAD])
+            best = tl.topk(both, K_PAD)
+        slots = tl.arange(0, K_PAD)[None, :]
+        tl.store(out_ptr + hh[:, None] * s_out_h + tok[:, None] * s_out_t + slots * s_out_k,
+                 _unpack_ids(best, 1 << 30), mask=row_in[:, None] & (slots < K))
+
+
 def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
                params: SparseAttentionParams, out: TopkBuffer, cfg: LaunchConfig) -> None:
     """Run the indexer for the whole step; writes rows ``[0, batch.num_tokens)`` of ``out``.
@@ -195,12 +292,13 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         _decode_score_kernel[(nd, triton.cdiv(width, bps))](
             index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(),
             batch.query_start_loc, batch.token_positions, ws, ws.stride(0), ws.stride(1), H,
-            ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, **common,
+            ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.index_keys_as_a, **common,
             num_warps=cfg.decode_index_warps, num_stages=cfg.num_stages, **opts)
-        _decode_topk_kernel[(nd, rows)](
+        topk_kernel = _decode_topk_sort_kernel if cfg.topk_sort else _decode_topk_kernel
+        topk_kernel[(nd, rows)](
             ws, ws.stride(0), ws.stride(1), batch.query_start_loc, batch.token_positions,
             out.storage, sh, st, sk, H,
-            B=B, K=K, K_PAD=next_pow2(K), NB_PAD=next_pow2(width),
+            B=B, K=K, K_PAD=next_pow2(K), NB_PAD=max(next_pow2(width), next_pow2(K)),
             INIT=params.init_blocks, LOCAL=params.local_blocks,
             num_warps=cfg.topk_warps, **opts)
 
@@ -208,9 +306,14 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     if npf > 0:
         rows = max(cfg.prefill_index_rows, next_pow2(H), 16)
         m = rows // H
-        _prefill_index_kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m))](
+        extra = {}
+        kernel = _prefill_index_kernel
+        if cfg.prefill_index_chunk:
+            kernel = _prefill_index_chunked_kernel
+            extra = dict(CH=max(cfg.prefill_index_chunk, next_pow2(K)), KEYS_A=cfg.index_keys_as_a)
+        kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m))](
             index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(),
             batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd,
             ROWS=rows, M=m, K=K, K_PAD=next_pow2(K),
-            INIT=params.init_blocks, LOCAL=params.local_blocks, **common,
+            INIT=params.init_blocks, LOCAL=params.local_blocks, **common, **extra,
             num_warps=cfg.prefill_index_warps, num_stages=cfg.num_stages, **opts)

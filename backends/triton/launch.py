@@ -57,6 +57,23 @@ class LaunchConfig:
     # 8 warps: at 4, a 16 x 64 key sub-tile plus V and the accumulator spill on sm_90
     decode_attention_warps: int = 8
     decode_attention_max_splits: int = 16
+    #: loop over a split's blocks with masked loads instead of a data-dependent branch,
+    #: so the next block's page, K and V loads can be in flight (software pipelining)
+    decode_attention_branchless: bool = False
+    decode_attention_stages: int = 2
+    #: splits are sized for ``target_programs * decode_attention_programs_factor`` programs
+    decode_attention_programs_factor: int = 1
+    #: decode top-k by one bitonic ``tl.topk`` over packed (score, id) keys instead of K arg-max rounds
+    topk_sort: bool = False
+    #: indexer dots as ``keys @ q^T`` (keys are the register operand): an fp8 key tile is widened
+    #: in registers and feeds the tensor cores without a shared-memory round trip
+    index_keys_as_a: bool = False
+    #: prefill indexer: 0 = running top-K updated per block; n = packed-key top-K merged every n
+    #: blocks (a power of two >= topk)
+    prefill_index_chunk: int = 0
+    #: prefill attention: visit only the union of the tile's selected blocks (walking the
+    #: tile's top-k slots) instead of scanning every visible block for members
+    prefill_attention_union: bool = False
     # prefill attention: rows = tokens x query heads of one KV group
     prefill_attention_rows: int = 64
     prefill_attention_warps: int = 8
@@ -87,5 +104,5 @@ class LaunchConfig:
     def decode_attention_splits(self, num_tokens: int, num_kv_heads: int, topk: int) -> int:
         """Flash-decoding splits over the selected blocks (1 = no merge pass)."""
         programs = max(1, num_tokens * num_kv_heads)
-        splits = -(-self.target_programs // programs)
+        splits = -(-self.target_programs * self.decode_attention_programs_factor // programs)
         return max(1, min(splits, topk, self.decode_attention_max_splits))
