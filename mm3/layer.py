@@ -35,7 +35,7 @@ from mm3.params import SparseAttentionParams
 from mm3.registry import Backend, Registry, default_registry
 from mm3.scope import current_scope
 from mm3.selection import Selection, requirements_for, select
-from mm3.validate import check_step_inputs
+from mm3.validate import check_layer_args, check_step_inputs
 
 __all__ = ["SparseAttention"]
 
@@ -82,7 +82,7 @@ class SparseAttention:
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise InputError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
         self.params = params
-        self.device = torch.device(device)
+        self.device = check_layer_args(device, max_decode_query_len)
         self.dtype = dtype
         self.index_dtype = index_dtype
         self.max_num_tokens = max_num_tokens
@@ -121,6 +121,10 @@ class SparseAttention:
         sel = select(self.requirements, self.registry, backend=backend, indexer_backend=indexer_backend,
                      allow_fallback=self.settings.allow_fallback, device=self.device)
         idx, att = sel.indexer, sel.attention
+        if self.settings.check_contracts:
+            from mm3.guard import guard_backend  # debugging mode: every call checked (mm3.guard)
+
+            idx, att = guard_backend(idx), guard_backend(att)
         p = self.params
         buf = idx.alloc_topk_buffer(self.max_num_tokens, p.num_index_heads, p.topk, self.device)
         if not isinstance(buf, TopkBuffer):
