@@ -32,6 +32,7 @@ from mm3.errors import InputError
 __all__ = ["BatchMetadata"]
 
 IntSeq = Union[Sequence[int], torch.Tensor]
+_INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
 def _to_list(name: str, v: IntSeq) -> list[int]:
@@ -147,6 +148,8 @@ class BatchMetadata:
         for r, (q, s) in enumerate(zip(ql, sl)):
             if q < 0 or s < 0:
                 raise InputError(f"request {r}: negative length (query_len={q}, seq_len={s})")
+            if s > _INT32_MAX:
+                raise InputError(f"request {r}: seq_len {s} does not fit int32 (max {_INT32_MAX})")
         dec_q = sorted({q for q in ql[:num_decodes] if q > 0})
         if len(dec_q) > 1:
             raise InputError(
@@ -171,11 +174,23 @@ class BatchMetadata:
                                  f"tokens including this step's")
 
         if not isinstance(block_table, torch.Tensor):
-            block_table = torch.as_tensor(block_table, dtype=torch.int32)
+            try:  # no dtype here: a float list must be rejected below, not truncated
+                block_table = torch.as_tensor(block_table)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise InputError(f"block_table must be a 2-D integer tensor or a rectangular nested list "
+                                 f"of ints: {e}") from None
+            if block_table.numel() == 0:
+                block_table = block_table.to(torch.int32)  # [] / [[]] carry no dtype information
         if block_table.dim() != 2 or block_table.shape[0] != n:
             raise InputError(f"block_table must be [num_requests={n}, max_blocks], got {tuple(block_table.shape)}")
         if block_table.is_floating_point() or block_table.is_complex():
             raise InputError(f"block_table must hold integer page ids, got {block_table.dtype}")
+        if block_table.dtype != torch.int32 and block_table.numel():
+            # Stored as int32: a wider id would wrap around silently (one host sync, only here).
+            lo, hi = int(block_table.min()), int(block_table.max())
+            if lo < _INT32_MIN or hi > _INT32_MAX:
+                raise InputError(f"block_table holds {hi if hi > _INT32_MAX else lo}, which does not fit "
+                                 f"the int32 page ids mm3 uses")
         dev = torch.device(device) if device is not None else block_table.device
         max_blocks = block_table.shape[1]
         for r, s in enumerate(sl):

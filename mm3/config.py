@@ -179,6 +179,10 @@ def _file_source(settings_cls: type[BaseSettings], cfg: _ConfigFile) -> Optional
         raise ConfigError(f"malformed TOML in config file {cfg.path}: {e}; fix the file") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {cfg.path}: {e}") from None
+    except (AttributeError, TypeError):
+        # pydantic-settings indexes [tool] / [tool.mm3] as tables and fails deep inside otherwise
+        raise ConfigError(f"{cfg.label}: [tool] and [tool.mm3] must be tables of settings; "
+                          f"fix the file") from None
     data = source.toml_data
     if not isinstance(data, dict):
         raise ConfigError(f"{cfg.label}: [tool.mm3] must be a table of settings, got "

@@ -8,9 +8,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mm3.errors import InputError
 
@@ -41,6 +41,22 @@ class SparseAttentionParams(BaseModel):
     local_blocks: int = Field(1, ge=0)
     scale: Optional[float] = Field(None, gt=0)
     index_scale: float = Field(1.0, gt=0)
+
+    def __init__(self, **values: Any) -> None:
+        # pydantic's ValidationError is not an mm3 error; every mm3 rejection is
+        # (InputError is still a ValueError, as ValidationError was).
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            parts = []
+            for err in e.errors():
+                msg = str(err["msg"]).removeprefix("Value error, ")
+                loc = ".".join(str(x) for x in err["loc"])
+                if err["type"] == "extra_forbidden":
+                    msg = f"{msg}: unknown field (fields are {', '.join(type(self).model_fields)})"
+                got = f" (got {err['input']!r})" if loc and err["type"] != "missing" else ""
+                parts.append(f"{loc}: {msg}{got}" if loc else msg)
+            raise InputError("invalid SparseAttentionParams: " + "; ".join(parts)) from None
 
     @model_validator(mode="after")
     def _consistent(self) -> "SparseAttentionParams":

@@ -17,7 +17,44 @@ from mm3.buffers import PagedKVCache
 from mm3.errors import InputError
 from mm3.params import SparseAttentionParams
 
-__all__ = ["check_step_inputs"]
+__all__ = ["check_step_inputs", "check_layer_args"]
+
+
+def check_layer_args(device: object, max_decode_query_len: object) -> torch.device:
+    """Check a layer's construction arguments; returns ``torch.device(device)``.
+
+    The device must parse and be usable in this process (a zero-size
+    allocation on it succeeds): otherwise torch's own assertion would surface
+    from deep inside the first buffer allocation.
+    """
+    try:
+        dev = device if isinstance(device, torch.device) else torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise InputError(f"device {device!r} is not a torch device: {e}") from None
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError, TypeError) as e:
+        raise InputError(f"device {str(dev)!r} cannot be used in this process ({type(e).__name__}: {e}); "
+                         f"pick a device this PyTorch build and machine provide") from None
+    if not isinstance(max_decode_query_len, int) or isinstance(max_decode_query_len, bool) \
+            or max_decode_query_len < 1:
+        raise InputError(f"max_decode_query_len must be an int >= 1 (1, or 1 + draft tokens), got "
+                         f"{max_decode_query_len!r}")
+    return dev
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` may share memory (e.g. an ``expand``-ed tensor).
+
+    Sufficient test: with axes sorted by stride, each stride must step over
+    the whole extent of the smaller ones.
+    """
+    extent = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
 
 
 def _shape(name: str, t: object, expected: tuple[int, ...], hint: str) -> None:
@@ -76,3 +113,7 @@ def check_step_inputs(params: SparseAttentionParams, q: torch.Tensor, index_q: t
                              f"{p.head_dim}]")
         if out.dtype != dtype or out.device != q.device:
             raise InputError(f"out is {out.dtype} on {out.device}; needs {dtype} on {q.device}")
+        if _overlaps_itself(out[:T]):
+            raise InputError(f"out has strides {tuple(out.stride())} for shape {tuple(out.shape)}: several "
+                             f"of its elements share memory (an expand()-ed or as_strided tensor), so "
+                             f"writes would collide; pass a tensor with its own memory per element")
