@@ -20,20 +20,26 @@ __all__ = ["VARIANTS", "VariantBackend", "make_variants"]
 
 #: name -> (LaunchConfig overrides, step kinds it changes)
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
-    "att3": (dict(decode_attention_branchless=True, decode_attention_stages=3), ("decode",)),
-    "att3f4": (dict(decode_attention_branchless=True, decode_attention_stages=3,
-                    decode_attention_programs_factor=4), ("decode",)),
-    "att2f8": (dict(decode_attention_branchless=True, decode_attention_stages=2,
-                    decode_attention_programs_factor=8), ("decode",)),
-    "sort": (dict(topk_sort=True), ("decode",)),
-    "keysA": (dict(index_keys_as_a=True), ("decode", "prefill")),
-    "dall": (dict(topk_sort=True, index_keys_as_a=True, decode_attention_branchless=True,
-                  decode_attention_stages=3, decode_attention_programs_factor=4), ("decode",)),
-    "pchunk": (dict(prefill_index_chunk=32), ("prefill",)),
-    "pchunkA": (dict(prefill_index_chunk=32, index_keys_as_a=True), ("prefill",)),
-    "prow128": (dict(prefill_index_chunk=32, prefill_index_rows=128), ("prefill",)),
+    # the kernels as they were before the tuning of issue 4 (the "before" of every ratio)
+    "v0": (dict(decode_attention_branchless=False, decode_attention_programs_factor=1, topk_sort=False,
+                prefill_index_chunk=0, prefill_index_rows=64), ("decode", "prefill")),
+    # decode candidates (relative to the current defaults)
+    "mrow": (dict(merge_per_row=True), ("decode",)),
+    "idxf2": (dict(decode_index_programs_factor=2), ("decode",)),
+    "idxbn128": (dict(index_block_n=128), ("decode",)),
+    "idxbn128f2": (dict(index_block_n=128, decode_index_programs_factor=2), ("decode",)),
+    "idxmin1": (dict(decode_index_min_blocks=1, merge_per_row=True), ("decode",)),
+    "att2f16": (dict(decode_attention_programs_factor=16), ("decode",)),
+    "att4w": (dict(decode_attention_warps=4), ("decode",)),
+    "keysA": (dict(index_keys_as_a=True), ("decode",)),
+    # prefill candidates
+    "prow256": (dict(prefill_index_rows=256), ("prefill",)),
+    "pchunk16": (dict(prefill_index_chunk=16), ("prefill",)),
+    "prow128old": (dict(prefill_index_chunk=0), ("prefill",)),
     "union": (dict(prefill_attention_union=True), ("prefill",)),
-    "pall": (dict(prefill_index_chunk=32, index_keys_as_a=True, prefill_attention_union=True), ("prefill",)),
+    "arow16": (dict(prefill_attention_rows=16), ("prefill",)),
+    "arow16u": (dict(prefill_attention_rows=16, prefill_attention_union=True), ("prefill",)),
+    "arow128": (dict(prefill_attention_rows=128), ("prefill",)),
 }
 
 

@@ -150,7 +150,7 @@ def test_forced_splits_and_merge() -> None:
     from mm3_backends.triton import attention, indexer
 
     cfg = LaunchConfig(target_programs=64, decode_index_min_blocks=1, decode_index_max_blocks=2,
-                       prefill_index_rows=16, prefill_attention_rows=16)
+                       prefill_index_rows=16, prefill_attention_rows=16, decode_attention_programs_factor=1)
     p = _params(2, 2, d=32)
     case = make_case(p, decodes=[150, 61, 33], prefills=[(5, 40), (4, 4)], decode_query_len=2,
                      padding_decodes=1, dtype="float16", index_dtype="float16", seed=21)
@@ -261,3 +261,39 @@ def test_rocm_probe_on_non_rocm_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(rocm_plugin.ALLOW_NON_ROCM_ENV, raising=False)
     probe = rocm_plugin.backend_probe(torch.device("cuda"))
     assert not probe.available and rocm_plugin.ALLOW_NON_ROCM_ENV in probe.reason
+
+
+# Every kernel path a LaunchConfig can select, so none of them is only ever run on a GPU:
+# the pre-tuning paths ("legacy") and each opt-in alternative, against the fp64 oracle.
+KERNEL_PATHS = {
+    "legacy": dict(decode_attention_branchless=False, decode_attention_programs_factor=1, topk_sort=False,
+                   prefill_index_chunk=0),
+    "defaults": {},
+    "alternatives": dict(merge_per_row=True, index_keys_as_a=True, prefill_attention_union=True,
+                         decode_attention_stages=3, decode_index_programs_factor=4, prefill_index_chunk=16),
+}
+
+
+@pytest.mark.parametrize("path", sorted(KERNEL_PATHS))
+def test_every_kernel_path_against_the_oracle(path: str) -> None:
+    """Spec decode, padding, and a prefill long enough that the chunked top-K merges several chunks."""
+    from dataclasses import replace
+
+    from mm3_backends.triton import attention, indexer
+    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+
+    cfg = replace(INTERPRETER_CONFIG, **KERNEL_PATHS[path])
+    p = _params(2, 2, d=32, init_blocks=1)
+    case = make_case(p, decodes=[150, 17, 61], prefills=[(24, 700), (5, 5)], decode_query_len=3,
+                     padding_decodes=1, dtype="float16", index_dtype="float8_e4m3fn", seed=31)
+    T = case.batch.num_tokens
+    for layout in ("token_major", "head_major"):
+        buf = TopkBuffer.allocate(T + 2, p.num_kv_heads, p.topk, layout, fill=SENTINEL)
+        step = buf.rows(0, T)
+        indexer.index_topk(case.index_q, case.caches, case.batch, p, step, cfg)
+        assert (buf.head_major()[:, T:] == SENTINEL).all()
+        errors = check_topk(step, case.index_q, case.caches, case.batch, p)
+        assert not errors, "\n".join(map(str, errors[:5]))
+        out = torch.full_like(case.q, float("nan"))
+        attention.attention_forward(case.q, case.caches, step, case.batch, p, out, cfg)
+        _assert_attention_close(out, oracle_attention(case.q, case.caches, step, case.batch, p), T)

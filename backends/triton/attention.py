@@ -190,6 +190,33 @@ def _merge_kernel(
 
 
 @triton.jit
+def _merge_row_kernel(
+    out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h,
+    D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+):
+    """:func:`_merge_kernel` for one query head per program: every split's partial is loaded at
+    once (``[S_PAD, D]``), so the merge is one memory round trip instead of ``SPLITS`` dependent ones."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    g = tl.program_id(2)
+    if g < G:
+        offs_d = tl.arange(0, D)
+        splits = tl.arange(0, S_PAD)
+        live = splits < SPLITS
+        base = (t * num_h + h) * SPLITS
+        m = tl.load(ws_m_ptr + (base + splits) * G_PAD + g, mask=live, other=float("-inf"))
+        l = tl.load(ws_l_ptr + (base + splits) * G_PAD + g, mask=live, other=0.0)
+        acc = tl.load(ws_acc_ptr + ((base + splits) * G_PAD + g)[:, None] * D + offs_d[None, :],
+                      mask=live[:, None], other=0.0)
+        m_max = tl.max(m, axis=0)
+        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_ref))
+        l_tot = tl.sum(w * l, axis=0)
+        o = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_tot > 0, l_tot, 1.0)
+        tl.store(out_ptr + t * s_ot + (h * G + g) * s_oh + offs_d * s_od, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _prefill_attention_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, qsl_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
@@ -275,10 +302,15 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
             STAGES=cfg.decode_attention_stages, **common,
             num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **opts)
         if splits > 1:
-            _merge_kernel[(td, Hkv)](
-                out, *out.stride(), ws_m, ws_l, ws_acc, G,
-                D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits),
-                num_warps=cfg.decode_attention_warps, **opts)
+            if cfg.merge_per_row:
+                _merge_row_kernel[(td, Hkv, G)](
+                    out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv,
+                    D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), num_warps=4, **opts)
+            else:
+                _merge_kernel[(td, Hkv)](
+                    out, *out.stride(), ws_m, ws_l, ws_acc, G,
+                    D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits),
+                    num_warps=cfg.decode_attention_warps, **opts)
 
     npf = batch.num_prefills
     if npf > 0:

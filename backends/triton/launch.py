@@ -14,7 +14,7 @@ Example:
     >>> cfg.decode_index_blocks_per_split(num_requests=64, table_width=512)
     128
     >>> cfg.decode_attention_splits(num_tokens=64, num_kv_heads=4, topk=16)
-    2
+    9
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class LaunchConfig:
     # top-k over a decode row's block scores
     topk_warps: int = 4
     # prefill indexer: rows = tokens x index heads in one tile
-    prefill_index_rows: int = 64
+    prefill_index_rows: int = 128
     prefill_index_warps: int = 8
     # decode attention: all query heads of a KV group in one tile; split over selected blocks.
     # 8 warps: at 4, a 16 x 64 key sub-tile plus V and the accumulator spill on sm_90
@@ -59,18 +59,22 @@ class LaunchConfig:
     decode_attention_max_splits: int = 16
     #: loop over a split's blocks with masked loads instead of a data-dependent branch,
     #: so the next block's page, K and V loads can be in flight (software pipelining)
-    decode_attention_branchless: bool = False
+    decode_attention_branchless: bool = True
     decode_attention_stages: int = 2
     #: splits are sized for ``target_programs * decode_attention_programs_factor`` programs
-    decode_attention_programs_factor: int = 1
+    decode_attention_programs_factor: int = 8
+    #: flash-decoding merge with one program per (token, query head) instead of per KV head
+    merge_per_row: bool = False
+    #: decode indexer programs are sized for ``target_programs * decode_index_programs_factor``
+    decode_index_programs_factor: int = 1
     #: decode top-k by one bitonic ``tl.topk`` over packed (score, id) keys instead of K arg-max rounds
-    topk_sort: bool = False
+    topk_sort: bool = True
     #: indexer dots as ``keys @ q^T`` (keys are the register operand): an fp8 key tile is widened
     #: in registers and feeds the tensor cores without a shared-memory round trip
     index_keys_as_a: bool = False
     #: prefill indexer: 0 = running top-K updated per block; n = packed-key top-K merged every n
     #: blocks (a power of two >= topk)
-    prefill_index_chunk: int = 0
+    prefill_index_chunk: int = 32
     #: prefill attention: visit only the union of the tile's selected blocks (walking the
     #: tile's top-k slots) instead of scanning every visible block for members
     prefill_attention_union: bool = False
@@ -96,7 +100,8 @@ class LaunchConfig:
         single long request, large enough that each program streams a useful
         run of index keys.
         """
-        splits_wanted = max(1, -(-self.target_programs // max(1, num_requests)))
+        target = self.target_programs * self.decode_index_programs_factor
+        splits_wanted = max(1, -(-target // max(1, num_requests)))
         per_split = -(-max(1, table_width) // splits_wanted)
         per_split = min(max(per_split, self.decode_index_min_blocks), self.decode_index_max_blocks)
         return next_pow2(per_split)
