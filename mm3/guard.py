@@ -496,7 +496,9 @@ def _finite_inputs(q: torch.Tensor, caches: PagedKVCache, hm: torch.Tensor, batc
         r = batch.token_to_request[t].to(torch.int64)
         p = batch.token_positions[t].to(torch.int64)
         valid = ids >= 0
-        pages = batch.block_table.to(torch.int64)[r[:, None], ids.clamp(min=0)]
+        # (ids past the table are clamped: their positions lie past the token and are masked below)
+        cols = ids.clamp(0, batch.block_table.shape[1] - 1)
+        pages = batch.block_table.to(torch.int64)[r[:, None], cols]
         pages = pages.clamp(0, caches.num_pages - 1)
         # Advanced indices separated by a slice: result is [n, K, B, D].
         kh = caches.k[pages, :, h[:, None]].float()

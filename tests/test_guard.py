@@ -361,8 +361,11 @@ def test_layer_wraps_backends_only_when_asked() -> None:
 
 
 def test_guard_is_on_in_this_test_suite_and_off_by_default(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    # tests/conftest.py turns it on for the suite ...
-    assert os.environ.get("MM3_CHECK_CONTRACTS") == "1"
+    # tests/conftest.py turns it on for the suite (unless the run overrides it on purpose) ...
+    value = os.environ.get("MM3_CHECK_CONTRACTS")
+    assert value is not None, "tests/conftest.py no longer turns the contract guard on"
+    if value != "1":
+        pytest.skip(f"this run sets MM3_CHECK_CONTRACTS={value}")
     assert Settings().check_contracts
     # ... production default is off
     monkeypatch.delenv("MM3_CHECK_CONTRACTS")
