@@ -22,24 +22,22 @@ __all__ = ["VARIANTS", "VariantBackend", "make_variants"]
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # the kernels as they were before the tuning of issue 4 (the "before" of every ratio)
     "v0": (dict(decode_attention_branchless=False, decode_attention_programs_factor=1, topk_sort=False,
-                prefill_index_chunk=0, prefill_index_rows=64), ("decode", "prefill")),
-    # decode candidates (relative to the current defaults)
+                prefill_index_chunk=0, prefill_index_rows=64, index_block_n=64, decode_index_programs_factor=1,
+                decode_index_min_blocks=4, merge_per_row=False, prefill_attention_rows=64),
+           ("decode", "prefill")),
+    # the defaults after the first sweep (NOTES.md, version 1)
+    "v1": (dict(index_block_n=64, decode_index_programs_factor=1, decode_index_min_blocks=4, merge_per_row=False,
+                prefill_attention_rows=64), ("decode", "prefill")),
+    # candidates
     "mrow": (dict(merge_per_row=True), ("decode",)),
-    "idxf2": (dict(decode_index_programs_factor=2), ("decode",)),
-    "idxbn128": (dict(index_block_n=128), ("decode",)),
-    "idxbn128f2": (dict(index_block_n=128, decode_index_programs_factor=2), ("decode",)),
-    "idxmin1": (dict(decode_index_min_blocks=1, merge_per_row=True), ("decode",)),
-    "att2f16": (dict(decode_attention_programs_factor=16), ("decode",)),
+    "nomrow": (dict(merge_per_row=False), ("decode",)),
+    "idxf4": (dict(decode_index_programs_factor=4), ("decode",)),
     "att4w": (dict(decode_attention_warps=4), ("decode",)),
     "keysA": (dict(index_keys_as_a=True), ("decode",)),
-    # prefill candidates
     "prow256": (dict(prefill_index_rows=256), ("prefill",)),
-    "pchunk16": (dict(prefill_index_chunk=16), ("prefill",)),
-    "prow128old": (dict(prefill_index_chunk=0), ("prefill",)),
     "union": (dict(prefill_attention_union=True), ("prefill",)),
-    "arow16": (dict(prefill_attention_rows=16), ("prefill",)),
+    "arow64": (dict(prefill_attention_rows=64), ("prefill",)),
     "arow16u": (dict(prefill_attention_rows=16, prefill_attention_union=True), ("prefill",)),
-    "arow128": (dict(prefill_attention_rows=128), ("prefill",)),
 }
 
 

@@ -36,6 +36,7 @@ ALLOW_NON_ROCM_ENV = "MM3_ROCM_ALLOW_NON_ROCM"
 AMD_LAUNCH = LaunchConfig(
     target_programs=608, warp_size=64, decode_index_warps=2, topk_warps=2, prefill_index_warps=4,
     decode_attention_warps=4, prefill_attention_warps=4, num_stages=1, prefill_index_rows=64,
+    prefill_attention_rows=64, index_block_n=64, decode_index_programs_factor=1, decode_index_min_blocks=4,
     platform_launch_options=(("waves_per_eu", 2),))
 
 

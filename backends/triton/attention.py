@@ -302,7 +302,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
             STAGES=cfg.decode_attention_stages, **common,
             num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **opts)
         if splits > 1:
-            if cfg.merge_per_row:
+            if cfg.use_merge_per_row(td, Hkv):
                 _merge_row_kernel[(td, Hkv, G)](
                     out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv,
                     D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), num_warps=4, **opts)
