@@ -58,8 +58,9 @@ copies precomputed results::
     M3 TP8 (Hq 8, Hkv 1)            528     74.7     73.0      2.09      2.8%
     M3 TP2 (Hq 32, Hkv 2)           528    455.1    430.6      5.58      1.2%
 
-About 2 ms (TP8) and 5.6 ms (TP2) per step in three quiet runs: 1-3 % of a
-cpu_ref step, below the whole-step noise. On a GPU the step is much faster,
+About 2 ms (TP8) and 5.6 ms (TP2) per step in two runs on a quiet machine:
+1-3 % of a cpu_ref step, below the whole-step noise (a loaded machine scatters
+these figures by up to 10x). On a GPU the step is much faster,
 so the share is much larger (tests/gpu/test_graph_soak.py prints it);
 docs/errors.md has the details.
 
