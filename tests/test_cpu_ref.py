@@ -331,3 +331,19 @@ def test_product_of_layouts_matches() -> None:
         outs.append(_run_attention(case, sel.to_layout(layout), strategy=strategy))
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], rtol=0, atol=torch.finfo(o.dtype).eps * 4)
+
+
+def test_padding_only_step_on_an_empty_cache() -> None:
+    """A CUDA-graph-style step of padding slots only, before any page exists: zeros, all -1."""
+    import mm3
+    from mm3.testing.factories import make_case
+
+    p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16, num_index_heads=2,
+                                  index_head_dim=16, block_size=16, topk=4)
+    c = make_case(p, padding_decodes=2, dtype="float32", extra_pages=0)
+    assert c.caches.num_pages == 0
+    layer = mm3.SparseAttention(p, dtype=torch.float32, max_num_tokens=8, backend="cpu_ref")
+    out = torch.full_like(c.q, float("nan"))
+    layer(c.q, c.index_q, c.caches, c.batch, out=out)
+    assert bool((out == 0).all())
+    assert bool((layer.topk_buffer.rows(0, 2).head_major() == -1).all())

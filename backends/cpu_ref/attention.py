@@ -226,6 +226,9 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
             out[s:e] = o.to(out.dtype)
 
     nd = batch.num_decode_tokens
+    if caches.num_pages == 0:  # nothing was ever written: every token is padding
+        out.zero_()
+        return
     if nd:
         if strategy == "dense":
             for r in range(batch.num_decodes):
