@@ -84,7 +84,7 @@ from pydantic import ValidationError
 import mm3.hookspecs as _hookspecs
 from mm3.buffers import TopkBuffer
 from mm3.capabilities import ALL_OPS, BackendCapabilities, Probe
-from mm3.errors import BackendUnavailableError, PluginError, UnknownBackendError
+from mm3.errors import BackendUnavailableError, InputError, PluginError, UnknownBackendError
 from mm3.hookspecs import HOOK_NAMES, OP_HOOKS, PROJECT
 
 if TYPE_CHECKING:
@@ -287,7 +287,7 @@ class Backend:
     def provides(self, op: str) -> bool:
         """True when the backend declares ``op`` ("index_topk" | "attention") and implements it."""
         if op not in ALL_OPS:
-            raise ValueError(f"unknown op {op!r}; ops are {sorted(ALL_OPS)}")
+            raise InputError(f"unknown op {op!r}; ops are {sorted(ALL_OPS)}")
         return op in self.capabilities.ops and OP_HOOKS[op] in self._impls
 
     # -- probe ----------------------------------------------------------------------
