@@ -106,13 +106,18 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
         cfg = plugin_spec.launch.for_device_sms(132)
         # (tp, dtype, index dtype, decode query len, decodes); fp32 (tests only) is left out:
         # its ieee dots take ten times longer to compile
+        m3 = SparseAttentionParams.minimax_m3
+        # the smallest shapes the fuzzer draws: top-1 (a one-wide sort), 16-token blocks,
+        # 16-wide heads, a one-block context; these once compiled under the interpreter only
+        tiny = SparseAttentionParams(num_heads=1, num_kv_heads=1, head_dim=16, num_index_heads=1,
+                                     index_head_dim=16, block_size=16, topk=1, local_blocks=0)
         variants = [
-            (1, torch.bfloat16, torch.bfloat16, 1, 64),
-            (8, torch.float16, torch.float8_e4m3fn, 4, 8),
+            (m3(tp_size=1), torch.bfloat16, torch.bfloat16, 1, [300] * 64, [(5, 260)]),
+            (m3(tp_size=8), torch.float16, torch.float8_e4m3fn, 4, [300] * 8, [(5, 260)]),
+            (tiny, torch.bfloat16, torch.bfloat16, 1, [1], [(1, 1)]),
         ]
-        for tp, dtype, idt, dq, ndec in variants:
-            p = SparseAttentionParams.minimax_m3(tp_size=tp)
-            case = make_case(p, decodes=[300] * ndec, prefills=[(5, 260)], decode_query_len=dq,
+        for p, dtype, idt, dq, decodes, prefills in variants:
+            case = make_case(p, decodes=decodes, prefills=prefills, decode_query_len=dq,
                              dtype=dtype, index_dtype=idt, seed=0)
             T = case.batch.num_tokens
             topk = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, plugin_spec.topk_layout)

@@ -266,6 +266,18 @@ def _prefill_index_chunked_kernel(
                  _unpack_ids(best, 1 << 30), mask=row_in[:, None] & (slots < K))
 
 
+def sort_width(k: int) -> int:
+    """Lanes of a ``tl.topk`` that keeps ``k`` entries: a power of two, at least 16.
+
+    Triton 3.6 fails to compile ``tl.topk`` of one lane (top-1: "'dtype' object has
+    no attribute 'numel'", found by the GPU fuzz run); Triton 3.9 and the interpreter
+    accept it. 16 lanes is the width proven at MiniMax-M3 shapes on the H200; the
+    extra lanes hold the "unavailable" key and are never stored (stores are masked
+    by ``slots < K``).
+    """
+    return max(16, next_pow2(k))
+
+
 def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
                params: SparseAttentionParams, out: TopkBuffer, cfg: LaunchConfig) -> None:
     """Run the indexer for the whole step; writes rows ``[0, batch.num_tokens)`` of ``out``.
@@ -295,10 +307,11 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
             ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.index_keys_as_a, **common,
             num_warps=cfg.decode_index_warps, num_stages=cfg.num_stages, **opts)
         topk_kernel = _decode_topk_sort_kernel if cfg.topk_sort else _decode_topk_kernel
+        k_pad = sort_width(K) if cfg.topk_sort else next_pow2(K)
         topk_kernel[(nd, rows)](
             ws, ws.stride(0), ws.stride(1), batch.query_start_loc, batch.token_positions,
             out.storage, sh, st, sk, H,
-            B=B, K=K, K_PAD=next_pow2(K), NB_PAD=max(next_pow2(width), next_pow2(K)),
+            B=B, K=K, K_PAD=k_pad, NB_PAD=max(next_pow2(width), k_pad),
             INIT=params.init_blocks, LOCAL=params.local_blocks,
             num_warps=cfg.topk_warps, **opts)
 
@@ -308,12 +321,14 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         m = rows // H
         extra = {}
         kernel = _prefill_index_kernel
+        k_pad = next_pow2(K)
         if cfg.prefill_index_chunk:
             kernel = _prefill_index_chunked_kernel
-            extra = dict(CH=max(cfg.prefill_index_chunk, next_pow2(K)), KEYS_A=cfg.index_keys_as_a)
+            k_pad = sort_width(K)
+            extra = dict(CH=max(cfg.prefill_index_chunk, k_pad), KEYS_A=cfg.index_keys_as_a)
         kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m))](
             index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(),
             batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd,
-            ROWS=rows, M=m, K=K, K_PAD=next_pow2(K),
+            ROWS=rows, M=m, K=K, K_PAD=k_pad,
             INIT=params.init_blocks, LOCAL=params.local_blocks, **common, **extra,
             num_warps=cfg.prefill_index_warps, num_stages=cfg.num_stages, **opts)
