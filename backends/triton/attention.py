@@ -48,6 +48,23 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _softmax_update(q, keys, vals, row_mask, key_pos, pos, m_i, l_i, acc, qk_scale,
+                    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One online-softmax step (base 2, scale folded in) over a tile of keys at positions ``key_pos``."""
+    s = tl.dot(q, tl.trans(keys), input_precision=DOT_PREC) * qk_scale
+    visible = row_mask[:, None] & (key_pos[None, :] <= pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # rows with nothing visible so far keep m = -inf; shift by 0 there to avoid inf - inf
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_mask, pos, b,
                   qk_scale, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -61,17 +78,8 @@ def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_
         offs_j = c + tl.arange(0, BN)
         keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd).to(DOT_DTYPE)
         vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd).to(DOT_DTYPE)
-        s = tl.dot(q, tl.trans(keys), input_precision=DOT_PREC) * qk_scale
-        visible = row_mask[:, None] & ((b * B + offs_j)[None, :] <= pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # rows with nothing visible so far keep m = -inf; shift by 0 there to avoid inf - inf
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_update(q, keys, vals, row_mask, b * B + offs_j, pos, m_i, l_i, acc,
+                                        qk_scale, DOT_DTYPE, DOT_PREC)
     return m_i, l_i, acc
 
 
@@ -87,16 +95,8 @@ def _attend_block_masked(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_v
         ld = (tl.zeros([BN, D], tl.int32) + use.to(tl.int32)) > 0
         keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd, mask=ld, other=0.0)
         vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd, mask=ld, other=0.0)
-        s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PREC) * qk_scale
-        visible = row_mask[:, None] & ((b * B + offs_j)[None, :] <= pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals.to(DOT_DTYPE), input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_update(q, keys.to(DOT_DTYPE), vals.to(DOT_DTYPE), row_mask, b * B + offs_j,
+                                        pos, m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PREC)
     return m_i, l_i, acc
 
 

@@ -105,6 +105,19 @@ def _decode_score_kernel(
 
 
 @triton.jit
+def _forced_row_scores(row_ptr, pos, B: tl.constexpr, NB_PAD: tl.constexpr,
+                       INIT: tl.constexpr, LOCAL: tl.constexpr):
+    """One decode row's visible block scores with the forced init/local blocks applied (SPEC §3.4)."""
+    nb = pos // B + 1
+    blocks = tl.arange(0, NB_PAD)
+    avail = blocks < nb
+    S = tl.load(row_ptr + blocks, mask=avail, other=float("-inf"))
+    S = tl.where(blocks < INIT, FORCED_INIT, S)
+    S = tl.where(blocks >= nb - LOCAL, FORCED_LOCAL, S)
+    return blocks, avail, S
+
+
+@triton.jit
 def _decode_topk_kernel(
     ws_ptr, s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H,
     B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
@@ -122,12 +135,8 @@ def _decode_topk_kernel(
         slots = tl.arange(0, K_PAD)
         result = tl.full([K_PAD], -1, tl.int32)
         if pos >= 0:
-            nb = pos // B + 1
-            blocks = tl.arange(0, NB_PAD)
-            avail = blocks < nb
-            S = tl.load(ws_ptr + r * s_ws_r + row * s_ws_row + blocks, mask=avail, other=float("-inf"))
-            S = tl.where(blocks < INIT, FORCED_INIT, S)
-            S = tl.where(blocks >= nb - LOCAL, FORCED_LOCAL, S)
+            blocks, avail, S = _forced_row_scores(ws_ptr + r * s_ws_r + row * s_ws_row, pos,
+                                                  B, NB_PAD, INIT, LOCAL)
             # K rounds of arg-max; availability is a mask, so a legitimate -inf score still counts
             for i in tl.range(0, K):
                 cand = tl.where(avail, S, float("-inf"))
@@ -174,12 +183,8 @@ def _decode_topk_sort_kernel(
         slots = tl.arange(0, K_PAD)
         result = tl.full([K_PAD], -1, tl.int32)
         if pos >= 0:
-            nb = pos // B + 1
-            blocks = tl.arange(0, NB_PAD)
-            avail = blocks < nb
-            S = tl.load(ws_ptr + r * s_ws_r + row * s_ws_row + blocks, mask=avail, other=float("-inf"))
-            S = tl.where(blocks < INIT, FORCED_INIT, S)
-            S = tl.where(blocks >= nb - LOCAL, FORCED_LOCAL, S)
+            blocks, avail, S = _forced_row_scores(ws_ptr + r * s_ws_r + row * s_ws_row, pos,
+                                                  B, NB_PAD, INIT, LOCAL)
             top = tl.topk(_pack_keys(S, blocks, avail, NB_PAD), K_PAD)
             result = tl.where(slots < K, _unpack_ids(top, NB_PAD), -1)
         tl.store(out_ptr + hh * s_out_h + tok * s_out_t + slots * s_out_k, result, mask=slots < K)
