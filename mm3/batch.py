@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Sequence, Union
 
 import torch
@@ -68,6 +69,8 @@ class BatchMetadata:
     token_positions: torch.Tensor   # [T]; -1 marks a padding token
 
     # -- derived facts ---------------------------------------------------------
+    # Sums over the host tuples are cached: every layer, backend and check of a
+    # step asks for them, and the tuples never change (``update_`` keeps them).
     @property
     def num_requests(self) -> int:
         return len(self.query_lens)
@@ -76,11 +79,11 @@ class BatchMetadata:
     def num_prefills(self) -> int:
         return self.num_requests - self.num_decodes
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         return int(sum(self.query_lens))
 
-    @property
+    @cached_property
     def num_decode_tokens(self) -> int:
         return int(sum(self.query_lens[: self.num_decodes]))
 
@@ -88,15 +91,15 @@ class BatchMetadata:
     def num_prefill_tokens(self) -> int:
         return self.num_tokens - self.num_decode_tokens
 
-    @property
+    @cached_property
     def max_query_len(self) -> int:
         return max(self.query_lens, default=0)
 
-    @property
+    @cached_property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_host, default=0)
 
-    @property
+    @cached_property
     def max_prefill_query_len(self) -> int:
         return max(self.query_lens[self.num_decodes:], default=0)
 

@@ -114,8 +114,7 @@ def _time_step(layer: SparseAttention, case: Case, device: torch.device, repeats
     out = torch.empty_like(case.q)
     t_idx = _median_ms(lambda: sel.indexer.index_topk(case.index_q, case.caches, case.batch, p, topk),
                        device, repeats)
-    att_topk = topk.to_layout(sel.attention.capabilities.topk_layout) \
-        if sel.attention.capabilities.topk_requires_contiguous else topk
+    att_topk = layer.topk_for_attention(topk)
     t_att = _median_ms(lambda: sel.attention.attention_forward(case.q, case.caches, att_topk, case.batch,
                                                                p, out), device, repeats)
     t_all = _median_ms(lambda: layer(case.q, case.index_q, case.caches, case.batch), device, repeats)

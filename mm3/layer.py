@@ -126,10 +126,8 @@ class SparseAttention:
 
             idx, att = guard_backend(idx), guard_backend(att)
         p = self.params
+        # Backend.alloc_topk_buffer already checks type, layout and shape against the declaration.
         buf = idx.alloc_topk_buffer(self.max_num_tokens, p.num_index_heads, p.topk, self.device)
-        if not isinstance(buf, TopkBuffer):
-            raise InputError(f"backend {idx.name!r}: alloc_topk_buffer returned {type(buf).__name__}, "
-                             f"not a TopkBuffer")
         att_caps = att.capabilities
         convert = None
         if att_caps.topk_requires_contiguous and (buf.layout != att_caps.topk_layout or not buf.is_dense()):
@@ -145,6 +143,15 @@ class SparseAttention:
     def topk_buffer(self) -> TopkBuffer:
         """The persistent top-k buffer of the current indexer backend (all ``max_num_tokens`` rows)."""
         return self._resolve().topk
+
+    def topk_for_attention(self, topk: TopkBuffer) -> TopkBuffer:
+        """``topk`` as the current attention backend reads it: converted to its layout when it
+        requires a dense buffer in that layout, else ``topk`` itself (what ``forward`` does)."""
+        return self._for_attention(self._resolve(), topk)
+
+    @staticmethod
+    def _for_attention(b: _Bound, topk: TopkBuffer) -> TopkBuffer:
+        return topk if b.convert_to is None else topk.to_layout(b.convert_to, contiguous=True)
 
     def explain(self) -> str:
         """The selection trace, readable: every candidate with its reasons."""
@@ -167,9 +174,7 @@ class SparseAttention:
         out_rows = out[:T]
         topk = b.topk.rows(0, T)
         b.indexer.index_topk(index_q, caches, batch, self.params, topk)
-        if b.convert_to is not None:
-            topk = topk.to_layout(b.convert_to, contiguous=True)
-        b.attention.attention_forward(q, caches, topk, batch, self.params, out_rows)
+        b.attention.attention_forward(q, caches, self._for_attention(b, topk), batch, self.params, out_rows)
         return out_rows
 
     __call__ = forward
