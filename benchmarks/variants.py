@@ -38,6 +38,24 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "union": (dict(prefill_attention_union=True), ("prefill",)),
     "arow64": (dict(prefill_attention_rows=64), ("prefill",)),
     "arow16u": (dict(prefill_attention_rows=16, prefill_attention_union=True), ("prefill",)),
+    # session 2: persistent decode attention (programs per SM, splits, stages, warps)
+    "flat1": (dict(decode_attention_flat=True, decode_attention_programs_factor=1, decode_attention_stages=3),
+              ("decode",)),
+    "flat1s4": (dict(decode_attention_flat=True, decode_attention_programs_factor=1, decode_attention_stages=4),
+                ("decode",)),
+    "flat1f8": (dict(decode_attention_flat=True, decode_attention_stages=3), ("decode",)),
+    "flat2": (dict(decode_attention_flat=True, decode_attention_flat_programs_per_sm=2,
+                   decode_attention_programs_factor=1, decode_attention_stages=3), ("decode",)),
+    "flat2w4": (dict(decode_attention_flat=True, decode_attention_flat_programs_per_sm=2,
+                     decode_attention_programs_factor=1, decode_attention_stages=3, decode_attention_warps=4),
+                ("decode",)),
+    # session 2: indexer (fp8 cache dotted in fp16, NaN carried by the max, deeper pipeline)
+    "f16dot": (dict(index_fp8_as_f16=True), ("decode", "prefill")),
+    "nanmax": (dict(index_nan_in_max=True), ("decode", "prefill")),
+    "f16nan": (dict(index_fp8_as_f16=True, index_nan_in_max=True), ("decode", "prefill")),
+    "idxs3": (dict(decode_index_stages=3, index_nan_in_max=True, index_fp8_as_f16=True), ("decode",)),
+    "idxf4n": (dict(decode_index_programs_factor=4, index_nan_in_max=True, index_fp8_as_f16=True), ("decode",)),
+    "pbn128": (dict(prefill_index_block_n=128), ("prefill",)),
 }
 
 

@@ -271,6 +271,14 @@ KERNEL_PATHS = {
     "defaults": {},
     "alternatives": dict(merge_per_row=True, index_keys_as_a=True, prefill_attention_union=True,
                          decode_attention_stages=3, decode_index_programs_factor=4, prefill_index_chunk=16),
+    # persistent decode attention (items straddling programs, several splits), NaN-carrying max,
+    # deeper indexer pipeline, prefill key tiles of their own size
+    "flat_attention": dict(decode_attention_flat=True, decode_attention_flat_programs_per_sm=2,
+                           decode_attention_programs_factor=8, index_nan_in_max=True, decode_index_stages=3,
+                           prefill_index_block_n=16, index_keys_as_a=True),
+    "flat_attention_one_split": dict(decode_attention_flat=True, decode_attention_programs_factor=1,
+                                     decode_attention_flat_programs_per_sm=1, index_nan_in_max=True,
+                                     target_programs=3),
 }
 
 
@@ -297,3 +305,33 @@ def test_every_kernel_path_against_the_oracle(path: str) -> None:
         out = torch.full_like(case.q, float("nan"))
         attention.attention_forward(case.q, case.caches, step, case.batch, p, out, cfg)
         _assert_attention_close(out, oracle_attention(case.q, case.caches, step, case.batch, p), T)
+
+
+def test_fp8_cache_dotted_in_fp16_keeps_extreme_rows() -> None:
+    """bf16 index queries against an fp8 cache, dotted in fp16 (``index_fp8_as_f16``).
+
+    Rows span magnitudes fp16 cannot hold unscaled (1e-6 .. 1e6: 1e6 overflows to inf,
+    1e-6 is subnormal), so the selection only matches the oracle if the per-row
+    power-of-two scaling works. Only bf16 -> fp32 conversions touch bf16 here, which
+    the interpreter computes correctly.
+    """
+    from dataclasses import replace
+
+    from mm3_backends.triton import indexer
+    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+
+    p = _params(2, 2, d=32, init_blocks=1)
+    case = make_case(p, decodes=[150, 61], prefills=[(24, 300)], decode_query_len=2, padding_decodes=1,
+                     dtype="float16", index_dtype="float8_e4m3fn", seed=5)
+    scales = torch.tensor([1e-6, 1e6, 3e4, 1e5, 7e-5, 1.0, 2.0 ** -20, 250.0])
+    rows = torch.arange(case.index_q.shape[0] * p.num_index_heads) % len(scales)
+    index_q = (case.index_q.float().reshape(-1, p.index_head_dim) * scales[rows, None])
+    index_q = index_q.reshape(case.index_q.shape).to(torch.bfloat16)
+    T = case.batch.num_tokens
+    cfg = replace(INTERPRETER_CONFIG, index_fp8_as_f16=True, index_nan_in_max=True)
+    for layout in ("token_major", "head_major"):
+        buf = TopkBuffer.allocate(T + 2, p.num_kv_heads, p.topk, layout, fill=SENTINEL)
+        step = buf.rows(0, T)
+        indexer.index_topk(index_q, case.caches, case.batch, p, step, cfg)
+        errors = check_topk(step, index_q, case.caches, case.batch, p)
+        assert not errors, "\n".join(map(str, errors[:5]))

@@ -163,6 +163,73 @@ def _decode_attention_kernel(
 
 
 @triton.jit
+def _decode_attention_flat_kernel(
+    q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
+    bt_ptr, s_bt_r, s_bt_b, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
+    out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h, num_items, qk_scale,
+    B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+    K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr, IPP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 3,
+):
+    """:func:`_decode_attention_kernel`'s work, persistent: grid ``(programs,)``.
+
+    A work item is one (token, KV head, split); program ``p`` takes items
+    ``[p * IPP, (p + 1) * IPP)`` and walks their ``IPP * KPS`` block visits as
+    *one* software-pipelined loop. The dependent loads of a visit (top-k slot ->
+    page id -> K and V) are then issued stages ahead, across item boundaries,
+    instead of each short program paying that latency chain cold. The online
+    softmax state is reset at an item's first visit and stored (masked stores)
+    at its last.
+    """
+    p = tl.program_id(0)
+    rows = tl.arange(0, G_PAD)
+    row_ok = rows < G
+    offs_d = tl.arange(0, D)
+    slots = tl.arange(0, K_PAD)
+    zero_rows = tl.full([G_PAD], 0, tl.int32)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    it0 = p * (IPP * KPS)
+    for it in tl.range(it0, tl.minimum(it0 + IPP * KPS, num_items * KPS), num_stages=STAGES):
+        item = it // KPS
+        j = it % KPS
+        sp = item % SPLITS
+        t = item // SPLITS // num_h
+        h = item // SPLITS % num_h
+        first = (zero_rows + j) == 0
+        m_i = tl.where(first, float("-inf"), m_i)
+        l_i = tl.where(first, 0.0, l_i)
+        acc = tl.where(first[:, None], 0.0, acc)
+        r = tl.load(tok_req_ptr + t)
+        pos = tl.load(pos_ptr + t)
+        toks = zero_rows + t
+        sel_row = sel_ptr + h * s_sel_h + t * s_sel_t
+        sel = tl.load(sel_row + slots * s_sel_k, mask=slots < K, other=-1)
+        i = sp * KPS + j
+        blk = tl.max(tl.where(slots == i, sel, -1), axis=0)
+        repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
+        # pos < 0 is a padding token: nothing is attended (and pos // B would truncate towards 0)
+        use = (pos >= 0) & (blk >= 0) & (blk <= pos // B) & (repeated == 0)
+        page = tl.load(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b, mask=use, other=0).to(tl.int64)
+        q = load_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
+        # an unusable slot's K/V loads are masked off: zeros, never a stale page's NaNs (0 * NaN
+        # would poison the accumulator even though its rows are masked out of the softmax)
+        m_i, l_i, acc = _attend_block_masked(
+            q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
+            s_kb, s_kd, s_vb, s_vd, row_ok & use, zero_rows + pos, blk, use, qk_scale, B, BN, D,
+            DOT_DTYPE, DOT_PREC)
+        last = row_ok & ((zero_rows + j) == KPS - 1)
+        if SPLITS == 1:
+            store_rows(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, acc, l_i, last, D)
+        else:
+            base = (t * num_h + h) * SPLITS + sp
+            tl.store(ws_m_ptr + base * G_PAD + rows, m_i, mask=last)
+            tl.store(ws_l_ptr + base * G_PAD + rows, l_i, mask=last)
+            tl.store(ws_acc_ptr + (base * G_PAD + rows)[:, None] * D + offs_d[None, :], acc, mask=last[:, None])
+
+
+@triton.jit
 def _merge_kernel(
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G,
     D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
@@ -295,12 +362,21 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
             ws_acc = torch.empty((td, Hkv, splits, g_pad, D), dtype=torch.float32, device=q.device)
         else:  # never touched: the single-split kernel writes the output directly
             ws_m = ws_l = ws_acc = out
-        _decode_attention_kernel[(td, Hkv, splits)](
-            *tensors, batch.token_to_request, batch.token_positions,
-            topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, qk_scale,
-            G_PAD=g_pad, SPLITS=splits, KPS=kps, BRANCHLESS=cfg.decode_attention_branchless,
-            STAGES=cfg.decode_attention_stages, **common,
-            num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **opts)
+        if cfg.decode_attention_flat:
+            items = td * Hkv * splits
+            ipp = cfg.decode_attention_flat_items_per_program(items)
+            _decode_attention_flat_kernel[(-(-items // ipp),)](
+                *tensors, batch.token_to_request, batch.token_positions,
+                topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv, items, qk_scale,
+                G_PAD=g_pad, SPLITS=splits, KPS=kps, IPP=ipp, STAGES=cfg.decode_attention_stages, **common,
+                num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **opts)
+        else:
+            _decode_attention_kernel[(td, Hkv, splits)](
+                *tensors, batch.token_to_request, batch.token_positions,
+                topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, qk_scale,
+                G_PAD=g_pad, SPLITS=splits, KPS=kps, BRANCHLESS=cfg.decode_attention_branchless,
+                STAGES=cfg.decode_attention_stages, **common,
+                num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **opts)
         if splits > 1:
             if cfg.use_merge_per_row(td, Hkv):
                 _merge_row_kernel[(td, Hkv, G)](

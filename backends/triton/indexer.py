@@ -51,15 +51,25 @@ NAN_SCORE = tl.constexpr(-1e30)
 
 
 @triton.jit
-def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos,
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
                       ROWS: tl.constexpr, B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr,
-                      DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_A: tl.constexpr = False):
+                      DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_A: tl.constexpr = False,
+                      NAN_IN_MAX: tl.constexpr = False):
     """Max over block ``b``'s visible keys (``j <= pos``) of ``<q_row, key_j>``, per row; NaN -> -1e30.
 
     Keys are read ``BN`` at a time to bound register use. With ``KEYS_A`` the
     caller passes ``q`` transposed (``[DI, ROWS]``) and the dot is
     ``keys @ q^T``: the key tile is the register operand, so a widened fp8
     tile goes to the tensor cores without a shared-memory round trip.
+    ``row_scale`` (fp32, ``[ROWS]``, positive) undoes a per-row scaling of
+    ``q`` (see :func:`_index_query_rows`); the max commutes with it.
+    With ``NAN_IN_MAX`` a NaN score is carried by the max itself (one row
+    reduction per key tile instead of two).
     """
     offs_d = tl.arange(0, DI)
     smax = tl.full([ROWS], float("-inf"), tl.float32)
@@ -70,14 +80,45 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos,
         if KEYS_A:
             st = tl.dot(keys.to(DOT_DTYPE), q, input_precision=DOT_PREC)           # [BN, ROWS] fp32
             st = tl.where((b * B + offs_j)[:, None] <= pos[None, :], st, float("-inf"))
-            smax = tl.maximum(smax, tl.max(st, axis=0))
-            nans += tl.max((st != st).to(tl.int32), axis=0)
+            if NAN_IN_MAX:
+                smax = _max_keep_nan(smax, tl.reduce(st, 0, _max_keep_nan))
+            else:
+                smax = tl.maximum(smax, tl.max(st, axis=0))
+                nans += tl.max((st != st).to(tl.int32), axis=0)
         else:
             s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PREC)  # [ROWS, BN] fp32
             s = tl.where((b * B + offs_j)[None, :] <= pos[:, None], s, float("-inf"))
-            smax = tl.maximum(smax, tl.max(s, axis=1))
-            nans += tl.max((s != s).to(tl.int32), axis=1)
-    return tl.where(nans > 0, NAN_SCORE, smax)
+            if NAN_IN_MAX:
+                smax = _max_keep_nan(smax, tl.reduce(s, 1, _max_keep_nan))
+            else:
+                smax = tl.maximum(smax, tl.max(s, axis=1))
+                nans += tl.max((s != s).to(tl.int32), axis=1)
+    if NAN_IN_MAX:
+        nans = (smax != smax).to(tl.int32)
+    return tl.where(nans > 0, NAN_SCORE, smax * row_scale)
+
+
+@triton.jit
+def _index_query_rows(iq_ptr, tok, hh, s_t, s_h, s_d, row_ok, DI: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                      SCALE_Q: tl.constexpr):
+    """The tile's index-query rows as ``DOT_DTYPE`` and the per-row factor that undoes their scaling.
+
+    With ``SCALE_Q`` (bf16 queries against an fp8 cache, dotted in fp16 because
+    e4m3 -> fp16 is one native conversion while e4m3 -> bf16 is several) each
+    row is multiplied by a power of two that puts its largest magnitude in
+    ``[2^14, 2^15)``: exact, and no bf16 value can overflow fp16's range.
+    """
+    if SCALE_Q:
+        q = load_rows(iq_ptr, tok, hh, s_t, s_h, s_d, row_ok, DI, tl.float32)
+        amax = tl.max(tl.abs(q), axis=1)
+        expo = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        shift = tl.minimum(tl.maximum(14 - expo, -125), 125)
+        scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+        undo = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+        return (q * scale[:, None]).to(DOT_DTYPE), undo
+    else:
+        q = load_rows(iq_ptr, tok, hh, s_t, s_h, s_d, row_ok, DI, DOT_DTYPE)
+        return q, tl.full([q.shape[0]], 1.0, tl.float32)
 
 
 @triton.jit
@@ -86,6 +127,7 @@ def _decode_score_kernel(
     qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
     BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_A: tl.constexpr = False,
+    SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     b0 = tl.program_id(1) * BPS
@@ -93,14 +135,14 @@ def _decode_score_kernel(
     tok, hh, row_in, pos, row_ok, nb = token_rows(qsl_ptr, pos_ptr, r, 0, H, ROWS, Q, B)
     nb_req = tl.max(nb, axis=0)
     if b0 < nb_req:
-        q = load_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE)
+        q, row_scale = _index_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
         if KEYS_A:
             q = tl.trans(q)
         rows = tl.arange(0, ROWS)
         for b in tl.range(b0, tl.minimum(b0 + BPS, nb_req)):
             page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
-            smax = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos,
-                                     ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A)
+            smax = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
+                                     ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A, NAN_IN_MAX)
             tl.store(ws_ptr + r * s_ws_r + rows * s_ws_row + b, smax, mask=row_ok)
 
 
@@ -196,22 +238,23 @@ def _prefill_index_kernel(
     qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SCALE_Q: tl.constexpr = False,
+    NAN_IN_MAX: tl.constexpr = False,
 ):
     r = first_request + tl.program_id(0)
     tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H,
                                                       ROWS, M, B)
     if tl.max(row_in.to(tl.int32), axis=0) > 0:
         nb_max = tl.max(nb_row, axis=0)
-        q = load_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE)
+        q, row_scale = _index_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
         slots = tl.arange(0, K_PAD)[None, :]
         # Running top-K per row. Slot ids: -1 = empty, -2 = padding slot (>= K, never used).
         best_i = tl.where(slots < K, -1, -2) + tl.zeros([ROWS, K_PAD], tl.int32)
         best_v = tl.full([ROWS, K_PAD], float("inf"), tl.float32)
         for b in tl.range(0, nb_max):
             page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
-            sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos,
-                                   ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC)
+            sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
+                                   ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, False, NAN_IN_MAX)
             sb = tl.where(b < INIT, FORCED_INIT, sb)
             sb = tl.where(b >= nb_row - LOCAL, FORCED_LOCAL, sb)
             eligible = b < nb_row
@@ -239,6 +282,7 @@ def _prefill_index_chunked_kernel(
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, CH: tl.constexpr, KEYS_A: tl.constexpr = False,
+    SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False,
 ):
     """Same contract as :func:`_prefill_index_kernel`; the running top-K is kept as packed keys and
     updated once per ``CH`` blocks (one bitonic top-k of the chunk, one of the merge) instead of
@@ -248,7 +292,7 @@ def _prefill_index_chunked_kernel(
                                                       ROWS, M, B)
     if tl.max(row_in.to(tl.int32), axis=0) > 0:
         nb_max = tl.max(nb_row, axis=0)
-        q = load_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE)
+        q, row_scale = _index_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
         if KEYS_A:
             q = tl.trans(q)
         cols = tl.arange(0, CH)[None, :]
@@ -258,8 +302,8 @@ def _prefill_index_chunked_kernel(
             for j in tl.range(0, tl.minimum(CH, nb_max - c0)):
                 b = c0 + j
                 page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
-                sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos,
-                                       ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A)
+                sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
+                                       ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A, NAN_IN_MAX)
                 sb = tl.where(b < INIT, FORCED_INIT, sb)
                 sb = tl.where(b >= nb_row - LOCAL, FORCED_LOCAL, sb)
                 key = _pack_keys(sb, tl.zeros([ROWS], tl.int32) + b, b < nb_row, 1 << 30)
@@ -295,9 +339,13 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     ik = caches.index
     bt = batch.block_table
     dot_dtype, dot_prec = dot_config(index_q.dtype, ik.dtype)
+    scale_q = cfg.index_fp8_as_f16 and index_q.dtype == torch.bfloat16 and ik.dtype == torch.float8_e4m3fn
+    if scale_q:
+        dot_dtype = tl.float16
     sh, st, sk = out.strides()
     opts = launch_options(cfg)
-    common = dict(B=B, BN=min(B, cfg.index_block_n), DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
+    common = dict(B=B, DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, SCALE_Q=scale_q,
+                  NAN_IN_MAX=cfg.index_nan_in_max)
 
     nd = batch.num_decodes
     if nd > 0 and batch.num_decode_tokens > 0:
@@ -309,8 +357,9 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         _decode_score_kernel[(nd, triton.cdiv(width, bps))](
             index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(),
             batch.query_start_loc, batch.token_positions, ws, ws.stride(0), ws.stride(1), H,
-            ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.index_keys_as_a, **common,
-            num_warps=cfg.decode_index_warps, num_stages=cfg.num_stages, **opts)
+            ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.index_keys_as_a,
+            BN=min(B, cfg.index_block_n), **common,
+            num_warps=cfg.decode_index_warps, num_stages=cfg.decode_index_stages or cfg.num_stages, **opts)
         topk_kernel = _decode_topk_sort_kernel if cfg.topk_sort else _decode_topk_kernel
         k_pad = sort_width(K) if cfg.topk_sort else next_pow2(K)
         topk_kernel[(nd, rows)](
@@ -335,5 +384,6 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
             index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(),
             batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd,
             ROWS=rows, M=m, K=K, K_PAD=k_pad,
-            INIT=params.init_blocks, LOCAL=params.local_blocks, **common, **extra,
+            INIT=params.init_blocks, LOCAL=params.local_blocks, BN=min(B, cfg.prefill_index_block_n),
+            **common, **extra,
             num_warps=cfg.prefill_index_warps, num_stages=cfg.num_stages, **opts)

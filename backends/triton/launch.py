@@ -63,6 +63,11 @@ class LaunchConfig:
     decode_attention_stages: int = 2
     #: splits are sized for ``target_programs * decode_attention_programs_factor`` programs
     decode_attention_programs_factor: int = 8
+    #: persistent decode attention: ``decode_attention_flat_programs_per_sm`` programs per
+    #: multiprocessor (``target_programs`` is two per SM) each walk a run of (token, KV head,
+    #: split) items as one pipelined loop
+    decode_attention_flat: bool = False
+    decode_attention_flat_programs_per_sm: int = 1
     #: flash-decoding merge with one program per (token, query head) instead of per KV head;
     #: None = when the per-KV-head grid is small (see :meth:`use_merge_per_row`)
     merge_per_row: Optional[bool] = None
@@ -85,6 +90,15 @@ class LaunchConfig:
     num_stages: int = 2
     #: keys per inner tile (a divisor of the block size, >= 16): bounds registers
     index_block_n: int = 128
+    #: the same for the prefill indexer (its tiles hold 128 rows, so it wants fewer keys)
+    prefill_index_block_n: int = 64
+    #: pipelining depth of the decode indexer's loop over blocks (0 = ``num_stages``)
+    decode_index_stages: int = 0
+    #: bf16 index queries against an fp8 cache: dot in fp16 (queries scaled per row by a power
+    #: of two) instead of bf16, because e4m3 -> fp16 is one native conversion
+    index_fp8_as_f16: bool = False
+    #: indexer: carry NaN scores through the block max (one row reduction instead of two)
+    index_nan_in_max: bool = False
     attention_block_n: int = 64
     #: extra launch options for this platform's Triton backend only (e.g. AMD's
     #: ``waves_per_eu``); applied only when the running backend is that platform
@@ -116,6 +130,11 @@ class LaunchConfig:
         if self.merge_per_row is not None:
             return self.merge_per_row
         return 4 * num_tokens * num_kv_heads <= self.target_programs
+
+    def decode_attention_flat_items_per_program(self, items: int) -> int:
+        """Work items (token, KV head, split) one persistent decode-attention program walks."""
+        programs = max(1, self.target_programs // 2) * self.decode_attention_flat_programs_per_sm
+        return -(-items // programs)
 
     def decode_attention_splits(self, num_tokens: int, num_kv_heads: int, topk: int) -> int:
         """Flash-decoding splits over the selected blocks (1 = no merge pass)."""
