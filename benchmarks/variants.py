@@ -34,28 +34,26 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "idxf4": (dict(decode_index_programs_factor=4), ("decode",)),
     "att4w": (dict(decode_attention_warps=4), ("decode",)),
     "keysA": (dict(index_keys_as_a=True), ("decode",)),
-    "prow256": (dict(prefill_index_rows=256), ("prefill",)),
     "union": (dict(prefill_attention_union=True), ("prefill",)),
     "arow64": (dict(prefill_attention_rows=64), ("prefill",)),
     "arow16u": (dict(prefill_attention_rows=16, prefill_attention_union=True), ("prefill",)),
-    # session 2: persistent decode attention (programs per SM, splits, stages, warps)
-    "flat1": (dict(decode_attention_flat=True, decode_attention_programs_factor=1, decode_attention_stages=3),
-              ("decode",)),
-    "flat1s4": (dict(decode_attention_flat=True, decode_attention_programs_factor=1, decode_attention_stages=4),
-                ("decode",)),
-    "flat1f8": (dict(decode_attention_flat=True, decode_attention_stages=3), ("decode",)),
-    "flat2": (dict(decode_attention_flat=True, decode_attention_flat_programs_per_sm=2,
-                   decode_attention_programs_factor=1, decode_attention_stages=3), ("decode",)),
-    "flat2w4": (dict(decode_attention_flat=True, decode_attention_flat_programs_per_sm=2,
-                     decode_attention_programs_factor=1, decode_attention_stages=3, decode_attention_warps=4),
-                ("decode",)),
-    # session 2: indexer (fp8 cache dotted in fp16, NaN carried by the max, deeper pipeline)
-    "f16dot": (dict(index_fp8_as_f16=True), ("decode", "prefill")),
-    "nanmax": (dict(index_nan_in_max=True), ("decode", "prefill")),
-    "f16nan": (dict(index_fp8_as_f16=True, index_nan_in_max=True), ("decode", "prefill")),
-    "idxs3": (dict(decode_index_stages=3, index_nan_in_max=True, index_fp8_as_f16=True), ("decode",)),
-    "idxf4n": (dict(decode_index_programs_factor=4, index_nan_in_max=True, index_fp8_as_f16=True), ("decode",)),
-    "pbn128": (dict(prefill_index_block_n=128), ("prefill",)),
+    # the defaults session 1 ended with (before the persistent attention and the indexer changes)
+    "v2": (dict(decode_attention_flat=False, decode_attention_warps=8, decode_attention_programs_factor=8,
+                decode_attention_stages=2, index_fp8_as_f16=False, index_nan_in_max=False,
+                prefill_index_block_n=128), ("decode", "prefill")),
+    # session 2, sweep 4: around the persistent decode attention (defaults since sweep 3)
+    "fs2": (dict(decode_attention_stages=2), ("decode",)),
+    "fs4": (dict(decode_attention_stages=4), ("decode",)),
+    "fsp1": (dict(decode_attention_max_splits=1), ("decode",)),
+    "ff2": (dict(decode_attention_programs_factor=2), ("decode",)),
+    "fbn128": (dict(attention_block_n=128), ("decode",)),
+    "fbn32": (dict(attention_block_n=32), ("decode",)),
+    "fps3": (dict(decode_attention_flat_programs_per_sm=3), ("decode",)),
+    "pdl": (dict(pdl=True), ("decode",)),
+    # prefill
+    "pabn32": (dict(prefill_attention_block_n=32), ("prefill",)),
+    "pch64": (dict(prefill_index_chunk=64), ("prefill",)),
+    "prow256": (dict(prefill_index_rows=256, prefill_index_block_n=32), ("prefill",)),
 }
 
 

@@ -267,9 +267,10 @@ def test_rocm_probe_on_non_rocm_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 # the pre-tuning paths ("legacy") and each opt-in alternative, against the fp64 oracle.
 KERNEL_PATHS = {
     "legacy": dict(decode_attention_branchless=False, decode_attention_programs_factor=1, topk_sort=False,
-                   prefill_index_chunk=0),
+                   prefill_index_chunk=0, decode_attention_flat=False, index_nan_in_max=False),
     "defaults": {},
     "alternatives": dict(merge_per_row=True, index_keys_as_a=True, prefill_attention_union=True,
+                         decode_attention_flat=False, decode_attention_programs_factor=8,
                          decode_attention_stages=3, decode_index_programs_factor=4, prefill_index_chunk=16),
     # persistent decode attention (items straddling programs, several splits), NaN-carrying max,
     # deeper indexer pipeline, prefill key tiles of their own size

@@ -35,8 +35,12 @@ ALLOW_NON_ROCM_ENV = "MM3_ROCM_ALLOW_NON_ROCM"
 # 304 CUs want about 608 programs (resized from the device at first use).
 AMD_LAUNCH = LaunchConfig(
     target_programs=608, warp_size=64, decode_index_warps=2, topk_warps=2, prefill_index_warps=4,
-    decode_attention_warps=4, prefill_attention_warps=4, num_stages=1, prefill_index_rows=64,
+    prefill_attention_warps=4, num_stages=1, prefill_index_rows=64,
     prefill_attention_rows=64, index_block_n=64, decode_index_programs_factor=1, decode_index_min_blocks=4,
+    # the session-1 decode attention and indexer paths: the later NVIDIA-tuned defaults
+    # (persistent attention, fp16 dots for fp8 caches) have not run on AMD hardware
+    decode_attention_warps=4, decode_attention_programs_factor=8, decode_attention_stages=2,
+    decode_attention_flat=False, index_fp8_as_f16=False, index_nan_in_max=False,
     platform_launch_options=(("waves_per_eu", 2),))
 
 

@@ -40,7 +40,7 @@ from mm3.params import SparseAttentionParams
 
 from .launch import LaunchConfig, next_pow2
 from .tiles import load_rows, store_rows, token_rows
-from .tl_utils import dot_config, launch_options
+from .tl_utils import decode_launch_options, dot_config, launch_options, pdl_enabled, pdl_prologue
 
 __all__ = ["attention_forward"]
 
@@ -108,8 +108,9 @@ def _decode_attention_kernel(
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BRANCHLESS: tl.constexpr = False,
-    STAGES: tl.constexpr = 2,
+    STAGES: tl.constexpr = 2, PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -169,7 +170,7 @@ def _decode_attention_flat_kernel(
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h, num_items, qk_scale,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr, IPP: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 3,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 3, PDL: tl.constexpr = False,
 ):
     """:func:`_decode_attention_kernel`'s work, persistent: grid ``(programs,)``.
 
@@ -181,6 +182,7 @@ def _decode_attention_flat_kernel(
     softmax state is reset at an item's first visit and stored (masked stores)
     at its last.
     """
+    pdl_prologue(PDL)
     p = tl.program_id(0)
     rows = tl.arange(0, G_PAD)
     row_ok = rows < G
@@ -232,8 +234,9 @@ def _decode_attention_flat_kernel(
 @triton.jit
 def _merge_kernel(
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G,
-    D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     num_h = tl.num_programs(1)
@@ -259,10 +262,11 @@ def _merge_kernel(
 @triton.jit
 def _merge_row_kernel(
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h,
-    D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """:func:`_merge_kernel` for one query head per program: every split's partial is loaded at
     once (``[S_PAD, D]``), so the merge is one memory round trip instead of ``SPLITS`` dependent ones."""
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.program_id(2)
@@ -352,6 +356,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
 
     td = batch.num_decode_tokens
     if td > 0:
+        pdl, dopts = pdl_enabled(cfg), decode_launch_options(cfg)
         splits = cfg.decode_attention_splits(td, Hkv, K)
         kps = -(-K // splits)
         splits = -(-K // kps)
@@ -368,30 +373,31 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
             _decode_attention_flat_kernel[(-(-items // ipp),)](
                 *tensors, batch.token_to_request, batch.token_positions,
                 topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv, items, qk_scale,
-                G_PAD=g_pad, SPLITS=splits, KPS=kps, IPP=ipp, STAGES=cfg.decode_attention_stages, **common,
-                num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **opts)
+                G_PAD=g_pad, SPLITS=splits, KPS=kps, IPP=ipp, STAGES=cfg.decode_attention_stages, PDL=pdl,
+                **common, num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **dopts)
         else:
             _decode_attention_kernel[(td, Hkv, splits)](
                 *tensors, batch.token_to_request, batch.token_positions,
                 topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, qk_scale,
                 G_PAD=g_pad, SPLITS=splits, KPS=kps, BRANCHLESS=cfg.decode_attention_branchless,
-                STAGES=cfg.decode_attention_stages, **common,
-                num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **opts)
+                STAGES=cfg.decode_attention_stages, PDL=pdl, **common,
+                num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **dopts)
         if splits > 1:
             if cfg.use_merge_per_row(td, Hkv):
                 _merge_row_kernel[(td, Hkv, G)](
                     out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv,
-                    D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), num_warps=4, **opts)
+                    D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), PDL=pdl, num_warps=4, **dopts)
             else:
                 _merge_kernel[(td, Hkv)](
                     out, *out.stride(), ws_m, ws_l, ws_acc, G,
-                    D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits),
-                    num_warps=cfg.decode_attention_warps, **opts)
+                    D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), PDL=pdl,
+                    num_warps=cfg.decode_attention_warps, **dopts)
 
     npf = batch.num_prefills
     if npf > 0:
         rows = max(cfg.prefill_attention_rows, next_pow2(G), 16)
         m = rows // G
+        common["BN"] = min(B, cfg.prefill_attention_block_n)
         _prefill_attention_kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m), Hkv)](
             *tensors, batch.query_start_loc, batch.token_positions,
             topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale,

@@ -40,7 +40,7 @@ from mm3.params import SparseAttentionParams
 
 from .launch import LaunchConfig, next_pow2
 from .tiles import load_rows, token_rows
-from .tl_utils import dot_config, launch_options
+from .tl_utils import decode_launch_options, dot_config, launch_options, pdl_enabled, pdl_prologue
 
 __all__ = ["index_topk"]
 
@@ -127,8 +127,9 @@ def _decode_score_kernel(
     qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
     BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_A: tl.constexpr = False,
-    SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False,
+    SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     r = tl.program_id(0)
     b0 = tl.program_id(1) * BPS
     # rows = (speculative row, index head): every index key is read once for all of them
@@ -163,8 +164,9 @@ def _forced_row_scores(row_ptr, pos, B: tl.constexpr, NB_PAD: tl.constexpr,
 def _decode_topk_kernel(
     ws_ptr, s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H,
     B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-    INIT: tl.constexpr, LOCAL: tl.constexpr,
+    INIT: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     r = tl.program_id(0)
     row = tl.program_id(1)
     qi = row // H
@@ -210,9 +212,10 @@ def _unpack_ids(key, ID_SPAN: tl.constexpr):
 def _decode_topk_sort_kernel(
     ws_ptr, s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H,
     B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-    INIT: tl.constexpr, LOCAL: tl.constexpr,
+    INIT: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Same contract as :func:`_decode_topk_kernel`, one bitonic top-k instead of K arg-max rounds."""
+    pdl_prologue(PDL)
     r = tl.program_id(0)
     row = tl.program_id(1)
     qi = row // H
@@ -358,16 +361,17 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
             index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(),
             batch.query_start_loc, batch.token_positions, ws, ws.stride(0), ws.stride(1), H,
             ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.index_keys_as_a,
-            BN=min(B, cfg.index_block_n), **common,
-            num_warps=cfg.decode_index_warps, num_stages=cfg.decode_index_stages or cfg.num_stages, **opts)
+            BN=min(B, cfg.index_block_n), PDL=pdl_enabled(cfg), **common,
+            num_warps=cfg.decode_index_warps, num_stages=cfg.decode_index_stages or cfg.num_stages,
+            **decode_launch_options(cfg))
         topk_kernel = _decode_topk_sort_kernel if cfg.topk_sort else _decode_topk_kernel
         k_pad = sort_width(K) if cfg.topk_sort else next_pow2(K)
         topk_kernel[(nd, rows)](
             ws, ws.stride(0), ws.stride(1), batch.query_start_loc, batch.token_positions,
             out.storage, sh, st, sk, H,
             B=B, K=K, K_PAD=k_pad, NB_PAD=max(next_pow2(width), k_pad),
-            INIT=params.init_blocks, LOCAL=params.local_blocks,
-            num_warps=cfg.topk_warps, **opts)
+            INIT=params.init_blocks, LOCAL=params.local_blocks, PDL=pdl_enabled(cfg),
+            num_warps=cfg.topk_warps, **decode_launch_options(cfg))
 
     npf = batch.num_prefills
     if npf > 0:

@@ -54,20 +54,20 @@ class LaunchConfig:
     prefill_index_rows: int = 128
     prefill_index_warps: int = 8
     # decode attention: all query heads of a KV group in one tile; split over selected blocks.
-    # 8 warps: at 4, a 16 x 64 key sub-tile plus V and the accumulator spill on sm_90
-    decode_attention_warps: int = 8
+    # 4 warps: two persistent programs per SM (H200: 80 vs 95 us at TP1 b64 64K)
+    decode_attention_warps: int = 4
     decode_attention_max_splits: int = 16
     #: loop over a split's blocks with masked loads instead of a data-dependent branch,
     #: so the next block's page, K and V loads can be in flight (software pipelining)
     decode_attention_branchless: bool = True
-    decode_attention_stages: int = 2
+    decode_attention_stages: int = 3
     #: splits are sized for ``target_programs * decode_attention_programs_factor`` programs
-    decode_attention_programs_factor: int = 8
+    decode_attention_programs_factor: int = 1
     #: persistent decode attention: ``decode_attention_flat_programs_per_sm`` programs per
     #: multiprocessor (``target_programs`` is two per SM) each walk a run of (token, KV head,
     #: split) items as one pipelined loop
-    decode_attention_flat: bool = False
-    decode_attention_flat_programs_per_sm: int = 1
+    decode_attention_flat: bool = True
+    decode_attention_flat_programs_per_sm: int = 2
     #: flash-decoding merge with one program per (token, query head) instead of per KV head;
     #: None = when the per-KV-head grid is small (see :meth:`use_merge_per_row`)
     merge_per_row: Optional[bool] = None
@@ -96,10 +96,15 @@ class LaunchConfig:
     decode_index_stages: int = 0
     #: bf16 index queries against an fp8 cache: dot in fp16 (queries scaled per row by a power
     #: of two) instead of bf16, because e4m3 -> fp16 is one native conversion
-    index_fp8_as_f16: bool = False
+    index_fp8_as_f16: bool = True
     #: indexer: carry NaN scores through the block max (one row reduction instead of two)
-    index_nan_in_max: bool = False
+    index_nan_in_max: bool = True
     attention_block_n: int = 64
+    #: decode kernels with programmatic dependent launch (NVIDIA Hopper+): each kernel's launch
+    #: overlaps the previous one's run; every kernel waits for its predecessor before any load
+    pdl: bool = False
+    #: keys per inner tile of the prefill attention (register pressure of its 128-row tiles)
+    prefill_attention_block_n: int = 64
     #: extra launch options for this platform's Triton backend only (e.g. AMD's
     #: ``waves_per_eu``); applied only when the running backend is that platform
     platform_launch_options: tuple[tuple[str, Any], ...] = ()

@@ -12,7 +12,13 @@ import triton.language as tl
 
 from .launch import LaunchConfig
 
-__all__ = ["dot_config", "launch_options", "interpreting", "TL_DTYPES"]
+__all__ = ["dot_config", "launch_options", "interpreting", "pdl_enabled", "pdl_prologue", "decode_launch_options", "TL_DTYPES"]
+
+try:  # programmatic dependent launch (Hopper+): Triton >= 3.4 has these
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+except ImportError:  # pragma: no cover - older Triton: PDL stays off
+    _gdc_wait = _gdc_launch_dependents = None
 
 TL_DTYPES: dict[torch.dtype, Any] = {
     torch.float16: tl.float16,
@@ -52,6 +58,25 @@ def _active_backend() -> str:
         return "unknown"
 
 
+def pdl_enabled(cfg: LaunchConfig) -> bool:
+    """Whether the decode kernels launch with programmatic dependent launch (``cfg.pdl``).
+
+    Only on NVIDIA with a Triton that has the grid-dependency instructions;
+    never under the interpreter.
+    """
+    return cfg.pdl and _gdc_wait is not None and _active_backend() == "cuda"
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """First statement of a PDL-launched kernel: wait until the previous kernel in the stream has
+    finished and its writes are visible (every input may be its output), then let the next kernel
+    be scheduled, so its launch overlaps this kernel instead of following it."""
+    if PDL:
+        _gdc_wait()
+        _gdc_launch_dependents()
+
+
 def launch_options(cfg: LaunchConfig) -> dict[str, Any]:
     """The config's platform-only launch options, when the active Triton backend is that platform.
 
@@ -62,3 +87,11 @@ def launch_options(cfg: LaunchConfig) -> dict[str, Any]:
     if cfg.platform_launch_options and _active_backend() == "hip":
         return dict(cfg.platform_launch_options)
     return {}
+
+
+def decode_launch_options(cfg: LaunchConfig) -> dict[str, Any]:
+    """:func:`launch_options` plus ``launch_pdl`` for the decode kernels when PDL is on."""
+    opts = launch_options(cfg)
+    if pdl_enabled(cfg):
+        opts["launch_pdl"] = True
+    return opts
