@@ -18,16 +18,22 @@ import torch
 
 __all__ = ["VARIANTS", "VariantBackend", "make_variants"]
 
+#: the session-1 values of the fields added in session 2, so v0-v2 keep meaning what they timed
+_SESSION1 = dict(decode_attention_flat=False, decode_attention_warps=8, decode_attention_stages=2,
+                 index_fp8_as_f16=False, index_nan_in_max=False, attention_block_n=64, pdl=False)
+
 #: name -> (LaunchConfig overrides, step kinds it changes)
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # the kernels as they were before the tuning of issue 4 (the "before" of every ratio)
-    "v0": (dict(decode_attention_branchless=False, decode_attention_programs_factor=1, topk_sort=False,
-                prefill_index_chunk=0, prefill_index_rows=64, index_block_n=64, decode_index_programs_factor=1,
-                decode_index_min_blocks=4, merge_per_row=False, prefill_attention_rows=64),
-           ("decode", "prefill")),
-    # the defaults after the first sweep (NOTES.md, version 1)
-    "v1": (dict(index_block_n=64, decode_index_programs_factor=1, decode_index_min_blocks=4, merge_per_row=False,
+    "v0": (dict(_SESSION1, decode_attention_branchless=False, decode_attention_programs_factor=1, topk_sort=False,
+                prefill_index_chunk=0, prefill_index_rows=64, index_block_n=64, prefill_index_block_n=64,
+                decode_index_programs_factor=1, decode_index_min_blocks=4, merge_per_row=False,
                 prefill_attention_rows=64), ("decode", "prefill")),
+    # the defaults after the first sweep (NOTES.md, version 1)
+    "v1": (dict(_SESSION1, index_block_n=64, prefill_index_block_n=64, decode_index_programs_factor=1,
+                decode_index_min_blocks=4, merge_per_row=False, prefill_attention_rows=64), ("decode", "prefill")),
+    # the defaults session 1 ended with (version 2)
+    "v2": (dict(_SESSION1, prefill_index_block_n=128), ("decode", "prefill")),
     # candidates
     "mrow": (dict(merge_per_row=True), ("decode",)),
     "nomrow": (dict(merge_per_row=False), ("decode",)),
@@ -37,19 +43,14 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "union": (dict(prefill_attention_union=True), ("prefill",)),
     "arow64": (dict(prefill_attention_rows=64), ("prefill",)),
     "arow16u": (dict(prefill_attention_rows=16, prefill_attention_union=True), ("prefill",)),
-    # the defaults session 1 ended with (before the persistent attention and the indexer changes)
-    "v2": (dict(decode_attention_flat=False, decode_attention_warps=8, decode_attention_programs_factor=8,
-                decode_attention_stages=2, index_fp8_as_f16=False, index_nan_in_max=False,
-                prefill_index_block_n=128), ("decode", "prefill")),
     # session 2, sweep 4: around the persistent decode attention (defaults since sweep 3)
     "fs2": (dict(decode_attention_stages=2), ("decode",)),
     "fs4": (dict(decode_attention_stages=4), ("decode",)),
-    "fsp1": (dict(decode_attention_max_splits=1), ("decode",)),
-    "ff2": (dict(decode_attention_programs_factor=2), ("decode",)),
-    "fbn128": (dict(attention_block_n=128), ("decode",)),
+    "fbn64": (dict(attention_block_n=64), ("decode",)),
     "fbn32": (dict(attention_block_n=32), ("decode",)),
     "fps3": (dict(decode_attention_flat_programs_per_sm=3), ("decode",)),
     "pdl": (dict(pdl=True), ("decode",)),
+    "nopdl": (dict(pdl=False), ("decode",)),
     # prefill
     "pabn32": (dict(prefill_attention_block_n=32), ("prefill",)),
     "pch64": (dict(prefill_index_chunk=64), ("prefill",)),

@@ -275,7 +275,7 @@ KERNEL_PATHS = {
     # persistent decode attention (items straddling programs, several splits), NaN-carrying max,
     # deeper indexer pipeline, prefill key tiles of their own size
     "flat_attention": dict(decode_attention_flat=True, decode_attention_flat_programs_per_sm=2,
-                           decode_attention_programs_factor=8, index_nan_in_max=True, decode_index_stages=3,
+                           target_programs=64, index_nan_in_max=True, decode_index_stages=3,
                            prefill_index_block_n=16, index_keys_as_a=True),
     "flat_attention_one_split": dict(decode_attention_flat=True, decode_attention_programs_factor=1,
                                      decode_attention_flat_programs_per_sm=1, index_nan_in_max=True,

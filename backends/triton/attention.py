@@ -356,7 +356,8 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
 
     td = batch.num_decode_tokens
     if td > 0:
-        pdl, dopts = pdl_enabled(cfg), decode_launch_options(cfg)
+        pdl = pdl_enabled(cfg, td, Hkv)
+        dopts = decode_launch_options(cfg, pdl)
         splits = cfg.decode_attention_splits(td, Hkv, K)
         kps = -(-K // splits)
         splits = -(-K // kps)

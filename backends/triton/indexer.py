@@ -356,22 +356,23 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         rows = Q * H
         width = bt.shape[1]
         bps = cfg.decode_index_blocks_per_split(nd, width)
+        pdl = pdl_enabled(cfg, batch.num_decode_tokens, params.num_kv_heads)
         ws = torch.empty((nd, rows, width), dtype=torch.float32, device=ik.device)
         _decode_score_kernel[(nd, triton.cdiv(width, bps))](
             index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(),
             batch.query_start_loc, batch.token_positions, ws, ws.stride(0), ws.stride(1), H,
             ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.index_keys_as_a,
-            BN=min(B, cfg.index_block_n), PDL=pdl_enabled(cfg), **common,
+            BN=min(B, cfg.index_block_n), PDL=pdl, **common,
             num_warps=cfg.decode_index_warps, num_stages=cfg.decode_index_stages or cfg.num_stages,
-            **decode_launch_options(cfg))
+            **decode_launch_options(cfg, pdl))
         topk_kernel = _decode_topk_sort_kernel if cfg.topk_sort else _decode_topk_kernel
         k_pad = sort_width(K) if cfg.topk_sort else next_pow2(K)
         topk_kernel[(nd, rows)](
             ws, ws.stride(0), ws.stride(1), batch.query_start_loc, batch.token_positions,
             out.storage, sh, st, sk, H,
             B=B, K=K, K_PAD=k_pad, NB_PAD=max(next_pow2(width), k_pad),
-            INIT=params.init_blocks, LOCAL=params.local_blocks, PDL=pdl_enabled(cfg),
-            num_warps=cfg.topk_warps, **decode_launch_options(cfg))
+            INIT=params.init_blocks, LOCAL=params.local_blocks, PDL=pdl,
+            num_warps=cfg.topk_warps, **decode_launch_options(cfg, pdl))
 
     npf = batch.num_prefills
     if npf > 0:

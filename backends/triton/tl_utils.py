@@ -58,13 +58,14 @@ def _active_backend() -> str:
         return "unknown"
 
 
-def pdl_enabled(cfg: LaunchConfig) -> bool:
-    """Whether the decode kernels launch with programmatic dependent launch (``cfg.pdl``).
+def pdl_enabled(cfg: LaunchConfig, num_tokens: int, num_kv_heads: int) -> bool:
+    """Whether this step's decode kernels launch with programmatic dependent launch.
 
-    Only on NVIDIA with a Triton that has the grid-dependency instructions;
-    never under the interpreter.
+    :meth:`LaunchConfig.use_pdl` decides; only on NVIDIA with a Triton that has
+    the grid-dependency instructions, never under the interpreter.
     """
-    return cfg.pdl and _gdc_wait is not None and _active_backend() == "cuda"
+    return (_gdc_wait is not None and _active_backend() == "cuda"
+            and cfg.use_pdl(num_tokens, num_kv_heads))
 
 
 @triton.jit
@@ -89,9 +90,9 @@ def launch_options(cfg: LaunchConfig) -> dict[str, Any]:
     return {}
 
 
-def decode_launch_options(cfg: LaunchConfig) -> dict[str, Any]:
-    """:func:`launch_options` plus ``launch_pdl`` for the decode kernels when PDL is on."""
+def decode_launch_options(cfg: LaunchConfig, pdl: bool) -> dict[str, Any]:
+    """:func:`launch_options` plus ``launch_pdl`` for a decode kernel when ``pdl``."""
     opts = launch_options(cfg)
-    if pdl_enabled(cfg):
+    if pdl:
         opts["launch_pdl"] = True
     return opts
