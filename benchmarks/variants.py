@@ -51,6 +51,10 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "fps3": (dict(decode_attention_flat_programs_per_sm=3), ("decode",)),
     "pdl": (dict(pdl=True), ("decode",)),
     "nopdl": (dict(pdl=False), ("decode",)),
+    # session 2, last run: the fp8 decode indexer (84% of copy)
+    "iw8": (dict(decode_index_warps=8), ("decode",)),
+    "ibn64": (dict(index_block_n=64), ("decode",)),
+    "if1": (dict(decode_index_programs_factor=1), ("decode",)),
     # prefill
     "pabn32": (dict(prefill_attention_block_n=32), ("prefill",)),
     "pch64": (dict(prefill_index_chunk=64), ("prefill",)),
