@@ -56,6 +56,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "ibn64": (dict(index_block_n=64), ("decode",)),
     "if1": (dict(decode_index_programs_factor=1), ("decode",)),
     # prefill
+    "ptok": (dict(prefill_attention_per_token=True), ("prefill",)),
     "pabn32": (dict(prefill_attention_block_n=32), ("prefill",)),
     "pch64": (dict(prefill_index_chunk=64), ("prefill",)),
     "prow256": (dict(prefill_index_rows=256, prefill_index_block_n=32), ("prefill",)),

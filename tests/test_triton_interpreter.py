@@ -277,6 +277,7 @@ KERNEL_PATHS = {
     "flat_attention": dict(decode_attention_flat=True, decode_attention_flat_programs_per_sm=2,
                            target_programs=64, index_nan_in_max=True, decode_index_stages=3,
                            prefill_index_block_n=16, index_keys_as_a=True),
+    "per_token_prefill": dict(prefill_attention_per_token=True, target_programs=16),
     "flat_attention_one_split": dict(decode_attention_flat=True, decode_attention_programs_factor=1,
                                      decode_attention_flat_programs_per_sm=1, index_nan_in_max=True,
                                      target_programs=3),

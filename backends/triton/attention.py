@@ -167,9 +167,9 @@ def _decode_attention_kernel(
 def _decode_attention_flat_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
-    out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h, num_items, qk_scale,
+    out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h, num_items, IPP, qk_scale,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-    K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr, IPP: tl.constexpr,
+    K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 3, PDL: tl.constexpr = False,
 ):
     """:func:`_decode_attention_kernel`'s work, persistent: grid ``(programs,)``.
@@ -354,7 +354,11 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
                   DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
     tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()))
 
-    td = batch.num_decode_tokens
+    npf = batch.num_prefills
+    # per-token prefill: the persistent decode kernel takes the prefill tokens too (rows after the
+    # decode tokens), one token x G heads per item; no rows are wasted on blocks a token did not pick
+    per_token_prefill = npf > 0 and cfg.decode_attention_flat and cfg.prefill_attention_per_token
+    td = batch.num_tokens if per_token_prefill else batch.num_decode_tokens
     if td > 0:
         pdl = pdl_enabled(cfg, td, Hkv)
         dopts = decode_launch_options(cfg, pdl)
@@ -373,8 +377,8 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
             ipp = cfg.decode_attention_flat_items_per_program(items)
             _decode_attention_flat_kernel[(-(-items // ipp),)](
                 *tensors, batch.token_to_request, batch.token_positions,
-                topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv, items, qk_scale,
-                G_PAD=g_pad, SPLITS=splits, KPS=kps, IPP=ipp, STAGES=cfg.decode_attention_stages, PDL=pdl,
+                topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv, items, ipp, qk_scale,
+                G_PAD=g_pad, SPLITS=splits, KPS=kps, STAGES=cfg.decode_attention_stages, PDL=pdl,
                 **common, num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **dopts)
         else:
             _decode_attention_kernel[(td, Hkv, splits)](
@@ -394,8 +398,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
                     D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), PDL=pdl,
                     num_warps=cfg.decode_attention_warps, **dopts)
 
-    npf = batch.num_prefills
-    if npf > 0:
+    if npf > 0 and not per_token_prefill:
         rows = max(cfg.prefill_attention_rows, next_pow2(G), 16)
         m = rows // G
         common["BN"] = min(B, cfg.prefill_attention_block_n)

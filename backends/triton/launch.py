@@ -84,6 +84,9 @@ class LaunchConfig:
     #: prefill attention: visit only the union of the tile's selected blocks (walking the
     #: tile's top-k slots) instead of scanning every visible block for members
     prefill_attention_union: bool = False
+    #: prefill attention by the persistent decode kernel, one token x G heads per item (needs
+    #: ``decode_attention_flat``), instead of multi-token tiles walking the union of their blocks
+    prefill_attention_per_token: bool = False
     # prefill attention: rows = tokens x query heads of one KV group
     prefill_attention_rows: int = 128
     prefill_attention_warps: int = 8
