@@ -20,7 +20,8 @@ __all__ = ["VARIANTS", "VariantBackend", "make_variants"]
 
 #: the session-1 values of the fields added in session 2, so v0-v2 keep meaning what they timed
 _SESSION1 = dict(decode_attention_flat=False, decode_attention_warps=8, decode_attention_stages=2,
-                 index_fp8_as_f16=False, index_nan_in_max=False, attention_block_n=64, pdl=False)
+                 index_fp8_as_f16=False, index_nan_in_max=False, attention_block_n=64, pdl=False,
+                 prefill_attention_per_token=False)
 
 #: name -> (LaunchConfig overrides, step kinds it changes)
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
@@ -57,6 +58,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "if1": (dict(decode_index_programs_factor=1), ("decode",)),
     # prefill
     "ptok": (dict(prefill_attention_per_token=True), ("prefill",)),
+    "notok": (dict(prefill_attention_per_token=False), ("prefill",)),
     "pabn32": (dict(prefill_attention_block_n=32), ("prefill",)),
     "pch64": (dict(prefill_index_chunk=64), ("prefill",)),
     "prow256": (dict(prefill_index_rows=256, prefill_index_block_n=32), ("prefill",)),

@@ -278,6 +278,8 @@ KERNEL_PATHS = {
                            target_programs=64, index_nan_in_max=True, decode_index_stages=3,
                            prefill_index_block_n=16, index_keys_as_a=True),
     "per_token_prefill": dict(prefill_attention_per_token=True, target_programs=16),
+    # the automatic choice: the (24, 700) prefill has 676 cached tokens >= 200
+    "per_token_prefill_by_context": dict(prefill_attention_per_token_context=200),
     "flat_attention_one_split": dict(decode_attention_flat=True, decode_attention_programs_factor=1,
                                      decode_attention_flat_programs_per_sm=1, index_nan_in_max=True,
                                      target_programs=3),
@@ -337,3 +339,21 @@ def test_fp8_cache_dotted_in_fp16_keeps_extreme_rows() -> None:
         indexer.index_topk(index_q, case.caches, case.batch, p, step, cfg)
         errors = check_topk(step, index_q, case.caches, case.batch, p)
         assert not errors, "\n".join(map(str, errors[:5]))
+
+
+def test_launch_heuristics_follow_their_measured_rules() -> None:
+    """The shape-only rules the H200 sweeps chose (BENCHMARKS.md), on an H200-sized config."""
+    cfg = LaunchConfig().for_device_sms(132)
+    # persistent attention: the fewest splits that give each of the 264 programs an item
+    assert cfg.decode_attention_splits(num_tokens=64, num_kv_heads=4, topk=16) == 1
+    assert cfg.decode_attention_splits(num_tokens=8, num_kv_heads=4, topk=16) == 8
+    assert cfg.decode_attention_splits(num_tokens=1, num_kv_heads=4, topk=16) == 16
+    assert cfg.decode_attention_flat_items_per_program(256) == 1
+    assert cfg.decode_attention_flat_items_per_program(32768) == 125
+    # PDL only for small grids
+    assert cfg.use_pdl(1, 4) and cfg.use_pdl(8, 4) and not cfg.use_pdl(64, 4)
+    # per-token prefill attention from 16K tokens of cached context, and only with the persistent kernel
+    assert not cfg.use_per_token_prefill(0) and cfg.use_per_token_prefill(32768)
+    from dataclasses import replace
+    assert not replace(cfg, decode_attention_flat=False).use_per_token_prefill(32768)
+    assert replace(cfg, prefill_attention_per_token=True).use_per_token_prefill(0)
