@@ -239,12 +239,13 @@ def test_input_errors_say_what_to_fix() -> None:
     T = case.batch.num_tokens
     with pytest.raises(InputError, match="index_q has shape"):
         index_topk(case.index_q[:, :1], case.caches, case.batch, p, TopkBuffer.allocate(T, 2, 4))
-    with pytest.raises(InputError, match="out is"):
+    wrong_heads = r"the top-k buffer is \[H=1, K=4\] but params need \[H=2"
+    with pytest.raises(InputError, match="cpu_ref.index_topk: " + wrong_heads):
         index_topk(case.index_q, case.caches, case.batch, p, TopkBuffer.allocate(T, 1, 4))
     with pytest.raises(InputError, match="block sizes disagree"):
         index_topk(case.index_q, case.caches, case.batch, p.model_copy(update={"block_size": 32}),
                    TopkBuffer.allocate(T, 2, 4))
-    with pytest.raises(InputError, match="need H=2"):
+    with pytest.raises(InputError, match="cpu_ref.attention_forward: " + wrong_heads):
         attention_forward(case.q, case.caches, TopkBuffer.allocate(T, 1, 4), case.batch, p,
                           torch.empty_like(case.q))
     with pytest.raises(InputError, match="strategy"):

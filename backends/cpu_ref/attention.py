@@ -47,9 +47,10 @@ import torch
 from mm3.batch import BatchMetadata
 from mm3.buffers import PagedKVCache, TopkBuffer
 from mm3.errors import InputError
+from mm3.hook_args import check_hook_args
 from mm3.params import SparseAttentionParams
 
-from ._common import DEFAULT_MAX_ELEMENTS, check_common, check_rows, gather_pages
+from ._common import DEFAULT_MAX_ELEMENTS, gather_pages
 
 __all__ = ["attention_forward", "Strategy", "DENSE_MAX_BLOCKS_PER_TOPK"]
 
@@ -164,24 +165,13 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     ``strategy`` forces one code path (tests use it); ``max_elements`` bounds
     the largest fp32 intermediate.
     """
-    check_common("attention_forward", caches, batch, params)
-    T = batch.num_tokens
     Hq, Hkv, D = params.num_heads, params.num_kv_heads, params.head_dim
-    dev = caches.device
-    check_rows("attention_forward", "q", q, T, (Hq, D), dev, "= [num_tokens, num_heads, head_dim]")
-    check_rows("attention_forward", "out", out, T, (Hq, D), dev, "= [num_tokens, num_heads, head_dim]")
-    if (caches.num_kv_heads, caches.head_dim) != (Hkv, D):
-        raise InputError(f"cpu_ref.attention_forward: KV cache has {caches.num_kv_heads} heads of dim "
-                         f"{caches.head_dim}; params expect {Hkv} of dim {D}")
-    if not isinstance(topk, TopkBuffer):
-        raise InputError(f"cpu_ref.attention_forward: topk must be an mm3.TopkBuffer, got "
-                         f"{type(topk).__name__}; wrap the tensor with TopkBuffer(tensor, layout)")
-    if topk.num_heads != Hkv or topk.num_tokens < T:
-        raise InputError(f"cpu_ref.attention_forward: topk buffer is [H={topk.num_heads}, "
-                         f"T={topk.num_tokens}, K={topk.topk}], need H={Hkv} (num_kv_heads) and T>={T}")
-    if topk.device != dev:
-        raise InputError(f"cpu_ref.attention_forward: topk buffer is on {topk.device} but the caches "
-                         f"are on {dev}")
+    hint = "= [num_tokens, num_heads, head_dim]"
+    T = check_hook_args("cpu_ref.attention_forward", caches, batch, params, topk=topk,
+                        rows={"q": (q, (Hq, D), hint), "out": (out, (Hq, D), hint)})
+    if caches.head_dim != D:
+        raise InputError(f"cpu_ref.attention_forward: KV cache has heads of dim {caches.head_dim}; params "
+                         f"expect {D}")
     if strategy not in ("auto", "gather", "dense"):
         raise InputError(f"cpu_ref.attention_forward: strategy must be 'auto', 'gather' or 'dense', "
                          f"got {strategy!r}")

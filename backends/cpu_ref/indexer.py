@@ -39,9 +39,10 @@ import torch
 from mm3.batch import BatchMetadata
 from mm3.buffers import PagedKVCache, TopkBuffer
 from mm3.errors import InputError
+from mm3.hook_args import check_hook_args
 from mm3.params import SparseAttentionParams
 
-from ._common import DEFAULT_MAX_ELEMENTS, check_common, check_rows, gather_pages
+from ._common import DEFAULT_MAX_ELEMENTS, gather_pages
 
 __all__ = ["index_topk", "FORCED_INIT", "FORCED_LOCAL", "NAN_SCORE"]
 
@@ -162,22 +163,12 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     change the ranking (SPEC §3.2), so it is not applied. ``max_elements``
     bounds the largest intermediate tensor (see :data:`DEFAULT_MAX_ELEMENTS`).
     """
-    check_common("index_topk", caches, batch, params)
-    T = batch.num_tokens
     H, Di, K = params.num_index_heads, params.index_head_dim, params.topk
-    check_rows("index_topk", "index_q", index_q, T, (H, Di), caches.device,
-               "= [num_tokens, num_index_heads, index_head_dim]")
+    T = check_hook_args("cpu_ref.index_topk", caches, batch, params, topk=out, rows={
+        "index_q": (index_q, (H, Di), "= [num_tokens, num_index_heads, index_head_dim]")})
     if caches.index_head_dim != Di:
         raise InputError(f"cpu_ref.index_topk: index cache dim {caches.index_head_dim} != "
                          f"params.index_head_dim {Di}")
-    if not isinstance(out, TopkBuffer):
-        raise InputError(f"cpu_ref.index_topk: out must be an mm3.TopkBuffer, got {type(out).__name__}; "
-                         f"allocate it with backend.alloc_topk_buffer(...) or TopkBuffer.allocate(...)")
-    if out.num_heads != H or out.topk != K or out.num_tokens < T:
-        raise InputError(f"cpu_ref.index_topk: out is [H={out.num_heads}, T={out.num_tokens}, K={out.topk}], "
-                         f"need [H={H}, T>={T}, K={K}] (num_index_heads, num_tokens, topk)")
-    if out.device != caches.device:
-        raise InputError(f"cpu_ref.index_topk: out is on {out.device} but the caches are on {caches.device}")
 
     view = out.head_major()[:, :T]  # [H, T, K]; a view, so writes land in out's storage
     view.fill_(-1)

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from mm3.batch import BatchMetadata
 from mm3.buffers import PagedKVCache, TopkBuffer
 from mm3.errors import InputError
+from mm3.hook_args import check_hook_args
 from mm3.params import SparseAttentionParams
 
 __all__ = ["attention_forward", "DEFAULT_MAX_ELEMENTS", "MAX_ELEMENTS_ENV", "DENSE_MAX_BLOCKS_PER_TOPK",
@@ -91,36 +92,22 @@ def _max_elements() -> int:
 
 def _check(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
            params: SparseAttentionParams, out: torch.Tensor) -> None:
-    """Raise :class:`InputError` with the fix when the inputs do not fit this backend."""
+    """Raise :class:`InputError` with the fix when the inputs do not fit this backend.
+
+    mm3's shared hook checks cover types, shapes, devices and the top-k
+    buffer's size; what is left is this backend's own: the layout it reads.
+    """
     where = "torch_sdpa_sparse.attention_forward"
-    if not isinstance(topk, TopkBuffer):
-        raise InputError(f"{where}: topk must be an mm3.TopkBuffer, got {type(topk).__name__}; wrap "
-                         f"the tensor with TopkBuffer(tensor, layout)")
+    hint = "= [num_tokens, num_heads, head_dim]"
+    shape = (params.num_heads, params.head_dim)
+    check_hook_args(where, caches, batch, params, topk=topk, rows={"q": (q, shape, hint), "out": (out, shape, hint)})
     if topk.layout != "token_major" or not topk.is_dense():
         raise InputError(f"{where}: needs a dense token_major top-k buffer (it reads [T, H, K] storage "
                          f"directly), got {topk!r}; pass topk.to_layout('token_major') - SparseAttention "
                          f"does this for you")
-    T = batch.num_tokens
-    Hq, Hkv, D = params.num_heads, params.num_kv_heads, params.head_dim
-    for name, t in (("q", q), ("out", out)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[1:]) != (Hq, D) \
-                or t.shape[0] < T:
-            raise InputError(f"{where}: {name} must be [>= {T}, {Hq}, {D}] (tokens, num_heads, "
-                             f"head_dim), got {tuple(getattr(t, 'shape', ()))}")
-        if t.device != caches.device:
-            raise InputError(f"{where}: {name} is on {t.device} but the caches are on {caches.device}")
-    if (caches.num_kv_heads, caches.head_dim) != (Hkv, D):
-        raise InputError(f"{where}: the KV cache has {caches.num_kv_heads} heads of dim {caches.head_dim}, "
-                         f"params expect {Hkv} of dim {D}")
-    if caches.block_size != params.block_size or batch.block_size != params.block_size:
-        raise InputError(f"{where}: block sizes disagree (cache pages {caches.block_size}, batch "
-                         f"{batch.block_size}, params {params.block_size}); make them equal")
-    if topk.num_heads != Hkv or topk.num_tokens < T:
-        raise InputError(f"{where}: top-k buffer is [H={topk.num_heads}, T={topk.num_tokens}], need "
-                         f"H={Hkv} (num_kv_heads) and T >= {T}")
-    if topk.device != caches.device or batch.device != caches.device:
-        raise InputError(f"{where}: top-k buffer ({topk.device}), batch ({batch.device}) and caches "
-                         f"({caches.device}) must be on one device")
+    if caches.head_dim != params.head_dim:
+        raise InputError(f"{where}: the KV cache has heads of dim {caches.head_dim}, params expect "
+                         f"{params.head_dim}")
     if not out.is_floating_point():
         raise InputError(f"{where}: out must be a floating-point tensor, got {out.dtype}")
 
