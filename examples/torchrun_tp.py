@@ -79,27 +79,16 @@ def _on(caches: PagedKVCache, device: torch.device) -> PagedKVCache:
     return PagedKVCache(caches.k.to(device), caches.v.to(device), caches.index.to(device))
 
 
-def _median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn`` with all ranks started together and the device drained."""
+def _median_ms(fn: Callable[[], object], device: torch.device, repeats: int, *, all_ranks: bool = True) -> float:
+    """Median wall time of ``fn`` with the device drained; ``all_ranks``: every rank starts together
+    (a barrier before each run; off for work that only one rank does)."""
     fn()  # warm-up: kernel compilation, allocator
     times = []
     for _ in range(repeats):
-        dist.barrier()
+        if all_ranks:
+            dist.barrier()
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type != "cpu":
-            torch.accelerator.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def _median_ms_local(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Like :func:`_median_ms` for work on one rank only (no barrier)."""
-    fn()
-    times = []
-    for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         if device.type != "cpu":
@@ -170,8 +159,8 @@ def main() -> int:
                                  max_decode_query_len=case.batch.decode_query_len, backend=args.backend)
         ref_case = case.to(device)
         ref = single(ref_case.q, ref_case.index_q, ref_case.caches, ref_case.batch)
-        t_single = _median_ms_local(lambda: single(ref_case.q, ref_case.index_q, ref_case.caches,
-                                                   ref_case.batch), device, args.repeats)
+        t_single = _median_ms(lambda: single(ref_case.q, ref_case.index_q, ref_case.caches, ref_case.batch),
+                              device, args.repeats, all_ranks=False)
         err = (gathered.double() - ref.double()).abs()
         passed = float(err.max()) <= TOLERANCE[args.dtype]
         print(f"single rank ({single.selection.attention.name}): {t_single:8.2f} ms")

@@ -14,8 +14,9 @@ so head-major and token-major buffers work without copies):
 
 ``_decode_topk_kernel``   grid ``(decode requests, rows)``
     Loads one row of block scores, applies the forced init/local blocks and
-    selects ``min(K, nb)`` blocks by ``K`` rounds of arg-max (ties: lowest
-    block id), writing a prefix of ids then ``-1``.
+    selects ``min(K, nb)`` blocks (ties: lowest block id) by one bitonic
+    ``tl.topk`` over packed (score, -id) keys, or with ``SORT=False`` by
+    ``K`` rounds of arg-max; writes a prefix of ids then ``-1``.
 
 ``_prefill_index_kernel`` grid ``(prefill requests, token tiles)``
     One program takes a tile of consecutive query tokens of one prefill request
@@ -161,37 +162,6 @@ def _forced_row_scores(row_ptr, pos, B: tl.constexpr, NB_PAD: tl.constexpr,
 
 
 @triton.jit
-def _decode_topk_kernel(
-    ws_ptr, s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H,
-    B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-    INIT: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr = False,
-):
-    pdl_prologue(PDL)
-    r = tl.program_id(0)
-    row = tl.program_id(1)
-    qi = row // H
-    hh = row % H
-    start = tl.load(qsl_ptr + r)
-    qlen = tl.load(qsl_ptr + r + 1) - start
-    if qi < qlen:
-        tok = start + qi
-        pos = tl.load(pos_ptr + tok)
-        slots = tl.arange(0, K_PAD)
-        result = tl.full([K_PAD], -1, tl.int32)
-        if pos >= 0:
-            blocks, avail, S = _forced_row_scores(ws_ptr + r * s_ws_r + row * s_ws_row, pos,
-                                                  B, NB_PAD, INIT, LOCAL)
-            # K rounds of arg-max; availability is a mask, so a legitimate -inf score still counts
-            for i in tl.range(0, K):
-                cand = tl.where(avail, S, float("-inf"))
-                best = tl.max(cand, axis=0)
-                idx = tl.min(tl.where(avail & (cand == best), blocks, NB_PAD), axis=0)
-                result = tl.where((slots == i) & (idx < NB_PAD), idx, result)
-                avail = avail & (blocks != idx)
-        tl.store(out_ptr + hh * s_out_h + tok * s_out_t + slots * s_out_k, result, mask=slots < K)
-
-
-@triton.jit
 def _pack_keys(S, ids, avail, ID_SPAN: tl.constexpr):
     """int64 sort keys ordered like (score, -id): a descending sort gives the highest score first and,
     among equal scores, the lowest block id. Unavailable entries get the smallest key of all."""
@@ -209,12 +179,11 @@ def _unpack_ids(key, ID_SPAN: tl.constexpr):
 
 
 @triton.jit
-def _decode_topk_sort_kernel(
+def _decode_topk_kernel(
     ws_ptr, s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H,
     B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-    INIT: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr = False,
+    INIT: tl.constexpr, LOCAL: tl.constexpr, SORT: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
-    """Same contract as :func:`_decode_topk_kernel`, one bitonic top-k instead of K arg-max rounds."""
     pdl_prologue(PDL)
     r = tl.program_id(0)
     row = tl.program_id(1)
@@ -230,8 +199,18 @@ def _decode_topk_sort_kernel(
         if pos >= 0:
             blocks, avail, S = _forced_row_scores(ws_ptr + r * s_ws_r + row * s_ws_row, pos,
                                                   B, NB_PAD, INIT, LOCAL)
-            top = tl.topk(_pack_keys(S, blocks, avail, NB_PAD), K_PAD)
-            result = tl.where(slots < K, _unpack_ids(top, NB_PAD), -1)
+            if SORT:
+                # one bitonic top-k over packed (score, -id) keys
+                top = tl.topk(_pack_keys(S, blocks, avail, NB_PAD), K_PAD)
+                result = tl.where(slots < K, _unpack_ids(top, NB_PAD), -1)
+            else:
+                # K rounds of arg-max; availability is a mask, so a legitimate -inf score still counts
+                for i in tl.range(0, K):
+                    cand = tl.where(avail, S, float("-inf"))
+                    best = tl.max(cand, axis=0)
+                    idx = tl.min(tl.where(avail & (cand == best), blocks, NB_PAD), axis=0)
+                    result = tl.where((slots == i) & (idx < NB_PAD), idx, result)
+                    avail = avail & (blocks != idx)
         tl.store(out_ptr + hh * s_out_h + tok * s_out_t + slots * s_out_k, result, mask=slots < K)
 
 
@@ -365,13 +344,12 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
             BN=min(B, cfg.index_block_n), PDL=pdl, **common,
             num_warps=cfg.decode_index_warps, num_stages=cfg.decode_index_stages or cfg.num_stages,
             **decode_launch_options(cfg, pdl))
-        topk_kernel = _decode_topk_sort_kernel if cfg.topk_sort else _decode_topk_kernel
         k_pad = sort_width(K) if cfg.topk_sort else next_pow2(K)
-        topk_kernel[(nd, rows)](
+        _decode_topk_kernel[(nd, rows)](
             ws, ws.stride(0), ws.stride(1), batch.query_start_loc, batch.token_positions,
             out.storage, sh, st, sk, H,
             B=B, K=K, K_PAD=k_pad, NB_PAD=max(next_pow2(width), k_pad),
-            INIT=params.init_blocks, LOCAL=params.local_blocks, PDL=pdl,
+            INIT=params.init_blocks, LOCAL=params.local_blocks, SORT=cfg.topk_sort, PDL=pdl,
             num_warps=cfg.topk_warps, **decode_launch_options(cfg, pdl))
 
     npf = batch.num_prefills
