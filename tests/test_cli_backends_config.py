@@ -6,10 +6,10 @@ import json
 import os
 import sys
 import types
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from plugin_fakes import FakeEntryPoint
 
 import mm3.cli as cli
 import mm3.registry as registry_mod
@@ -42,20 +42,8 @@ class Plugin:
         pass
 
 
-@dataclass
-class Dist:
-    name: str
-    version: str
-
-
-class EP:
-    def __init__(self, name: str, target: Any, dist: str, version: str) -> None:
-        self.name, self.value, self.dist, self._t = name, f"{dist}.plugin", Dist(dist, version), target
-
-    def load(self) -> Any:
-        if isinstance(self._t, BaseException):
-            raise self._t
-        return self._t
+def EP(name: str, target: Any, dist: str, version: str) -> FakeEntryPoint:  # noqa: N802 - reads like a class
+    return FakeEntryPoint(name, target, dist, version, value=f"{dist}.plugin")
 
 
 @pytest.fixture(autouse=True)

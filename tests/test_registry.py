@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import pytest
 import torch
+from plugin_fakes import FakeEntryPoint
 
 import mm3.registry as registry_mod
 from mm3 import BackendCapabilities, Probe, hookimpl
@@ -146,31 +146,6 @@ class DeclaresMissingOp:
     @hookimpl
     def attention_forward(self, q, caches, topk, batch, params, out):
         pass
-
-
-@dataclass
-class FakeDist:
-    name: str
-    version: str
-
-
-class FakeEntryPoint:
-    """Quacks like importlib.metadata.EntryPoint (name, value, dist, load)."""
-
-    def __init__(self, name: str, target: Any, dist: str = "mm3", version: str = "0.1.0",
-                 counter: Optional[list] = None) -> None:
-        self.name = name
-        self.value = f"fake_pkg.{name}"
-        self.dist = FakeDist(dist, version)
-        self._target = target
-        self._counter = counter
-
-    def load(self) -> Any:
-        if self._counter is not None:
-            self._counter.append(self.name)
-        if isinstance(self._target, BaseException):
-            raise self._target
-        return self._target
 
 
 def fake_eps(monkeypatch: pytest.MonkeyPatch, eps: list, calls: Optional[list] = None) -> None:

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 import pytest
+from plugin_fakes import FakeEntryPoint
 import torch
 
 from mm3 import BackendCapabilities, Probe, SparseAttentionParams, hookimpl
@@ -168,16 +169,9 @@ def test_duplicate_named_backend_raises_plugin_error(req, monkeypatch):
     import mm3.registry as registry_mod
     from mm3.config import Settings
 
-    class EP:
-        def __init__(self, name, plugin, dist):
-            self.name, self.value, self._p = name, f"pkg.{name}", plugin
-            self.dist = type("D", (), {"name": dist, "version": "1"})()
-
-        def load(self):
-            return self._p
-
     monkeypatch.setattr(registry_mod, "list_entry_points",
-                        lambda group="mm3.backends": [EP("x1", Fake("x"), "dist-a"), EP("x2", Fake("x"), "dist-b")])
+                        lambda group="mm3.backends": [FakeEntryPoint("x1", Fake("x"), "dist-a", "1"),
+                                                      FakeEntryPoint("x2", Fake("x"), "dist-b", "1")])
     reg = Registry(settings=Settings())
     with pytest.warns(registry_mod.PluginLoadWarning):
         reg.backends()
