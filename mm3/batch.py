@@ -103,6 +103,12 @@ class BatchMetadata:
     def max_prefill_query_len(self) -> int:
         return max(self.query_lens[self.num_decodes:], default=0)
 
+    @cached_property
+    def max_prefill_context_len(self) -> int:
+        """Longest cached context (``seq_len - query_len``) of a prefill request; 0 without prefills."""
+        n = self.num_decodes
+        return max((s - q for s, q in zip(self.seq_lens_host[n:], self.query_lens[n:])), default=0)
+
     @property
     def device(self) -> torch.device:
         return self.seq_lens.device

@@ -19,6 +19,8 @@ def test_mixed_batch_with_spec_decode_padding_and_chunked_prefill() -> None:
                             block_size=16, num_decodes=3)
     assert (b.num_decodes, b.num_prefills, b.decode_query_len) == (3, 2, 3)
     assert (b.num_tokens, b.num_decode_tokens, b.max_query_len) == (12, 6, 4)
+    # the fresh prompt (4 of 4) has no cached context, the chunk (2 of 30) has 28; decodes do not count
+    assert (b.max_prefill_query_len, b.max_prefill_context_len) == (4, 28)
     assert b.query_start_loc.tolist() == [0, 3, 6, 6, 10, 12]
     assert b.token_positions.tolist() == [37, 38, 39, -1, -1, -1, 0, 1, 2, 3, 28, 29]
     assert b.token_to_request.tolist() == [0, 0, 0, 1, 1, 1, 3, 3, 3, 3, 4, 4]

@@ -357,9 +357,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     npf = batch.num_prefills
     # per-token prefill: the persistent decode kernel takes the prefill tokens too (rows after the
     # decode tokens), one token x G heads per item; no rows are wasted on blocks a token did not pick
-    per_token_prefill = npf > 0 and cfg.use_per_token_prefill(max(
-        (s - q for s, q in zip(batch.seq_lens_host[batch.num_decodes:], batch.query_lens[batch.num_decodes:])),
-        default=0))
+    per_token_prefill = npf > 0 and cfg.use_per_token_prefill(batch.max_prefill_context_len)
     td = batch.num_tokens if per_token_prefill else batch.num_decode_tokens
     if td > 0:
         pdl = pdl_enabled(cfg, td, Hkv)

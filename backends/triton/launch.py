@@ -63,7 +63,8 @@ class LaunchConfig:
     #: so the next block's page, K and V loads can be in flight (software pipelining)
     decode_attention_branchless: bool = True
     decode_attention_stages: int = 3
-    #: splits are sized for ``target_programs * decode_attention_programs_factor`` programs
+    #: (per-item kernel) splits are sized for ``target_programs * decode_attention_programs_factor``
+    #: programs; the persistent kernel sizes its splits from its own program count
     decode_attention_programs_factor: int = 8
     #: persistent decode attention: ``decode_attention_flat_programs_per_sm`` programs per
     #: multiprocessor (``target_programs`` is two per SM) each walk a run of (token, KV head,
@@ -143,6 +144,10 @@ class LaunchConfig:
         """
         if self.merge_per_row is not None:
             return self.merge_per_row
+        return self._small_grid(num_tokens, num_kv_heads)
+
+    def _small_grid(self, num_tokens: int, num_kv_heads: int) -> bool:
+        """The (token, KV head) grid fills under a quarter of the device."""
         return 4 * num_tokens * num_kv_heads <= self.target_programs
 
     def _flat_programs(self) -> int:
@@ -160,7 +165,7 @@ class LaunchConfig:
         """
         if self.pdl is not None:
             return self.pdl
-        return 4 * num_tokens * num_kv_heads <= self.target_programs
+        return self._small_grid(num_tokens, num_kv_heads)
 
     def use_per_token_prefill(self, longest_prefill_context: int) -> bool:
         """Prefill attention through the persistent per-token kernel for this step?

@@ -12,7 +12,8 @@ import triton.language as tl
 
 from .launch import LaunchConfig
 
-__all__ = ["dot_config", "launch_options", "interpreting", "pdl_enabled", "pdl_prologue", "decode_launch_options", "TL_DTYPES"]
+__all__ = ["dot_config", "launch_options", "decode_launch_options", "interpreting", "pdl_enabled", "pdl_prologue",
+           "TL_DTYPES"]
 
 try:  # programmatic dependent launch (Hopper+): Triton >= 3.4 has these
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
