@@ -1,17 +1,21 @@
-"""Stand-ins for ``importlib.metadata`` entry points, shared by the registry, selection and CLI tests.
+"""Plugin test helpers shared by several test files.
 
-The registry discovers plugins through ``mm3.registry.list_entry_points``;
-tests replace that function with one returning these, so discovery, load
-failures and provenance (distribution name and version) can be exercised
-without installing anything.
+* :class:`FakeEntryPoint`: the registry discovers plugins through
+  ``mm3.registry.list_entry_points``; tests replace that function with one
+  returning these, so discovery, load failures and provenance (distribution
+  name and version) can be exercised without installing anything.
+* :func:`subprocess_env`: the environment for running mm3 in a subprocess
+  against plugins installed into a separate site directory.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["FakeDist", "FakeEntryPoint"]
+__all__ = ["FakeDist", "FakeEntryPoint", "subprocess_env"]
 
 
 @dataclass
@@ -41,3 +45,12 @@ class FakeEntryPoint:
         if isinstance(self._target, BaseException):
             raise self._target
         return self._target
+
+
+def subprocess_env(site: Path, **extra: str) -> dict[str, str]:
+    """This process's environment without mm3 settings or the Triton interpreter, with ``site`` on the path."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.upper().startswith("MM3_") and k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env.update(extra)
+    return env

@@ -13,7 +13,6 @@ distribution, its version and what to fix, and none may take the others down
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from plugin_fakes import subprocess_env
 
 from mm3.testing.fixtures import write_distribution
 
@@ -125,14 +125,6 @@ def _install(site: Path, broken: dict[str, Broken]) -> None:
                            files={f"{module}.py": b.source})
 
 
-def _env(site: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.upper().startswith("MM3_") and k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env.update(extra)
-    return env
-
-
 def _mm3_command() -> list[str]:
     """The installed console script when there is one (what users run), else ``python -m mm3.cli``."""
     script = Path(sys.executable).with_name("mm3")
@@ -140,7 +132,7 @@ def _mm3_command() -> list[str]:
 
 
 def _backends_text(site: Path, cwd: Path, **env: str) -> str:
-    r = subprocess.run([*_mm3_command(), "backends", "--device", "cpu"], cwd=cwd, env=_env(site, **env),
+    r = subprocess.run([*_mm3_command(), "backends", "--device", "cpu"], cwd=cwd, env=subprocess_env(site, **env),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
@@ -204,7 +196,7 @@ def all_broken(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cwd.mkdir()
     _install(site, BROKEN)
     text = _backends_text(site, cwd)
-    r = subprocess.run([sys.executable, "-c", PROGRAM], cwd=cwd, env=_env(site), capture_output=True,
+    r = subprocess.run([sys.executable, "-c", PROGRAM], cwd=cwd, env=subprocess_env(site), capture_output=True,
                        text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     return {"text": text, **json.loads(r.stdout.strip().splitlines()[-1])}

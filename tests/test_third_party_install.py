@@ -10,7 +10,6 @@ entry point of an installed distribution, never through this repository.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from plugin_fakes import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "third_party_backend"
@@ -51,18 +51,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def _env(site: Path, **extra: str) -> dict[str, str]:
-    """The parent's environment without mm3 settings or the Triton interpreter, plus ``site``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.upper().startswith("MM3_") and k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env.update(extra)
-    return env
-
-
 def _run(args: list[str], site: Path, cwd: Path, timeout: int = 240,
          **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=cwd, env=_env(site, **env), capture_output=True, text=True,
+    return subprocess.run(args, cwd=cwd, env=subprocess_env(site, **env), capture_output=True, text=True,
                           timeout=timeout)
 
 
