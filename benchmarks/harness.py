@@ -602,11 +602,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-priority", type=int, default=2, help="skip configurations above this priority")
     ap.add_argument("--only", default=None, help="regex: run only configurations whose name matches")
     ap.add_argument("--target-ms", type=float, default=40.0, help="GPU time spent per measurement")
-    ap.add_argument("--sets", type=int, default=0, help="rotated input sets (default: enough for 4x L2)")
+    ap.add_argument("--sets", type=int, default=0, help="rotated input sets (0: enough for 4x L2)")
     ap.add_argument("--dense-limit-gb", type=float, default=24.0, help="largest dense K/V copy for peers")
     ap.add_argument("--pool-gb", type=float, default=96.0, help="largest paged-cache pool")
     ap.add_argument("--sdpa", default="flash,cudnn,efficient", help="SDPA backends to run as peers")
-    ap.add_argument("--no-ceilings", action="store_true")
+    ap.add_argument("--no-ceilings", action="store_true",
+                    help="skip measuring the copy-bandwidth and matmul ceilings (rows then show no %% of ceiling)")
     ap.add_argument("--variants", default="",
                     help="launch-config variants of the cuda plugin to time beside it (names, or ALL; "
                          "see benchmarks/variants.py)")
@@ -614,7 +615,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="time variants on configurations up to this priority")
     ap.add_argument("--profile-all", action="store_true",
                     help="per-kernel profiler breakdown for every configuration (default: priority 0 only)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 
 
 def _pick_backend(name: str, device: torch.device, params: SparseAttentionParams) -> Any:

@@ -1,7 +1,7 @@
 """``mm3 check NAME``: run the conformance suite against one installed backend.
 
-It prints one line per case as the case finishes (PASS / FAIL with the
-numbers behind the verdict), the skipped cases grouped by reason (an
+It prints one line per case as the case finishes (``[n/N elapsed]``, PASS /
+FAIL with the numbers behind the verdict), the skipped cases grouped by reason (an
 attention-only backend skips every indexer case, which is not a failure),
 and a summary.
 
@@ -125,12 +125,18 @@ def check_backend(name: str, *, device: str = "cpu", full: bool = False,
         print(f"mm3 conformance: backend {be.name!r} on {dev} ({be.source.dist_label}), "
               f"{len(plan)} cases{' (full)' if full else ''}", file=out, flush=True)
     t0 = time.perf_counter()
-    for case in plan:
+    width = len(str(len(plan)))
+    for n, case in enumerate(plan, 1):
         result = case.run()
         report.results.append(result)
-        if as_json or (result.skipped and not show_skipped):
+        # [n/N] and the time since the start: a slow backend shows it is moving (on stderr with --json)
+        progress = f"[{n:>{width}}/{len(plan)} {time.perf_counter() - t0:6.1f} s]"
+        if as_json:
+            print(f"{progress} {result.status.upper()} {result.name}", file=err, flush=True)
             continue
-        print("  " + result.describe(), file=out, flush=True)
+        if result.skipped and not show_skipped:
+            continue
+        print(f"  {progress} {result.describe()}", file=out, flush=True)
         if result.failed and result.details.get("traceback"):
             print("    " + str(result.details["traceback"]).rstrip().replace("\n", "\n    "), file=out)
     elapsed = time.perf_counter() - t0

@@ -26,6 +26,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ from typing import Any, Optional, Sequence
 
 from mm3.errors import MM3Error
 
-__all__ = ["Command", "COMMANDS", "add_command", "main", "build_parser", "default_device"]
+__all__ = ["Command", "COMMANDS", "add_command", "main", "build_parser", "default_device",
+           "check_configured_backends"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,30 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "
         cells = [str(c).ljust(w) for c, w in zip(r, widths)]
         out.append((indent + "  ".join(cells)).rstrip())
     return out
+
+
+def check_configured_backends(settings: Any = None, registry: Any = None) -> None:
+    """Raise :class:`~mm3.errors.UnknownBackendError` if a configured backend name is not installed.
+
+    ``backend`` (unless ``"auto"``) and ``indexer_backend`` are looked up in the
+    registry; the message says where the name came from (argument, ``MM3_*``
+    variable or config file) and carries the registry's did-you-mean hint.
+    """
+    from mm3.config import Settings, explain_settings
+    from mm3.errors import UnknownBackendError
+    from mm3.registry import default_registry
+
+    settings = settings if settings is not None else Settings()
+    registry = registry if registry is not None else default_registry()
+    sources = {key: source for key, _, source in explain_settings(settings)}
+    for key in ("backend", "indexer_backend"):
+        name = getattr(settings, key)
+        if name is None or name == "auto":
+            continue
+        try:
+            registry.get(name)
+        except UnknownBackendError as e:
+            raise UnknownBackendError(f"{key} = {name!r} (from {sources[key]}): {e}") from None
 
 
 # -- mm3 backends --------------------------------------------------------------------------------
@@ -164,6 +190,7 @@ class BackendsCommand:
                 } for p in problems],
             }
             print(json.dumps(data, indent=2))
+            check_configured_backends(registry=reg)
             return 0
 
         print(f"mm3 backends (probed on {device})")
@@ -194,6 +221,7 @@ class BackendsCommand:
                     print("    " + p.details.rstrip().replace("\n", "\n    "))
         else:
             print("problems: none")
+        check_configured_backends(registry=reg)
         return 0
 
 
@@ -216,11 +244,13 @@ class ConfigCommand:
             print(json.dumps({"config_file": str(settings.config_file) if settings.config_file else None,
                               "settings": [{"key": k, "value": v, "source": s} for k, v, s in rows]},
                              indent=2, default=str))
+            check_configured_backends(settings)
             return 0
         cfg = settings.config_file
         print(f"mm3 settings (config file: {cfg if cfg else 'none found'})")
         print("\n".join(_table(["KEY", "VALUE", "SOURCE"],
                                [[k, _show(v), s] for k, v, s in rows])))
+        check_configured_backends(settings)
         return 0
 
 
@@ -240,6 +270,21 @@ class _UsageError(MM3Error):
     """A command-line mistake detected after argparse (exit 2 like argparse's own)."""
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already names its default,
+    or the default is None/False (a flag or an option that is off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default is None or default is False or default == argparse.SUPPRESS
+                or not action.option_strings):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        shown = "none" if shown == "" else shown
+        return f"{text} (default: {shown})".strip()
+
+
 def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
     """The argument parser; only ``selected``'s module is imported to add its arguments."""
     from mm3 import __version__
@@ -250,7 +295,7 @@ def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (selection choices)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd in COMMANDS.values():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, formatter_class=_DefaultsFormatter)
         if cmd.name == selected:
             cmd.load().add_arguments(p)
     return parser
@@ -297,6 +342,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `mm3 check x | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

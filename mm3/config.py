@@ -195,6 +195,9 @@ def _file_source(settings_cls: type[BaseSettings], cfg: _ConfigFile) -> Optional
         if key not in valid:
             close = difflib.get_close_matches(key.replace("-", "_"), valid, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}? " if close else ""
+            if isinstance(data[key], dict) and key in ("mm3", "tool"):
+                hint = ("settings go at the top level of mm3.toml, with no table header (in "
+                        "pyproject.toml they go under [tool.mm3]); ")
             raise ConfigError(f"unknown key {key!r} in {cfg.label}: {hint}valid keys are "
                               f"{', '.join(valid)}")
     return source

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from mm3.buffers import TORCH_DTYPES
+from mm3.cli import check_configured_backends
 from mm3.layer import SparseAttention
 from mm3.params import SparseAttentionParams
 from mm3.testing.factories import Case, make_case
@@ -32,7 +33,7 @@ from mm3.testing.oracle import check_topk, oracle_attention
 
 __all__ = ["add_arguments", "run", "StepSpec"]
 
-# Absolute error limits against the fp64 oracle (SPEC §4): (mean, max).
+# Absolute error limits against the fp64 oracle (docs/spec.md §4): (mean, max).
 TOLERANCES = {"bfloat16": (3e-4, 2e-2), "float16": (1.5e-4, 1e-2), "float32": (1e-5, 1e-5)}
 
 
@@ -68,11 +69,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--indexer-backend", default=None, help="indexer backend (default: same/auto)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     parser.add_argument("--tp", type=int, default=8, choices=(1, 2, 4, 8), help="M3 tensor-parallel size")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--index-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"))
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per step (median reported)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="dtype of q, index_q and the KV cache")
+    parser.add_argument("--index-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"),
+                        help="dtype of the index cache")
+    parser.add_argument("--repeats", type=_positive, default=3,
+                        help="timed runs of each measurement after one warm-up (median reported)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument("--no-check", action="store_true", help="skip the oracle check")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+#: a warm-up call slower than this prints how long the timed repeats will take
+SLOW_CALL_S = 2.0
 
 
 def _sync(device: torch.device) -> None:
@@ -80,9 +95,16 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+def _median_ms(what: str, fn: Callable[[], object], device: torch.device, repeats: int,
+               backend: str) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up; warns when a call is slow."""
+    t0 = time.perf_counter()
     fn()  # warm-up: compilation, allocator, caches
     _sync(device)
+    warm = time.perf_counter() - t0
+    if warm > SLOW_CALL_S:
+        print(f"  note: one {what} call on backend {backend!r} took {warm:.1f} s; the {repeats} timed "
+              f"repeat(s) take about {warm * repeats:.0f} s more (--repeats 1 to shorten)", flush=True)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -99,6 +121,12 @@ def _build(params: SparseAttentionParams, spec: StepSpec, args: argparse.Namespa
                      dtype=args.dtype, index_dtype=args.index_dtype, device=device, seed=seed)
 
 
+def _tokens(spec: StepSpec) -> int:
+    """Tokens of ``spec``'s step (padding slots included), known before any input is built."""
+    decode_slots = (len(spec.decodes) + spec.padding_decodes) * spec.decode_query_len
+    return decode_slots + sum(q for q, _ in spec.prefills)
+
+
 def _layer(params: SparseAttentionParams, args: argparse.Namespace, device: torch.device,
            max_tokens: int) -> SparseAttention:
     return SparseAttention(params, device=device, dtype=TORCH_DTYPES[args.dtype],
@@ -112,12 +140,15 @@ def _time_step(layer: SparseAttention, case: Case, device: torch.device, repeats
     p = case.params
     topk = layer.topk_buffer.rows(0, case.batch.num_tokens)
     out = torch.empty_like(case.q)
-    t_idx = _median_ms(lambda: sel.indexer.index_topk(case.index_q, case.caches, case.batch, p, topk),
-                       device, repeats)
+    print(f"  timing the indexer, the attention and the whole step: 1 warm-up + {repeats} run(s) each ...",
+          flush=True)
+    t_idx = _median_ms("indexer", lambda: sel.indexer.index_topk(case.index_q, case.caches, case.batch, p,
+                                                                 topk), device, repeats, sel.indexer.name)
     att_topk = layer.topk_for_attention(topk)
-    t_att = _median_ms(lambda: sel.attention.attention_forward(case.q, case.caches, att_topk, case.batch,
-                                                               p, out), device, repeats)
-    t_all = _median_ms(lambda: layer(case.q, case.index_q, case.caches, case.batch), device, repeats)
+    t_att = _median_ms("attention", lambda: sel.attention.attention_forward(
+        case.q, case.caches, att_topk, case.batch, p, out), device, repeats, sel.attention.name)
+    t_all = _median_ms("step", lambda: layer(case.q, case.index_q, case.caches, case.batch), device, repeats,
+                       sel.attention.name)
     return {"indexer_ms": t_idx, "attention_ms": t_att, "step_ms": t_all}
 
 
@@ -152,26 +183,30 @@ def run(args: argparse.Namespace) -> int:
           f"(heads {params.num_heads}/{params.num_kv_heads}/{params.num_index_heads}, D={params.head_dim}, "
           f"block {params.block_size}, top-{params.topk}) on {device}, {args.dtype}, "
           f"index cache {args.index_dtype}")
-    cases = []
-    for i, spec in enumerate(STEPS):
-        print(f"[build {i + 1}/{len(STEPS)}] {spec.title} ...", flush=True)
-        cases.append(_build(params, spec, args, device, args.seed + i))
-    layer = _layer(params, args, device, max(c.batch.num_tokens for c in cases))
+    # Select first: a misconfigured backend fails here, before any input is built.
+    if args.backend is None and args.indexer_backend is None:
+        check_configured_backends()      # names the MM3_* variable or file a bad name came from
+    layer = _layer(params, args, device, max(_tokens(spec) for spec in STEPS))
     print("\nbackend selection:")
     print("  " + layer.explain().replace("\n", "\n  "))
     all_ok = True
-    for i, (spec, case) in enumerate(zip(STEPS, cases)):
-        b = case.batch
+    for i, spec in enumerate(STEPS):
         print(f"\n[step {i + 1}/{len(STEPS)}] {spec.title}")
-        print(f"  {b.num_requests} requests, {b.num_tokens} tokens ({b.num_decode_tokens} decode), "
-              f"longest context {b.max_seq_len}")
+        t0 = time.perf_counter()
+        case = _build(params, spec, args, device, args.seed + i)
+        b = case.batch
+        print(f"  built {b.num_requests} requests, {b.num_tokens} tokens ({b.num_decode_tokens} decode), "
+              f"longest context {b.max_seq_len} in {time.perf_counter() - t0:.1f} s", flush=True)
         t = _time_step(layer, case, device, args.repeats)
         print(f"  indexer {t['indexer_ms']:8.2f} ms | attention {t['attention_ms']:8.2f} ms | "
               f"step {t['step_ms']:8.2f} ms  ({b.num_tokens / t['step_ms'] * 1e3:,.0f} tokens/s, "
               f"median of {args.repeats})")
         if not args.no_check:
+            print("  checking against the fp64 oracle on a reduced copy ...", flush=True)
+            t0 = time.perf_counter()
             ok, detail = _check(params, spec, args, device)
             all_ok &= ok
-            print(f"  oracle check (reduced copy): {'PASS' if ok else 'FAIL'} - {detail}")
+            print(f"  oracle check (reduced copy, {time.perf_counter() - t0:.1f} s): "
+                  f"{'PASS' if ok else 'FAIL'} - {detail}")
     print("\nall checks passed" if all_ok else "\nSOME CHECKS FAILED", file=sys.stdout if all_ok else sys.stderr)
     return 0 if all_ok else 1

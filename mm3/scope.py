@@ -20,6 +20,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from mm3.registry import Registry, default_registry
+
 __all__ = ["BackendScope", "use_backend", "current_scope"]
 
 
@@ -40,12 +42,20 @@ def current_scope() -> Optional[BackendScope]:
 
 
 @contextmanager
-def use_backend(backend: str, indexer_backend: Optional[str] = None) -> Iterator[BackendScope]:
+def use_backend(backend: str, indexer_backend: Optional[str] = None, *,
+                registry: Optional[Registry] = None) -> Iterator[BackendScope]:
     """Select ``backend`` (and optionally a different indexer) for the enclosed code.
 
-    The names are checked when a layer selects, so an unknown name raises
-    :class:`~mm3.errors.UnknownBackendError` there, listing the known ones.
+    The names are checked against ``registry`` (default: the process-wide one)
+    when the block opens: an unknown name raises
+    :class:`~mm3.errors.UnknownBackendError` there, listing the known ones and
+    the closest match, not later at a layer's first step. Whether the backend
+    can serve a given layer is still decided (and explained) by that layer.
     """
+    reg = registry if registry is not None else default_registry()
+    for name in (backend, indexer_backend):
+        if name is not None and name != "auto":
+            reg.get(name)
     token = _SCOPE.set(BackendScope(backend, indexer_backend))
     try:
         yield _SCOPE.get()  # type: ignore[misc]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,14 @@ import mm3.cli as cli
 from mm3.check import EXIT_FAILED, EXIT_PASSED, EXIT_UNUSABLE
 
 FAST = ["--device", "cpu", "--dtype", "float32", "--index-dtype", "bfloat16"]
+
+
+PROGRESS = re.compile(r"^  \[ *(\d+)/(\d+) +\d+\.\d s\] (PASS|FAIL|SKIP) ")
+
+
+def verdicts(out: str, verdict: str) -> list[str]:
+    """Per-case lines with ``verdict``; each must carry its ``[n/N elapsed]`` progress prefix."""
+    return [ln for ln in out.splitlines() if (m := PROGRESS.match(ln)) and m.group(3) == verdict]
 
 
 def check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -34,7 +43,9 @@ def test_passing_backend_prints_each_case_and_exits_0(mm3_registry, mock_backend
     assert rc == EXIT_PASSED, out + err
     lines = out.splitlines()
     assert lines[0].startswith("mm3 conformance: backend 'good' on cpu (explicit)")
-    passed = [ln for ln in lines if ln.strip().startswith("PASS ")]
+    passed = verdicts(out, "PASS")
+    numbers = [int(PROGRESS.match(ln).group(1)) for ln in passed]
+    assert numbers == sorted(numbers) and int(PROGRESS.match(passed[-1]).group(2)) >= len(passed)
     assert any("attention/mixed_h2_g2:float32" in ln and "max_err=" in ln for ln in passed), out
     assert any("buffer/attention_reads_other_layout_h2:float32" in ln for ln in passed), out
     # An attention-only backend skips the indexer cases: grouped, with the reason, not failed.
@@ -47,7 +58,7 @@ def test_failures_are_listed_and_exit_1(mm3_registry, mock_backend, capsys) -> N
     mm3_registry(mock_backend("nanny", ops={"attention"}, fault="nan_output"), installed=["cpu_ref"])
     rc, out, err = check(capsys, "nanny", *FAST)
     assert rc == EXIT_FAILED, out + err
-    failed = [ln for ln in out.splitlines() if ln.strip().startswith("FAIL ")]
+    failed = verdicts(out, "FAIL")
     assert failed and all("attention" in ln or "buffer" in ln for ln in failed), out
     assert "FAILED:" in out and f"{len(failed)} failed" in out
     assert any(ln.strip().startswith("failed: attention/") for ln in out.splitlines())
@@ -99,7 +110,7 @@ def test_nothing_runnable_exits_2(mm3_registry, mock_backend, capsys) -> None:
 def test_show_skipped_lists_each_case(mm3_registry, mock_backend, capsys) -> None:
     mm3_registry(mock_backend("halfonly", ops={"attention"}, dtypes={"float16"}), installed=["cpu_ref"])
     _, out, _ = check(capsys, "halfonly", *FAST, "--show-skipped")
-    skips = [ln for ln in out.splitlines() if ln.strip().startswith("SKIP ")]
+    skips = verdicts(out, "SKIP")
     assert skips and any("indexer/mixed_h2:bfloat16" in ln for ln in skips)
 
 

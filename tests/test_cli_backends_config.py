@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -218,3 +219,82 @@ def test_no_command_and_bad_usage(capsys):
 def test_bad_device_is_a_clean_error(capsys):
     assert cli.main(["backends", "--device", "not_a_device"]) == 2
     assert capsys.readouterr().err.startswith("mm3: error: invalid --device")
+
+
+# -- configured backend names are checked (a typo is an error, not "auto picks ...") ---------------------
+
+@pytest.mark.parametrize("argv", [["backends", "--device", "cpu"], ["backends", "--json"], ["config"],
+                                  ["config", "--json"]])
+@pytest.mark.parametrize("var", ["MM3_BACKEND", "MM3_INDEXER_BACKEND"])
+def test_unknown_configured_backend_exits_2_with_did_you_mean(capsys, monkeypatch, argv, var):
+    monkeypatch.setenv(var, "fsat")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mm3: error: ") and len(err.splitlines()) == 1
+    assert "'fsat'" in err and f"env {var}" in err and "did you mean 'fast'" in err
+
+
+def test_unknown_backend_in_config_file_names_the_file(capsys, env):
+    (env / "mm3.toml").write_text('backend = "nosuch"\n')
+    assert cli.main(["config"]) == 2
+    err = capsys.readouterr().err
+    assert "'nosuch'" in err and str(env / "mm3.toml") in err and "known backends: fast, gone, ref" in err
+
+
+def test_known_configured_backend_passes(capsys, monkeypatch):
+    monkeypatch.setenv("MM3_BACKEND", "gone")          # installed; availability is not a name error
+    assert cli.main(["config"]) == 0
+    assert cli.main(["backends", "--device", "cpu"]) == 0
+
+
+def test_demo_checks_the_configuration_before_building_inputs(capsys, monkeypatch):
+    import mm3.demo as demo
+
+    monkeypatch.setattr(demo, "_build", lambda *a, **k: pytest.fail("inputs built before the check"))
+    monkeypatch.setenv("MM3_BACKEND", "nosuch")
+    assert cli.main(["demo", "--device", "cpu"]) == 2
+    assert "unknown backend 'nosuch'" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore::mm3.registry.PluginLoadWarning")
+def test_use_backend_rejects_an_unknown_name_when_the_block_opens():
+    from mm3 import use_backend
+    from mm3.errors import UnknownBackendError
+
+    with pytest.raises(UnknownBackendError, match="did you mean 'fast'"):
+        with use_backend("fsat"):
+            pytest.fail("the block must not run")
+    with pytest.raises(UnknownBackendError, match="'nope'"):
+        with use_backend("auto", indexer_backend="nope"):
+            pass
+    with use_backend("auto", indexer_backend="ref") as scope:
+        assert scope.indexer_backend == "ref"
+
+
+def test_mm3_table_in_mm3_toml_gets_a_hint(capsys, env):
+    (env / "mm3.toml").write_text('[mm3]\nbackend = "ref"\n')
+    assert cli.main(["config"]) == 2
+    assert "settings go at the top level of mm3.toml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["backends", "config", "demo", "check", "bench"])
+def test_every_option_has_help_and_shows_its_default(command):
+    parser = cli.build_parser(command)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    formatter = sub._get_formatter()
+    for action in sub._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"mm3 {command} {action.option_strings[0]} has no help text"
+        shown = formatter._get_help_string(action)
+        if action.default is not None and action.default is not False:
+            assert "default" in shown, f"mm3 {command} {action.option_strings[0]}: {shown!r}"
+
+
+def test_help_prints_no_warning():
+    """A fresh install prints nothing on stderr for --help (once: torch's NumPy warning)."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "mm3.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "backends" in r.stdout
+    assert r.stderr == "", r.stderr

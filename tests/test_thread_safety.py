@@ -174,7 +174,7 @@ def test_one_layer_under_different_scopes_in_threads() -> None:
 
         def worker(i: int) -> tuple[str, str, str]:
             want = "mock_a" if i % 2 else "mock_b"
-            with use_backend(want):
+            with use_backend(want, registry=reg):
                 time.sleep(0.001)                      # let the other threads enter their scopes
                 sel = layer.selection
                 return want, sel.attention.name, layer.topk_buffer.layout

@@ -1,9 +1,11 @@
-"""The fp64 oracle: SPEC §3 and §4 computed literally, one token at a time.
+"""The fp64 oracle: docs/spec.md §3 and §4 computed literally, in float64 on the CPU.
 
-Slow on purpose and independent of every backend: it walks each token's
-visible positions through the block table, computes scores in float64 on the
-CPU and applies the selection rules exactly as SPEC.md states them. Use it on
-small shapes only.
+Independent of every backend: it gathers each request's keys through the block
+table, computes every score in float64 and applies the selection rules
+exactly as the spec states them. It is vectorized per request and head (all
+tokens of a request at once, in chunks that bound memory), not per token in
+Python, so conformance runs take seconds; it is still meant for test-sized
+shapes, not for production contexts.
 
 Example:
     >>> from mm3.testing.factories import make_case
@@ -20,6 +22,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -37,97 +40,154 @@ FORCED_INIT = 1e30
 FORCED_LOCAL = 1e29
 NAN_SCORE = -1e30
 
+#: fp64 elements of the largest intermediate (scores or logits) built at once: 32 MB
+_CHUNK_ELEMENTS = 1 << 22
+
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").to(torch.float64)
 
 
-def _host(batch: BatchMetadata) -> dict[str, list]:
-    return {
-        "pos": batch.token_positions.tolist(),
-        "req": batch.token_to_request.tolist(),
-        "bt": batch.block_table.to("cpu").tolist(),
-    }
+@dataclass(frozen=True)
+class _Request:
+    """The step's tokens of one request, and where each of its positions ``0..L-1`` lives."""
+
+    tokens: torch.Tensor   # [n] indices into the step's tokens
+    pos: torch.Tensor      # [n] absolute positions
+    pages: torch.Tensor    # [L] page of position j
+    slots: torch.Tensor    # [L] slot of position j inside its page
+
+    @property
+    def length(self) -> int:
+        return int(self.pages.shape[0])
 
 
-def _positions(bt_row: list[int], p: int, block_size: int) -> tuple[list[int], list[int]]:
-    """(page, slot) of every absolute position 0..p of one request."""
-    pages = [bt_row[j // block_size] for j in range(p + 1)]
-    slots = [j % block_size for j in range(p + 1)]
-    return pages, slots
+def _requests(batch: BatchMetadata, block_size: int) -> Iterator[_Request]:
+    """Every request with at least one real token (padding tokens have position -1)."""
+    pos = batch.token_positions.to("cpu").long()
+    req = batch.token_to_request.to("cpu").long()
+    table = batch.block_table.to("cpu").long()
+    real = pos >= 0
+    for r in torch.unique(req[real]).tolist():
+        tokens = torch.nonzero(real & (req == r)).flatten()
+        p = pos[tokens]
+        j = torch.arange(int(p.max()) + 1)
+        yield _Request(tokens, p, table[r, j // block_size], j % block_size)
 
 
-def oracle_block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
-                        params: SparseAttentionParams) -> list[torch.Tensor]:
-    """Per token, the fp64 block scores S after forcing (SPEC §3.3-3.4): ``[H, nb]``.
+def _chunks(n: int, elements_per_token: int) -> Iterator[slice]:
+    step = max(1, _CHUNK_ELEMENTS // max(elements_per_token, 1))
+    for start in range(0, n, step):
+        yield slice(start, min(n, start + step))
 
-    Padding tokens get an empty ``[H, 0]`` tensor.
+
+def _padded_block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+                         params: SparseAttentionParams) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per chunk of a request's tokens: (token indices ``[n]``, forced scores ``[n, H, nb_max]``).
+
+    Blocks a token cannot see (``b >= nb``) hold ``-inf``, below every visible
+    score (visible ones are finite or ``NAN_SCORE``).
     """
     B = params.block_size
     iq = _f64(index_q)
     icache = _f64(caches.index)
-    h = _host(batch)
-    out: list[torch.Tensor] = []
-    for t, (p, r) in enumerate(zip(h["pos"], h["req"])):
-        H = params.num_index_heads
-        if p < 0:
-            out.append(torch.empty(H, 0, dtype=torch.float64))
-            continue
-        nb = p // B + 1
-        pages, slots = _positions(h["bt"][r], p, B)
-        keys = icache[torch.tensor(pages), torch.tensor(slots)]          # [p+1, Di]
-        s = (iq[t] @ keys.T) * params.index_scale                          # [H, p+1]
-        S = torch.full((H, nb), float("-inf"), dtype=torch.float64)
-        for b in range(nb):
-            S[:, b] = s[:, b * B: min((b + 1) * B, p + 1)].max(dim=1).values
-        S = torch.where(torch.isnan(S), torch.full_like(S, NAN_SCORE), S)
-        S[:, : min(params.init_blocks, nb)] = FORCED_INIT
-        S[:, max(nb - params.local_blocks, 0):] = FORCED_LOCAL
-        out.append(S)
+    H = params.num_index_heads
+    for rq in _requests(batch, B):
+        keys = icache[rq.pages, rq.slots]                                       # [L, Di]
+        L = rq.length
+        nb_max = (L - 1) // B + 1
+        j = torch.arange(L)
+        b = torch.arange(nb_max)
+        for sl in _chunks(len(rq.tokens), H * nb_max * B):
+            t, p = rq.tokens[sl], rq.pos[sl]
+            s = torch.matmul(iq[t], keys.T) * params.index_scale                # [n, H, L]
+            s = s.masked_fill((j[None, :] > p[:, None])[:, None, :], float("-inf"))
+            s = torch.nn.functional.pad(s, (0, nb_max * B - L), value=float("-inf"))
+            S = s.view(len(t), H, nb_max, B).amax(dim=-1)                        # NaN propagates
+            S = torch.where(torch.isnan(S), torch.full_like(S, NAN_SCORE), S)
+            nb = (p // B + 1)[:, None, None]                                     # [n, 1, 1]
+            S = torch.where(b < min(params.init_blocks, nb_max), torch.full_like(S, FORCED_INIT), S)
+            S = torch.where(b >= nb - params.local_blocks, torch.full_like(S, FORCED_LOCAL), S)
+            S = S.masked_fill(b >= nb, float("-inf"))
+            yield t, S
+
+
+def oracle_block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+                        params: SparseAttentionParams) -> list[torch.Tensor]:
+    """Per token, the fp64 block scores S after forcing (docs/spec.md §3.3-3.4): ``[H, nb]``.
+
+    Padding tokens get an empty ``[H, 0]`` tensor.
+    """
+    H = params.num_index_heads
+    out = [torch.empty(H, 0, dtype=torch.float64) for _ in range(batch.num_tokens)]
+    for t, S in _padded_block_scores(index_q, caches, batch, params):
+        visible = torch.isfinite(S[:, 0]).sum(dim=-1).tolist()                 # nb per token
+        for i, (tok, nb) in enumerate(zip(t.tolist(), visible)):
+            out[tok] = S[i, :, :nb].clone()
     return out
 
 
 def oracle_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
                 params: SparseAttentionParams) -> TopkBuffer:
-    """The oracle's selection as a head-major CPU buffer (ties -> lower block id)."""
-    scores = oracle_block_scores(index_q, caches, batch, params)
+    """The oracle's selection as a head-major CPU buffer; equal scores go to the lower block id."""
     H, K = params.num_index_heads, params.topk
-    buf = TopkBuffer.allocate(len(scores), H, K, "head_major", "cpu")
+    buf = TopkBuffer.allocate(batch.num_tokens, H, K, "head_major", "cpu")
     view = buf.head_major()
-    for t, S in enumerate(scores):
-        nb = S.shape[1]
-        k = min(K, nb)
-        for hh in range(H):
-            order = sorted(range(nb), key=lambda b: (-float(S[hh, b]), b))[:k]
-            view[hh, t, :k] = torch.tensor(order, dtype=torch.int32)
+    view.fill_(-1)
+    for t, S in _padded_block_scores(index_q, caches, batch, params):
+        # a stable descending sort keeps equal scores in ascending block order
+        order = torch.sort(S, dim=-1, descending=True, stable=True).indices[..., :K]   # [n, H, k']
+        visible = torch.isfinite(torch.gather(S, -1, order))                          # drops -inf
+        ids = torch.where(visible, order, torch.full_like(order, -1)).to(torch.int32)
+        view[:, t, : ids.shape[-1]] = ids.permute(1, 0, 2)
     return buf
+
+
+def _attend(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, allowed: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Softmax attention of ``qg [n, G, D]`` over the ``allowed [n, L]`` keys of ``[L, D]``.
+
+    Rows with no allowed key give zeros. Values outside a row's allowed keys
+    never touch it (a NaN there must not leak through a zero weight).
+    """
+    logits = scale * torch.matmul(qg, keys.T)                                   # [n, G, L]
+    logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+    w = torch.softmax(logits, dim=-1)
+    w = torch.where(allowed.any(dim=-1)[:, None, None], w, torch.zeros_like(w))
+    finite = torch.isfinite(vals).all(dim=-1)                                   # [L]
+    out = torch.matmul(w, torch.where(finite[:, None], vals, torch.zeros_like(vals)))
+    # rows that do read a non-finite value get it, as the literal sum would
+    tainted = (allowed & ~finite[None, :]).any(dim=-1)
+    for i in torch.nonzero(tainted).flatten().tolist():
+        out[i] = w[i] @ vals
+    return out
 
 
 def oracle_attention(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
                      batch: BatchMetadata, params: SparseAttentionParams) -> torch.Tensor:
-    """SPEC §4 in float64 on the CPU; returns ``[T, Hq, D]`` float64."""
+    """docs/spec.md §4 in float64 on the CPU; returns ``[T, Hq, D]`` float64."""
     B, G = params.block_size, params.gqa_group
     qf = _f64(q)
     kc, vc = _f64(caches.k), _f64(caches.v)
-    sel = topk.head_major().to("cpu").tolist()
-    h = _host(batch)
+    sel = topk.head_major().to("cpu").long()                                    # [Hkv, T, K]
     T, Hq, D = q.shape
     out = torch.zeros(T, Hq, D, dtype=torch.float64)
-    for t, (p, r) in enumerate(zip(h["pos"], h["req"])):
-        if p < 0:
-            continue
-        for kvh in range(params.num_kv_heads):
-            blocks = sorted({b for b in sel[kvh][t] if b >= 0})
-            js = [j for b in blocks for j in range(b * B, min((b + 1) * B, p + 1))]
-            if not js:
-                continue
-            pages = torch.tensor([h["bt"][r][j // B] for j in js])
-            slots = torch.tensor([j % B for j in js])
-            keys, vals = kc[pages, slots, kvh], vc[pages, slots, kvh]        # [n, D]
-            for g in range(kvh * G, (kvh + 1) * G):
-                logits = params.softmax_scale * (keys @ qf[t, g])
-                w = torch.softmax(logits, dim=0)
-                out[t, g] = w @ vals
+    for rq in _requests(batch, B):
+        L = rq.length
+        nb_max = (L - 1) // B + 1
+        j = torch.arange(L)
+        keys_all, vals_all = kc[rq.pages, rq.slots], vc[rq.pages, rq.slots]    # [L, Hkv, D]
+        for h in range(params.num_kv_heads):
+            heads = slice(h * G, (h + 1) * G)
+            for sl in _chunks(len(rq.tokens), G * L):
+                t, p = rq.tokens[sl], rq.pos[sl]
+                ids = sel[h, t]                                                   # [n, K]
+                # ids outside [0, nb_max) select nothing (as an empty key range would)
+                chosen = torch.zeros(len(t), nb_max + 1, dtype=torch.bool)
+                chosen.scatter_(1, torch.where((ids >= 0) & (ids < nb_max), ids, nb_max), True)
+                allowed = chosen[:, j // B] & (j[None, :] <= p[:, None])          # [n, L]
+                out[t, heads] = _attend(qf[t, heads], keys_all[:, h], vals_all[:, h], allowed,
+                                        params.softmax_scale)
     return out
 
 
@@ -156,13 +216,13 @@ def check_topk(result: TopkBuffer, index_q: torch.Tensor, caches: PagedKVCache,
     """
     if scores is None:
         scores = oracle_block_scores(index_q, caches, batch, params)
-    view = result.head_major().to("cpu")
+    view = result.head_major().to("cpu").tolist()
     errors: list[TopkRowError] = []
     K = params.topk
-    for t, S in enumerate(scores):
-        nb = S.shape[1]
-        for hh in range(params.num_index_heads):
-            row = [int(x) for x in view[hh, t].tolist()]
+    for t, S_t in enumerate(scores):
+        nb = S_t.shape[1]
+        for hh, S in enumerate(S_t.tolist()):
+            row = [int(x) for x in view[hh][t]]
 
             def bad(rule: str) -> None:
                 errors.append(TopkRowError(hh, t, rule, row))
@@ -176,24 +236,25 @@ def check_topk(result: TopkBuffer, index_q: torch.Tensor, caches: PagedKVCache,
             if any(x == -1 for x in valid) or any(x != -1 for x in tail):
                 bad(f"expected exactly {k} ids as a prefix, then -1")
                 continue
-            if len(set(valid)) != k:
+            chosen = set(valid)
+            if len(chosen) != k:
                 bad("duplicate block ids")
                 continue
             if any(not (0 <= x < nb) for x in valid):
                 bad(f"block id outside [0, {nb})")
                 continue
-            forced = [b for b in range(nb) if S[hh, b] >= FORCED_LOCAL]
-            if any(b not in valid for b in forced):
+            forced = [b for b in range(nb) if S[b] >= FORCED_LOCAL]
+            if any(b not in chosen for b in forced):
                 bad(f"forced blocks {forced} not all selected")
                 continue
-            unselected = [b for b in range(nb) if b not in valid]
+            unselected = [S[b] for b in range(nb) if b not in chosen]
             if not unselected:
                 continue
-            free = [float(S[hh, b]) for b in range(nb) if S[hh, b] < FORCED_LOCAL and S[hh, b] > NAN_SCORE]
+            free = [x for x in S if NAN_SCORE < x < FORCED_LOCAL]
             scale = max((abs(x) for x in free), default=1.0) or 1.0
             tol = rel_tol * scale
-            lo = min(float(S[hh, b]) for b in valid)
-            hi = max(float(S[hh, b]) for b in unselected)
+            lo = min(S[b] for b in valid)
+            hi = max(unselected)
             if lo < hi - tol:
                 bad(f"not a top-k choice: selected score {lo:.6g} < unselected {hi:.6g} - tol {tol:.3g}")
     return errors
