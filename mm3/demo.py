@@ -32,7 +32,7 @@ from mm3.testing.oracle import check_topk, oracle_attention
 
 __all__ = ["add_arguments", "run", "StepSpec"]
 
-# Absolute error limits against the fp64 oracle (SPEC §4): (mean, max).
+# Absolute error limits against the fp64 oracle (docs/spec.md §4): (mean, max).
 TOLERANCES = {"bfloat16": (3e-4, 2e-2), "float16": (1.5e-4, 1e-2), "float32": (1e-5, 1e-5)}
 
 

@@ -1,4 +1,4 @@
-"""Broken and excluded plugins, end to end through real entry points (DESIGN §5).
+"""Broken and excluded plugins, end to end through real entry points (docs/plugins.md).
 
 Each scenario is a throwaway distribution: a ``*.dist-info`` folder (METADATA
 + entry_points.txt) and its plugin module in a temporary directory put on

@@ -1,4 +1,4 @@
-"""Reference indexer (SPEC §3): per token and index head, the top-k blocks of its context.
+"""Reference indexer (docs/spec.md §3): per token and index head, the top-k blocks of its context.
 
 Vectorized over tokens: one batched matmul scores a chunk of query tokens
 against every visible index key of their request(s), a reshape + ``amax``
@@ -160,7 +160,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     ``out`` may be in either layout and any strides (it is written through its
     ``head_major()`` view); rows at and past ``T`` are never touched.
     Scores accumulate in fp32; ``params.index_scale`` is positive and does not
-    change the ranking (SPEC §3.2), so it is not applied. ``max_elements``
+    change the ranking (docs/spec.md §3.2), so it is not applied. ``max_elements``
     bounds the largest intermediate tensor (see :data:`DEFAULT_MAX_ELEMENTS`).
     """
     H, Di, K = params.num_index_heads, params.index_head_dim, params.topk

@@ -1,8 +1,8 @@
-"""The fp64 oracle: SPEC §3 and §4 computed literally, one token at a time.
+"""The fp64 oracle: docs/spec.md §3 and §4 computed literally, one token at a time.
 
 Slow on purpose and independent of every backend: it walks each token's
 visible positions through the block table, computes scores in float64 on the
-CPU and applies the selection rules exactly as SPEC.md states them. Use it on
+CPU and applies the selection rules exactly as docs/spec.md states them. Use it on
 small shapes only.
 
 Example:
@@ -59,7 +59,7 @@ def _positions(bt_row: list[int], p: int, block_size: int) -> tuple[list[int], l
 
 def oracle_block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
                         params: SparseAttentionParams) -> list[torch.Tensor]:
-    """Per token, the fp64 block scores S after forcing (SPEC §3.3-3.4): ``[H, nb]``.
+    """Per token, the fp64 block scores S after forcing (docs/spec.md §3.3-3.4): ``[H, nb]``.
 
     Padding tokens get an empty ``[H, 0]`` tensor.
     """
@@ -105,7 +105,7 @@ def oracle_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadat
 
 def oracle_attention(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
                      batch: BatchMetadata, params: SparseAttentionParams) -> torch.Tensor:
-    """SPEC §4 in float64 on the CPU; returns ``[T, Hq, D]`` float64."""
+    """docs/spec.md §4 in float64 on the CPU; returns ``[T, Hq, D]`` float64."""
     B, G = params.block_size, params.gqa_group
     qf = _f64(q)
     kc, vc = _f64(caches.k), _f64(caches.v)
@@ -147,7 +147,7 @@ class TopkRowError:
 def check_topk(result: TopkBuffer, index_q: torch.Tensor, caches: PagedKVCache,
                batch: BatchMetadata, params: SparseAttentionParams,
                rel_tol: float = 1e-3, scores: list[torch.Tensor] | None = None) -> list[TopkRowError]:
-    """Every row of ``result`` that breaks SPEC §3 (format rules and tie-tolerant optimality).
+    """Every row of ``result`` that breaks docs/spec.md §3 (format rules and tie-tolerant optimality).
 
     A row passes when it is a prefix of exactly ``min(K, nb)`` unique in-range
     ids followed by ``-1``, contains every forced block, and

@@ -10,18 +10,18 @@ entries), runs the backend on it and compares with the fp64 oracle:
   forced blocks, tie-tolerant optimality) and that the spare rows are intact;
 * **attention** cases give every backend the *same* selection (the oracle's,
   or the reference indexer's) and a NaN-poisoned output with spare rows, then
-  compare with :func:`~mm3.testing.oracle.oracle_attention` under SPEC §4's
+  compare with :func:`~mm3.testing.oracle.oracle_attention` under docs/spec.md §4's
   tolerances, require exact zeros on padding tokens and untouched spare rows;
 * **composed** cases run the backend's indexer then its attention on the same
   buffer, and check both;
-* **buffer** cases are SPEC §5's regressions: sentinel rows past the step,
+* **buffer** cases are docs/spec.md §5's regressions: sentinel rows past the step,
   the allocated layout, and writers/readers in different layouts.
 
 Shapes are tiny (block 16, top-4 for the indexer, head dims 32/64) so an
 interpreted GPU backend runs the quick suite in minutes. Attention and
 composed cases use top-16 (M3's value) and contexts of 300-600 tokens, so most
 tokens attend to 256 keys, as most tokens of a real step attend to many keys.
-This matters for SPEC §4's *absolute* tolerances: with N(0, 1) inputs an
+This matters for docs/spec.md §4's *absolute* tolerances: with N(0, 1) inputs an
 output's magnitude falls like 1/sqrt(keys), and so does the error of merely
 rounding a perfect result to bf16. With top-4 of 16-token blocks that
 rounding floor alone is about 3e-4, the whole bf16 mean budget; here it is
@@ -57,7 +57,7 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "float16": (1.5e-4, 1e-2),
     "float32": (1e-5, 1e-5),
 }
-"""SPEC §4: ``(mean, max)`` absolute error against the fp64 oracle, per attention dtype."""
+"""docs/spec.md §4: ``(mean, max)`` absolute error against the fp64 oracle, per attention dtype."""
 
 SENTINEL = 123456789
 """Fills top-k rows a backend must not write (an int32 no block id can equal)."""
@@ -278,7 +278,7 @@ def _check_selection(case: Case, sel: TopkBuffer, details: dict[str, Any]) -> No
     details["topk_rows"] = case.params.num_index_heads * case.batch.num_tokens
     details["bad_rows"] = len(errors)
     if errors:
-        raise CaseFailure(f"{len(errors)} of {details['topk_rows']} top-k rows break SPEC §3; first: "
+        raise CaseFailure(f"{len(errors)} of {details['topk_rows']} top-k rows break docs/spec.md §3; first: "
                           f"{errors[0]}", details)
 
 
@@ -485,7 +485,7 @@ BUFFER_CASES: dict[str, tuple[str, Step, dict[str, Any]]] = {
     "attention_reads_other_layout_h2": ("attention", ATTENTION_STEPS["mixed_h2_g2"], {"delivery": "other"}),
     "attention_reads_offset_rows_h2": ("attention", ATTENTION_STEPS["spec_decode_q4"], {"delivery": "offset"}),
 }
-"""SPEC §5 regressions: sentinel rows (capacity about 2T), layouts of writer and reader."""
+"""docs/spec.md §5 regressions: sentinel rows (capacity about 2T), layouts of writer and reader."""
 
 BODIES: dict[str, Body] = {
     "indexer": indexer_body,
