@@ -2,7 +2,8 @@
 
 Vectorized over tokens: one batched matmul scores a chunk of query tokens
 against every visible index key of their request(s), a reshape + ``amax``
-turns token scores into block scores, and ``torch.topk`` picks the blocks.
+turns token scores into block scores, and a stable sort picks the blocks (exact ties:
+the lowest block id).
 Work is split into *items* so the ``[tokens, heads, keys]`` score tensor stays
 under a fixed element budget:
 
@@ -143,7 +144,9 @@ def _select(iq: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
     block = torch.where(eligible, block, float("-inf"))
 
     kk = min(K, nbmax)
-    ids = torch.topk(block, kk, dim=-1, sorted=True).indices          # [G, C, H, kk]
+    # Exact ties go to the lowest block id (docs/spec.md §3.5): a stable descending sort keeps
+    # equal scores in block order, which torch.topk does not promise.
+    ids = torch.sort(block, dim=-1, descending=True, stable=True).indices[..., :kk]   # [G, C, H, kk]
     slot = torch.arange(kk, device=dev).view(1, 1, 1, kk)
     ids = torch.where(slot < torch.clamp(nb, max=K), ids, -1).to(torch.int32)
     if kk < K:

@@ -8,6 +8,8 @@ entries), runs the backend on it and compares with the fp64 oracle:
   backend's own ``alloc_topk_buffer`` with spare rows filled with a sentinel,
   then check every row with :func:`~mm3.testing.oracle.check_topk` (format,
   forced blocks, tie-tolerant optimality) and that the spare rows are intact;
+  ``exact_ties`` gives every page the same index keys, so all full blocks tie
+  exactly, and requires the oracle's selection (lowest ids first) bit for bit;
 * **attention** cases give every backend the *same* selection (the oracle's,
   or the reference indexer's) and a NaN-poisoned output with spare rows, then
   compare with :func:`~mm3.testing.oracle.oracle_attention` under docs/spec.md §4's
@@ -153,6 +155,7 @@ class Step:
     empty: int = 0
     kv_layout: str = "NHD"
     nan_tokens: tuple[int, ...] = ()
+    tied_index_keys: bool = False   # every page holds page 0's index keys: full blocks tie exactly
 
     def params(self) -> SparseAttentionParams:
         return SparseAttentionParams(num_heads=self.H * self.G, num_kv_heads=self.H, head_dim=self.D,
@@ -166,6 +169,8 @@ class Step:
                          seed=seed)
         for t in self.nan_tokens:
             case.index_q[t, 0, 1] = float("nan")
+        if self.tied_index_keys:
+            case.caches.index.copy_(case.caches.index[:1].expand_as(case.caches.index))
         return case
 
 
@@ -282,6 +287,21 @@ def _check_selection(case: Case, sel: TopkBuffer, details: dict[str, Any]) -> No
                           f"{errors[0]}", details)
 
 
+def _check_exact_selection(case: Case, sel: TopkBuffer) -> None:
+    """Every row selects the oracle's blocks (exact ties: the lowest ids), in any order."""
+    T = case.batch.num_tokens
+    got = sel.head_major()[:, :T].to("cpu").sort(dim=-1).values
+    want = oracle_topk_cached(case).head_major().sort(dim=-1).values
+    bad = (got != want).any(dim=-1).nonzero()
+    if bad.numel():
+        h, t = int(bad[0, 0]), int(bad[0, 1])
+        raise CaseFailure(
+            f"{bad.shape[0]} top-k rows break the exact-tie rule of docs/spec.md §3.5 (equal block "
+            f"scores go to the lowest block id); first: head {h}, token {t} selected "
+            f"{sorted(x for x in got[h, t].tolist() if x >= 0)}, expected "
+            f"{sorted(x for x in want[h, t].tolist() if x >= 0)}", {"tie_rows": int(bad.shape[0])})
+
+
 def _selection(ctx: CaseContext, case: Case) -> TopkBuffer:
     """The selection every backend's attention gets: the reference indexer's, else the oracle's."""
     p, T = case.params, case.batch.num_tokens
@@ -362,6 +382,8 @@ def indexer_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any]:
         case.index_q, case.caches, case.batch, case.params, sel))
     _check_spare_rows(full, 0, T, "index_topk")
     _check_selection(case, sel, details)
+    if spec.step.tied_index_keys:
+        _check_exact_selection(case, sel)
     return details
 
 
@@ -450,6 +472,7 @@ INDEXER_STEPS: dict[str, Step] = {
     "init1_local2": Step(H=2, init=1, local=2, decodes=(150, 40, 20), prefills=((25, 25), (17, 120))),
     "short_contexts": Step(H=2, K=6, decodes=(1, 17, 50), prefills=((5, 5), (10, 60))),
     "nan_index_query": Step(H=2, init=1, decodes=(120, 90), prefills=((10, 100),), nan_tokens=(1, 5)),
+    "exact_ties": Step(H=2, decodes=(150, 70, 20), prefills=((25, 25), (17, 120)), tied_index_keys=True),
     "hnd_kv_cache": replace(MIXED_H2, kv_layout="HND"),
 }
 
