@@ -23,7 +23,7 @@ A minimal attention-only plugin::
         ...  # read topk.head_major() / topk.strides(); write out[:batch.num_tokens]
 
 Register it under the entry-point group ``mm3.backends`` in your
-``pyproject.toml``; see docs/plugins.md.
+``pyproject.toml``; see docs/plugins.md. What each hook must compute and write: docs/spec.md §7.
 """
 
 from __future__ import annotations
