@@ -274,6 +274,8 @@ def test_plugin_guide_package_installs_and_passes_check(tmp_path: Path) -> None:
     written: set[Path] = set()
     for b in blocks:
         if b.file is not None:
+            # The info string is invisible on a rendered page: the block's first line names the file.
+            assert f"/{b.file}" in b.code.splitlines()[0], f"{GUIDE.name}:{b.line}: first line must name {b.file}"
             write_file_block(b, project, written)
     assert {p.relative_to(project).as_posix() for p in written} >= {"pyproject.toml", "my_attn/__init__.py",
                                                                        "my_attn/plugin.py"}
