@@ -1,4 +1,4 @@
-"""The decode-first mixed batch of one step (SPEC §2), built and validated once.
+"""The decode-first mixed batch of one step (docs/spec.md §2), built and validated once.
 
 Requests ``0 .. num_decodes-1`` are decodes, each with the same query length
 ``decode_query_len`` (1, or 1 + draft tokens), or padding rows; the rest are

@@ -1,6 +1,6 @@
 """Settings: which backend to use and which plugins to load, from arguments, env or a file.
 
-Precedence, highest first (DESIGN §4):
+Precedence, highest first (docs/configuration.md):
 
 1. arguments: ``Settings(backend="cuda")``;
 2. environment: ``MM3_BACKEND``, ``MM3_INDEXER_BACKEND``, ``MM3_PLUGINS``,

@@ -48,7 +48,7 @@ class PluginError(MM3Error, RuntimeError):
 
 
 class ContractViolation(MM3Error, RuntimeError):
-    """A backend broke the SPEC contract (layout, row range, invalid ids, bad output).
+    """A backend broke the contract of docs/spec.md (layout, row range, invalid ids, bad output).
 
     Raised by the contract guard (``check_contracts``); the message names the
     backend, the hook, the rule and the first offending row.

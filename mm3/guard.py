@@ -1,8 +1,8 @@
-"""The contract guard: check every backend call against SPEC.md, name the culprit.
+"""The contract guard: check every backend call against docs/spec.md, name the culprit.
 
 A backend that breaks the top-k contract must fail *here*, with a message
 naming it, not three kernels later with an illegal memory access or silently
-wrong tokens (which is how MiniMax-M3 failed in vLLM, SPEC §5). With
+wrong tokens (which is how MiniMax-M3 failed in vLLM, docs/spec.md §5). With
 ``Settings(check_contracts=True)`` / ``MM3_CHECK_CONTRACTS=1``,
 :class:`~mm3.layer.SparseAttention` wraps its bound backends in
 :class:`GuardedBackend`; every call is then checked and a broken rule raises
@@ -324,7 +324,7 @@ def _describe_row(codes: torch.Tensor, hm: torch.Tensor, batch: BatchMetadata,
 
 def find_topk_violation(topk: TopkBuffer, batch: BatchMetadata, params: SparseAttentionParams
                         ) -> Optional[TopkRowViolation]:
-    """The first row of ``topk`` (rows ``[0, T)``) that breaks SPEC §3's format rules, or None.
+    """The first row of ``topk`` (rows ``[0, T)``) that breaks docs/spec.md §3's format rules, or None.
 
     Checks padding rows, id range, the prefix of exactly ``min(K, nb)`` ids,
     uniqueness and forced blocks, vectorised; one host sync. It does not check
@@ -523,7 +523,7 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 class GuardedBackend:
-    """A bound backend whose every op call is checked against the SPEC contract.
+    """A bound backend whose every op call is checked against the contract (docs/spec.md).
 
     It behaves like the :class:`~mm3.registry.Backend` it wraps (``name``,
     ``capabilities``, ``probe``... are the wrapped backend's); only
@@ -678,7 +678,7 @@ class GuardedBackend:
     def _attribute_nonfinite(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
                              batch: BatchMetadata, params: SparseAttentionParams,
                              rows: torch.Tensor) -> None:
-        """Raise if some non-finite output row had only finite inputs (SPEC: garbage in, garbage out)."""
+        """Raise if some non-finite output row had only finite inputs (docs/spec.md §4: garbage in, garbage out)."""
         real = batch.token_positions >= 0
         bad = (~torch.isfinite(rows)).any(-1) & real[:, None]           # [T, Hq]
         pairs = bad.nonzero()

@@ -23,7 +23,7 @@ A minimal attention-only plugin::
         ...  # read topk.head_major() / topk.strides(); write out[:batch.num_tokens]
 
 Register it under the entry-point group ``mm3.backends`` in your
-``pyproject.toml``; see docs/plugins.md.
+``pyproject.toml``; see docs/plugins.md. What each hook must compute and write: docs/spec.md §7.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def alloc_topk_buffer(num_tokens: int, num_heads: int, topk: int,
 @hookspec(firstresult=True)
 def index_topk(index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
                params: "SparseAttentionParams", out: "TopkBuffer") -> None:
-    """The indexer (SPEC §3): write rows ``[0, batch.num_tokens)`` of ``out``.
+    """The indexer (docs/spec.md §3): write rows ``[0, batch.num_tokens)`` of ``out``.
 
     ``index_q`` is ``[T, Hidx, Di]``; ``out`` holds exactly the step's rows.
     """
@@ -86,7 +86,7 @@ def index_topk(index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMet
 def attention_forward(q: "torch.Tensor", caches: "PagedKVCache", topk: "TopkBuffer",
                       batch: "BatchMetadata", params: "SparseAttentionParams",
                       out: "torch.Tensor") -> None:
-    """Block-sparse attention (SPEC §4): write ``out[:T]`` (``[T, Hq, D]``, q's dtype)."""
+    """Block-sparse attention (docs/spec.md §4): write ``out[:T]`` (``[T, Hq, D]``, q's dtype)."""
 
 
 HOOK_NAMES = ("backend_capabilities", "backend_probe", "alloc_topk_buffer",

@@ -1,4 +1,4 @@
-"""The shape and policy parameters of one sparse-attention layer (SPEC §1).
+"""The shape and policy parameters of one sparse-attention layer (docs/spec.md §1).
 
 Example:
     >>> p = SparseAttentionParams.minimax_m3(tp_size=8)
@@ -25,7 +25,7 @@ class SparseAttentionParams(BaseModel):
     ``num_index_heads`` must equal ``num_kv_heads``: index head ``h`` selects
     blocks for KV head ``h``. ``scale`` defaults to ``head_dim ** -0.5``.
     ``index_scale`` is an optional positive factor on index scores; it never
-    changes the ranking (SPEC §3.2), so backends may ignore it.
+    changes the ranking (docs/spec.md §3.2), so backends may ignore it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

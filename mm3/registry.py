@@ -13,7 +13,7 @@ Example:
     (True, True)
     >>> be.attention_forward(q, caches, topk, batch, params, out)        # doctest: +SKIP
 
-Behaviour (DESIGN §5):
+Behaviour:
 
 * **Lazy, once, thread-safe.** Nothing is imported until the first question
   (``backends()``, ``get()``, ``problems()``, ...); the first caller loads under
@@ -359,13 +359,13 @@ class Backend:
 
     def index_topk(self, index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
                    params: "SparseAttentionParams", out: TopkBuffer) -> None:
-        """The indexer (SPEC §3). Replaced per instance by the plugin's function when provided."""
+        """The indexer (docs/spec.md §3). Replaced per instance by the plugin's function when provided."""
         raise self._missing("index_topk")
 
     def attention_forward(self, q: "torch.Tensor", caches: "PagedKVCache", topk: TopkBuffer,
                           batch: "BatchMetadata", params: "SparseAttentionParams",
                           out: "torch.Tensor") -> None:
-        """Sparse attention (SPEC §4). Replaced per instance by the plugin's function when provided."""
+        """Sparse attention (docs/spec.md §4). Replaced per instance by the plugin's function when provided."""
         raise self._missing("attention")
 
     def __repr__(self) -> str:

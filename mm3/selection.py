@@ -5,7 +5,7 @@ backends (their capabilities and probes) and the requested names. It returns a
 :class:`Selection` whose trace holds one entry per candidate per role, accepted
 or rejected with every reason, so a surprising choice can always be explained.
 
-Rules (DESIGN §4):
+Rules (docs/configuration.md):
 
 * ``backend`` governs the attention. A *named* backend that cannot serve
   raises :class:`~mm3.errors.BackendUnavailableError` with its reasons; with

@@ -6,16 +6,18 @@
   name and version) can be exercised without installing anything.
 * :func:`subprocess_env`: the environment for running mm3 in a subprocess
   against plugins installed into a separate site directory.
+* :func:`backends_row`: one backend's row of the ``mm3 backends`` table.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["FakeDist", "FakeEntryPoint", "subprocess_env"]
+__all__ = ["FakeDist", "FakeEntryPoint", "subprocess_env", "backends_row"]
 
 
 @dataclass
@@ -47,10 +49,20 @@ class FakeEntryPoint:
         return self._target
 
 
-def subprocess_env(site: Path, **extra: str) -> dict[str, str]:
-    """This process's environment without mm3 settings or the Triton interpreter, with ``site`` on the path."""
+def subprocess_env(site: Optional[Path] = None, **extra: str) -> dict[str, str]:
+    """This process's environment without mm3 settings or the Triton interpreter, with ``site`` (if any) on the path."""
     env = {k: v for k, v in os.environ.items()
            if not k.upper().startswith("MM3_") and k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.update(extra)
     return env
+
+
+def backends_row(table: str, name: str) -> Optional[list[str]]:
+    """The cells of backend ``name``'s row in ``mm3 backends``' table (split on 2+ spaces), or None."""
+    for line in table.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells and cells[0] == name and len(cells) >= 8:
+            return cells
+    return None

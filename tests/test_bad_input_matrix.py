@@ -10,7 +10,7 @@ Regenerate the docs table (after adding a row) with::
     python tests/test_bad_input_matrix.py > /tmp/rows.md
 
 The second half covers inputs that are *accepted* and must not crash:
-NaN/Inf anywhere (NaN scores rank last, SPEC §3), any strides, empty steps.
+NaN/Inf anywhere (NaN scores rank last, docs/spec.md §3), any strides, empty steps.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def test_suite_reports_backend_exceptions_as_failures() -> None:
 
 
 def test_suite_catches_inaccurate_attention() -> None:
-    """An attention 3e-3 off on every element fails SPEC §4's mean tolerance and says by how much."""
+    """An attention 3e-3 off on every element fails docs/spec.md §4's mean tolerance and says by how much."""
     import torch
 
     class Sloppy:

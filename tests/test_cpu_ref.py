@@ -2,7 +2,7 @@
 
 cpu_ref accumulates in fp32 and rounds once, so its attention is held to a
 per-element bound of one unit in the last place of the output dtype (plus a
-tiny absolute term), much tighter than SPEC §4's conformance tolerances.
+tiny absolute term), much tighter than docs/spec.md §4's conformance tolerances.
 """
 
 from __future__ import annotations

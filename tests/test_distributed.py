@@ -38,7 +38,7 @@ from mm3.testing.oracle import check_topk, oracle_attention
 M3 = SparseAttentionParams.minimax_m3(tp_size=1)
 SMALL = SparseAttentionParams(num_heads=16, num_kv_heads=4, head_dim=32, num_index_heads=4,
                               index_head_dim=32, block_size=16, topk=4)
-# SPEC §4 limits against the fp64 oracle for bf16 inputs: (mean |err|, max |err|).
+# docs/spec.md §4 limits against the fp64 oracle for bf16 inputs: (mean |err|, max |err|).
 BF16_TOL = (3e-4, 2e-2)
 
 
@@ -271,14 +271,14 @@ def test_gloo_tensor_parallel_matches_single_process_and_oracle(world_size: int,
         mean_err, max_err = _err(out, ref)
         assert max_err <= 1e-2 and mean_err <= 1e-4, f"step {i}: TP vs single process: {mean_err}, {max_err}"
 
-        # And the SPEC: a valid, optimal selection, and attention within the bf16 tolerances.
+        # And docs/spec.md: a valid, optimal selection, and attention within the bf16 tolerances.
         topk = _assemble_topk(shards, [x["topk"] for x in res], T)
         bad = check_topk(topk, case.index_q, case.caches, case.batch, SMALL)
         assert not bad, f"step {i}: {len(bad)} wrong top-k rows, first: {bad[0]}"
         exact = oracle_attention(case.q, case.caches, topk, case.batch, SMALL)
-        # SPEC's bf16 limits assume M3's 128-token blocks: outputs average hundreds of keys and are
+        # docs/spec.md §4's bf16 limits assume M3's 128-token blocks: outputs average hundreds of keys and are
         # small. Here a token sees <= 64 keys, so merely rounding the exact result to bf16 costs
-        # about 3e-4 on average; allow 1.5x that floor when it exceeds the SPEC limit.
+        # about 3e-4 on average; allow 1.5x that floor when it exceeds the spec's limit.
         floor_mean, _ = _err(exact.to(torch.bfloat16), exact)
         mean_tol = max(BF16_TOL[0], 1.5 * floor_mean)
         mean_err, max_err = _err(out, exact)

@@ -12,6 +12,9 @@ docs/testing.md, "Code blocks in these docs"):
   later blocks import modules written this way and read ``mm3.toml`` files;
 * ```` ```python file=PATH pytest ```` - written, then run with ``pytest`` in a
   subprocess (mm3's fixtures come from its pytest plugin); it must pass;
+* ```` ```bash installed ```` - shown here; :func:`test_plugin_guide_package_installs_and_passes_check`
+  pip-installs the ``file=`` blocks of docs/plugins.md as a package and runs
+  the block's ``mm3`` commands against it;
 * any other language (bash, toml, text) without ``file=`` - shown only.
 
 Each document runs with no ``MM3_*`` variables, a fresh default registry, and
@@ -20,20 +23,29 @@ its environment, ``sys.path`` and modules restored afterwards.
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import pytest
+from plugin_fakes import backends_row, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", "docs/plugins.md", "docs/configuration.md", "docs/testing.md"]
-KNOWN_FLAGS = {"no-run", "pytest"}
+KNOWN_FLAGS = {"no-run", "pytest", "installed"}
 _FENCE = re.compile(r"^(?P<indent>[ ]{0,3})(?P<fence>`{3,})(?P<info>[^`]*)$")
 
 
@@ -81,6 +93,17 @@ class SnippetError(AssertionError):
     """A documented code block failed; the message shows where and the block itself."""
 
 
+def write_file_block(b: Block, root: Path, written: set[Path]) -> Path:
+    """Write a ``file=`` block under ``root``: a new file, or appended to one ``written`` before."""
+    assert b.file is not None
+    target = root / b.file
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "a" if target in written else "w") as f:
+        f.write(b.code)
+    written.add(target)
+    return target
+
+
 def run_document(path: Path, scratch: Path, label: Optional[str] = None) -> int:
     """Run ``path``'s blocks in ``scratch`` as described in the module docstring; return how many ran."""
     label = label or str(path)
@@ -95,11 +118,7 @@ def run_document(path: Path, scratch: Path, label: Optional[str] = None) -> int:
             raise SnippetError(f"{where}: unknown code block flag(s) {sorted(unknown)}; use "
                                f"{sorted(KNOWN_FLAGS)} or file=PATH (see docs/testing.md)")
         if b.file is not None:
-            target = scratch / b.file
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "a" if target in written else "w") as f:
-                f.write(b.code)
-            written.add(target)
+            target = write_file_block(b, scratch, written)
             if "pytest" in b.flags:
                 r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                     str(target)], cwd=scratch, capture_output=True, text=True,
@@ -192,3 +211,116 @@ def test_the_runner_catches_a_broken_snippet(tmp_path: Path, monkeypatch: pytest
     doc.write_text("```python norun\nprint('typo in the flag')\n```\n")
     with pytest.raises(SnippetError, match="unknown code block flag"):
         run_document(doc, tmp_path)
+
+
+# -- docs/plugins.md, followed to the letter -------------------------------------------------------
+# The guide's `file=` blocks are a whole package; its `bash installed` block says how to install
+# it and which `mm3` commands then work. The test writes the package into an empty directory,
+# installs it into this environment as the guide says (`pip install -e .`, offline), runs those
+# commands in fresh interpreters and uninstalls it again.
+
+GUIDE = REPO / "docs" / "plugins.md"
+EXAMPLE = REPO / "examples" / "third_party_backend"
+_PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+_PIP_INSTALL_OFFLINE = [*_PIP, "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
+
+
+def _installed_block_commands(blocks: list[Block]) -> tuple[str, list[list[str]]]:
+    """The install line and the ``mm3 ...`` command lines of the guide's one ``bash installed`` block."""
+    found = [b for b in blocks if "installed" in b.flags]
+    assert len(found) == 1 and found[0].lang == "bash", "docs/plugins.md needs exactly one ```bash installed block"
+    lines = [ln.split("#", 1)[0].strip() for ln in found[0].code.splitlines()]
+    install, *commands = [shlex.split(ln) for ln in lines if ln]
+    assert all(cmd[0] == "mm3" for cmd in commands), f"only mm3 commands may follow the install line: {commands}"
+    return " ".join(install), commands
+
+
+def _ours(dist: str) -> bool:
+    """Was ``dist`` installed by an earlier, interrupted run of this test (from a temporary directory)?"""
+    url = json.loads(importlib.metadata.distribution(dist).read_text("direct_url.json") or "{}").get("url", "")
+    return url.startswith(Path(tempfile.gettempdir()).resolve().as_uri())
+
+
+@contextmanager
+def pip_installed_editable(project: Path) -> Iterator[str]:
+    """``pip install -e project`` into this environment (no deps, no network); uninstalled afterwards."""
+    with open(project / "pyproject.toml", "rb") as f:
+        dist = tomllib.load(f)["project"]["name"]
+    try:
+        if not _ours(dist):
+            pytest.skip(f"a distribution {dist!r} is already installed in this environment; this test "
+                        f"installs its own and would replace it (pip uninstall {dist} to run it)")
+        subprocess.run([*_PIP, "uninstall", "--yes", "--quiet", dist], capture_output=True, timeout=120)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    r = subprocess.run([*_PIP_INSTALL_OFFLINE, "-e", str(project)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"pip install -e {project} failed:\n{r.stdout}\n{r.stderr}"
+    try:
+        yield dist
+    finally:
+        subprocess.run([*_PIP, "uninstall", "--yes", "--quiet", dist], capture_output=True, timeout=120)
+
+
+def _mm3(args: list[str], cwd: Path, site: Optional[Path] = None) -> subprocess.CompletedProcess[str]:
+    """``mm3 ARGS`` as a user runs it: a fresh interpreter, no MM3_* settings, no Triton interpreter."""
+    return subprocess.run([sys.executable, "-m", "mm3.cli", *args], cwd=cwd, env=subprocess_env(site),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_plugin_guide_package_installs_and_passes_check(tmp_path: Path) -> None:
+    """Build the guide's package from its blocks alone, install it as it says, run its commands."""
+    blocks = parse_blocks(GUIDE.read_text())
+    project = tmp_path / "my-attn"
+    written: set[Path] = set()
+    for b in blocks:
+        if b.file is not None:
+            # The info string is invisible on a rendered page: the block's first line names the file.
+            assert f"/{b.file}" in b.code.splitlines()[0], f"{GUIDE.name}:{b.line}: first line must name {b.file}"
+            write_file_block(b, project, written)
+    assert {p.relative_to(project).as_posix() for p in written} >= {"pyproject.toml", "my_attn/__init__.py",
+                                                                       "my_attn/plugin.py"}
+    install, commands = _installed_block_commands(blocks)
+    assert install == "pip install -e .", install
+    assert [cmd[1] for cmd in commands] == ["backends", "check"], commands
+    name = commands[1][2]
+    with open(project / "pyproject.toml", "rb") as f:
+        meta = tomllib.load(f)["project"]
+    with pip_installed_editable(project) as dist:
+        listed = _mm3(commands[0][1:], tmp_path)
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        row = backends_row(listed.stdout, name)
+        assert row is not None, f"{name} missing from `mm3 backends`:\n{listed.stdout}"
+        assert row[1] == f"{dist} {meta['version']}" and row[2] == "yes", row  # SOURCE, AVAILABLE
+        assert "problems: none" in listed.stdout, listed.stdout
+
+        checked = _mm3(commands[1][1:], tmp_path)
+        assert checked.returncode == 0, checked.stdout[-6000:] + checked.stderr[-2000:]
+        assert name in checked.stdout, checked.stdout
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.distribution(dist)  # and uninstalled again
+
+
+def test_plugin_guide_rename_table_turns_the_example_into_a_new_backend(tmp_path: Path) -> None:
+    """"Start from the example instead": the renames the guide lists are all it takes."""
+    table = re.findall(r"^\| `([^`]+)` \| `([^`]+)` \|", GUIDE.read_text(), flags=re.MULTILINE)
+    renames = dict(table)
+    assert renames.get("torch_sdpa_sparse") and renames.get("mm3_sdpa_sparse"), table
+    copy = tmp_path / "copy"
+    shutil.copytree(EXAMPLE, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    (copy / "src" / "mm3_sdpa_sparse").rename(copy / "src" / renames["mm3_sdpa_sparse"])
+    for path in (p for p in copy.rglob("*") if p.is_file()):
+        text = path.read_text()
+        for old, new in renames.items():
+            text = text.replace(old, new)
+        path.write_text(text)
+        assert "sdpa_sparse" not in text.lower().replace("test_sdpa_sparse", ""), f"{path}: an old name survives"
+
+    site = tmp_path / "site"
+    r = subprocess.run([*_PIP_INSTALL_OFFLINE, "--target", str(site), str(copy)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    listed = _mm3(["backends", "--device", "cpu"], tmp_path, site)
+    new_name, new_dist = renames["torch_sdpa_sparse"], renames["mm3-sdpa-sparse"]
+    row = backends_row(listed.stdout, new_name)
+    assert row is not None and row[1].startswith(f"{new_dist} ") and row[2] == "yes", listed.stdout
+    assert "problems: none" in listed.stdout, listed.stdout

@@ -7,7 +7,7 @@ pages, NHD or HND pages, dtypes, and the top-k layouts the indexer writes and
 the attention reads (each independent of what the backend prefers). Every
 backend call goes through the contract guard, and the results are compared
 with the oracle: the indexer's rows as tie-tolerant sets, the attention (fed
-the oracle's own selection, so ties cannot leak) within SPEC §4's tolerances
+the oracle's own selection, so ties cannot leak) within docs/spec.md §4's tolerances
 (the mean bound plus the output dtype's rounding floor: see _check_attention).
 A third property composes two backends through ``SparseAttention``.
 
@@ -180,19 +180,19 @@ def steps(draw: st.DrawFn, triton: bool) -> Step:
                 draw(st.integers(1, 4)), draw(st.integers(0, 5)), draw(st.integers(0, 2 ** 16)))
 
 
-# SPEC §4: (max, mean) |error| against the fp64 oracle
+# docs/spec.md §4: (max, mean) |error| against the fp64 oracle
 TOL = {"bfloat16": (2e-2, 3e-4), "float16": (1e-2, 1.5e-4), "float32": (1e-5, 1e-5)}
 
 
 def _check_attention(out: torch.Tensor, ref: torch.Tensor, dtype: str, T: int) -> None:
-    """SPEC §4's tolerances, the mean one raised by the output dtype's own rounding floor.
+    """docs/spec.md §4's tolerances, the mean one raised by the output dtype's own rounding floor.
 
-    SPEC's bf16 mean bound (3e-4) assumes realistic contexts, where outputs
+    docs/spec.md §4's bf16 mean bound (3e-4) assumes realistic contexts, where outputs
     average many values and stay small. With the few keys of a fuzzed step an
     output can be ~1, and merely rounding the exact answer to bf16 costs a
     mean error of up to ~1e-3: no backend could meet 3e-4 there. So the mean
-    bound is SPEC's plus that floor (measured on the exact answer); the max
-    bound is SPEC's unchanged.
+    bound is the spec's plus that floor (measured on the exact answer); the max
+    bound is the spec's unchanged.
     """
     if T == 0:
         return
@@ -298,7 +298,7 @@ def test_composed_layer_matches_oracle(indexer: str, attention: str) -> None:
 
 
 def test_strategy_covers_the_spec_regressions() -> None:
-    """The strategy can produce SPEC §5's regression shapes (mixed, H > 1, T % 4 != 0, both layouts)."""
+    """The strategy can produce docs/spec.md §5's regression shapes (mixed, H > 1, T % 4 != 0, both layouts)."""
     seen: dict[str, bool] = {}
 
     @settings(max_examples=200, **_COMMON)

@@ -1,6 +1,6 @@
 """The contract guard (mm3.guard): it stops every planted fault with a readable message.
 
-The centre piece reproduces vLLM's MiniMax-M3 bug (SPEC §5) in a mixed
+The centre piece reproduces vLLM's MiniMax-M3 bug (docs/spec.md §5) in a mixed
 decode + prefill batch with H > 1: without the guard the step *runs* and
 returns wrong numbers; with it the step stops with a message naming the
 backend, the hook, the rule and the row. Every other rule gets its own planted
@@ -39,7 +39,7 @@ def _params(H: int = 2, G: int = 2, **kw: Any) -> SparseAttentionParams:
 
 
 def _mixed(H: int = 2, seed: int = 0, **kw: Any) -> Case:
-    """SPEC §5's regression batch: 3 decodes (+1 padding) and 2 prefills, T = 4 + 9 + 17 = 30."""
+    """docs/spec.md §5's regression batch: 3 decodes (+1 padding) and 2 prefills, T = 4 + 9 + 17 = 30."""
     return make_case(_params(H, **kw), decodes=[70, 40, 90], prefills=[(9, 30), (17, 17)],
                      padding_decodes=1, dtype="float32", index_dtype="bfloat16", seed=seed)
 
@@ -273,7 +273,7 @@ def test_row_report_names_head_token_and_content() -> None:
 
 
 def test_nonfinite_output_is_allowed_where_inputs_are_not_finite() -> None:
-    """SPEC: garbage in may give garbage out; the guard only blames the backend for finite inputs."""
+    """docs/spec.md §4: garbage in may give garbage out; the guard only blames the backend for finite inputs."""
     case = _mixed(H=2)
     case.q[5, 1] = float("nan")
     case.caches.v[case.batch.block_table[4, 0].item(), 3, 1] = float("inf")  # first prefill, KV head 1

@@ -1,4 +1,4 @@
-"""The core never imports a backend and never asks which platform it runs on (DESIGN §1)."""
+"""The core never imports a backend and never asks which platform it runs on (docs/architecture.md)."""
 
 from __future__ import annotations
 

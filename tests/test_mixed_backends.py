@@ -1,4 +1,4 @@
-"""The indexer from one backend, the attention from another (DESIGN §3, SPEC §5).
+"""The indexer from one backend, the attention from another (docs/spec.md §5).
 
 Every pair of the backends available on this machine runs one realistic mixed
 step through ``SparseAttention(backend=A, indexer_backend=I)``:
@@ -45,7 +45,7 @@ from mm3.testing.oracle import check_topk, oracle_attention, oracle_block_scores
 
 EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "examples" / "third_party_backend" / "src"
 SENTINEL = -77
-TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1.5e-4)}   # (max, mean), SPEC §4
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1.5e-4)}   # (max, mean), docs/spec.md §4
 INDEX_DTYPE = {torch.float32: torch.bfloat16, torch.float16: torch.float16}
 INTERPRETED = ("cuda", "rocm")
 

@@ -1,4 +1,4 @@
-"""Broken and excluded plugins, end to end through real entry points (DESIGN §5).
+"""Broken and excluded plugins, end to end through real entry points (docs/plugins.md).
 
 Each scenario is a throwaway distribution: a ``*.dist-info`` folder (METADATA
 + entry_points.txt) and its plugin module in a temporary directory put on
@@ -13,7 +13,6 @@ distribution, its version and what to fix, and none may take the others down
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from plugin_fakes import backends_row as _row
 from plugin_fakes import subprocess_env
 
 from mm3.testing.fixtures import write_distribution
@@ -141,14 +141,6 @@ def _backends_text(site: Path, cwd: Path, **env: str) -> str:
 
 def _line(text: str, start: str) -> Optional[str]:
     return next((ln.strip() for ln in text.splitlines() if ln.strip().startswith(start)), None)
-
-
-def _row(text: str, name: str) -> Optional[list[str]]:
-    for ln in text.splitlines():
-        cells = re.split(r"\s{2,}", ln.strip())
-        if cells and cells[0] == name and len(cells) >= 8:
-            return cells
-    return None
 
 
 # The same interpreter also checks what a program sees: warnings issued, the healthy plugin and

@@ -16,9 +16,9 @@ import sys
 import textwrap
 import tomllib
 from pathlib import Path
-from typing import Optional
 
 import pytest
+from plugin_fakes import backends_row as _row
 from plugin_fakes import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,17 +59,6 @@ def _run(args: list[str], site: Path, cwd: Path, timeout: int = 240,
 
 def _mm3(args: list[str], site: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return _run([sys.executable, "-m", "mm3.cli", *args], site, cwd, **env)
-
-
-def _row(table: str, name: str) -> Optional[list[str]]:
-    """The cells of backend ``name``'s row in ``mm3 backends``' table (split on 2+ spaces)."""
-    import re
-
-    for line in table.splitlines():
-        cells = re.split(r"\s{2,}", line.strip())
-        if cells and cells[0] == name:
-            return cells
-    return None
 
 
 def test_installed_package_is_the_one_imported(site: Path, tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ The kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set by
 conftest.py before any kernel import), with tiny shapes. bf16 is not tested
 here: the interpreter computes bf16 arithmetic wrongly (``tl.dot`` and even
 ``q * q``), so bf16 runs on the GPU only (tests/gpu). Every case draws fresh
-random inputs, poisons the outputs first, and covers SPEC §5's regressions:
+random inputs, poisons the outputs first, and covers docs/spec.md §5's regressions:
 mixed batches with >= 2 decode tokens and >= 2 prefills, H = 1 and H > 1,
 T not a multiple of 4, sentinel rows >= T unchanged, and writer and reader
 in different layouts.
@@ -38,7 +38,7 @@ pytestmark = [
 PLUGINS = {"cuda": cuda_plugin, "rocm": rocm_plugin}
 CPU = torch.device("cpu")
 SENTINEL = -7
-# SPEC §4 tolerances against the fp64 oracle: (max, mean)
+# docs/spec.md §4 tolerances against the fp64 oracle: (max, mean)
 ATTN_TOL = {torch.float16: (1e-2, 1.5e-4), torch.float32: (1e-5, 1e-5)}
 
 
@@ -57,7 +57,8 @@ class Spec:
 
 
 CASES = {
-    # SPEC §5: 3 decodes (+1 padding, +1 empty) and 3 prefills (one chunked), H > 1, T = 3 + 1 + 20 + 3 + 17 = 44;
+    # docs/spec.md §5: 3 decodes (+1 padding, +1 empty) and 3 prefills (one chunked), H > 1,
+    # T = 3 + 1 + 20 + 3 + 17 = 44;
     # contexts span up to 9 blocks > topk 4, so both top-k paths must choose
     "mixed_h2_fp16_nhd": Spec(_params(2, 2), dict(
         decodes=[70, 33, 90], prefills=[(20, 130), (3, 3), (17, 17)], padding_decodes=1,
@@ -118,7 +119,7 @@ def test_step_matches_oracle(backend: str, name: str) -> None:
 
 @pytest.mark.parametrize("backend", sorted(PLUGINS))
 def test_reader_in_other_layout(backend: str) -> None:
-    """SPEC §5: the attention reads a buffer written in the other layout (the oracle's selection)."""
+    """docs/spec.md §5: the attention reads a buffer written in the other layout (the oracle's selection)."""
     plugin = PLUGINS[backend]
     case = _case("mixed_h2_fp16_nhd", seed=11)
     p, T = case.params, case.batch.num_tokens
@@ -166,7 +167,7 @@ def test_forced_splits_and_merge() -> None:
 
 
 def test_attention_ignores_invalid_and_repeated_ids() -> None:
-    """Out-of-range ids and repeats select nothing extra (SPEC §4 treats the selection as a set)."""
+    """Out-of-range ids and repeats select nothing extra (docs/spec.md §4 treats the selection as a set)."""
     plugin = cuda_plugin
     case = _case("mixed_h2_fp16_nhd", seed=2)
     p, T = case.params, case.batch.num_tokens

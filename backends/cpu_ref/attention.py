@@ -1,4 +1,4 @@
-"""Reference block-sparse attention (SPEC §4), vectorized, fp32 accumulation.
+"""Reference block-sparse attention (docs/spec.md §4), vectorized, fp32 accumulation.
 
 Two strategies compute the same thing; the choice is only about speed:
 
@@ -15,7 +15,7 @@ Two strategies compute the same thing; the choice is only about speed:
 (``dense`` while its context is at most :data:`DENSE_MAX_BLOCKS_PER_TOPK`
 times ``topk`` blocks).
 
-Semantics follow SPEC §4 and the oracle literally: a token attends to
+Semantics follow docs/spec.md §4 and the oracle literally: a token attends to
 positions ``j <= p`` inside the *set* of valid selected blocks (duplicates
 count once; ``-1``, negative ids and ids ``>= nb`` select nothing). A token
 with nothing to attend to (padding) outputs zeros. Selected blocks are read

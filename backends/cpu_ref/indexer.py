@@ -1,8 +1,9 @@
-"""Reference indexer (SPEC §3): per token and index head, the top-k blocks of its context.
+"""Reference indexer (docs/spec.md §3): per token and index head, the top-k blocks of its context.
 
 Vectorized over tokens: one batched matmul scores a chunk of query tokens
 against every visible index key of their request(s), a reshape + ``amax``
-turns token scores into block scores, and ``torch.topk`` picks the blocks.
+turns token scores into block scores, and a stable sort picks the blocks (exact ties:
+the lowest block id).
 Work is split into *items* so the ``[tokens, heads, keys]`` score tensor stays
 under a fixed element budget:
 
@@ -143,7 +144,9 @@ def _select(iq: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
     block = torch.where(eligible, block, float("-inf"))
 
     kk = min(K, nbmax)
-    ids = torch.topk(block, kk, dim=-1, sorted=True).indices          # [G, C, H, kk]
+    # Exact ties go to the lowest block id (docs/spec.md §3.5): a stable descending sort keeps
+    # equal scores in block order, which torch.topk does not promise.
+    ids = torch.sort(block, dim=-1, descending=True, stable=True).indices[..., :kk]   # [G, C, H, kk]
     slot = torch.arange(kk, device=dev).view(1, 1, 1, kk)
     ids = torch.where(slot < torch.clamp(nb, max=K), ids, -1).to(torch.int32)
     if kk < K:
@@ -160,7 +163,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     ``out`` may be in either layout and any strides (it is written through its
     ``head_major()`` view); rows at and past ``T`` are never touched.
     Scores accumulate in fp32; ``params.index_scale`` is positive and does not
-    change the ranking (SPEC §3.2), so it is not applied. ``max_elements``
+    change the ranking (docs/spec.md §3.2), so it is not applied. ``max_elements``
     bounds the largest intermediate tensor (see :data:`DEFAULT_MAX_ELEMENTS`).
     """
     H, Di, K = params.num_index_heads, params.index_head_dim, params.topk

@@ -1,7 +1,7 @@
 """Stride-generic Triton kernels shared by the GPU plugins (``cuda``, ``rocm``); no plugin here.
 
-* :mod:`.indexer` - decode and prefill indexers (SPEC §3);
-* :mod:`.attention` - decode (flash-decoding) and prefill block-sparse attention (SPEC §4);
+* :mod:`.indexer` - decode and prefill indexers (docs/spec.md §3);
+* :mod:`.attention` - decode (flash-decoding) and prefill block-sparse attention (docs/spec.md §4);
 * :mod:`.launch` - per-platform launch configurations and shape-only grid heuristics;
 * :mod:`.checks` - input validation at the plugin boundary;
 * :mod:`.plugin_factory` - builds a plugin's hooks from a :class:`TritonPluginSpec`.

@@ -1,4 +1,4 @@
-"""Triton block-sparse attention kernels (SPEC §4).
+"""Triton block-sparse attention kernels (docs/spec.md §4).
 
 All kernels address ``q``, ``out``, the paged K/V caches (NHD or HND, any
 strides), the block table and the top-k buffer (head- or token-major, through
@@ -307,7 +307,7 @@ def _prefill_attention_kernel(
         slots = tl.arange(0, K_PAD)
         sel = tl.load(sel_ptr + h * s_sel_h + tok[:, None] * s_sel_t + slots[None, :] * s_sel_k,
                       mask=row_ok[:, None] & (slots < K)[None, :], other=-1)
-        # ids outside [0, nb) select nothing (SPEC §4: only j <= p is attended)
+        # ids outside [0, nb) select nothing (docs/spec.md §4: only j <= p is attended)
         sel = tl.where(sel < nb_row[:, None], sel, -1)
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)

@@ -56,7 +56,7 @@ def _check_backend_limits(backend: str, caches: PagedKVCache, batch: BatchMetada
 def check_index_inputs(backend: str, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
                        params: SparseAttentionParams, out: TopkBuffer, *, max_decode_query_len: int,
                        device_ok: Callable[[torch.device], str]) -> None:
-    """Validate the indexer's inputs (SPEC §2-3); raises :class:`InputError` naming ``backend``."""
+    """Validate the indexer's inputs (docs/spec.md §2-3); raises :class:`InputError` naming ``backend``."""
     H, Di = params.num_index_heads, params.index_head_dim
     check_hook_args(backend, caches, batch, params, topk=out, rows={
         "index_q": (index_q, (H, Di), "= [num_tokens, num_index_heads, index_head_dim]")})
@@ -75,7 +75,7 @@ def check_index_inputs(backend: str, index_q: torch.Tensor, caches: PagedKVCache
 def check_attention_inputs(backend: str, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
                            batch: BatchMetadata, params: SparseAttentionParams, out: torch.Tensor, *,
                            max_decode_query_len: int, device_ok: Callable[[torch.device], str]) -> None:
-    """Validate the attention's inputs (SPEC §2, §4); raises :class:`InputError` naming ``backend``."""
+    """Validate the attention's inputs (docs/spec.md §2, §4); raises :class:`InputError` naming ``backend``."""
     Hq, D = params.num_heads, params.head_dim
     hint = "= [num_tokens, num_heads, head_dim]"
     check_hook_args(backend, caches, batch, params, topk=topk, rows={"q": (q, (Hq, D), hint),
@@ -89,4 +89,5 @@ def check_attention_inputs(backend: str, q: torch.Tensor, caches: PagedKVCache, 
     if caches.dtype != q.dtype:
         raise _fail(backend, f"KV cache dtype {caches.dtype} differs from q's {q.dtype}; cast one of them")
     if out.dtype != q.dtype:
-        raise _fail(backend, f"out dtype {out.dtype} differs from q's {q.dtype} (SPEC §4: output in q's dtype)")
+        raise _fail(backend, f"out dtype {out.dtype} differs from q's {q.dtype} "
+                             f"(docs/spec.md §4: output in q's dtype)")

@@ -1,4 +1,4 @@
-"""Triton indexer kernels (SPEC §3): block scores, forced blocks and top-k selection.
+"""Triton indexer kernels (docs/spec.md §3): block scores, forced blocks and top-k selection.
 
 Three kernels, all stride-generic (index queries, the paged index cache, the
 block table and the top-k buffer are addressed through their element strides,
@@ -9,7 +9,7 @@ so head-major and token-major buffers work without copies):
     and scores them for *every* row of that request at once: rows are
     ``(speculative row, index head)`` pairs, so each index key (shared by all
     index heads) is read from memory exactly once per step. It writes the
-    per-block maximum (SPEC §3.3) to a small fp32 workspace
+    per-block maximum (docs/spec.md §3.3) to a small fp32 workspace
     ``[requests, rows, table_width]``.
 
 ``_decode_topk_kernel``   grid ``(decode requests, rows)``
@@ -45,7 +45,7 @@ from .tl_utils import decode_launch_options, dot_config, launch_options, pdl_ena
 
 __all__ = ["index_topk"]
 
-# SPEC §3.4 constants; tl.constexpr so the kernels may read them as globals
+# docs/spec.md §3.4 constants; tl.constexpr so the kernels may read them as globals
 FORCED_INIT = tl.constexpr(1e30)
 FORCED_LOCAL = tl.constexpr(1e29)
 NAN_SCORE = tl.constexpr(-1e30)
@@ -151,7 +151,7 @@ def _decode_score_kernel(
 @triton.jit
 def _forced_row_scores(row_ptr, pos, B: tl.constexpr, NB_PAD: tl.constexpr,
                        INIT: tl.constexpr, LOCAL: tl.constexpr):
-    """One decode row's visible block scores with the forced init/local blocks applied (SPEC §3.4)."""
+    """One decode row's visible block scores with the forced init/local blocks applied (docs/spec.md §3.4)."""
     nb = pos // B + 1
     blocks = tl.arange(0, NB_PAD)
     avail = blocks < nb

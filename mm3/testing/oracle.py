@@ -207,7 +207,7 @@ class TopkRowError:
 def check_topk(result: TopkBuffer, index_q: torch.Tensor, caches: PagedKVCache,
                batch: BatchMetadata, params: SparseAttentionParams,
                rel_tol: float = 1e-3, scores: list[torch.Tensor] | None = None) -> list[TopkRowError]:
-    """Every row of ``result`` that breaks SPEC §3 (format rules and tie-tolerant optimality).
+    """Every row of ``result`` that breaks docs/spec.md §3 (format rules and tie-tolerant optimality).
 
     A row passes when it is a prefix of exactly ``min(K, nb)`` unique in-range
     ids followed by ``-1``, contains every forced block, and

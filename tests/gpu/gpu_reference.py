@@ -2,7 +2,7 @@
 
 ``mm3.testing.oracle`` converts the *whole* caches to fp64 on the CPU and walks
 positions in Python: fine for tiny shapes, hopeless at 128K contexts. These
-helpers compute the same SPEC §3/§4 quantities for a chosen subset of tokens,
+helpers compute the same docs/spec.md §3/§4 quantities for a chosen subset of tokens,
 in float64 on the GPU, gathering only the pages each token can see. Like the
 oracle, they share no code with any backend.
 """
@@ -93,7 +93,7 @@ def _host(batch: BatchMetadata) -> dict:
 
 def block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
                  params: SparseAttentionParams, tokens: Iterable[int]) -> dict[int, torch.Tensor]:
-    """SPEC §3.3-3.4 block scores S ``[H, nb]`` (fp64, forced blocks applied) for each token in ``tokens``."""
+    """docs/spec.md §3.3-3.4 block scores S ``[H, nb]`` (fp64, forced blocks applied) for each token in ``tokens``."""
     host, B = _host(batch), params.block_size
     out: dict[int, torch.Tensor] = {}
     for t in tokens:
@@ -117,7 +117,7 @@ def block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetada
 
 def selection_errors(buf: TopkBuffer, scores: dict[int, torch.Tensor], params: SparseAttentionParams,
                      rel_tol: float = 1e-3) -> list[str]:
-    """SPEC §3's row rules (format, forced blocks, tie-tolerant optimality) for the sampled tokens."""
+    """docs/spec.md §3's row rules (format, forced blocks, tie-tolerant optimality) for the sampled tokens."""
     view = buf.head_major()
     errors: list[str] = []
     K = params.topk
@@ -153,7 +153,7 @@ def selection_errors(buf: TopkBuffer, scores: dict[int, torch.Tensor], params: S
 
 def attention_reference(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
                         params: SparseAttentionParams, tokens: Iterable[int]) -> dict[int, torch.Tensor]:
-    """SPEC §4 output ``[Hq, D]`` (fp64) of each token in ``tokens``, for the selection in ``topk``."""
+    """docs/spec.md §4 output ``[Hq, D]`` (fp64) of each token in ``tokens``, for the selection in ``topk``."""
     host, B, G = _host(batch), params.block_size, params.gqa_group
     view = topk.head_major()
     out: dict[int, torch.Tensor] = {}

@@ -52,7 +52,7 @@ GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 ROCM_OVERRIDE = "MM3_ROCM_ALLOW_NON_ROCM"
 SENTINEL = -7
-# SPEC §4 against fp64: (max, mean); the mean also gets the dtype's rounding floor (see _attention_error)
+# docs/spec.md §4 against fp64: (max, mean); the mean also gets the dtype's rounding floor (see _attention_error)
 TOL = {torch.bfloat16: (2e-2, 3e-4), torch.float16: (1e-2, 1.5e-4), torch.float32: (1e-5, 1e-5)}
 
 

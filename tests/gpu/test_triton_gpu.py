@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.gpu,
 
 PLUGINS = {"cuda": cuda_plugin, "rocm": rocm_plugin}
 SENTINEL = -7
-# SPEC §4 vs the fp64 reference: (max, mean)
+# docs/spec.md §4 vs the fp64 reference: (max, mean)
 TOL = {torch.bfloat16: (2e-2, 3e-4), torch.float16: (1e-2, 1.5e-4)}
 K8, K16, K32, K64, K128 = 8192, 16384, 32768, 65536, 131072
 
@@ -176,7 +176,7 @@ def test_auto_selection_picks_cuda_here(monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.mark.parametrize("backend", sorted(PLUGINS))
 def test_conformance_suite_bf16_on_gpu(backend: str) -> None:
-    """The official suite (full plan: small and larger shapes, all SPEC §5 buffer cases) in bf16."""
+    """The official suite (full plan: small and larger shapes, all docs/spec.md §5 buffer cases) in bf16."""
     from mm3.registry import Registry
     from mm3.testing.conformance import run_conformance
 

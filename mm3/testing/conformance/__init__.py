@@ -1,4 +1,4 @@
-"""The mm3 conformance suite: does a backend compute what SPEC.md says, on this device?
+"""The mm3 conformance suite: does a backend compute what docs/spec.md says, on this device?
 
 Two ways in:
 

@@ -8,20 +8,22 @@ entries), runs the backend on it and compares with the fp64 oracle:
   backend's own ``alloc_topk_buffer`` with spare rows filled with a sentinel,
   then check every row with :func:`~mm3.testing.oracle.check_topk` (format,
   forced blocks, tie-tolerant optimality) and that the spare rows are intact;
+  ``exact_ties`` gives every page the same index keys, so all full blocks tie
+  exactly, and requires the oracle's selection (lowest ids first) bit for bit;
 * **attention** cases give every backend the *same* selection (the oracle's,
   or the reference indexer's) and a NaN-poisoned output with spare rows, then
-  compare with :func:`~mm3.testing.oracle.oracle_attention` under SPEC §4's
+  compare with :func:`~mm3.testing.oracle.oracle_attention` under docs/spec.md §4's
   tolerances, require exact zeros on padding tokens and untouched spare rows;
 * **composed** cases run the backend's indexer then its attention on the same
   buffer, and check both;
-* **buffer** cases are SPEC §5's regressions: sentinel rows past the step,
+* **buffer** cases are docs/spec.md §5's regressions: sentinel rows past the step,
   the allocated layout, and writers/readers in different layouts.
 
 Shapes are tiny (block 16, top-4 for the indexer, head dims 32/64) so an
 interpreted GPU backend runs the quick suite in minutes. Attention and
 composed cases use top-16 (M3's value) and contexts of 300-600 tokens, so most
 tokens attend to 256 keys, as most tokens of a real step attend to many keys.
-This matters for SPEC §4's *absolute* tolerances: with N(0, 1) inputs an
+This matters for docs/spec.md §4's *absolute* tolerances: with N(0, 1) inputs an
 output's magnitude falls like 1/sqrt(keys), and so does the error of merely
 rounding a perfect result to bf16. With top-4 of 16-token blocks that
 rounding floor alone is about 3e-4, the whole bf16 mean budget; here it is
@@ -57,7 +59,7 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "float16": (1.5e-4, 1e-2),
     "float32": (1e-5, 1e-5),
 }
-"""SPEC §4: ``(mean, max)`` absolute error against the fp64 oracle, per attention dtype."""
+"""docs/spec.md §4: ``(mean, max)`` absolute error against the fp64 oracle, per attention dtype."""
 
 SENTINEL = 123456789
 """Fills top-k rows a backend must not write (an int32 no block id can equal)."""
@@ -153,6 +155,7 @@ class Step:
     empty: int = 0
     kv_layout: str = "NHD"
     nan_tokens: tuple[int, ...] = ()
+    tied_index_keys: bool = False   # every page holds page 0's index keys: full blocks tie exactly
 
     def params(self) -> SparseAttentionParams:
         return SparseAttentionParams(num_heads=self.H * self.G, num_kv_heads=self.H, head_dim=self.D,
@@ -166,6 +169,8 @@ class Step:
                          seed=seed)
         for t in self.nan_tokens:
             case.index_q[t, 0, 1] = float("nan")
+        if self.tied_index_keys:
+            case.caches.index.copy_(case.caches.index[:1].expand_as(case.caches.index))
         return case
 
 
@@ -278,8 +283,23 @@ def _check_selection(case: Case, sel: TopkBuffer, details: dict[str, Any]) -> No
     details["topk_rows"] = case.params.num_index_heads * case.batch.num_tokens
     details["bad_rows"] = len(errors)
     if errors:
-        raise CaseFailure(f"{len(errors)} of {details['topk_rows']} top-k rows break SPEC §3; first: "
+        raise CaseFailure(f"{len(errors)} of {details['topk_rows']} top-k rows break docs/spec.md §3; first: "
                           f"{errors[0]}", details)
+
+
+def _check_exact_selection(case: Case, sel: TopkBuffer) -> None:
+    """Every row selects the oracle's blocks (exact ties: the lowest ids), in any order."""
+    T = case.batch.num_tokens
+    got = sel.head_major()[:, :T].to("cpu").sort(dim=-1).values
+    want = oracle_topk_cached(case).head_major().sort(dim=-1).values
+    bad = (got != want).any(dim=-1).nonzero()
+    if bad.numel():
+        h, t = int(bad[0, 0]), int(bad[0, 1])
+        raise CaseFailure(
+            f"{bad.shape[0]} top-k rows break the exact-tie rule of docs/spec.md §3.5 (equal block "
+            f"scores go to the lowest block id); first: head {h}, token {t} selected "
+            f"{sorted(x for x in got[h, t].tolist() if x >= 0)}, expected "
+            f"{sorted(x for x in want[h, t].tolist() if x >= 0)}", {"tie_rows": int(bad.shape[0])})
 
 
 def _selection(ctx: CaseContext, case: Case) -> TopkBuffer:
@@ -362,6 +382,8 @@ def indexer_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any]:
         case.index_q, case.caches, case.batch, case.params, sel))
     _check_spare_rows(full, 0, T, "index_topk")
     _check_selection(case, sel, details)
+    if spec.step.tied_index_keys:
+        _check_exact_selection(case, sel)
     return details
 
 
@@ -450,6 +472,7 @@ INDEXER_STEPS: dict[str, Step] = {
     "init1_local2": Step(H=2, init=1, local=2, decodes=(150, 40, 20), prefills=((25, 25), (17, 120))),
     "short_contexts": Step(H=2, K=6, decodes=(1, 17, 50), prefills=((5, 5), (10, 60))),
     "nan_index_query": Step(H=2, init=1, decodes=(120, 90), prefills=((10, 100),), nan_tokens=(1, 5)),
+    "exact_ties": Step(H=2, decodes=(150, 70, 20), prefills=((25, 25), (17, 120)), tied_index_keys=True),
     "hnd_kv_cache": replace(MIXED_H2, kv_layout="HND"),
 }
 
@@ -485,7 +508,7 @@ BUFFER_CASES: dict[str, tuple[str, Step, dict[str, Any]]] = {
     "attention_reads_other_layout_h2": ("attention", ATTENTION_STEPS["mixed_h2_g2"], {"delivery": "other"}),
     "attention_reads_offset_rows_h2": ("attention", ATTENTION_STEPS["spec_decode_q4"], {"delivery": "offset"}),
 }
-"""SPEC §5 regressions: sentinel rows (capacity about 2T), layouts of writer and reader."""
+"""docs/spec.md §5 regressions: sentinel rows (capacity about 2T), layouts of writer and reader."""
 
 BODIES: dict[str, Body] = {
     "indexer": indexer_body,

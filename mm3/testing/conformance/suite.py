@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 __all__ = ["PlannedCase", "plan_cases", "run_conformance", "DEFAULT_DTYPES", "DEFAULT_INDEX_DTYPES"]
 
 DEFAULT_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
-"""Attention dtypes tried by default (SPEC §1: bf16 or fp16; fp32 accepted by the reference)."""
+"""Attention dtypes tried by default (docs/spec.md §1: bf16 or fp16; fp32 accepted by the reference)."""
 
 DEFAULT_INDEX_DTYPES: tuple[str, ...] = ("bfloat16", "float8_e4m3fn")
-"""Index cache dtypes tried by default (SPEC §1); ask for float16/float32 explicitly."""
+"""Index cache dtypes tried by default (docs/spec.md §1); ask for float16/float32 explicitly."""
 
 _ALL_DTYPES = ("bfloat16", "float16", "float32")
 _ALL_INDEX_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
@@ -170,7 +170,7 @@ def run_conformance(backend: Union["Backend", str], *, device: Union[str, torch.
                     index_dtypes: Optional[Sequence[str]] = None,
                     reference_indexer: Optional[Union["Backend", str]] = None,
                     seed: int = 0) -> ConformanceReport:
-    """Run the SPEC conformance suite on ``backend`` and return a report (never raises on failure).
+    """Run the conformance suite (docs/spec.md) on ``backend`` and return a report (never raises on failure).
 
     Args:
         backend: a bound :class:`~mm3.registry.Backend` (or a name in the

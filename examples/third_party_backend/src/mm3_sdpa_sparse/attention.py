@@ -1,4 +1,4 @@
-"""Block-sparse attention (SPEC §4) on ``torch.nn.functional.scaled_dot_product_attention``.
+"""Block-sparse attention (docs/spec.md §4) on ``torch.nn.functional.scaled_dot_product_attention``.
 
 Two formulations compute the same thing; which one runs is only about speed:
 
@@ -128,7 +128,7 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, keep: torch.T
     ``keys``/``vals`` must already be zero wherever no query keeps them.
     """
     o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=keep, scale=scale)
-    # SPEC: a row with nothing to attend to is zero. SDPA implementations disagree on fully
+    # docs/spec.md §4: a row with nothing to attend to is zero. SDPA implementations disagree on fully
     # masked rows (zeros or NaN), so do not rely on one.
     return torch.where(keep.any(dim=-1, keepdim=True), o, 0.0)
 

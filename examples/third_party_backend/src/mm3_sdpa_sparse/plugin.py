@@ -67,5 +67,5 @@ def backend_probe(device: torch.device) -> Probe:
 @hookimpl
 def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
                       params: SparseAttentionParams, out: torch.Tensor) -> None:
-    """SPEC §4 for the step's tokens; see :func:`mm3_sdpa_sparse.attention.attention_forward`."""
+    """docs/spec.md §4 for the step's tokens; see :func:`mm3_sdpa_sparse.attention.attention_forward`."""
     _attention(q, caches, topk, batch, params, out)
