@@ -44,9 +44,9 @@ import warnings
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import TopkBuffer
-from mm3.params import SparseAttentionParams
+from mm3.contract import BatchMetadata
+from mm3.contract import TopkBuffer
+from mm3.contract import SparseAttentionParams
 
 from . import counts, inputs, peers, report
 from .timing import Timer, ceilings, kernel_breakdown

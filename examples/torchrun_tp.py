@@ -43,11 +43,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mm3.buffers import TORCH_DTYPES, PagedKVCache
+from mm3.contract import TORCH_DTYPES, PagedKVCache
 from mm3.distributed import TensorParallelSparseAttention
-from mm3.errors import MM3Error
+from mm3.contract import MM3Error
 from mm3.layer import SparseAttention
-from mm3.params import SparseAttentionParams
+from mm3.contract import SparseAttentionParams
 from mm3.testing.factories import Case, make_case
 
 # Gathered vs single-rank output, same backend and dtype (bf16 rounding of fp32 results).

@@ -1,11 +1,11 @@
 """mm3: MiniMax-M3-style block-sparse attention on any hardware through pluggable backends."""
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.capabilities import BackendCapabilities, Probe, Requirements
-from mm3.errors import *  # noqa: F401,F403
-from mm3.hookspecs import hookimpl, hookspec
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.capabilities import BackendCapabilities, Probe, Requirements
+from mm3.contract.errors import *  # noqa: F401,F403
+from mm3.contract.hookspecs import hookimpl, hookspec
 from mm3.config import Settings
-from mm3.params import SparseAttentionParams
+from mm3.contract.params import SparseAttentionParams
 from mm3.registry import Backend, Registry, default_registry
 from mm3.selection import Selection, select
 from mm3.layer import SparseAttention

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
-from mm3.errors import MM3Error
+from mm3.contract.errors import MM3Error
 
 __all__ = ["add_arguments", "run", "find_harness", "load_harness"]
 

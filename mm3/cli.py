@@ -16,7 +16,7 @@ Example:
     $ mm3 config
     $ mm3 demo
 
-Errors that mm3 raises on purpose (:class:`~mm3.errors.MM3Error`) print one
+Errors that mm3 raises on purpose (:class:`~mm3.contract.errors.MM3Error`) print one
 line, ``mm3: error: ...``, and exit with status 2; no traceback.
 """
 
@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from mm3.errors import MM3Error
+from mm3.contract.errors import MM3Error
 
 __all__ = ["Command", "COMMANDS", "add_command", "main", "build_parser", "default_device",
            "check_configured_backends"]
@@ -101,14 +101,14 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "
 
 
 def check_configured_backends(settings: Any = None, registry: Any = None) -> None:
-    """Raise :class:`~mm3.errors.UnknownBackendError` if a configured backend name is not installed.
+    """Raise :class:`~mm3.contract.errors.UnknownBackendError` if a configured backend name is not installed.
 
     ``backend`` (unless ``"auto"``) and ``indexer_backend`` are looked up in the
     registry; the message says where the name came from (argument, ``MM3_*``
     variable or config file) and carries the registry's did-you-mean hint.
     """
     from mm3.config import Settings, explain_settings
-    from mm3.errors import UnknownBackendError
+    from mm3.contract.errors import UnknownBackendError
     from mm3.registry import default_registry
 
     settings = settings if settings is not None else Settings()
@@ -143,7 +143,7 @@ class BackendsCommand:
     def run(args: argparse.Namespace) -> int:
         import torch
 
-        from mm3.params import SparseAttentionParams
+        from mm3.contract.params import SparseAttentionParams
         from mm3.registry import default_registry
         from mm3.selection import requirements_for, select
 

@@ -21,7 +21,7 @@ comma-separated string (``MM3_PLUGINS=cpu_ref,cuda``). An empty
 
 Mistakes are errors, never ignored: an unknown key in a file, an unknown
 ``MM3_*`` environment variable (``MM3_BACKEDN``), malformed TOML or an invalid
-value raises :class:`~mm3.errors.ConfigError` naming the key, the file and the
+value raises :class:`~mm3.contract.errors.ConfigError` naming the key, the file and the
 valid choices. Two ``MM3_*`` namespaces are not settings and pass through:
 ``MM3_<PLUGIN>_*`` where ``<PLUGIN>`` is an installed backend entry-point name
 (a plugin's own knobs, e.g. ``MM3_ROCM_ALLOW_NON_ROCM``), and
@@ -62,7 +62,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from mm3.errors import ConfigError
+from mm3.contract.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -24,10 +24,10 @@ from typing import Callable, Optional
 
 import torch
 
-from mm3.buffers import TORCH_DTYPES
+from mm3.contract.buffers import TORCH_DTYPES
 from mm3.cli import check_configured_backends
 from mm3.layer import SparseAttention
-from mm3.params import SparseAttentionParams
+from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention
 

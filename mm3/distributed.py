@@ -35,7 +35,7 @@ other layer. Communication uses whatever process group the caller initialised
 (NCCL on GPUs, gloo on CPUs).
 
 Example:
-    >>> from mm3.params import SparseAttentionParams
+    >>> from mm3.contract.params import SparseAttentionParams
     >>> full = SparseAttentionParams.minimax_m3(tp_size=1)
     >>> shard = rank_shard(full, rank=5, world_size=8)
     >>> shard.q_heads, shard.kv_heads, shard.kv_replicas
@@ -52,12 +52,12 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from mm3.buffers import PagedKVCache
-from mm3.errors import InputError
-from mm3.params import SparseAttentionParams
+from mm3.contract.buffers import PagedKVCache
+from mm3.contract.errors import InputError
+from mm3.contract.params import SparseAttentionParams
 
 if TYPE_CHECKING:
-    from mm3.batch import BatchMetadata
+    from mm3.contract.batch import BatchMetadata
     from mm3.config import Settings
     from mm3.layer import SparseAttention
     from mm3.registry import Registry

@@ -6,7 +6,7 @@ wrong tokens (which is how MiniMax-M3 failed in vLLM, SPEC §5). With
 ``Settings(check_contracts=True)`` / ``MM3_CHECK_CONTRACTS=1``,
 :class:`~mm3.layer.SparseAttention` wraps its bound backends in
 :class:`GuardedBackend`; every call is then checked and a broken rule raises
-:class:`~mm3.errors.ContractViolation` naming the backend, the hook, the rule
+:class:`~mm3.contract.errors.ContractViolation` naming the backend, the hook, the rule
 and the first offending row (head, token, the row's content). Off by default:
 the checks synchronise with the device once per call.
 
@@ -37,7 +37,7 @@ Rules (``ContractViolation.rule``; docs/errors.md has the full table):
 
 Input data the backends cannot check cheaply is checked too: block-table
 entries a request uses must be page ids of the cache, else
-:class:`~mm3.errors.InputError` (a kernel would read out of bounds).
+:class:`~mm3.contract.errors.InputError` (a kernel would read out of bounds).
 
 How: everything is vectorised torch on the whole step (one ``[H, T]`` rule
 code per row, a byte-exact snapshot of the storage around the writable
@@ -87,10 +87,10 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.errors import ContractViolation, InputError
-from mm3.params import SparseAttentionParams
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.errors import ContractViolation, InputError
+from mm3.contract.params import SparseAttentionParams
 
 __all__ = [
     "GUARD_SENTINEL",
@@ -198,7 +198,7 @@ def check_topk_allocation(buf: Any, *, layout: str, num_tokens: int, num_heads: 
         ...                       device="cpu")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        mm3.errors.ContractViolation: backend 'caller' broke the mm3 contract in alloc_topk_buffer: rule alloc.memory_order ...
+        mm3.contract.errors.ContractViolation: backend 'caller' broke the mm3 contract in alloc_topk_buffer: rule alloc.memory_order ...
     """
     if not isinstance(buf, TopkBuffer):
         raise _violation(backend, hook, "alloc.type", f"got {type(buf).__name__}",
@@ -528,8 +528,8 @@ class GuardedBackend:
     It behaves like the :class:`~mm3.registry.Backend` it wraps (``name``,
     ``capabilities``, ``probe``... are the wrapped backend's); only
     ``alloc_topk_buffer``, ``index_topk`` and ``attention_forward`` add checks.
-    Failures raise :class:`~mm3.errors.ContractViolation` (see :data:`RULES`),
-    or :class:`~mm3.errors.InputError` for a block table pointing outside the
+    Failures raise :class:`~mm3.contract.errors.ContractViolation` (see :data:`RULES`),
+    or :class:`~mm3.contract.errors.InputError` for a block table pointing outside the
     cache. :class:`~mm3.layer.SparseAttention` wraps its backends when
     ``Settings.check_contracts`` is on; wrap one by hand with
     :func:`guard_backend`.

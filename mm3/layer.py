@@ -27,15 +27,15 @@ from typing import Optional, Union
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.config import Settings
-from mm3.errors import InputError
-from mm3.params import SparseAttentionParams
+from mm3.contract.errors import InputError
+from mm3.contract.params import SparseAttentionParams
 from mm3.registry import Backend, Registry, default_registry
 from mm3.scope import current_scope
 from mm3.selection import Selection, requirements_for, select
-from mm3.validate import check_layer_args, check_step_inputs
+from mm3.contract.checks import check_layer_args, check_step_inputs
 
 __all__ = ["SparseAttention"]
 

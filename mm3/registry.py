@@ -1,7 +1,7 @@
 """Discover, validate and bind backends: the registry.
 
 A backend is a pluggy plugin (a module or an object with ``@mm3.hookimpl``
-functions, see :mod:`mm3.hookspecs`). Built-ins and third-party packages both
+functions, see :mod:`mm3.contract.hookspecs`). Built-ins and third-party packages both
 register through the entry-point group ``mm3.backends``; tests build isolated
 registries from explicit plugins.
 
@@ -26,7 +26,7 @@ Behaviour (DESIGN §5):
   a :class:`PluginLoadWarning` is issued, and every other plugin keeps working.
 * **Duplicate names.** When two plugins loaded together declare the same
   backend name, *both* are excluded (picking one would depend on install
-  order) and ``get(name)`` raises :class:`~mm3.errors.PluginError` naming both
+  order) and ``get(name)`` raises :class:`~mm3.contract.errors.PluginError` naming both
   sources. An explicit :meth:`Registry.register` of a taken name raises that
   error at once and leaves the registry unchanged.
 * **Allow/deny lists** (``Settings.plugins``, ``Settings.disable_plugins``,
@@ -81,16 +81,16 @@ import pluggy
 import torch
 from pydantic import ValidationError
 
-import mm3.hookspecs as _hookspecs
-from mm3.buffers import TopkBuffer
-from mm3.capabilities import ALL_OPS, BackendCapabilities, Probe
-from mm3.errors import BackendUnavailableError, InputError, PluginError, UnknownBackendError
-from mm3.hookspecs import HOOK_NAMES, OP_HOOKS, PROJECT
+import mm3.contract.hookspecs as _hookspecs
+from mm3.contract.buffers import TopkBuffer
+from mm3.contract.capabilities import ALL_OPS, BackendCapabilities, Probe
+from mm3.contract.errors import BackendUnavailableError, InputError, PluginError, UnknownBackendError
+from mm3.contract.hookspecs import HOOK_NAMES, OP_HOOKS, PROJECT
 
 if TYPE_CHECKING:
-    from mm3.batch import BatchMetadata
-    from mm3.buffers import PagedKVCache
-    from mm3.params import SparseAttentionParams
+    from mm3.contract.batch import BatchMetadata
+    from mm3.contract.buffers import PagedKVCache
+    from mm3.contract.params import SparseAttentionParams
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -485,7 +485,7 @@ class Registry:
         """Register one plugin now and return its :class:`Backend`.
 
         Unlike loading, this raises on any problem (the caller asked for this
-        plugin): :class:`~mm3.errors.PluginError` for an invalid plugin or a
+        plugin): :class:`~mm3.contract.errors.PluginError` for an invalid plugin or a
         backend name that is already taken; the registry is left unchanged.
 
         Example:
@@ -657,7 +657,7 @@ class Registry:
                 self._pm.unregister(name=pm_name)
             return PluginProblem(label, source, "register",
                                  " ".join(str(e).split()) + "; make the hookimpl's arguments a "
-                                 "subset of the hookspec's (see mm3.hookspecs)")
+                                 "subset of the hookspec's (see mm3.contract.hookspecs)")
         except Exception as e:  # e.g. an attribute that raises on access
             if self._pm.has_plugin(pm_name):
                 self._pm.unregister(name=pm_name)
@@ -691,7 +691,7 @@ class Registry:
         caps_fn = impls.get("backend_capabilities")
         if caps_fn is None:
             return fail("hooks", "no @hookimpl backend_capabilities(); every backend must declare "
-                                 "its capabilities (see mm3.hookspecs)")
+                                 "its capabilities (see mm3.contract.hookspecs)")
         try:
             raw = caps_fn()
         except Exception as e:

@@ -48,7 +48,7 @@ def use_backend(backend: str, indexer_backend: Optional[str] = None, *,
 
     The names are checked against ``registry`` (default: the process-wide one)
     when the block opens: an unknown name raises
-    :class:`~mm3.errors.UnknownBackendError` there, listing the known ones and
+    :class:`~mm3.contract.errors.UnknownBackendError` there, listing the known ones and
     the closest match, not later at a layer's first step. Whether the backend
     can serve a given layer is still decided (and explained) by that layer.
     """

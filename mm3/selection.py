@@ -8,16 +8,16 @@ or rejected with every reason, so a surprising choice can always be explained.
 Rules (DESIGN §4):
 
 * ``backend`` governs the attention. A *named* backend that cannot serve
-  raises :class:`~mm3.errors.BackendUnavailableError` with its reasons; with
+  raises :class:`~mm3.contract.errors.BackendUnavailableError` with its reasons; with
   ``allow_fallback=True`` selection falls back to ``"auto"`` instead and the
   trace says so. An unknown name always raises
-  :class:`~mm3.errors.UnknownBackendError` (a typo is not a reason to fall back).
+  :class:`~mm3.contract.errors.UnknownBackendError` (a typo is not a reason to fall back).
 * ``"auto"`` takes the highest-priority backend that is available on the
   device and capable (ties broken by name).
 * The indexer is ``indexer_backend`` when given (same rules); otherwise the
   attention backend itself when it provides ``index_topk`` and is capable;
   otherwise ``"auto"`` for the indexer role.
-* Nothing fits -> :class:`~mm3.errors.NoBackendError` listing the request and
+* Nothing fits -> :class:`~mm3.contract.errors.NoBackendError` listing the request and
   each candidate's reasons.
 * When the attention backend needs a contiguous top-k buffer in a layout other
   than the one the indexer writes, :attr:`Selection.topk_conversion` says the
@@ -25,7 +25,7 @@ Rules (DESIGN §4):
 
 Example:
     >>> import torch
-    >>> from mm3.params import SparseAttentionParams
+    >>> from mm3.contract.params import SparseAttentionParams
     >>> req = requirements_for(SparseAttentionParams.minimax_m3(tp_size=8),
     ...                        torch.bfloat16, torch.bfloat16, "cpu")
     >>> sel = select(req, default_registry(), device="cpu")       # doctest: +SKIP
@@ -43,14 +43,14 @@ from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from pydantic import ValidationError
 
-from mm3.buffers import dtype_name
-from mm3.capabilities import ALL_OPS, Probe, Requirements
-from mm3.errors import BackendUnavailableError, InputError, NoBackendError
+from mm3.contract.buffers import dtype_name
+from mm3.contract.capabilities import ALL_OPS, Probe, Requirements
+from mm3.contract.errors import BackendUnavailableError, InputError, NoBackendError
 
 if TYPE_CHECKING:
     import torch
 
-    from mm3.params import SparseAttentionParams
+    from mm3.contract.params import SparseAttentionParams
     from mm3.registry import Backend, Registry
 
 __all__ = ["Role", "TraceEntry", "Selection", "select", "requirements_for", "describe_requirements"]
@@ -149,7 +149,7 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
 
     Example:
         >>> import torch
-        >>> from mm3.params import SparseAttentionParams
+        >>> from mm3.contract.params import SparseAttentionParams
         >>> r = requirements_for(SparseAttentionParams.minimax_m3(tp_size=8),
         ...                      torch.bfloat16, torch.float8_e4m3fn, "cpu")
         >>> r.device_type, r.index_cache_dtype, r.gqa_group

@@ -35,7 +35,7 @@ if __name__ == "__main__" and not torch.cuda.is_available():  # as tests/conftes
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, Settings, SparseAttentionParams,
                  TopkBuffer, hookimpl)
-from mm3.errors import (BackendUnavailableError, ConfigError, ContractViolation, InputError, NoBackendError,
+from mm3.contract.errors import (BackendUnavailableError, ConfigError, ContractViolation, InputError, NoBackendError,
                         PluginError, UnknownBackendError)
 from mm3.guard import guard_backend
 from mm3.layer import SparseAttention
@@ -580,7 +580,7 @@ def test_rejected(row: Row) -> None:
     assert type(e) is row.exc or isinstance(e, row.exc)
     assert row.fragment in str(e), f"{row.id}: {str(e)!r} lacks {row.fragment!r}"
     if row.exc is not ValueError:                       # every mm3 rejection is an mm3.MM3Error
-        from mm3.errors import MM3Error
+        from mm3.contract.errors import MM3Error
 
         assert isinstance(e, MM3Error)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.errors import InputError
-from mm3.params import SparseAttentionParams
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.errors import InputError
+from mm3.contract.params import SparseAttentionParams
 
 
 def _bt(rows: int, cols: int = 4) -> torch.Tensor:

@@ -72,7 +72,7 @@ def test_tiny_run_writes_every_output(tmp_path: Path) -> None:
 def test_minimal_byte_counts_match_the_notes() -> None:
     """The counts BENCHMARKS.md and NOTES.md quote for M3 TP1, batch 64, 64K context."""
     counts = bench.load_harness().counts
-    from mm3.params import SparseAttentionParams
+    from mm3.contract.params import SparseAttentionParams
 
     p = SparseAttentionParams.minimax_m3(tp_size=1)
     kv_tokens = 64 * 4 * 16 * 128

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.errors import InputError
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.errors import InputError
 
 
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])

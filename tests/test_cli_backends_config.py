@@ -259,7 +259,7 @@ def test_demo_checks_the_configuration_before_building_inputs(capsys, monkeypatc
 @pytest.mark.filterwarnings("ignore::mm3.registry.PluginLoadWarning")
 def test_use_backend_rejects_an_unknown_name_when_the_block_opens():
     from mm3 import use_backend
-    from mm3.errors import UnknownBackendError
+    from mm3.contract.errors import UnknownBackendError
 
     with pytest.raises(UnknownBackendError, match="did you mean 'fast'"):
         with use_backend("fsat"):

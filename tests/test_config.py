@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mm3.config import Settings, explain_settings
-from mm3.errors import ConfigError
+from mm3.contract.errors import ConfigError
 
 FIELDS = ["backend", "indexer_backend", "plugins", "disable_plugins", "no_plugin_autoload",
           "check_contracts", "allow_fallback", "config"]

@@ -183,7 +183,7 @@ def test_reference_indexer_feeds_attention_cases() -> None:
 
 
 def test_unknown_dtype_is_an_input_error() -> None:
-    from mm3.errors import InputError
+    from mm3.contract.errors import InputError
 
     with pytest.raises(InputError, match="float64"):
         plan_cases(CPU_REF, dtypes=["float64"])

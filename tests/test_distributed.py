@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mm3.buffers import TopkBuffer
+from mm3.contract.buffers import TopkBuffer
 from mm3.distributed import (
     RankShard,
     TensorParallelSparseAttention,
@@ -30,8 +30,8 @@ from mm3.distributed import (
     rank_shard,
     shard_params,
 )
-from mm3.errors import InputError
-from mm3.params import SparseAttentionParams
+from mm3.contract.errors import InputError
+from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention
 

@@ -38,8 +38,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mm3 import Settings, SparseAttentionParams, TopkBuffer
-from mm3.buffers import TORCH_DTYPES
-from mm3.errors import BackendUnavailableError
+from mm3.contract.buffers import TORCH_DTYPES
+from mm3.contract.errors import BackendUnavailableError
 from mm3.guard import GUARD_SENTINEL, guard_backend
 from mm3.layer import SparseAttention
 from mm3.registry import Registry

@@ -17,8 +17,8 @@ import torch
 
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import BackendCapabilities, Probe, Settings, SparseAttentionParams, TopkBuffer, hookimpl
-from mm3.batch import BatchMetadata
-from mm3.errors import ContractViolation, InputError
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.errors import ContractViolation, InputError
 from mm3.guard import (
     GUARD_SENTINEL, RULES, GuardedBackend, check_topk_allocation, find_topk_violation, guard_backend,
     unguarded,

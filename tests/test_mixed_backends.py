@@ -32,11 +32,11 @@ from typing import Optional
 import pytest
 import torch
 
-from mm3.buffers import TopkBuffer
+from mm3.contract.buffers import TopkBuffer
 from mm3.config import Settings
-from mm3.errors import InputError
+from mm3.contract.errors import InputError
 from mm3.layer import SparseAttention
-from mm3.params import SparseAttentionParams
+from mm3.contract.params import SparseAttentionParams
 from mm3.registry import Backend, Registry
 from mm3.testing.factories import Case, make_case
 from mm3.testing.fixtures import installed_plugin

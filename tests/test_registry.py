@@ -12,9 +12,9 @@ from plugin_fakes import FakeEntryPoint
 
 import mm3.registry as registry_mod
 from mm3 import BackendCapabilities, Probe, hookimpl
-from mm3.buffers import TopkBuffer
+from mm3.contract.buffers import TopkBuffer
 from mm3.config import Settings
-from mm3.errors import BackendUnavailableError, PluginError, UnknownBackendError
+from mm3.contract.errors import BackendUnavailableError, PluginError, UnknownBackendError
 from mm3.registry import (
     Backend,
     PluginLoadWarning,
@@ -273,12 +273,12 @@ def test_register_same_object_twice_is_an_error():
 
 
 def test_plugins_given_as_import_paths_and_broken_import_path():
-    reg = Registry(["mm3.capabilities", "no_such_mm3_module_xyz"], entry_points=False)
+    reg = Registry(["mm3.contract.capabilities", "no_such_mm3_module_xyz"], entry_points=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PluginLoadWarning)
         probs = {p.name: p for p in reg.problems()}
-    # mm3.capabilities has no hookimpls at all -> no backend_capabilities
-    assert probs["mm3.capabilities"].stage == "hooks"
+    # mm3.contract.capabilities has no hookimpls at all -> no backend_capabilities
+    assert probs["mm3.contract.capabilities"].stage == "hooks"
     assert probs["no_such_mm3_module_xyz"].stage == "import"
     assert "ModuleNotFoundError" in probs["no_such_mm3_module_xyz"].error
 

@@ -10,7 +10,7 @@ from plugin_fakes import FakeEntryPoint
 import torch
 
 from mm3 import BackendCapabilities, Probe, SparseAttentionParams, hookimpl
-from mm3.errors import (
+from mm3.contract.errors import (
     BackendUnavailableError,
     InputError,
     NoBackendError,
@@ -282,7 +282,7 @@ def test_requirements_for_rejects_unsupported_dtype():
 def test_named_only_probe_is_passed_over_by_auto_but_served_by_name() -> None:
     """A test-only path (e.g. a GPU backend under Triton's interpreter) is never picked by accident."""
     from mm3 import hookimpl
-    from mm3.capabilities import BackendCapabilities, Probe
+    from mm3.contract.capabilities import BackendCapabilities, Probe
     from mm3.registry import Registry
     from mm3.selection import select
 
@@ -309,7 +309,7 @@ def test_named_only_probe_is_passed_over_by_auto_but_served_by_name() -> None:
 
     reg = Registry(plugins=[Plugin("interp", 100, Probe.named_only("interpreter")),
                             Plugin("plain", 0, Probe.yes())], entry_points=False)
-    from mm3.capabilities import Requirements
+    from mm3.contract.capabilities import Requirements
     req = Requirements(device_type="cpu")
     auto = select(req, reg, device="cpu")
     assert auto.attention.name == "plain" and auto.indexer.name == "plain"

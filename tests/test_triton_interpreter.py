@@ -20,9 +20,9 @@ from types import ModuleType
 import pytest
 import torch
 
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.errors import InputError
-from mm3.params import SparseAttentionParams
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.errors import InputError
+from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention, oracle_topk
 from mm3_backends.cuda import plugin as cuda_plugin

@@ -36,11 +36,11 @@ from typing import Iterator
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.errors import InputError
-from mm3.hook_args import check_hook_args
-from mm3.params import SparseAttentionParams
+from mm3.contract import BatchMetadata
+from mm3.contract import PagedKVCache, TopkBuffer
+from mm3.contract import InputError
+from mm3.contract import check_hook_args
+from mm3.contract import SparseAttentionParams
 
 from ._common import DEFAULT_MAX_ELEMENTS, gather_pages
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from mm3 import hookimpl
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.capabilities import BackendCapabilities, Probe
-from mm3.params import SparseAttentionParams
+from mm3.contract import BatchMetadata
+from mm3.contract import PagedKVCache, TopkBuffer
+from mm3.contract import BackendCapabilities, Probe
+from mm3.contract import SparseAttentionParams
 
 from .attention import attention_forward as _attention
 from .indexer import index_topk as _index_topk

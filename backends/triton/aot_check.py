@@ -91,8 +91,8 @@ class _Recorder:
 
 def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
     """Every launch the plugin's hooks make on a mixed M3 step per shape variant (nothing runs)."""
-    from mm3.buffers import TopkBuffer
-    from mm3.params import SparseAttentionParams
+    from mm3.contract import TopkBuffer
+    from mm3.contract import SparseAttentionParams
     from mm3.testing.factories import make_case
 
     from . import attention, indexer

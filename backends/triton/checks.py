@@ -1,4 +1,4 @@
-"""Input validation at the plugin boundary: clear :class:`mm3.errors.InputError` s, never a kernel crash.
+"""Input validation at the plugin boundary: clear :class:`mm3.InputError` s, never a kernel crash.
 
 The kernels are stride-generic, so no contiguity is demanded; what they do
 need is checked here: consistent shapes, supported dtypes, one device that
@@ -12,11 +12,11 @@ from typing import Callable
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.errors import InputError
-from mm3.hook_args import check_hook_args
-from mm3.params import SparseAttentionParams
+from mm3.contract import BatchMetadata
+from mm3.contract import PagedKVCache, TopkBuffer
+from mm3.contract import InputError
+from mm3.contract import check_hook_args
+from mm3.contract import SparseAttentionParams
 
 __all__ = ["check_index_inputs", "check_attention_inputs", "ATTENTION_DTYPES", "INDEX_Q_DTYPES",
            "INDEX_CACHE_DTYPES", "MIN_TILE"]

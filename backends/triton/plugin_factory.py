@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
-from mm3.buffers import TopkBuffer
-from mm3.capabilities import BackendCapabilities, KVCacheLayout, Probe, TopkLayout
-from mm3.hookspecs import hookimpl
-from mm3.params import MINIMAX_M3_MAX_DECODE_QUERY_LEN
+from mm3.contract import TopkBuffer
+from mm3.contract import BackendCapabilities, KVCacheLayout, Probe, TopkLayout
+from mm3.contract import hookimpl
+from mm3.contract import MINIMAX_M3_MAX_DECODE_QUERY_LEN
 
 from .launch import LaunchConfig
 
 if TYPE_CHECKING:
-    from mm3.batch import BatchMetadata
-    from mm3.buffers import PagedKVCache
-    from mm3.params import SparseAttentionParams
+    from mm3.contract import BatchMetadata
+    from mm3.contract import PagedKVCache
+    from mm3.contract import SparseAttentionParams
 
 __all__ = ["TritonPluginSpec", "TritonHooks", "make_hookimpls", "triton_missing", "interpreter_probe",
            "INTERPRETER_CONFIG", "SUPPORTED_TILE_SIZES"]

@@ -50,9 +50,9 @@ import pytest
 if TYPE_CHECKING:
     import torch
 
-    from mm3.batch import BatchMetadata
-    from mm3.buffers import PagedKVCache
-    from mm3.params import SparseAttentionParams
+    from mm3.contract.batch import BatchMetadata
+    from mm3.contract.buffers import PagedKVCache
+    from mm3.contract.params import SparseAttentionParams
     from mm3.registry import Backend, Registry
     from mm3.testing.conformance import ConformanceReport
     from mm3.testing.factories import Case
@@ -81,7 +81,7 @@ def default_params(**overrides: Any) -> "SparseAttentionParams":
         >>> default_params(topk=2).gqa_group
         4
     """
-    from mm3.params import SparseAttentionParams
+    from mm3.contract.params import SparseAttentionParams
 
     base: dict[str, Any] = dict(num_heads=8, num_kv_heads=2, head_dim=32, num_index_heads=2,
                                 index_head_dim=32, block_size=16, topk=4)
@@ -97,7 +97,7 @@ def installed_plugin(name: str) -> object:
         >>> Registry([installed_plugin("cpu_ref")], entry_points=False).names()
         ['cpu_ref']
     """
-    from mm3.errors import UnknownBackendError
+    from mm3.contract.errors import UnknownBackendError
     from mm3.registry import ENTRY_POINT_GROUP, list_entry_points
 
     eps = list(list_entry_points(ENTRY_POINT_GROUP))
@@ -217,7 +217,7 @@ class CaseFactory:
         """Paged caches filled with N(0, 1) values."""
         import torch
 
-        from mm3.buffers import TORCH_DTYPES
+        from mm3.contract.buffers import TORCH_DTYPES
         from mm3.testing.factories import random_caches
 
         def dt(d: Union[str, torch.dtype]) -> torch.dtype:

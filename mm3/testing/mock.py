@@ -39,12 +39,12 @@ from typing import Any, Literal, Optional, Union, get_args
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.capabilities import BackendCapabilities, Probe
-from mm3.errors import InputError, UnknownBackendError
-from mm3.hookspecs import hookimpl
-from mm3.params import SparseAttentionParams
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.capabilities import BackendCapabilities, Probe
+from mm3.contract.errors import InputError, UnknownBackendError
+from mm3.contract.hookspecs import hookimpl
+from mm3.contract.params import SparseAttentionParams
 
 __all__ = ["MockBackend", "MockFault", "Call", "Fault", "FAULTS"]
 
@@ -110,10 +110,10 @@ class MockBackend:
         fault: one of :data:`FAULTS` (see the module docstring), or ``None``.
         available: what ``backend_probe`` answers; ``probe_reason`` says why.
         strict: when the declared capabilities say ``topk_requires_contiguous``,
-            reject (:class:`~mm3.errors.InputError`) a top-k buffer that is not
+            reject (:class:`~mm3.contract.errors.InputError`) a top-k buffer that is not
             dense in the declared layout, as a raw kernel would misread it. This
             is how tests prove the caller converted the buffer.
-        **capabilities: any :class:`~mm3.capabilities.BackendCapabilities` field
+        **capabilities: any :class:`~mm3.contract.capabilities.BackendCapabilities` field
             (``topk_layout``, ``ops``, ``priority``, ``dtypes``...), overriding the
             defaults (both ops, cpu+cuda, head-major, decode query length 16).
 

@@ -41,8 +41,8 @@ import pytest
 import torch
 
 from mm3 import BatchMetadata, PagedKVCache, Settings, SparseAttentionParams
-from mm3.buffers import TopkBuffer
-from mm3.errors import ContractViolation
+from mm3.contract.buffers import TopkBuffer
+from mm3.contract.errors import ContractViolation
 from mm3.layer import SparseAttention
 from mm3.registry import Registry
 

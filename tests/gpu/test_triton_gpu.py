@@ -23,7 +23,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from mm3.params import SparseAttentionParams
+from mm3.contract.params import SparseAttentionParams
 from mm3_backends.cuda import plugin as cuda_plugin
 from mm3_backends.rocm import plugin as rocm_plugin
 

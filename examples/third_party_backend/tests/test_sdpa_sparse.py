@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mm3 import TopkBuffer
-from mm3.errors import InputError
+from mm3.contract import InputError
 from mm3.layer import SparseAttention
 from mm3.testing.oracle import oracle_attention, oracle_topk
 

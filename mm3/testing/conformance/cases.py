@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from mm3.buffers import TopkBuffer
-from mm3.params import SparseAttentionParams
+from mm3.contract.buffers import TopkBuffer
+from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention, oracle_block_scores, oracle_topk
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
 import torch
 
-from mm3.errors import InputError
+from mm3.contract.errors import InputError
 from mm3.testing.conformance.cases import (
     ATTENTION_STEPS, BODIES, BUFFER_CASES, COMPOSED_STEPS, INDEXER_STEPS, LARGE_STEPS, CaseContext,
     CaseSpec, Step,

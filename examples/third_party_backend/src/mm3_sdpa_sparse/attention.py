@@ -47,11 +47,11 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.errors import InputError
-from mm3.hook_args import check_hook_args
-from mm3.params import SparseAttentionParams
+from mm3.contract import BatchMetadata
+from mm3.contract import PagedKVCache, TopkBuffer
+from mm3.contract import InputError
+from mm3.contract import check_hook_args
+from mm3.contract import SparseAttentionParams
 
 __all__ = ["attention_forward", "DEFAULT_MAX_ELEMENTS", "MAX_ELEMENTS_ENV", "DENSE_MAX_BLOCKS_PER_TOPK",
            "Strategy"]

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mm3.errors import InputError
+from mm3.contract.errors import InputError
 
 __all__ = ["SparseAttentionParams", "MINIMAX_M3_MAX_DECODE_QUERY_LEN"]
 

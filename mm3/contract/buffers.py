@@ -24,8 +24,8 @@ from typing import Literal, Union, cast, get_args
 
 import torch
 
-from mm3.capabilities import KVCacheLayout, TopkLayout
-from mm3.errors import InputError
+from mm3.contract.capabilities import KVCacheLayout, TopkLayout
+from mm3.contract.errors import InputError
 
 __all__ = ["TopkBuffer", "PagedKVCache", "TORCH_DTYPES", "dtype_name"]
 

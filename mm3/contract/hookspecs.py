@@ -35,10 +35,10 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
-    from mm3.batch import BatchMetadata
-    from mm3.buffers import PagedKVCache, TopkBuffer
-    from mm3.capabilities import BackendCapabilities, Probe
-    from mm3.params import SparseAttentionParams
+    from mm3.contract.batch import BatchMetadata
+    from mm3.contract.buffers import PagedKVCache, TopkBuffer
+    from mm3.contract.capabilities import BackendCapabilities, Probe
+    from mm3.contract.params import SparseAttentionParams
 
 __all__ = ["PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "OP_HOOKS"]
 
