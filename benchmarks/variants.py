@@ -66,7 +66,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
 
 
 class VariantBackend:
-    """Quacks like :class:`mm3.registry.Backend` for the harness: name, alloc, index_topk, attention_forward."""
+    """Quacks like :class:`mm3.runtime.backend.Backend` for the harness: name, alloc, index_topk, attention_forward."""
 
     def __init__(self, name: str, overrides: dict[str, Any], kinds: tuple[str, ...]) -> None:
         from mm3_backends.cuda.plugin import SPEC

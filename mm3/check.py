@@ -82,7 +82,7 @@ def check_backend(name: str, *, device: str = "cpu", full: bool = False,
     import torch
 
     from mm3.contract.errors import MM3Error
-    from mm3.registry import default_registry
+    from mm3.runtime.registry import default_registry
     from mm3.testing.conformance import ConformanceReport, plan_cases
 
     out = out if out is not None else sys.stdout

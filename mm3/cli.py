@@ -107,9 +107,9 @@ def check_configured_backends(settings: Any = None, registry: Any = None) -> Non
     registry; the message says where the name came from (argument, ``MM3_*``
     variable or config file) and carries the registry's did-you-mean hint.
     """
-    from mm3.config import Settings, explain_settings
+    from mm3.runtime.config import Settings, explain_settings
     from mm3.contract.errors import UnknownBackendError
-    from mm3.registry import default_registry
+    from mm3.runtime.registry import default_registry
 
     settings = settings if settings is not None else Settings()
     registry = registry if registry is not None else default_registry()
@@ -144,8 +144,8 @@ class BackendsCommand:
         import torch
 
         from mm3.contract.params import SparseAttentionParams
-        from mm3.registry import default_registry
-        from mm3.selection import requirements_for, select
+        from mm3.runtime.registry import default_registry
+        from mm3.runtime.selection import requirements_for, select
 
         device = args.device or default_device()
         try:
@@ -236,7 +236,7 @@ class ConfigCommand:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
-        from mm3.config import Settings, explain_settings
+        from mm3.runtime.config import Settings, explain_settings
 
         settings = Settings()
         rows = explain_settings(settings)
@@ -333,7 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         with warnings.catch_warnings():
             # Excluded plugins are listed by `mm3 backends`; raw warnings would only repeat them.
-            from mm3.registry import PluginLoadWarning
+            from mm3.runtime.discovery import PluginLoadWarning
 
             warnings.simplefilter("ignore", PluginLoadWarning)
             return int(command.run(args) or 0)

@@ -4,7 +4,7 @@ A backend that breaks the top-k contract must fail *here*, with a message
 naming it, not three kernels later with an illegal memory access or silently
 wrong tokens (which is how MiniMax-M3 failed in vLLM, SPEC §5). With
 ``Settings(check_contracts=True)`` / ``MM3_CHECK_CONTRACTS=1``,
-:class:`~mm3.layer.SparseAttention` wraps its bound backends in
+:class:`~mm3.runtime.layer.SparseAttention` wraps its bound backends in
 :class:`GuardedBackend`; every call is then checked and a broken rule raises
 :class:`~mm3.contract.errors.ContractViolation` naming the backend, the hook, the rule
 and the first offending row (head, token, the row's content). Off by default:
@@ -66,7 +66,7 @@ docs/errors.md has the details.
 
 Example:
     >>> import torch, mm3
-    >>> from mm3.layer import SparseAttention
+    >>> from mm3.runtime.layer import SparseAttention
     >>> from mm3.testing.factories import make_case
     >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16,
     ...     num_index_heads=2, index_head_dim=16, block_size=16, topk=4)
@@ -525,22 +525,22 @@ def _capturing(t: torch.Tensor) -> bool:
 class GuardedBackend:
     """A bound backend whose every op call is checked against the SPEC contract.
 
-    It behaves like the :class:`~mm3.registry.Backend` it wraps (``name``,
+    It behaves like the :class:`~mm3.runtime.backend.Backend` it wraps (``name``,
     ``capabilities``, ``probe``... are the wrapped backend's); only
     ``alloc_topk_buffer``, ``index_topk`` and ``attention_forward`` add checks.
     Failures raise :class:`~mm3.contract.errors.ContractViolation` (see :data:`RULES`),
     or :class:`~mm3.contract.errors.InputError` for a block table pointing outside the
-    cache. :class:`~mm3.layer.SparseAttention` wraps its backends when
+    cache. :class:`~mm3.runtime.layer.SparseAttention` wraps its backends when
     ``Settings.check_contracts`` is on; wrap one by hand with
     :func:`guard_backend`.
 
     Args:
-        backend: the backend to check (a :class:`~mm3.registry.Backend`, or any
+        backend: the backend to check (a :class:`~mm3.runtime.backend.Backend`, or any
             object with the same attributes).
         check_finite: check ``attention.nonfinite`` (costs one pass over ``out``).
 
     Example:
-        >>> from mm3.registry import default_registry
+        >>> from mm3 import default_registry
         >>> be = guard_backend(default_registry().get("cpu_ref"))      # doctest: +SKIP
         >>> buf = be.alloc_topk_buffer(64, 2, 4, "cpu")                  # checked   # doctest: +SKIP
         >>> be.index_topk(index_q, caches, batch, params, buf.rows(0, T))  # checked # doctest: +SKIP
@@ -743,8 +743,8 @@ def _measure_overhead(repeat: int = 9, shapes: Sequence[int] = (8, 2)) -> list[d
     """
     import time
 
-    from mm3.config import Settings
-    from mm3.layer import SparseAttention
+    from mm3.runtime.config import Settings
+    from mm3.runtime.layer import SparseAttention
     from mm3.testing.factories import make_case
 
     def timed(fn: Any) -> float:

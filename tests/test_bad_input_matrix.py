@@ -38,10 +38,10 @@ from mm3 import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, Settin
 from mm3.contract.errors import (BackendUnavailableError, ConfigError, ContractViolation, InputError, NoBackendError,
                         PluginError, UnknownBackendError)
 from mm3.guard import guard_backend
-from mm3.layer import SparseAttention
-from mm3.registry import Registry, default_registry
-from mm3.scope import use_backend
-from mm3.selection import requirements_for, select
+from mm3.runtime.layer import SparseAttention
+from mm3.runtime.registry import Registry, default_registry
+from mm3.runtime.scope import use_backend
+from mm3.runtime.selection import requirements_for, select
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention, oracle_topk
 

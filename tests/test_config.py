@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mm3.config import Settings, explain_settings
+from mm3.runtime.config import Settings, explain_settings
 from mm3.contract.errors import ConfigError
 
 FIELDS = ["backend", "indexer_backend", "plugins", "disable_plugins", "no_plugin_autoload",
@@ -233,12 +233,12 @@ def test_settings_are_frozen():
 
 
 def test_plugin_and_tool_env_namespaces_are_not_settings(monkeypatch):
-    import mm3.registry as registry_mod
+    import mm3.runtime.discovery as discovery
 
     class EP:
         name = "vendorx"
 
-    monkeypatch.setattr(registry_mod, "list_entry_points", lambda group="mm3.backends": [EP()])
+    monkeypatch.setattr(discovery, "list_entry_points", lambda group="mm3.backends": [EP()])
     monkeypatch.setenv("MM3_VENDORX_TUNING", "aggressive")  # a plugin's own knob
     monkeypatch.setenv("MM3_GPU_REPORT", "/tmp/report.jsonl")  # a test-suite knob
     assert Settings().backend == "auto"

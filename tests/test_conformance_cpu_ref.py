@@ -16,7 +16,8 @@ import sys
 import pytest
 
 import mm3_backends.cpu_ref.plugin as cpu_ref
-from mm3.registry import Backend, Registry
+from mm3.runtime.backend import Backend
+from mm3.runtime.registry import Registry
 from mm3.testing.conformance import (
     CaseResult, ConformanceReport, PlannedCase, plan_cases, run_conformance,
 )

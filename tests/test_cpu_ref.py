@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import SparseAttentionParams, TopkBuffer
 from mm3.contract.errors import InputError
-from mm3.registry import Registry
+from mm3.runtime.registry import Registry
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention, oracle_topk
 from mm3_backends.cpu_ref.attention import attention_forward

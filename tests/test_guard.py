@@ -23,8 +23,8 @@ from mm3.guard import (
     GUARD_SENTINEL, RULES, GuardedBackend, check_topk_allocation, find_topk_violation, guard_backend,
     unguarded,
 )
-from mm3.layer import SparseAttention
-from mm3.registry import Registry
+from mm3.runtime.layer import SparseAttention
+from mm3.runtime.registry import Registry
 from mm3.testing.factories import Case, make_case
 from mm3.testing.mock import MockBackend, MockFault
 from mm3.testing.oracle import oracle_attention, oracle_topk

@@ -65,7 +65,7 @@ def test_detector_catches_a_platform_check(tmp_path: Path) -> None:
 
 
 def test_importing_mm3_loads_no_backend_and_no_triton() -> None:
-    code = ("import sys, mm3, mm3.layer, mm3.cli; "
+    code = ("import sys, mm3, mm3.runtime.layer, mm3.cli; "
             "bad = [m for m in sys.modules if m.startswith(('mm3_backends', 'triton'))]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -33,11 +33,12 @@ import pytest
 import torch
 
 from mm3.contract.buffers import TopkBuffer
-from mm3.config import Settings
+from mm3.runtime.config import Settings
 from mm3.contract.errors import InputError
-from mm3.layer import SparseAttention
+from mm3.runtime.layer import SparseAttention
 from mm3.contract.params import SparseAttentionParams
-from mm3.registry import Backend, Registry
+from mm3.runtime.backend import Backend
+from mm3.runtime.registry import Registry
 from mm3.testing.factories import Case, make_case
 from mm3.testing.fixtures import installed_plugin
 from mm3.testing.mock import MockBackend

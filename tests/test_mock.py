@@ -8,7 +8,7 @@ import torch
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import SparseAttentionParams, TopkBuffer
 from mm3.contract.errors import InputError, PluginError, UnknownBackendError
-from mm3.registry import Registry
+from mm3.runtime.registry import Registry
 from mm3.testing.factories import make_case
 from mm3.testing.mock import FAULTS, Call, MockBackend, MockFault
 from mm3.testing.oracle import check_topk, oracle_attention

@@ -10,19 +10,14 @@ import pytest
 import torch
 from plugin_fakes import FakeEntryPoint
 
-import mm3.registry as registry_mod
+import mm3.runtime.discovery as discovery
 from mm3 import BackendCapabilities, Probe, hookimpl
 from mm3.contract.buffers import TopkBuffer
-from mm3.config import Settings
+from mm3.runtime.config import Settings
 from mm3.contract.errors import BackendUnavailableError, PluginError, UnknownBackendError
-from mm3.registry import (
-    Backend,
-    PluginLoadWarning,
-    PluginSource,
-    Registry,
-    default_registry,
-    reset_default_registry,
-)
+from mm3.runtime.backend import Backend
+from mm3.runtime.discovery import PluginLoadWarning, PluginSource
+from mm3.runtime.registry import Registry, default_registry, reset_default_registry
 
 
 # -- fakes ---------------------------------------------------------------------------------------
@@ -149,13 +144,13 @@ class DeclaresMissingOp:
 
 
 def fake_eps(monkeypatch: pytest.MonkeyPatch, eps: list, calls: Optional[list] = None) -> None:
-    def lister(group: str = registry_mod.ENTRY_POINT_GROUP):
+    def lister(group: str = discovery.ENTRY_POINT_GROUP):
         assert group == "mm3.backends"
         if calls is not None:
             calls.append(group)
         return list(eps)
 
-    monkeypatch.setattr(registry_mod, "list_entry_points", lister)
+    monkeypatch.setattr(discovery, "list_entry_points", lister)
 
 
 @pytest.fixture(autouse=True)
@@ -193,7 +188,7 @@ def test_isolated_registry_never_touches_entry_points(monkeypatch):
     def boom(group="mm3.backends"):
         raise AssertionError("entry points listed")
 
-    monkeypatch.setattr(registry_mod, "list_entry_points", boom)
+    monkeypatch.setattr(discovery, "list_entry_points", boom)
     reg = Registry([FullPlugin("x")], entry_points=False)
     assert reg.names() == ["x"]
 

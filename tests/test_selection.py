@@ -17,8 +17,8 @@ from mm3.contract.errors import (
     PluginError,
     UnknownBackendError,
 )
-from mm3.registry import Registry
-from mm3.selection import Selection, requirements_for, select
+from mm3.runtime.registry import Registry
+from mm3.runtime.selection import Selection, requirements_for, select
 
 
 class Fake:
@@ -166,14 +166,14 @@ def test_unknown_name_raises_even_with_fallback(req):
 
 
 def test_duplicate_named_backend_raises_plugin_error(req, monkeypatch):
-    import mm3.registry as registry_mod
-    from mm3.config import Settings
+    import mm3.runtime.discovery as discovery
+    from mm3.runtime.config import Settings
 
-    monkeypatch.setattr(registry_mod, "list_entry_points",
+    monkeypatch.setattr(discovery, "list_entry_points",
                         lambda group="mm3.backends": [FakeEntryPoint("x1", Fake("x"), "dist-a", "1"),
                                                       FakeEntryPoint("x2", Fake("x"), "dist-b", "1")])
     reg = Registry(settings=Settings())
-    with pytest.warns(registry_mod.PluginLoadWarning):
+    with pytest.warns(discovery.PluginLoadWarning):
         reg.backends()
     with pytest.raises(PluginError, match="dist-a.*dist-b"):
         select(req, reg, backend="x", device="cpu")
@@ -283,8 +283,8 @@ def test_named_only_probe_is_passed_over_by_auto_but_served_by_name() -> None:
     """A test-only path (e.g. a GPU backend under Triton's interpreter) is never picked by accident."""
     from mm3 import hookimpl
     from mm3.contract.capabilities import BackendCapabilities, Probe
-    from mm3.registry import Registry
-    from mm3.selection import select
+    from mm3.runtime.registry import Registry
+    from mm3.runtime.selection import select
 
     class Plugin:
         def __init__(self, name: str, priority: int, probe: Probe) -> None:

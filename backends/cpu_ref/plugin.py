@@ -7,7 +7,7 @@ head-major top-k buffers but reads and writes any layout through
 a request is picked before it.
 
 Example:
-    >>> from mm3.registry import Registry
+    >>> from mm3 import Registry
     >>> import mm3_backends.cpu_ref.plugin as cpu_ref
     >>> be = Registry(plugins=[cpu_ref], entry_points=False).get("cpu_ref")
     >>> be.capabilities.topk_layout, be.probe("cpu").available

@@ -2,7 +2,7 @@
 
 One plugin is one backend: a module or object with ``@hookimpl`` functions.
 Every hook is ``firstresult``; the registry binds each backend's own
-implementations directly (see :mod:`mm3.registry`), so hooks of different
+implementations directly (see :mod:`mm3.runtime.backend`), so hooks of different
 backends never mix and no ``pm.hook`` call happens per forward.
 
 A minimal attention-only plugin::

@@ -23,7 +23,7 @@ importing mm3 never imports a backend) and can inject one fault:
 ==================  ====================================================================
 
 Example:
-    >>> from mm3.registry import Registry
+    >>> from mm3 import Registry
     >>> mock = MockBackend("mock_tm", topk_layout="token_major", priority=5)
     >>> be = Registry(plugins=[mock], entry_points=False).get("mock_tm")
     >>> be.alloc_topk_buffer(8, 2, 4, "cpu").layout
@@ -88,7 +88,7 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _load_entry_point(name: str) -> object:
     """The plugin registered under entry point ``name`` of the ``mm3.backends`` group."""
-    from mm3.registry import list_entry_points  # deferred: keep mm3.testing import-light
+    from mm3.runtime.discovery import list_entry_points  # deferred: keep mm3.testing import-light
 
     for ep in list_entry_points():
         if ep.name == name:
@@ -104,7 +104,7 @@ class MockBackend:
     Args:
         name: backend name (``capabilities.name``).
         delegate: who does the math: a plugin module/object or a
-            :class:`~mm3.registry.Backend` (anything with ``index_topk`` /
+            :class:`~mm3.runtime.backend.Backend` (anything with ``index_topk`` /
             ``attention_forward``), or an entry-point name. Default ``"cpu_ref"``,
             loaded on first use.
         fault: one of :data:`FAULTS` (see the module docstring), or ``None``.

@@ -30,7 +30,7 @@ from mm3.testing.fixtures import (  # noqa: F401
 if TYPE_CHECKING:
     import torch
 
-    from mm3.registry import Backend
+    from mm3.runtime.backend import Backend
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -76,6 +76,6 @@ def mm3_conformance_backend(pytestconfig: pytest.Config) -> "Backend":
     names = pytestconfig.getoption("--mm3-backend")
     if not names:
         pytest.skip("no backend given: pass --mm3-backend NAME")
-    from mm3.registry import default_registry
+    from mm3.runtime.registry import default_registry
 
     return default_registry().get(names[0])

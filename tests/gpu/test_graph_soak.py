@@ -43,8 +43,8 @@ import torch
 from mm3 import BatchMetadata, PagedKVCache, Settings, SparseAttentionParams
 from mm3.contract.buffers import TopkBuffer
 from mm3.contract.errors import ContractViolation
-from mm3.layer import SparseAttention
-from mm3.registry import Registry
+from mm3.runtime.layer import SparseAttention
+from mm3.runtime.registry import Registry
 
 from gpu_reference import attention_reference, block_scores, selection_errors
 
@@ -66,7 +66,7 @@ def rocm_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _registry(*names: str) -> Registry:
-    from mm3.registry import list_entry_points
+    from mm3.runtime.discovery import list_entry_points
 
     eps = {ep.name: ep for ep in list_entry_points()}
     return Registry(plugins=[eps[n].load() for n in names], entry_points=False)

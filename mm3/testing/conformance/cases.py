@@ -47,7 +47,7 @@ from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention, oracle_block_scores, oracle_topk
 
 if TYPE_CHECKING:
-    from mm3.registry import Backend
+    from mm3.runtime.backend import Backend
 
 __all__ = ["Step", "CaseSpec", "CaseContext", "CaseFailure", "TOLERANCES", "SENTINEL", "OUT_POISON",
            "INDEXER_STEPS", "ATTENTION_STEPS", "COMPOSED_STEPS", "LARGE_STEPS", "BUFFER_CASES"]

@@ -7,7 +7,7 @@ head dim, block size or decode query length outside its capabilities, or a
 device its probe refuses. :func:`run_conformance` runs the plan.
 
 Example:
-    >>> from mm3.registry import default_registry
+    >>> from mm3 import default_registry
     >>> report = run_conformance(default_registry().get("cpu_ref"), dtypes=["float32"],
     ...                          index_dtypes=["bfloat16"])         # doctest: +SKIP
     >>> print(report.format())                                      # doctest: +SKIP
@@ -28,7 +28,7 @@ from mm3.testing.conformance.cases import (
 from mm3.testing.conformance.report import CaseResult, ConformanceReport
 
 if TYPE_CHECKING:
-    from mm3.registry import Backend
+    from mm3.runtime.backend import Backend
 
 __all__ = ["PlannedCase", "plan_cases", "run_conformance", "DEFAULT_DTYPES", "DEFAULT_INDEX_DTYPES"]
 
@@ -67,7 +67,7 @@ class PlannedCase:
 
 def _resolve(backend: Union["Backend", str]) -> "Backend":
     if isinstance(backend, str):
-        from mm3.registry import default_registry
+        from mm3.runtime.registry import default_registry
 
         return default_registry().get(backend)
     return backend
@@ -146,7 +146,7 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
 
     probe = be.probe(dev)
     planned = []
-    from mm3.selection import requirements_for
+    from mm3.runtime.selection import requirements_for
 
     for spec in specs:
         reasons: list[str] = []
@@ -173,7 +173,7 @@ def run_conformance(backend: Union["Backend", str], *, device: Union[str, torch.
     """Run the SPEC conformance suite on ``backend`` and return a report (never raises on failure).
 
     Args:
-        backend: a bound :class:`~mm3.registry.Backend` (or a name in the
+        backend: a bound :class:`~mm3.runtime.backend.Backend` (or a name in the
             default registry).
         device: where the inputs live (``"cpu"``, ``"cuda"``...).
         quick: tiny shapes only; ``False`` adds bigger ones.

@@ -40,7 +40,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     planned: list[Optional[PlannedCase]] = []
     if names:
         from mm3.contract.errors import MM3Error
-        from mm3.registry import default_registry
+        from mm3.runtime.registry import default_registry
 
         reg = default_registry()
         for name in names:

@@ -2,7 +2,7 @@
 
 Like ``torch.nn.attention.sdpa_kernel``, the choice holds for the code inside
 the block (per thread and per asyncio task, through a ``ContextVar``) and is
-undone on exit. A :class:`~mm3.layer.SparseAttention` built without an explicit
+undone on exit. A :class:`~mm3.runtime.layer.SparseAttention` built without an explicit
 ``backend=`` argument follows the innermost scope on each call.
 
 Example:
@@ -20,7 +20,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from mm3.registry import Registry, default_registry
+from mm3.runtime.registry import Registry, default_registry
 
 __all__ = ["BackendScope", "use_backend", "current_scope"]
 

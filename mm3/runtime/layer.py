@@ -29,12 +29,13 @@ import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
-from mm3.config import Settings
+from mm3.runtime.config import Settings
 from mm3.contract.errors import InputError
 from mm3.contract.params import SparseAttentionParams
-from mm3.registry import Backend, Registry, default_registry
-from mm3.scope import current_scope
-from mm3.selection import Selection, requirements_for, select
+from mm3.runtime.backend import Backend
+from mm3.runtime.registry import Registry, default_registry
+from mm3.runtime.scope import current_scope
+from mm3.runtime.selection import Selection, requirements_for, select
 from mm3.contract.checks import check_layer_args, check_step_inputs
 
 __all__ = ["SparseAttention"]
@@ -66,7 +67,7 @@ class SparseAttention:
         max_decode_query_len: 1 + draft tokens for speculative decoding.
         backend / indexer_backend: backend names, or ``None`` to follow
             ``use_backend`` scopes, then settings (``MM3_BACKEND``...), then "auto".
-        settings: explicit :class:`~mm3.config.Settings` (default: read env/files).
+        settings: explicit :class:`~mm3.runtime.config.Settings` (default: read env/files).
         registry: the backend registry (default: the process-wide one).
         cuda_graph: require backends that are safe to capture in CUDA graphs.
     """

@@ -63,6 +63,7 @@ from pydantic_settings import (
 )
 
 from mm3.contract.errors import ConfigError
+from mm3.runtime import discovery
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -136,10 +137,8 @@ def _plugin_env_prefixes() -> tuple[str, ...]:
     Listing entry points imports no plugin (about 2 ms), and it only happens
     when an ``MM3_*`` variable is not a setting.
     """
-    from mm3.registry import ENTRY_POINT_GROUP, list_entry_points  # registry imports config lazily
-
     try:
-        names = [ep.name for ep in list_entry_points(ENTRY_POINT_GROUP)]
+        names = [ep.name for ep in discovery.list_entry_points(discovery.ENTRY_POINT_GROUP)]
     except Exception:  # broken metadata must not turn into a config error
         names = []
     return tuple(f"{ENV_PREFIX}{n.upper()}_" for n in names)

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     import torch
 
     from mm3.contract.params import SparseAttentionParams
-    from mm3.registry import Backend, Registry
+    from mm3.runtime.backend import Backend
+    from mm3.runtime.registry import Registry
 
 __all__ = ["Role", "TraceEntry", "Selection", "select", "requirements_for", "describe_requirements"]
 

@@ -1,0 +1,161 @@
+"""A bound backend: one plugin's own hook implementations, called directly.
+
+pluggy is used to declare and validate the contract, not to dispatch. A
+:class:`Backend` holds the plugin's own hookimpl functions, resolved once by
+the registry, so ``backend.index_topk(...)`` is a plain Python call: hooks of
+different backends can never mix and a forward pays no ``pm.hook`` cost.
+``benchmarks/dispatch.py`` measures the difference.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Union
+
+import torch
+
+from mm3.contract.buffers import TopkBuffer
+from mm3.contract.capabilities import ALL_OPS, BackendCapabilities, Probe
+from mm3.contract.errors import BackendUnavailableError, InputError, PluginError
+from mm3.contract.hookspecs import OP_HOOKS
+
+if TYPE_CHECKING:
+    from mm3.contract.batch import BatchMetadata
+    from mm3.contract.buffers import PagedKVCache
+    from mm3.contract.params import SparseAttentionParams
+    from mm3.runtime.discovery import PluginSource
+
+__all__ = ["Backend", "DeviceLike"]
+
+DeviceLike = Union[str, torch.device]
+
+
+class Backend:
+    """A validated backend with its own hook implementations bound for direct calls.
+
+    Obtained from :meth:`Registry.get` / :meth:`Registry.backends`; not built by
+    hand. Op methods call the plugin's function directly: no pluggy dispatch.
+
+    Example:
+        >>> be = default_registry().get("cpu_ref")                  # doctest: +SKIP
+        >>> be.capabilities.topk_layout, be.source.distribution     # doctest: +SKIP
+        ('head_major', 'mm3')
+        >>> buf = be.alloc_topk_buffer(1024, 1, 16, "cpu")          # doctest: +SKIP
+        >>> be.index_topk(index_q, caches, batch, params, buf.rows(0, T))  # doctest: +SKIP
+    """
+
+    def __init__(self, plugin: object, capabilities: BackendCapabilities, source: "PluginSource",
+                 impls: dict[str, Callable[..., Any]]) -> None:
+        self.plugin = plugin
+        self.capabilities = capabilities
+        self.source = source
+        self._impls = dict(impls)
+        self._probe_cache: dict[str, Probe] = {}
+        # Instance attributes shadow the raising class methods below, so a call
+        # is exactly one call of the plugin's function (see module docstring).
+        for op, hook in OP_HOOKS.items():
+            if op in capabilities.ops and hook in impls:
+                setattr(self, hook, impls[hook])
+
+    # -- facts ------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.capabilities.name
+
+    @property
+    def priority(self) -> int:
+        return self.capabilities.priority
+
+    @property
+    def hooks(self) -> frozenset[str]:
+        """Names of the hooks this plugin implements."""
+        return frozenset(self._impls)
+
+    def provides(self, op: str) -> bool:
+        """True when the backend declares ``op`` ("index_topk" | "attention") and implements it."""
+        if op not in ALL_OPS:
+            raise InputError(f"unknown op {op!r}; ops are {sorted(ALL_OPS)}")
+        return op in self.capabilities.ops and OP_HOOKS[op] in self._impls
+
+    # -- probe ----------------------------------------------------------------------
+    def probe(self, device: DeviceLike) -> Probe:
+        """Can this backend run on ``device``? Cached per device string.
+
+        A probe that raises or returns something other than a :class:`Probe`
+        yields ``Probe.no(...)`` naming the problem; it never propagates.
+        """
+        dev = torch.device(device) if not isinstance(device, torch.device) else device
+        key = str(dev)
+        cached = self._probe_cache.get(key)
+        if cached is not None:
+            return cached
+        fn = self._impls.get("backend_probe")
+        if fn is None:
+            result = Probe.yes("no backend_probe hook; assumed available")
+        else:
+            try:
+                got = fn(device=dev)
+            except Exception as e:  # a probe must not take selection down
+                result = Probe.no(f"probe raised {type(e).__name__}: {e}")
+            else:
+                if isinstance(got, Probe):
+                    result = got
+                else:
+                    result = Probe.no(f"backend_probe returned {type(got).__name__} {got!r}, "
+                                      f"expected mm3.Probe (return Probe.yes() or Probe.no(reason))")
+        # A racing thread may probe twice; both results are equal and the write is atomic.
+        self._probe_cache[key] = result
+        return result
+
+    # -- ops ----------------------------------------------------------------------------
+    def alloc_topk_buffer(self, num_tokens: int, num_heads: int, topk: int,
+                          device: DeviceLike) -> TopkBuffer:
+        """A persistent top-k buffer in this backend's declared ``topk_layout``.
+
+        Uses the plugin's ``alloc_topk_buffer`` hook when it has one, else
+        ``TopkBuffer.allocate(..., layout=capabilities.topk_layout)``.
+        """
+        dev = torch.device(device) if not isinstance(device, torch.device) else device
+        fn = self._impls.get("alloc_topk_buffer")
+        if fn is None:
+            return TopkBuffer.allocate(num_tokens, num_heads, topk,
+                                       layout=self.capabilities.topk_layout, device=dev)
+        buf = fn(num_tokens=num_tokens, num_heads=num_heads, topk=topk, device=dev)
+        if not isinstance(buf, TopkBuffer):
+            raise PluginError(
+                f"backend {self.name!r} ({self.source}): alloc_topk_buffer returned "
+                f"{type(buf).__name__}, expected mm3.TopkBuffer; wrap the tensor with "
+                f"TopkBuffer(tensor, layout) or drop the hook to use the default allocation")
+        if buf.layout != self.capabilities.topk_layout:
+            raise PluginError(
+                f"backend {self.name!r} ({self.source}): alloc_topk_buffer returned a {buf.layout} "
+                f"buffer but capabilities declare topk_layout={self.capabilities.topk_layout!r}; "
+                f"make them agree")
+        if (buf.num_heads, buf.num_tokens, buf.topk) != (num_heads, num_tokens, topk):
+            raise PluginError(
+                f"backend {self.name!r} ({self.source}): alloc_topk_buffer returned "
+                f"[H={buf.num_heads}, T={buf.num_tokens}, K={buf.topk}], asked for "
+                f"[H={num_heads}, T={num_tokens}, K={topk}]")
+        return buf
+
+    def _missing(self, op: str) -> BackendUnavailableError:
+        return BackendUnavailableError(
+            f"backend {self.name!r} does not provide {op!r} (its capabilities declare ops "
+            f"{sorted(self.capabilities.ops)}, hooks {sorted(self._impls)}); select another "
+            f"backend for this op, e.g. indexer_backend=... / MM3_INDEXER_BACKEND")
+
+    def index_topk(self, index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
+                   params: "SparseAttentionParams", out: TopkBuffer) -> None:
+        """The indexer (SPEC §3). Replaced per instance by the plugin's function when provided."""
+        raise self._missing("index_topk")
+
+    def attention_forward(self, q: "torch.Tensor", caches: "PagedKVCache", topk: TopkBuffer,
+                          batch: "BatchMetadata", params: "SparseAttentionParams",
+                          out: "torch.Tensor") -> None:
+        """Sparse attention (SPEC §4). Replaced per instance by the plugin's function when provided."""
+        raise self._missing("attention")
+
+    def __repr__(self) -> str:
+        c = self.capabilities
+        return (f"Backend({c.name!r}, priority={c.priority}, ops={sorted(c.ops)}, "
+                f"topk_layout={c.topk_layout!r}, source={self.source!s})")
+
