@@ -37,7 +37,7 @@ from mm3 import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, Settin
                  TopkBuffer, hookimpl)
 from mm3.contract.errors import (BackendUnavailableError, ConfigError, ContractViolation, InputError, NoBackendError,
                         PluginError, UnknownBackendError)
-from mm3.guard import guard_backend
+from mm3.debug import guard_backend
 from mm3.runtime.layer import SparseAttention
 from mm3.runtime.registry import Registry, default_registry
 from mm3.runtime.scope import use_backend

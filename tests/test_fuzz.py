@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from mm3 import Settings, SparseAttentionParams, TopkBuffer
 from mm3.contract.buffers import TORCH_DTYPES
 from mm3.contract.errors import BackendUnavailableError
-from mm3.guard import GUARD_SENTINEL, guard_backend
+from mm3.debug import GUARD_SENTINEL, guard_backend
 from mm3.runtime.layer import SparseAttention
 from mm3.runtime.registry import Registry
 from mm3.testing.factories import Case, make_case

@@ -1,4 +1,4 @@
-"""The contract guard (mm3.guard): it stops every planted fault with a readable message.
+"""The contract guard (mm3.debug.guard): it stops every planted fault with a readable message.
 
 The centre piece reproduces vLLM's MiniMax-M3 bug (SPEC §5) in a mixed
 decode + prefill batch with H > 1: without the guard the step *runs* and
@@ -19,7 +19,7 @@ import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import BackendCapabilities, Probe, Settings, SparseAttentionParams, TopkBuffer, hookimpl
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.errors import ContractViolation, InputError
-from mm3.guard import (
+from mm3.debug import (
     GUARD_SENTINEL, RULES, GuardedBackend, check_topk_allocation, find_topk_violation, guard_backend,
     unguarded,
 )

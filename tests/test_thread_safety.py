@@ -21,7 +21,7 @@ import mm3.runtime.discovery as discovery
 import mm3.runtime.registry as registry_module
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import Settings, SparseAttentionParams
-from mm3.guard import GuardedBackend
+from mm3.debug import GuardedBackend
 from mm3.runtime.layer import SparseAttention
 from mm3.runtime.discovery import PluginLoadWarning
 from mm3.runtime.registry import Registry, default_registry, reset_default_registry

@@ -123,7 +123,7 @@ class SparseAttention:
                      allow_fallback=self.settings.allow_fallback, device=self.device)
         idx, att = sel.indexer, sel.attention
         if self.settings.check_contracts:
-            from mm3.guard import guard_backend  # debugging mode: every call checked (mm3.guard)
+            from mm3.debug.guard import guard_backend  # debugging mode: every call checked
 
             idx, att = guard_backend(idx), guard_backend(att)
         p = self.params
