@@ -248,7 +248,7 @@ def test_known_configured_backend_passes(capsys, monkeypatch):
 
 
 def test_demo_checks_the_configuration_before_building_inputs(capsys, monkeypatch):
-    import mm3.demo as demo
+    import mm3.cli.demo as demo
 
     monkeypatch.setattr(demo, "_build", lambda *a, **k: pytest.fail("inputs built before the check"))
     monkeypatch.setenv("MM3_BACKEND", "nosuch")

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from mm3.contract.buffers import TORCH_DTYPES
-from mm3.cli import check_configured_backends
+from mm3.cli.main import check_configured_backends
 from mm3.runtime.layer import SparseAttention
 from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import Case, make_case

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import os
 import sys
@@ -35,7 +34,7 @@ from typing import Any, Optional, Sequence
 from mm3.contract.errors import MM3Error
 
 __all__ = ["Command", "COMMANDS", "add_command", "main", "build_parser", "default_device",
-           "check_configured_backends"]
+           "check_configured_backends", "one_line", "table", "UsageError"]
 
 
 @dataclass(frozen=True)
@@ -70,13 +69,13 @@ def add_command(name: str, help: str, target: str) -> None:
 
 
 add_command("backends", "list backends: source, availability, layouts, ops, auto choice, problems",
-            "mm3.cli:BackendsCommand")
+            "mm3.cli.backends")
 add_command("config", "show each effective setting, its value and where it came from",
-            "mm3.cli:ConfigCommand")
+            "mm3.cli.config")
 add_command("demo", "run a realistic paged mixed batch through the selected backend and check it",
-            "mm3.demo")
-add_command("check", "run the conformance suite against a backend (mm3 check NAME)", "mm3.check")
-add_command("bench", "benchmark the backends on a GPU (writes JSON and a plot)", "mm3.bench")
+            "mm3.cli.demo")
+add_command("check", "run the conformance suite against a backend (mm3 check NAME)", "mm3.cli.check")
+add_command("bench", "benchmark the backends on a GPU (writes JSON and a plot)", "mm3.cli.bench")
 
 
 def default_device() -> str:
@@ -87,11 +86,11 @@ def default_device() -> str:
     return acc.type if acc is not None else "cpu"
 
 
-def _one_line(msg: str) -> str:
+def one_line(msg: str) -> str:
     return " ".join(part.strip() for part in str(msg).splitlines() if part.strip())
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     out = []
     for r in [header, *rows]:
@@ -124,149 +123,9 @@ def check_configured_backends(settings: Any = None, registry: Any = None) -> Non
             raise UnknownBackendError(f"{key} = {name!r} (from {sources[key]}): {e}") from None
 
 
-# -- mm3 backends --------------------------------------------------------------------------------
-
-class BackendsCommand:
-    """``mm3 backends``: what is installed, from where, whether it runs here, what auto picks."""
-
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--device", default=None,
-                            help="torch device to probe (default: the current accelerator, else cpu)")
-        parser.add_argument("--tp", type=int, default=8, choices=(1, 2, 4, 8),
-                            help="MiniMax-M3 tensor-parallel size for the 'auto' column (default 8)")
-        parser.add_argument("--json", action="store_true", help="machine-readable output")
-        parser.add_argument("--verbose", action="store_true",
-                            help="print full tracebacks of excluded plugins")
-
-    @staticmethod
-    def run(args: argparse.Namespace) -> int:
-        import torch
-
-        from mm3.contract.params import SparseAttentionParams
-        from mm3.runtime.registry import default_registry
-        from mm3.runtime.selection import requirements_for, select
-
-        device = args.device or default_device()
-        try:
-            torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise _UsageError(f"invalid --device {device!r}: {e}") from None
-        reg = default_registry()
-        backends = reg.backends()
-        problems = reg.problems()
-
-        params = SparseAttentionParams.minimax_m3(tp_size=args.tp)
-        req = requirements_for(params, torch.bfloat16, torch.bfloat16, device)
-        picks: dict[str, list[str]] = {}
-        auto_line: str
-        try:
-            sel = select(req, reg, device=device)
-            picks.setdefault(sel.attention.name, []).append("attention")
-            picks.setdefault(sel.indexer.name, []).append("indexer")
-            auto_line = (f"auto picks attention={sel.attention.name}, indexer={sel.indexer.name} "
-                         f"for MiniMax-M3 TP{args.tp} bfloat16 on {device}")
-            if sel.topk_conversion:
-                auto_line += f" (top-k buffer converted each step)"
-        except MM3Error as e:
-            auto_line = f"auto finds no backend for MiniMax-M3 TP{args.tp} bfloat16 on {device}: " \
-                        f"{_one_line(str(e)).split(' Candidates:')[0]}"
-
-        if args.json:
-            data = {
-                "device": device,
-                "auto": {role: name for name, roles in picks.items() for role in roles},
-                "backends": [{
-                    "name": b.name, "distribution": b.source.distribution, "version": b.source.version,
-                    "entry_point": b.source.entry_point, "available": b.probe(device).available,
-                    "reason": b.probe(device).reason, "topk_layout": b.capabilities.topk_layout,
-                    "topk_requires_contiguous": b.capabilities.topk_requires_contiguous,
-                    "kv_cache_layout": b.capabilities.kv_cache_layout,
-                    "ops": sorted(b.capabilities.ops), "priority": b.priority,
-                } for b in backends],
-                "problems": [{
-                    "name": p.name, "distribution": p.distribution, "version": p.version,
-                    "entry_point": p.source.entry_point, "stage": p.stage, "error": p.error,
-                } for p in problems],
-            }
-            print(json.dumps(data, indent=2))
-            check_configured_backends(registry=reg)
-            return 0
-
-        print(f"mm3 backends (probed on {device})")
-        if backends:
-            rows = []
-            for b in backends:
-                probe = b.probe(device)
-                c = b.capabilities
-                layout = c.topk_layout + (" (contiguous)" if c.topk_requires_contiguous else "")
-                rows.append([
-                    b.name, b.source.dist_label,
-                    "yes" if probe.available else "no", layout, c.kv_cache_layout,
-                    ",".join(sorted(c.ops)), str(c.priority), "+".join(picks.get(b.name, [])),
-                    probe.reason,
-                ])
-            header = ["NAME", "SOURCE", "AVAILABLE", "TOPK LAYOUT", "KV", "OPS", "PRIORITY",
-                      "AUTO", "REASON"]
-            print("\n".join(_table(header, rows)))
-        else:
-            print("  (no usable backends)")
-        print(auto_line)
-        print()
-        if problems:
-            print(f"problems ({len(problems)} plugin(s) excluded):")
-            for p in problems:
-                print(f"  {p.name} from {p.source.dist_label} [{p.stage}]: {p.error}")
-                if args.verbose and p.details:
-                    print("    " + p.details.rstrip().replace("\n", "\n    "))
-        else:
-            print("problems: none")
-        check_configured_backends(registry=reg)
-        return 0
-
-
-# -- mm3 config ----------------------------------------------------------------------------------
-
-class ConfigCommand:
-    """``mm3 config``: each effective setting, its value and its source."""
-
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--json", action="store_true", help="machine-readable output")
-
-    @staticmethod
-    def run(args: argparse.Namespace) -> int:
-        from mm3.runtime.config import Settings, explain_settings
-
-        settings = Settings()
-        rows = explain_settings(settings)
-        if args.json:
-            print(json.dumps({"config_file": str(settings.config_file) if settings.config_file else None,
-                              "settings": [{"key": k, "value": v, "source": s} for k, v, s in rows]},
-                             indent=2, default=str))
-            check_configured_backends(settings)
-            return 0
-        cfg = settings.config_file
-        print(f"mm3 settings (config file: {cfg if cfg else 'none found'})")
-        print("\n".join(_table(["KEY", "VALUE", "SOURCE"],
-                               [[k, _show(v), s] for k, v, s in rows])))
-        check_configured_backends(settings)
-        return 0
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, list):
-        return ",".join(map(str, value)) or "[]"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
 # -- main --------------------------------------------------------------------------------------------
 
-class _UsageError(MM3Error):
+class UsageError(MM3Error):
     """A command-line mistake detected after argparse (exit 2 like argparse's own)."""
 
 
@@ -318,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             parser = build_parser(name)
         except (ImportError, AttributeError) as e:
-            print(f"mm3: error: command {name!r} is not available: {_one_line(str(e))} "
+            print(f"mm3: error: command {name!r} is not available: {one_line(str(e))} "
                   f"(from {COMMANDS[name].target}; run `mm3 --help` for the others)", file=sys.stderr)
             return 2
         args = parser.parse_args(argv)
@@ -338,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             warnings.simplefilter("ignore", PluginLoadWarning)
             return int(command.run(args) or 0)
     except MM3Error as e:
-        print(f"mm3: error: {_one_line(str(e))}", file=sys.stderr)
+        print(f"mm3: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -347,5 +206,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 141
 
 
-if __name__ == "__main__":
-    sys.exit(main())

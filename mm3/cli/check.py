@@ -185,7 +185,7 @@ def _as_dict(report: Any, be: Any, elapsed: float) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mm3 check`` (called by :mod:`mm3.cli`)."""
-    from mm3.cli import default_device
+    from mm3.cli.main import default_device
 
     return check_backend(args.name, device=args.device or default_device(), full=args.full,
                          dtypes=args.dtype, index_dtypes=args.index_dtype,
