@@ -11,9 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mm3 import TopkBuffer
-from mm3.contract import InputError
-from mm3.runtime.layer import SparseAttention
+from mm3 import InputError, SparseAttention, TopkBuffer
 from mm3.testing.oracle import oracle_attention, oracle_topk
 
 import mm3_sdpa_sparse.attention as attention
