@@ -136,19 +136,31 @@ def test_fault_raise() -> None:
 
 
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
-def test_fault_wrong_layout_is_harmless_with_one_head_and_scrambles_rows_with_two(layout: str) -> None:
-    for H, expect_ok in ((1, True), (2, False)):
-        mock = MockBackend(f"wl_{H}", topk_layout=layout, fault="wrong_layout")
-        be = _bind(mock)
-        case = _case(H)
-        T = case.batch.num_tokens
-        full = be.alloc_topk_buffer(T + 5, H, 4, "cpu")
-        assert full.layout == layout                      # labelled as declared ...
-        assert full.is_contiguous() == (H == 1)           # ... but stored the other way round
-        full.fill_(-7)
-        be.index_topk(case.index_q, case.caches, case.batch, case.params, full.rows(0, T))
-        errors = check_topk(full.rows(0, T), case.index_q, case.caches, case.batch, case.params)
-        assert (not errors) == expect_ok, f"H={H}: {len(errors)} bad rows"
+def test_fault_wrong_layout_is_harmless_with_one_head_and_refused_with_two(layout: str) -> None:
+    # one head: both layouts are one memory map, the mislabelled buffer is legal and rows come out right
+    be = _bind(MockBackend(f"wl_1", topk_layout=layout, fault="wrong_layout"))
+    case = _case(1)
+    T = case.batch.num_tokens
+    full = be.alloc_topk_buffer(T + 5, 1, 4, "cpu")
+    assert full.layout == layout
+    full.fill_(-7)
+    be.index_topk(case.index_q, case.caches, case.batch, case.params, full.rows(0, T))
+    assert not check_topk(full.rows(0, T), case.index_q, case.caches, case.batch, case.params)
+    # two heads: the storage contradicts the label, so the buffer is never built
+    be = _bind(MockBackend(f"wl_2", topk_layout=layout, fault="wrong_layout"))
+    with pytest.raises(PluginError, match=f"as the {layout!r} label promises") as info:
+        be.alloc_topk_buffer(T + 5, 2, 4, "cpu")
+    assert isinstance(info.value.__cause__, InputError)
+
+
+def test_fault_wrong_layout_writer_scrambles_a_buffer_of_the_other_layout() -> None:
+    """The writer half of the fault: given an honest buffer in the other layout, rows land on other tokens."""
+    be = _bind(MockBackend("wl_w", topk_layout="token_major", fault="wrong_layout"))
+    case = _case(2)
+    T = case.batch.num_tokens
+    buf = TopkBuffer.allocate(T, 2, 4, "head_major")
+    be.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
+    assert check_topk(buf, case.index_q, case.caches, case.batch, case.params)
 
 
 def test_fault_out_of_range() -> None:

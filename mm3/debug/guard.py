@@ -15,10 +15,8 @@ Rules (``ContractViolation.rule``; docs/errors.md has the full table):
 ==============================  =============================================================
 ``alloc.type`` ... ``alloc.shape``  ``alloc_topk_buffer`` returns an int32 :class:`TopkBuffer`
                                 of the asked ``[H, T, K]`` on the asked device
-``alloc.layout``                its label is the declared ``topk_layout``
-``alloc.memory_order``          its *memory* is in that order too (a token-major allocation
-                                labelled head-major is vLLM's bug; with ``H = 1`` both maps
-                                coincide, so it is only flagged when ``H > 1``)
+``alloc.layout``                its label is the declared ``topk_layout`` (that its *memory*
+                                is in that order, :class:`TopkBuffer` itself enforces)
 ``topk.padding``                padding tokens' rows are all ``-1``
 ``topk.range``                  every id is ``-1`` or a visible block in ``[0, nb)``
 ``topk.prefix``                 exactly ``min(K, nb)`` ids as a prefix, then ``-1``
@@ -97,7 +95,6 @@ RULES: dict[str, str] = {
     "alloc.device": "the top-k buffer must live on the requested device",
     "alloc.shape": "the top-k buffer must be [H, T, K] as requested",
     "alloc.layout": "the top-k buffer's layout label must be the declared topk_layout",
-    "alloc.memory_order": "the top-k buffer's memory must be in its labelled order",
     "topk.padding": "a padding token's row must be all -1",
     "topk.range": "every id must be -1 or a visible block in [0, nb)",
     "topk.prefix": "a row holds exactly min(K, nb) ids as a prefix, then -1",
@@ -140,38 +137,25 @@ def _violation(backend: Any, hook: str, rule: str, detail: str, *, head: Optiona
 
 # -- the top-k buffer: allocation ------------------------------------------------------------
 
-def _memory_order_ok(storage: torch.Tensor) -> bool:
-    """True when storage axes 0, 1, 2 are laid out outermost to innermost, without overlap.
-
-    Axes of size 1 are ignored: their stride is meaningless, which is exactly
-    why vLLM's bug hid when ``H = 1`` (both layouts share one memory map).
-    """
-    axes = [(storage.shape[i], storage.stride(i)) for i in range(3) if storage.shape[i] > 1]
-    for (outer_n, outer_s), (inner_n, inner_s) in zip(axes, axes[1:]):
-        if outer_s < inner_n * inner_s:
-            return False
-    return True
-
-
 def check_topk_allocation(buf: Any, *, layout: str, num_tokens: int, num_heads: int, topk: int,
                           device: Union[str, torch.device], backend: Any = "caller",
                           hook: str = "alloc_topk_buffer") -> TopkBuffer:
     """Raise :class:`ContractViolation` unless ``buf`` is the buffer that was asked for.
 
-    Checks type, dtype, device, ``[H, T, K]``, the layout label and that the
-    memory really is in the labelled order. Returns ``buf``. No device sync.
+    Checks type, dtype, device, ``[H, T, K]`` and the layout label (that the
+    memory is in the labelled order, :class:`TopkBuffer` checked when it was
+    built). Returns ``buf``. No device sync.
 
     Example:
         >>> b = TopkBuffer.allocate(8, 2, 4, "token_major")
         >>> check_topk_allocation(b, layout="token_major", num_tokens=8, num_heads=2, topk=4,
         ...                       device="cpu") is b
         True
-        >>> liar = TopkBuffer(b.storage.permute(1, 0, 2), "head_major")  # token-major memory
-        >>> check_topk_allocation(liar, layout="head_major", num_tokens=8, num_heads=2, topk=4,
+        >>> check_topk_allocation(b, layout="head_major", num_tokens=8, num_heads=2, topk=4,
         ...                       device="cpu")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        mm3.contract.errors.ContractViolation: backend 'caller' broke the mm3 contract in alloc_topk_buffer: rule alloc.memory_order ...
+        mm3.contract.errors.ContractViolation: backend 'caller' broke the mm3 contract in alloc_topk_buffer: rule alloc.layout ...
     """
     if not isinstance(buf, TopkBuffer):
         raise _violation(backend, hook, "alloc.type", f"got {type(buf).__name__}",
@@ -190,16 +174,6 @@ def check_topk_allocation(buf: Any, *, layout: str, num_tokens: int, num_heads: 
         raise _violation(backend, hook, "alloc.layout",
                          f"capabilities declare topk_layout={layout!r} but the buffer is labelled "
                          f"{buf.layout!r}", fix="make the allocation and the declaration agree")
-    if not _memory_order_ok(buf.storage):
-        s = buf.storage
-        actual = "token_major" if buf.layout == "head_major" else "head_major"
-        raise _violation(
-            backend, hook, "alloc.memory_order",
-            f"the buffer is labelled {buf.layout!r} (storage shape {tuple(s.shape)}) but its strides "
-            f"{tuple(s.stride())} put it in memory as {actual}: any kernel that trusts the label "
-            f"with H={buf.num_heads} > 1 writes other tokens' rows (vLLM's MiniMax-M3 bug)",
-            fix=f"allocate with TopkBuffer.allocate(..., layout={buf.layout!r}) or declare "
-                f"topk_layout={actual!r}")
     return buf
 
 

@@ -119,7 +119,11 @@ class Backend:
         if fn is None:
             return TopkBuffer.allocate(num_tokens, num_heads, topk,
                                        layout=self.capabilities.topk_layout, device=dev)
-        buf = fn(num_tokens=num_tokens, num_heads=num_heads, topk=topk, device=dev)
+        try:
+            buf = fn(num_tokens=num_tokens, num_heads=num_heads, topk=topk, device=dev)
+        except InputError as e:  # e.g. a TopkBuffer whose memory contradicts its label
+            raise PluginError(f"backend {self.name!r} ({self.source}): alloc_topk_buffer built an invalid "
+                              f"top-k buffer: {e}") from e
         if not isinstance(buf, TopkBuffer):
             raise PluginError(
                 f"backend {self.name!r} ({self.source}): alloc_topk_buffer returned "

@@ -9,11 +9,13 @@ importing mm3 never imports a backend) and can inject one fault:
 ``fault``           what happens
 ==================  ====================================================================
 ``"raise"``         ``index_topk`` / ``attention_forward`` raise :class:`MockFault`
-``"wrong_layout"``  vLLM's bug: ``alloc_topk_buffer`` allocates storage in the *other*
-                    layout but labels it with the declared one, and ``index_topk`` writes
+``"wrong_layout"``  vLLM's bug: ``alloc_topk_buffer`` wraps storage of the *other* layout
+                    in a buffer labelled with the declared one, and ``index_topk`` writes
                     like a raw-pointer kernel that assumes a dense buffer in the declared
                     layout. With one head both memory maps coincide and all is well; with
-                    ``H > 1`` rows land on other tokens' rows.
+                    ``H > 1`` :class:`~mm3.TopkBuffer` refuses the mislabelled storage, so
+                    the allocation fails (``PluginError`` from the bound backend), and a
+                    buffer of the other layout handed to ``index_topk`` gets scrambled rows.
 ``"out_of_range"``  ``index_topk`` writes block id ``nb`` (one past the token's last
                     visible block) into slot 0 of the first real token, head 0
 ``"write_past_rows"``  ``index_topk`` also writes ``0`` into every row at or past ``T`` of
@@ -74,12 +76,6 @@ class Call:
 
 def _other(layout: str) -> str:
     return "token_major" if layout == "head_major" else "head_major"
-
-
-def _dense_strides(storage: torch.Tensor) -> tuple[int, int, int]:
-    """Strides of a *contiguous* tensor shaped like ``storage``: its layout's memory map."""
-    a, b, c = storage.shape
-    return (b * c, c, 1)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -197,8 +193,8 @@ class MockBackend:
                      device=device)
         layout = self.capabilities.topk_layout
         if self.fault == "wrong_layout":
-            # Memory laid out in the other order, labelled as the declared one:
-            # the strides stay honest, the label and the memory map disagree.
+            # Memory laid out in the other order, labelled as the declared one: TopkBuffer
+            # refuses it unless one head makes both orders the same memory map.
             real = TopkBuffer.allocate(num_tokens, num_heads, topk, _other(layout), device)
             buf = TopkBuffer(real.storage.permute(1, 0, 2), layout)
         else:
@@ -219,7 +215,7 @@ class MockBackend:
             scratch = TopkBuffer.allocate(T, out.num_heads, out.topk, need or out.layout, out.device)
             self.resolve_delegate().index_topk(index_q, caches, batch, params, scratch)  # type: ignore[attr-defined]
             if self.fault == "wrong_layout":
-                self._write_as_dense(scratch.to_layout(out.layout), out.rows(0, T))
+                self._write_as_dense(scratch, out.rows(0, T), self.capabilities.topk_layout)
             else:
                 out.rows(0, T).copy_(scratch)
         else:
@@ -235,16 +231,17 @@ class MockBackend:
                     full.head_major()[:, T:] = 0
 
     @staticmethod
-    def _write_as_dense(src: TopkBuffer, out: TopkBuffer) -> None:
-        """Write ``src`` the way a kernel assuming dense ``out.layout`` storage would.
+    def _write_as_dense(src: TopkBuffer, out: TopkBuffer, layout: str) -> None:
+        """Write ``src`` the way a kernel assuming a dense ``layout`` buffer would.
 
-        The target addresses are those of a contiguous tensor starting at
-        ``out``'s first element, whatever ``out``'s real strides are. They stay
-        inside ``out``'s allocation because a step's rows never exceed capacity.
+        The target addresses are those of a contiguous ``layout`` tensor starting
+        at ``out``'s first element, whatever ``out``'s real layout and strides
+        are. They stay inside ``out``'s allocation because a step's rows never
+        exceed its capacity.
         """
+        dense = src.to_layout(layout).storage
         s = out.storage
-        raw = torch.as_strided(s, s.shape, _dense_strides(s), s.storage_offset())
-        raw.copy_(src.storage)
+        torch.as_strided(s, dense.shape, dense.stride(), s.storage_offset()).copy_(dense)
 
     @hookimpl
     def attention_forward(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
