@@ -81,6 +81,24 @@ class BackendCapabilities(_Frozen):
     max_decode_query_len: int = Field(1, ge=1, description="1 + draft tokens (speculative decoding)")
     cuda_graph_safe: bool = False
 
+    def accepts_topk(self, layout: str, dense: bool) -> bool:
+        """Can this backend's hooks use a top-k buffer in ``layout`` (``dense`` or not) as it is?
+
+        Always, unless it declares ``topk_requires_contiguous``: then only a
+        dense buffer in its own ``topk_layout``. The one rule behind the core's
+        per-step conversion, the selection trace, the bound backend's argument
+        check, the guard, the mock backend and the conformance suite.
+
+        Example:
+            >>> strict = BackendCapabilities(name="strict", ops={"attention"}, device_types={"cpu"},
+            ...                              topk_layout="token_major", topk_requires_contiguous=True)
+            >>> strict.accepts_topk("token_major", dense=True), strict.accepts_topk("head_major", dense=True)
+            (True, False)
+            >>> strict.accepts_topk("token_major", dense=False)
+            False
+        """
+        return not self.topk_requires_contiguous or (layout == self.topk_layout and dense)
+
     def unmet(self, req: "Requirements") -> list[str]:
         """Every reason this backend cannot serve ``req`` (empty list = capable)."""
         reasons: list[str] = []

@@ -279,7 +279,7 @@ class GuardedBackend:
         if _capturing(q):
             return self.inner.attention_forward(q, caches, topk, batch, params, out)
         caps = self.inner.capabilities
-        if caps.topk_requires_contiguous and (topk.layout != caps.topk_layout or not topk.is_dense()):
+        if not caps.accepts_topk(topk.layout, topk.is_dense()):
             raise _violation(
                 self.inner, "attention_forward", "attention.input_layout",
                 f"the caller passed a {'dense' if topk.is_dense() else 'non-dense'} {topk.layout} "

@@ -129,11 +129,9 @@ class SparseAttention:
         p = self.params
         # Backend.alloc_topk_buffer already checks type, layout and shape against the declaration.
         buf = idx.alloc_topk_buffer(self.max_num_tokens, p.num_index_heads, p.topk, self.device)
-        att_caps = att.capabilities
-        convert = None
-        if att_caps.topk_requires_contiguous and (buf.layout != att_caps.topk_layout or not buf.is_dense()):
-            convert = att_caps.topk_layout
-        return _Bound(sel, idx, att, buf, convert)
+        # What runs is what the trace says: both come from the selection's verdict on this buffer.
+        sel = sel.for_buffer(buf)
+        return _Bound(sel, idx, att, buf, att.capabilities.topk_layout if sel.converts_topk else None)
 
     @property
     def selection(self) -> Selection:

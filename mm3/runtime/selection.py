@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from pydantic import ValidationError
@@ -50,11 +50,13 @@ from mm3.contract.errors import BackendUnavailableError, InputError, NoBackendEr
 if TYPE_CHECKING:
     import torch
 
+    from mm3.contract.buffers import TopkBuffer
     from mm3.contract.params import SparseAttentionParams
     from mm3.runtime.backend import Backend
     from mm3.runtime.registry import Registry
 
-__all__ = ["Role", "TraceEntry", "Selection", "select", "requirements_for", "describe_requirements"]
+__all__ = ["Role", "TraceEntry", "Selection", "select", "requirements_for", "describe_requirements",
+           "topk_conversion_note"]
 
 logger = logging.getLogger("mm3")
 
@@ -98,6 +100,16 @@ class Selection:
     topk_conversion: Optional[str] = None
     trace: list[TraceEntry] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def converts_topk(self) -> bool:
+        """True when the core copies the top-k buffer into the attention's layout each step."""
+        return self.topk_conversion is not None
+
+    def for_buffer(self, topk: "TopkBuffer") -> "Selection":
+        """This selection with :attr:`topk_conversion` judged on the indexer's actual buffer."""
+        return replace(self, topk_conversion=topk_conversion_note(self.indexer, self.attention, topk.layout,
+                                                             topk.is_dense()))
 
     def entries(self, role: Role) -> list[TraceEntry]:
         """Trace entries of one role, in the order they were considered."""
@@ -252,13 +264,20 @@ def _pick(role: Role, name: Optional[str], req: Requirements, registry: "Registr
     return chosen
 
 
-def _conversion(indexer: "Backend", attention: "Backend") -> Optional[str]:
-    att, idx = attention.capabilities, indexer.capabilities
-    if att.topk_requires_contiguous and att.topk_layout != idx.topk_layout:
-        return (f"indexer {indexer.name!r} writes a {idx.topk_layout} top-k buffer but attention "
-                f"{attention.name!r} requires a contiguous {att.topk_layout} one, so the core "
-                f"copies the step's rows into {att.topk_layout} layout before each attention call")
-    return None
+def topk_conversion_note(indexer: "Backend", attention: "Backend", layout: str, dense: bool) -> Optional[str]:
+    """What the core does to the indexer's top-k buffer (``layout``, ``dense``) for the attention.
+
+    ``None`` when the attention accepts it as it is (:meth:`BackendCapabilities.accepts_topk`),
+    else the sentence the trace shows: the core copies the step's rows into
+    the attention's layout before each call.
+    """
+    att = attention.capabilities
+    if att.accepts_topk(layout, dense):
+        return None
+    written = layout if dense else f"non-dense {layout}"
+    return (f"indexer {indexer.name!r} writes a {written} top-k buffer but attention "
+            f"{attention.name!r} requires a contiguous {att.topk_layout} one, so the core "
+            f"copies the step's rows into {att.topk_layout} layout before each attention call")
 
 
 _logged: set[str] = set()
@@ -322,8 +341,10 @@ def select(requirements: Requirements, registry: "Registry", *, backend: str = "
                          f"indexer chosen by auto")
         indexer = _pick("indexer", "auto", requirements, registry, device_str, allow_fallback,
                         trace, notes, setting="indexer_backend")
+    # Before a buffer exists, assume the indexer allocates a dense one in its declared layout;
+    # SparseAttention replaces this with the verdict on the buffer it got (Selection.for_buffer).
+    conversion = topk_conversion_note(indexer, attention, indexer.capabilities.topk_layout, dense=True)
     sel = Selection(indexer=indexer, attention=attention, requirements=requirements,
-                    device=device_str, topk_conversion=_conversion(indexer, attention),
-                    trace=trace, notes=notes)
+                    device=device_str, topk_conversion=conversion, trace=trace, notes=notes)
     _log_once(sel)
     return sel

@@ -156,20 +156,24 @@ class MockBackend:
             self._delegate = _load_entry_point(spec) if isinstance(spec, str) else spec
         return self._delegate
 
-    def _delegate_layout_need(self) -> Optional[str]:
-        """The layout the delegate must be given, when it requires a dense buffer in it."""
+    def _delegate_capabilities(self) -> Optional[BackendCapabilities]:
+        """The delegate's declaration, when it has one (a plugin, or a bound backend)."""
         d = self.resolve_delegate()
         caps = getattr(d, "capabilities", None)
         if caps is None and callable(getattr(d, "backend_capabilities", None)):
             caps = d.backend_capabilities()  # type: ignore[attr-defined]
-        if isinstance(caps, BackendCapabilities) and caps.topk_requires_contiguous:
-            return caps.topk_layout
-        return None
+        return caps if isinstance(caps, BackendCapabilities) else None
+
+    def _for_delegate(self, buf: TopkBuffer) -> Optional[str]:
+        """The layout ``buf`` must be converted to before the delegate accepts it, or None."""
+        caps = self._delegate_capabilities()
+        if caps is None or caps.accepts_topk(buf.layout, buf.is_dense()):
+            return None
+        return caps.topk_layout
 
     def _check_declared(self, hook: str, buf: TopkBuffer) -> None:
         caps = self.capabilities
-        if self.strict and caps.topk_requires_contiguous and (buf.layout != caps.topk_layout
-                                                               or not buf.is_dense()):
+        if self.strict and not caps.accepts_topk(buf.layout, buf.is_dense()):
             raise InputError(
                 f"mock backend {caps.name!r}.{hook}: got a {'dense' if buf.is_dense() else 'non-dense'} "
                 f"{buf.layout} top-k buffer but declares topk_requires_contiguous with "
@@ -209,9 +213,9 @@ class MockBackend:
         if self.fault == "raise":
             raise MockFault(f"mock backend {self.capabilities.name!r}: injected fault in index_topk")
         self._check_declared("index_topk", out)
-        need = self._delegate_layout_need()
+        need = self._for_delegate(out)
         T = batch.num_tokens
-        if self.fault == "wrong_layout" or (need is not None and (out.layout != need or not out.is_dense())):
+        if self.fault == "wrong_layout" or need is not None:
             scratch = TopkBuffer.allocate(T, out.num_heads, out.topk, need or out.layout, out.device)
             self.resolve_delegate().index_topk(index_q, caches, batch, params, scratch)  # type: ignore[attr-defined]
             if self.fault == "wrong_layout":
@@ -252,7 +256,7 @@ class MockBackend:
         if self.fault == "raise":
             raise MockFault(f"mock backend {self.capabilities.name!r}: injected fault in attention_forward")
         self._check_declared("attention_forward", topk)
-        need = self._delegate_layout_need()
+        need = self._for_delegate(topk)
         if need is not None:
             topk = topk.to_layout(need)
         self.resolve_delegate().attention_forward(q, caches, topk, batch, params, out)  # type: ignore[attr-defined]

@@ -334,9 +334,7 @@ def _check_attention(case: Case, sel: TopkBuffer, out: torch.Tensor, details: di
 def _to_consumer(ctx: CaseContext, buf: TopkBuffer) -> TopkBuffer:
     """What the core hands the attention: a dense copy in its layout only when it asks for one."""
     caps = ctx.backend.capabilities
-    if caps.topk_requires_contiguous and (buf.layout != caps.topk_layout or not buf.is_dense()):
-        return buf.to_layout(caps.topk_layout, contiguous=True)
-    return buf
+    return buf if caps.accepts_topk(buf.layout, buf.is_dense()) else buf.to_layout(caps.topk_layout)
 
 
 def _other(layout: str) -> str:

@@ -157,7 +157,8 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
             req = requirements_for(spec.step.params(), spec.dtype, spec.index_dtype, dev,
                                    decode_query_len=spec.step.dq).for_ops(*spec.ops)
             reasons += caps.unmet(req)
-            if spec.needs_any_layout and caps.topk_requires_contiguous:
+            other = "token_major" if caps.topk_layout == "head_major" else "head_major"
+            if spec.needs_any_layout and not caps.accepts_topk(other, dense=True):
                 reasons.append(f"backend declares topk_requires_contiguous ({caps.topk_layout} only)")
             if not reasons and not probe.available:
                 reasons.append(f"backend unavailable on {dev}: {probe.reason}")
