@@ -498,12 +498,12 @@ ROWS: list[Row] = [
         "CUDA-graph capture requested but backend is not cuda_graph_safe",
         lambda: _layer(backend="cpu_ref", cuda_graph=True)),
     Row("no-backend", LAYER, "auto finds no capable backend", NoBackendError,
-        "no backend can serve the attention on cpu", lambda: _auto_nothing()),
+        "no backend can serve the attention op on cpu", lambda: _auto_nothing()),
     Row("duplicate-backend", "Registry.get", "two plugins declare one name", PluginError,
         "backend name 'twin' is declared by more than one plugin", _duplicate_registry),
     Row("op-missing-direct", "Backend.index_topk", "calling an op the backend does not provide",
         BackendUnavailableError, "does not provide 'index_topk'", lambda: _attention_only().index_topk(1, 2, 3, 4, 5)),
-    Row("provides-unknown-op", "Backend.provides", "an op name that does not exist", ValueError,
+    Row("provides-unknown-op", "Backend.provides", "an op name that does not exist", InputError,
         "unknown op 'indexer'", lambda: default_registry().get("cpu_ref").provides("indexer")),
     # contiguity
     Row("topk-not-dense-direct", "Backend.attention_forward", "non-dense / other-layout top-k buffer to a "

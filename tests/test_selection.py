@@ -94,7 +94,7 @@ def test_auto_picks_highest_priority_available_and_capable(req):
     assert not att["gpu"].accepted and any("no GPU driver" in r for r in att["gpu"].reasons)
     assert any("dtype bfloat16" in r for r in att["fp16only"].reasons)
     # the indexer role reuses the attention backend: one entry, chosen
-    (ientry,) = sel.entries("indexer")
+    (ientry,) = sel.entries("index_topk")
     assert ientry.backend == "fast" and ientry.chosen and "same backend" in ientry.note
     assert sel.topk_conversion is None
 
@@ -186,7 +186,7 @@ def test_attention_only_backend_gets_an_auto_indexer(req):
     sel = select(req, reg, device="cpu")
     assert sel.attention.name == "vendor" and sel.indexer.name == "idx"
     assert any("does not provide index_topk" in n for n in sel.notes)
-    vendor_idx = [e for e in sel.entries("indexer") if e.backend == "vendor"]
+    vendor_idx = [e for e in sel.entries("index_topk") if e.backend == "vendor"]
     assert vendor_idx and "does not provide op(s) ['index_topk']" in vendor_idx[0].reasons[0]
 
 
@@ -238,7 +238,7 @@ def test_explain_marks_chosen_and_lists_reasons(req):
     assert any(line.lstrip().startswith("* ref") for line in lines)
     assert any("gpu" in line and "rejected" in line and "no driver" in line and "*" not in line
                for line in lines)
-    assert lines.index("attention:") < lines.index("indexer:")
+    assert lines.index("attention:") < lines.index("index_topk:")
 
 
 def test_choice_logged_once_at_info(req, caplog):
@@ -257,7 +257,7 @@ def test_select_is_pure_for_the_registry(req):
     s2 = select(req, reg, device="cpu")
     assert reg.names() == before
     assert (s1.attention, s1.indexer) == (s2.attention, s2.indexer)
-    assert [(e.backend, e.role, e.accepted) for e in s1.trace] == [(e.backend, e.role, e.accepted) for e in s2.trace]
+    assert [(e.backend, e.op, e.accepted) for e in s1.trace] == [(e.backend, e.op, e.accepted) for e in s2.trace]
 
 
 # -- requirements_for --------------------------------------------------------------------------------------

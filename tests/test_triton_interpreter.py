@@ -102,7 +102,7 @@ def test_step_matches_oracle(backend: str, name: str) -> None:
     case = _case(name, seed=zlib.crc32(f"{backend}/{name}".encode()) % 1000)
     p, T = case.params, case.batch.num_tokens
     buf = _poisoned_buffer(plugin, T, p)
-    assert buf.layout == plugin.SPEC.topk_layout
+    assert buf.layout == plugin.PLATFORM.topk_layout
     plugin.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, T))
 
     errors = check_topk(buf.rows(0, T), case.index_q, case.caches, case.batch, p)
@@ -122,7 +122,7 @@ def test_reader_in_other_layout(backend: str) -> None:
     plugin = PLUGINS[backend]
     case = _case("mixed_h2_fp16_nhd", seed=11)
     p, T = case.params, case.batch.num_tokens
-    other = "head_major" if plugin.SPEC.topk_layout == "token_major" else "token_major"
+    other = "head_major" if plugin.PLATFORM.topk_layout == "token_major" else "token_major"
     sel = oracle_topk(case.index_q, case.caches, case.batch, p)
     foreign = TopkBuffer.allocate(T + 3, p.num_kv_heads, p.topk, other, fill=SENTINEL).rows(0, T).copy_(sel)
     out = torch.full_like(case.q, float("nan"))

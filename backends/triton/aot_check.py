@@ -169,8 +169,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("aot_check: unset TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
         return 2
-    from mm3_backends.cuda.plugin import SPEC as CUDA
-    from mm3_backends.rocm.plugin import SPEC as ROCM
+    from mm3_backends.cuda.plugin import PLATFORM as CUDA
+    from mm3_backends.rocm.plugin import PLATFORM as ROCM
 
     failures = 0
     seen: set[str] = set()

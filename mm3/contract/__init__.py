@@ -16,21 +16,21 @@ discovery, selection or configuration (those are :mod:`mm3.runtime`'s):
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import TORCH_DTYPES, PagedKVCache, TopkBuffer, dtype_name
 from mm3.contract.capabilities import (
-    ALL_OPS, BackendCapabilities, DType, IndexDType, KVCacheLayout, Op, Probe, Requirements, TopkLayout,
+    BackendCapabilities, DType, IndexDType, KVCacheLayout, Probe, Requirements, TopkLayout,
 )
 from mm3.contract.checks import RowSpec, check_hook_args, check_layer_args, check_step_inputs
 from mm3.contract.errors import (
     BackendUnavailableError, ConfigError, ContractViolation, InputError, MM3Error, NoBackendError,
     PluginError, UnknownBackendError,
 )
-from mm3.contract.hookspecs import HOOK_NAMES, OP_HOOKS, PROJECT, hookimpl, hookspec
+from mm3.contract.hookspecs import ALL_OPS, HOOK_NAMES, PROJECT, Op, hookimpl, hookspec
 from mm3.contract.params import MINIMAX_M3_MAX_DECODE_QUERY_LEN, SparseAttentionParams
 
 __all__ = [
     # hooks
-    "PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "OP_HOOKS",
+    "PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "Op", "ALL_OPS",
     # declarations
-    "BackendCapabilities", "Requirements", "Probe", "Op", "ALL_OPS", "TopkLayout", "KVCacheLayout",
+    "BackendCapabilities", "Requirements", "Probe", "TopkLayout", "KVCacheLayout",
     "DType", "IndexDType",
     # what a hook receives
     "TopkBuffer", "PagedKVCache", "BatchMetadata", "SparseAttentionParams",

@@ -25,16 +25,16 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mm3.contract.hookspecs import ALL_OPS, Op
+
 __all__ = [
     "TopkLayout",
     "KVCacheLayout",
-    "Op",
     "DType",
     "IndexDType",
     "BackendCapabilities",
     "Requirements",
     "Probe",
-    "ALL_OPS",
 ]
 
 TopkLayout = Literal["head_major", "token_major"]
@@ -42,9 +42,6 @@ TopkLayout = Literal["head_major", "token_major"]
 
 KVCacheLayout = Literal["NHD", "HND"]
 """Storage order inside one KV page: tokens-then-heads (NHD) or heads-then-tokens (HND)."""
-
-Op = Literal["index_topk", "attention"]
-ALL_OPS: frozenset[str] = frozenset({"index_topk", "attention"})
 
 DType = Literal["bfloat16", "float16", "float32"]
 IndexDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
@@ -107,14 +104,14 @@ class BackendCapabilities(_Frozen):
         missing = set(req.ops) - set(self.ops)
         if missing:
             reasons.append(f"does not provide op(s) {sorted(missing)} (provides {sorted(self.ops)})")
-        if "attention" in req.ops and req.dtype not in self.dtypes:
+        if Op.ATTENTION in req.ops and req.dtype not in self.dtypes:
             reasons.append(f"dtype {req.dtype} not in {sorted(self.dtypes)}")
-        if "index_topk" in req.ops and req.index_cache_dtype not in self.index_cache_dtypes:
+        if Op.INDEX_TOPK in req.ops and req.index_cache_dtype not in self.index_cache_dtypes:
             reasons.append(
                 f"index cache dtype {req.index_cache_dtype} not in {sorted(self.index_cache_dtypes)}")
         checks = [
-            ("head_dim", req.head_dim, self.head_dims, "attention"),
-            ("index_head_dim", req.index_head_dim, self.index_head_dims, "index_topk"),
+            ("head_dim", req.head_dim, self.head_dims, Op.ATTENTION),
+            ("index_head_dim", req.index_head_dim, self.index_head_dims, Op.INDEX_TOPK),
             ("block_size", req.block_size, self.block_sizes, None),
         ]
         for field, value, allowed, op in checks:
@@ -122,7 +119,7 @@ class BackendCapabilities(_Frozen):
                 reasons.append(f"{field} {value} not in {sorted(allowed)}")
         if self.max_topk is not None and req.topk > self.max_topk:
             reasons.append(f"topk {req.topk} > max_topk {self.max_topk}")
-        if ("attention" in req.ops and self.max_gqa_group is not None
+        if (Op.ATTENTION in req.ops and self.max_gqa_group is not None
                 and req.gqa_group > self.max_gqa_group):
             reasons.append(f"GQA group {req.gqa_group} > max_gqa_group {self.max_gqa_group}")
         if req.decode_query_len > self.max_decode_query_len:
@@ -154,8 +151,8 @@ class Requirements(_Frozen):
     cuda_graph: bool = False
 
     def for_ops(self, *ops: str) -> "Requirements":
-        """The same requirements restricted to ``ops`` (e.g. only the indexer)."""
-        return self.model_copy(update={"ops": frozenset(ops)})
+        """The same requirements restricted to ``ops`` (e.g. only ``Op.INDEX_TOPK``)."""
+        return self.model_copy(update={"ops": frozenset(Op(op) for op in ops)})
 
 
 class Probe(_Frozen):

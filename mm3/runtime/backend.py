@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 import torch
 
 from mm3.contract.buffers import TopkBuffer
-from mm3.contract.capabilities import ALL_OPS, BackendCapabilities, Probe
+from mm3.contract.capabilities import BackendCapabilities, Probe
 from mm3.contract.errors import BackendUnavailableError, InputError, PluginError
-from mm3.contract.hookspecs import OP_HOOKS
+from mm3.contract.hookspecs import Op
 
 if TYPE_CHECKING:
     from mm3.contract.batch import BatchMetadata
@@ -52,9 +52,9 @@ class Backend:
         self._probe_cache: dict[str, Probe] = {}
         # Instance attributes shadow the raising class methods below, so a call
         # is exactly one call of the plugin's function (see module docstring).
-        for op, hook in OP_HOOKS.items():
-            if op in capabilities.ops and hook in impls:
-                setattr(self, hook, impls[hook])
+        for op in Op:
+            if op in capabilities.ops and op.hook in impls:
+                setattr(self, op.hook, impls[op.hook])
 
     # -- facts ------------------------------------------------------------------
     @property
@@ -72,9 +72,11 @@ class Backend:
 
     def provides(self, op: str) -> bool:
         """True when the backend declares ``op`` ("index_topk" | "attention") and implements it."""
-        if op not in ALL_OPS:
-            raise InputError(f"unknown op {op!r}; ops are {sorted(ALL_OPS)}")
-        return op in self.capabilities.ops and OP_HOOKS[op] in self._impls
+        try:
+            known = Op(op)
+        except ValueError:
+            raise InputError(f"unknown op {op!r}; ops are {sorted(Op)}") from None
+        return known in self.capabilities.ops and known.hook in self._impls
 
     # -- probe ----------------------------------------------------------------------
     def probe(self, device: DeviceLike) -> Probe:

@@ -45,7 +45,7 @@ import pluggy
 from pydantic import ValidationError
 
 from mm3.contract.capabilities import BackendCapabilities
-from mm3.contract.hookspecs import HOOK_NAMES, OP_HOOKS
+from mm3.contract.hookspecs import HOOK_NAMES
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -317,9 +317,9 @@ def validate_plugin(pm: pluggy.PluginManager, plugin: object, source: PluginSour
             for err in e.errors())
         return fail("capabilities", f"invalid capabilities: {fields}", backend=backend)
 
-    missing = [op for op in sorted(caps.ops) if OP_HOOKS[op] not in impls]
+    missing = [op for op in sorted(caps.ops) if op.hook not in impls]
     if missing:
-        hooks = ", ".join(OP_HOOKS[op] for op in missing)
+        hooks = ", ".join(op.hook for op in missing)
         return fail("hooks", f"backend {caps.name!r}: capabilities declare op(s) {missing} "
                              f"but the plugin has no "
                              f"@hookimpl {hooks}; implement it or remove the op from "

@@ -2,7 +2,7 @@
 
 :func:`select` is a pure function of the requirements, the registry's
 backends (their capabilities and probes) and the requested names. It returns a
-:class:`Selection` whose trace holds one entry per candidate per role, accepted
+:class:`Selection` whose trace holds one entry per candidate per op, accepted
 or rejected with every reason, so a surprising choice can always be explained.
 
 Rules (DESIGN §4):
@@ -16,7 +16,7 @@ Rules (DESIGN §4):
   device and capable (ties broken by name).
 * The indexer is ``indexer_backend`` when given (same rules); otherwise the
   attention backend itself when it provides ``index_topk`` and is capable;
-  otherwise ``"auto"`` for the indexer role.
+  otherwise ``"auto"`` for ``index_topk``.
 * Nothing fits -> :class:`~mm3.contract.errors.NoBackendError` listing the request and
   each candidate's reasons.
 * When the attention backend needs a contiguous top-k buffer in a layout other
@@ -39,12 +39,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from pydantic import ValidationError
 
 from mm3.contract.buffers import dtype_name
-from mm3.contract.capabilities import ALL_OPS, Probe, Requirements
+from mm3.contract.capabilities import Probe, Requirements
+from mm3.contract.hookspecs import ALL_OPS, Op
 from mm3.contract.errors import BackendUnavailableError, InputError, NoBackendError
 
 if TYPE_CHECKING:
@@ -55,19 +56,17 @@ if TYPE_CHECKING:
     from mm3.runtime.backend import Backend
     from mm3.runtime.registry import Registry
 
-__all__ = ["Role", "TraceEntry", "Selection", "select", "requirements_for", "describe_requirements",
+__all__ = ["TraceEntry", "Selection", "select", "requirements_for", "describe_requirements",
            "topk_conversion_note"]
 
 logger = logging.getLogger("mm3")
 
-Role = Literal["indexer", "attention"]
-_ROLE_OP: dict[str, str] = {"indexer": "index_topk", "attention": "attention"}
 DeviceLike = Union[str, "torch.device"]
 
 
 @dataclass(frozen=True)
 class TraceEntry:
-    """One candidate considered for one role.
+    """One candidate considered for one op (the attention, or the indexer's ``index_topk``).
 
     ``reasons`` lists every reason the backend was rejected (empty when
     accepted); ``probe`` is its probe answer on the device; ``chosen`` marks the
@@ -75,7 +74,7 @@ class TraceEntry:
     """
 
     backend: str
-    role: Role
+    op: Op
     accepted: bool
     reasons: tuple[str, ...]
     probe: Probe
@@ -111,9 +110,9 @@ class Selection:
         return replace(self, topk_conversion=topk_conversion_note(self.indexer, self.attention, topk.layout,
                                                              topk.is_dense()))
 
-    def entries(self, role: Role) -> list[TraceEntry]:
-        """Trace entries of one role, in the order they were considered."""
-        return [e for e in self.trace if e.role == role]
+    def entries(self, op: str) -> list[TraceEntry]:
+        """Trace entries of one op (``"attention"`` or ``"index_topk"``), in the order considered."""
+        return [e for e in self.trace if e.op == op]
 
     def summary(self) -> str:
         """One line: ``indexer=cuda attention=cuda on cuda:0``."""
@@ -121,11 +120,11 @@ class Selection:
         return f"indexer={self.indexer.name} attention={self.attention.name} on {self.device}{conv}"
 
     def explain(self) -> str:
-        """A readable multi-line trace; ``*`` marks the chosen backend of each role."""
+        """A readable multi-line trace; ``*`` marks the chosen backend of each op."""
         lines = [f"mm3 backend selection on {self.device}: {describe_requirements(self.requirements)}"]
-        for role in ("attention", "indexer"):
-            lines.append(f"{role}:")
-            entries = self.entries(role)  # type: ignore[arg-type]
+        for op in (Op.ATTENTION, Op.INDEX_TOPK):
+            lines.append(f"{op}:")
+            entries = self.entries(op)
             width = max((len(e.backend) for e in entries), default=0)
             for e in entries:
                 mark = "*" if e.chosen else " "
@@ -186,7 +185,7 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
                          f"and the index cache in bfloat16/float16/float32/float8_e4m3fn") from None
 
 
-def _evaluate(be: "Backend", role: Role, req: Requirements, device: DeviceLike,
+def _evaluate(be: "Backend", op: Op, req: Requirements, device: DeviceLike,
               note: str, auto: bool = False) -> TraceEntry:
     probe = be.probe(device)
     reasons: list[str] = []
@@ -194,18 +193,18 @@ def _evaluate(be: "Backend", role: Role, req: Requirements, device: DeviceLike,
         reasons.append(f"unavailable on {device}: {probe.reason}")
     elif auto and not probe.auto:
         reasons.append(f"available on {device} only when named ({probe.reason}); auto passes it over")
-    reasons.extend(be.capabilities.unmet(req.for_ops(_ROLE_OP[role])))
-    return TraceEntry(be.name, role, not reasons, tuple(reasons), probe, be.priority, note=note)
+    reasons.extend(be.capabilities.unmet(req.for_ops(op)))
+    return TraceEntry(be.name, op, not reasons, tuple(reasons), probe, be.priority, note=note)
 
 
-def _auto(role: Role, req: Requirements, registry: "Registry", device: DeviceLike,
+def _auto(op: Op, req: Requirements, registry: "Registry", device: DeviceLike,
           trace: list[TraceEntry], note: str, skip: Optional[str] = None) -> Optional["Backend"]:
-    """Evaluate every backend (priority order) for ``role``; return the first accepted."""
+    """Evaluate every backend (priority order) for ``op``; return the first accepted."""
     chosen: Optional[Backend] = None
     for be in registry.backends():
         if be.name == skip:
             continue
-        entry = _evaluate(be, role, req, device, note, auto=True)
+        entry = _evaluate(be, op, req, device, note, auto=True)
         if entry.accepted and chosen is None:
             chosen = be
             entry = _mark(entry)
@@ -214,15 +213,14 @@ def _auto(role: Role, req: Requirements, registry: "Registry", device: DeviceLik
 
 
 def _mark(entry: TraceEntry) -> TraceEntry:
-    return TraceEntry(entry.backend, entry.role, entry.accepted, entry.reasons, entry.probe,
+    return TraceEntry(entry.backend, entry.op, entry.accepted, entry.reasons, entry.probe,
                       entry.priority, chosen=True, note=entry.note)
 
 
-def _no_backend(role: Role, req: Requirements, registry: "Registry", device: DeviceLike,
+def _no_backend(op: Op, req: Requirements, registry: "Registry", device: DeviceLike,
                 trace: list[TraceEntry]) -> NoBackendError:
-    what = role if role == _ROLE_OP[role] else f"{role} ({_ROLE_OP[role]})"
-    lines = [f"no backend can serve the {what} on {device} for {describe_requirements(req)}."]
-    rejected = [e for e in trace if e.role == role and not e.accepted]
+    lines = [f"no backend can serve the {op} op on {device} for {describe_requirements(req)}."]
+    rejected = [e for e in trace if e.op == op and not e.accepted]
     if rejected:
         lines.append("Candidates:")
         lines += [f"  {e.backend}: {'; '.join(e.reasons)}" for e in rejected]
@@ -237,30 +235,30 @@ def _no_backend(role: Role, req: Requirements, registry: "Registry", device: Dev
     return NoBackendError("\n".join(lines))
 
 
-def _pick(role: Role, name: Optional[str], req: Requirements, registry: "Registry",
+def _pick(op: Op, name: Optional[str], req: Requirements, registry: "Registry",
           device: DeviceLike, allow_fallback: bool, trace: list[TraceEntry],
           notes: list[str], setting: str) -> "Backend":
     if name is None or name == "auto":
-        chosen = _auto(role, req, registry, device, trace, note="auto")
+        chosen = _auto(op, req, registry, device, trace, note="auto")
         if chosen is None:
-            raise _no_backend(role, req, registry, device, trace)
+            raise _no_backend(op, req, registry, device, trace)
         return chosen
     be = registry.get(name)  # UnknownBackendError / PluginError (duplicate) propagate
-    entry = _evaluate(be, role, req, device, note=f"named by {setting}")
+    entry = _evaluate(be, op, req, device, note=f"named by {setting}")
     if entry.accepted:
         trace.append(_mark(entry))
         return be
     trace.append(entry)
     if not allow_fallback:
         raise BackendUnavailableError(
-            f"backend {name!r} (named by {setting}) cannot serve the {role} on {device}: "
+            f"backend {name!r} (named by {setting}) cannot serve the {op} op on {device}: "
             f"{'; '.join(entry.reasons)}. Choose another backend ({setting}=auto picks one that "
             f"can), or set allow_fallback=True / MM3_ALLOW_FALLBACK=1 to fall back automatically.")
-    notes.append(f"{setting}={name!r} cannot serve the {role} ({'; '.join(entry.reasons)}); "
+    notes.append(f"{setting}={name!r} cannot serve the {op} op ({'; '.join(entry.reasons)}); "
                  f"falling back to auto because allow_fallback is set")
-    chosen = _auto(role, req, registry, device, trace, note="fallback", skip=name)
+    chosen = _auto(op, req, registry, device, trace, note="fallback", skip=name)
     if chosen is None:
-        raise _no_backend(role, req, registry, device, trace)
+        raise _no_backend(op, req, registry, device, trace)
     return chosen
 
 
@@ -299,14 +297,14 @@ def select(requirements: Requirements, registry: "Registry", *, backend: str = "
            device: DeviceLike) -> Selection:
     """Choose the indexer and attention backends for ``requirements`` on ``device``.
 
-    ``requirements.ops`` is ignored: each role is checked against its own op.
+    ``requirements.ops`` is ignored: each op is checked on its own.
     See the module docstring for the rules.
 
     Raises:
         UnknownBackendError: a named backend does not exist.
         PluginError: a named backend is declared by several plugins.
         BackendUnavailableError: a named backend cannot serve (and no ``allow_fallback``).
-        NoBackendError: no backend fits a role.
+        NoBackendError: no backend fits an op.
 
     Example:
         >>> sel = select(req, reg, backend="auto", device="cpu")   # doctest: +SKIP
@@ -315,13 +313,13 @@ def select(requirements: Requirements, registry: "Registry", *, backend: str = "
     device_str = str(device)
     trace: list[TraceEntry] = []
     notes: list[str] = []
-    attention = _pick("attention", backend, requirements, registry, device_str, allow_fallback,
+    attention = _pick(Op.ATTENTION, backend, requirements, registry, device_str, allow_fallback,
                       trace, notes, setting="backend")
     if indexer_backend is not None and indexer_backend != "auto":
-        indexer = _pick("indexer", indexer_backend, requirements, registry, device_str,
+        indexer = _pick(Op.INDEX_TOPK, indexer_backend, requirements, registry, device_str,
                         allow_fallback, trace, notes, setting="indexer_backend")
     elif indexer_backend is None and attention.provides("index_topk"):
-        entry = _evaluate(attention, "indexer", requirements, device_str,
+        entry = _evaluate(attention, Op.INDEX_TOPK, requirements, device_str,
                           note="same backend as attention")
         if entry.accepted:
             trace.append(_mark(entry))
@@ -330,16 +328,16 @@ def select(requirements: Requirements, registry: "Registry", *, backend: str = "
             trace.append(entry)
             notes.append(f"attention backend {attention.name!r} cannot serve as indexer "
                          f"({'; '.join(entry.reasons)}); indexer chosen by auto")
-            chosen = _auto("indexer", requirements, registry, device_str, trace, note="auto",
+            chosen = _auto(Op.INDEX_TOPK, requirements, registry, device_str, trace, note="auto",
                            skip=attention.name)
             if chosen is None:
-                raise _no_backend("indexer", requirements, registry, device_str, trace)
+                raise _no_backend(Op.INDEX_TOPK, requirements, registry, device_str, trace)
             indexer = chosen
     else:
         if indexer_backend is None:
             notes.append(f"attention backend {attention.name!r} does not provide index_topk; "
                          f"indexer chosen by auto")
-        indexer = _pick("indexer", "auto", requirements, registry, device_str, allow_fallback,
+        indexer = _pick(Op.INDEX_TOPK, "auto", requirements, registry, device_str, allow_fallback,
                         trace, notes, setting="indexer_backend")
     # Before a buffer exists, assume the indexer allocates a dense one in its declared layout;
     # SparseAttention replaces this with the verdict on the buffer it got (Selection.for_buffer).
