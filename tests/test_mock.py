@@ -95,17 +95,19 @@ def test_explicit_delegate_and_unknown_entry_point() -> None:
         lost.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
 
 
-def test_contiguous_declaration_is_enforced_when_strict() -> None:
+def test_contiguous_declaration_is_enforced_by_the_bound_backend() -> None:
     case = _case()
     T = case.batch.num_tokens
-    strict = _bind(MockBackend("tm", topk_layout="token_major", topk_requires_contiguous=True))
+    mock = MockBackend("tm", topk_layout="token_major", topk_requires_contiguous=True)
+    strict = _bind(mock)
     head_major = TopkBuffer.allocate(T, 2, 4, "head_major")
     with pytest.raises(InputError, match="to_layout"):
         strict.index_topk(case.index_q, case.caches, case.batch, case.params, head_major)
-    strict.index_topk(case.index_q, case.caches, case.batch, case.params, head_major.to_layout("token_major"))
-    lax = _bind(MockBackend("tm2", topk_layout="token_major", topk_requires_contiguous=True, strict=False))
-    lax.index_topk(case.index_q, case.caches, case.batch, case.params, head_major)
-    assert not check_topk(head_major, case.index_q, case.caches, case.batch, case.params)
+    assert not mock.calls_to("index_topk")                  # refused before the plugin ran
+    converted = head_major.to_layout("token_major")
+    strict.index_topk(case.index_q, case.caches, case.batch, case.params, converted)
+    assert len(mock.calls_to("index_topk")) == 1
+    assert not check_topk(converted, case.index_q, case.caches, case.batch, case.params)
 
 
 def test_delegate_that_needs_its_own_layout_gets_it() -> None:
@@ -119,7 +121,9 @@ def test_delegate_that_needs_its_own_layout_gets_it() -> None:
     assert not check_topk(buf.rows(0, T), case.index_q, case.caches, case.batch, case.params)
     out = torch.empty_like(case.q)
     outer.attention_forward(case.q, case.caches, buf.rows(0, T), case.batch, case.params, out)
-    assert inner.calls_to("attention_forward")[0].args["topk"].layout == "token_major"
+    for hook, arg in (("index_topk", "out"), ("attention_forward", "topk")):
+        given = inner.calls_to(hook)[0].args[arg]
+        assert given.layout == "token_major" and given.is_dense(), hook
 
 
 # -- faults ---------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 * :mod:`.indexer` - decode and prefill indexers (SPEC §3);
 * :mod:`.attention` - decode (flash-decoding) and prefill block-sparse attention (SPEC §4);
 * :mod:`.launch` - per-platform launch configurations and shape-only grid heuristics;
-* :mod:`.checks` - input validation at the plugin boundary;
+* :mod:`.checks` - what the plugins check themselves (device, index query dtype);
 * :mod:`.plugin_factory` - builds a plugin's hooks from a :class:`TritonPlatform`.
 
 Importing this package does not import Triton: the kernel modules load on

@@ -186,9 +186,9 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
                    params: "SparseAttentionParams", out: TopkBuffer) -> None:
         from . import checks, indexer
 
-        checks.check_index_inputs(platform.name, index_q, caches, batch, params, out,
-                                  max_decode_query_len=platform.max_decode_query_len,
-                                  device_ok=platform.device_problem)
+        # mm3's Backend checked the arguments and the declared limits; these are the plugin's own.
+        checks.check_device(platform.name, caches.device, platform.device_problem)
+        checks.check_index_q(platform.name, caps, index_q)
         if batch.num_tokens:
             indexer.index_topk(index_q, caches, batch, params, out, platform.launch_config(caches.device))
 
@@ -197,9 +197,7 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
                           params: "SparseAttentionParams", out: torch.Tensor) -> None:
         from . import attention, checks
 
-        checks.check_attention_inputs(platform.name, q, caches, topk, batch, params, out,
-                                      max_decode_query_len=platform.max_decode_query_len,
-                                      device_ok=platform.device_problem)
+        checks.check_device(platform.name, caches.device, platform.device_problem)
         if batch.num_tokens:
             attention.attention_forward(q, caches, topk, batch, params, out,
                                         platform.launch_config(caches.device))

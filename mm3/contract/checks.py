@@ -5,26 +5,37 @@ Two callers, two sets of checks:
 * :func:`check_layer_args` and :func:`check_step_inputs` are the layer's:
   what :class:`~mm3.SparseAttention` promises about its construction and each
   step's inputs;
-* :func:`check_hook_args` is what every backend's ``index_topk`` /
-  ``attention_forward`` needs, in one place: argument types, the block size
-  and KV-head count that caches, batch and params must agree on, one device
-  for every input, per-token tensors with at least the step's rows, and a
-  top-k buffer of the right shape and capacity.
+* :func:`check_index_args` / :func:`check_attention_args`,
+  :func:`check_declared` and :func:`check_topk_accepted` are every check of
+  one hook call, run once by the bound backend (:class:`mm3.Backend`) before
+  the plugin's hook: :func:`check_hook_args` (what every backend needs:
+  argument types, the block size and KV-head count that caches, batch and
+  params must agree on, one device for every input, per-token tensors with
+  at least the step's rows, a top-k buffer of the right shape and capacity),
+  the op's own shapes and dtypes, then the limits the backend's capabilities
+  declare. A plugin checks only what is its own.
 
 Everything here reads shapes, dtypes and devices only: no device
 synchronisation, so it stays on in production (and inside CUDA graphs).
 Checks that need the data (block ids in range) run where the batch is built
 (:meth:`mm3.BatchMetadata.build` with ``num_pages``).
 
-Example (a plugin's indexer hook)::
-
-    from mm3.contract.checks import check_hook_args
-
-    def index_topk(index_q, caches, batch, params, out):
-        T = check_hook_args("mybackend.index_topk", caches, batch, params, topk=out, rows={
-            "index_q": (index_q, (params.num_index_heads, params.index_head_dim),
-                        "= [num_tokens, num_index_heads, index_head_dim]")})
-        ...
+Example:
+    >>> import mm3
+    >>> from mm3.testing.factories import make_case
+    >>> p = mm3.SparseAttentionParams(num_heads=2, num_kv_heads=1, head_dim=16,
+    ...     num_index_heads=1, index_head_dim=16, block_size=16, topk=4)
+    >>> case = make_case(p, decodes=[40], dtype="float32")
+    >>> check_index_args("mine.index_topk", case.index_q, case.caches, case.batch, p,
+    ...                  mm3.TopkBuffer.allocate(1, 1, 4))
+    1
+    >>> caps = mm3.BackendCapabilities(name="mine", ops={"index_topk"}, device_types={"cpu"},
+    ...     topk_layout="head_major", block_sizes={128})
+    >>> check_declared("mine.index_topk", caps, "index_topk", device_type="cpu", dtype=case.q.dtype,
+    ...                index_dtype=case.caches.index_dtype, params=p, decode_query_len=1)
+    Traceback (most recent call last):
+    ...
+    mm3.contract.errors.InputError: mine.index_topk: block_size 16 not in [128]: outside what backend 'mine' declares; choose another backend or change the input
 """
 
 from __future__ import annotations
@@ -34,11 +45,14 @@ from typing import Mapping, Optional
 import torch
 
 from mm3.contract.batch import BatchMetadata
-from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.buffers import PagedKVCache, TopkBuffer, dtype_name
+from mm3.contract.capabilities import BackendCapabilities, Requirements
 from mm3.contract.errors import InputError
+from mm3.contract.hookspecs import Op
 from mm3.contract.params import SparseAttentionParams
 
-__all__ = ["check_step_inputs", "check_layer_args", "check_hook_args", "RowSpec"]
+__all__ = ["check_step_inputs", "check_layer_args", "check_hook_args", "check_index_args",
+           "check_attention_args", "check_declared", "check_topk_accepted", "RowSpec"]
 
 #: ``(tensor, trailing shape, hint)``: the tensor must be ``[>= num_tokens, *trailing shape]``
 RowSpec = tuple[torch.Tensor, tuple[int, ...], str]
@@ -92,7 +106,15 @@ def check_step_inputs(params: SparseAttentionParams, q: torch.Tensor, index_q: t
                       caches: PagedKVCache, batch: BatchMetadata, out: Optional[torch.Tensor], *,
                       dtype: torch.dtype, index_dtype: torch.dtype, device: torch.device,
                       capacity: int, max_decode_query_len: int) -> None:
-    """Raise :class:`InputError` naming the first input that does not fit the layer."""
+    """Raise :class:`InputError` naming the first input that does not fit the layer.
+
+    Only the layer's own promises: ``q`` and ``index_q`` of exactly the step's
+    tokens, the dtypes and device the layer was built for, its capacity and
+    decode query length, a usable ``out``. What every hook call needs (caches,
+    batch and params agreeing, the backend's declared limits) the bound
+    backend checks when each hook is called (:func:`check_index_args`,
+    :func:`check_attention_args`).
+    """
     if not isinstance(caches, PagedKVCache):
         raise InputError(f"caches must be an mm3.PagedKVCache, got {type(caches).__name__}; wrap your "
                          f"tensors: PagedKVCache(k=..., v=..., index=...)")
@@ -104,17 +126,6 @@ def check_step_inputs(params: SparseAttentionParams, q: torch.Tensor, index_q: t
     _shape("q", q, (T, p.num_heads, p.head_dim), "= [num_tokens, num_heads, head_dim]")
     _shape("index_q", index_q, (T, p.num_index_heads, p.index_head_dim),
            "= [num_tokens, num_index_heads, index_head_dim]")
-    if caches.block_size != p.block_size:
-        raise InputError(f"cache pages hold {caches.block_size} tokens but params.block_size is "
-                         f"{p.block_size}; the sparse block is the KV page")
-    if batch.block_size != p.block_size:
-        raise InputError(f"batch was built with block_size {batch.block_size}, params say {p.block_size}")
-    if (caches.num_kv_heads, caches.head_dim) != (p.num_kv_heads, p.head_dim):
-        raise InputError(f"KV cache has {caches.num_kv_heads} heads of dim {caches.head_dim}; params "
-                         f"expect {p.num_kv_heads} of dim {p.head_dim}")
-    if caches.index_head_dim != p.index_head_dim:
-        raise InputError(f"index cache dim {caches.index_head_dim} != params.index_head_dim "
-                         f"{p.index_head_dim}")
     for name, t, want in (("q", q, dtype), ("index_q", index_q, dtype), ("k/v cache", caches.k, dtype),
                           ("index cache", caches.index, index_dtype)):
         if t.dtype != want:
@@ -188,3 +199,70 @@ def check_hook_args(where: str, caches: PagedKVCache, batch: BatchMetadata, para
         raise fail(f"the top-k buffer holds {topk.num_tokens} rows but the step has {T} tokens; pass "
                    f"buffer.rows(0, T) of a buffer sized for the most tokens per step")
     return T
+
+
+def check_index_args(where: str, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+                     params: SparseAttentionParams, out: TopkBuffer) -> int:
+    """The arguments of one ``index_topk`` call; returns the step's tokens.
+
+    :func:`check_hook_args`, then the index keys' size. The bound backend runs
+    it, and :func:`check_declared` with its capabilities, before the hook.
+    """
+    T = check_hook_args(where, caches, batch, params, topk=out, rows={
+        "index_q": (index_q, (params.num_index_heads, params.index_head_dim),
+                    "= [num_tokens, num_index_heads, index_head_dim]")})
+    if caches.index_head_dim != params.index_head_dim:
+        raise InputError(f"{where}: index cache keys have dim {caches.index_head_dim}, params.index_head_dim "
+                         f"is {params.index_head_dim}")
+    return T
+
+
+def check_attention_args(where: str, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
+                         batch: BatchMetadata, params: SparseAttentionParams, out: torch.Tensor) -> int:
+    """The arguments of one ``attention_forward`` call; returns the step's tokens.
+
+    :func:`check_hook_args`, the KV heads' size, then one dtype for ``q``, the
+    KV cache and ``out``. The bound backend runs it, and :func:`check_declared`
+    with its capabilities, before the hook.
+    """
+    hint = "= [num_tokens, num_heads, head_dim]"
+    shape = (params.num_heads, params.head_dim)
+    T = check_hook_args(where, caches, batch, params, topk=topk, rows={"q": (q, shape, hint),
+                                                                       "out": (out, shape, hint)})
+    if caches.head_dim != params.head_dim:
+        raise InputError(f"{where}: KV cache heads have dim {caches.head_dim}, params.head_dim is "
+                         f"{params.head_dim}")
+    if caches.dtype != q.dtype:
+        raise InputError(f"{where}: KV cache dtype {caches.dtype} differs from q's {q.dtype}; cast one of them")
+    if out.dtype != q.dtype:
+        raise InputError(f"{where}: out dtype {out.dtype} differs from q's {q.dtype}; the output is in q's dtype")
+    return T
+
+
+def check_declared(where: str, caps: BackendCapabilities, op: Op, *, device_type: str, dtype: torch.dtype,
+                   index_dtype: torch.dtype, params: SparseAttentionParams, decode_query_len: int) -> None:
+    """Raise :class:`InputError` when a call lies outside what ``caps`` declares for ``op``.
+
+    The rule is the one selection applies to a request
+    (:meth:`~mm3.contract.capabilities.BackendCapabilities.unmet`); the limits
+    are written once, in the capabilities.
+    """
+    # model_construct: these values come from tensors, not users; a dtype no backend
+    # declares must reach unmet() and be named there, not fail validation here.
+    req = Requirements.model_construct(
+        device_type=device_type, ops=frozenset({op}), dtype=dtype_name(dtype),
+        index_cache_dtype=dtype_name(index_dtype), head_dim=params.head_dim,
+        index_head_dim=params.index_head_dim, block_size=params.block_size, topk=params.topk,
+        gqa_group=params.gqa_group, decode_query_len=decode_query_len)
+    reasons = caps.unmet(req)
+    if reasons:
+        raise InputError(f"{where}: {'; '.join(reasons)}: outside what backend {caps.name!r} declares; "
+                         f"choose another backend or change the input")
+
+
+def check_topk_accepted(where: str, caps: BackendCapabilities, topk: TopkBuffer) -> None:
+    """Raise :class:`InputError` unless a backend declaring ``caps`` can use ``topk`` as it is."""
+    if not caps.accepts_topk(topk.layout, topk.is_dense()):
+        raise InputError(f"{where}: needs a dense {caps.topk_layout} top-k buffer (it declares "
+                         f"topk_requires_contiguous), got {topk!r}; convert it first: "
+                         f"buf.to_layout({caps.topk_layout!r}) (SparseAttention does this for you)")

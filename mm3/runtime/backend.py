@@ -1,10 +1,12 @@
-"""A bound backend: one plugin's own hook implementations, called directly.
+"""A bound backend: the checked boundary between the core and one plugin's hooks.
 
-pluggy is used to declare and validate the contract, not to dispatch. A
+pluggy is used to declare and validate the contract, not to dispatch: a
 :class:`Backend` holds the plugin's own hookimpl functions, resolved once by
-the registry, so ``backend.index_topk(...)`` is a plain Python call: hooks of
-different backends can never mix and a forward pays no ``pm.hook`` cost.
-``benchmarks/dispatch.py`` measures the difference.
+the registry, so hooks of different backends can never mix and a forward
+pays no ``pm.hook`` cost (``benchmarks/dispatch.py`` measures both). Each op
+method checks its arguments once - what every backend needs, and the limits
+this backend's capabilities declare (:mod:`mm3.contract.checks`) - and then
+calls the plugin, which checks only what is its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from mm3.contract.buffers import TopkBuffer
 from mm3.contract.capabilities import BackendCapabilities, Probe
+from mm3.contract.checks import check_attention_args, check_declared, check_index_args, check_topk_accepted
 from mm3.contract.errors import BackendUnavailableError, InputError, PluginError
 from mm3.contract.hookspecs import Op
 
@@ -33,7 +36,8 @@ class Backend:
     """A validated backend with its own hook implementations bound for direct calls.
 
     Obtained from :meth:`Registry.get` / :meth:`Registry.backends`; not built by
-    hand. Op methods call the plugin's function directly: no pluggy dispatch.
+    hand. Op methods check their arguments once, then call the plugin's own
+    function (no pluggy dispatch).
 
     Example:
         >>> be = default_registry().get("cpu_ref")                  # doctest: +SKIP
@@ -50,11 +54,9 @@ class Backend:
         self.source = source
         self._impls = dict(impls)
         self._probe_cache: dict[str, Probe] = {}
-        # Instance attributes shadow the raising class methods below, so a call
-        # is exactly one call of the plugin's function (see module docstring).
-        for op in Op:
-            if op in capabilities.ops and op.hook in impls:
-                setattr(self, op.hook, impls[op.hook])
+        self._ops = {op: impls[op.hook] for op in Op if op in capabilities.ops and op.hook in impls}
+        self._where = {op: f"{capabilities.name}.{op.hook}" for op in Op}
+        self._within_limits: set[tuple[Any, ...]] = set()
 
     # -- facts ------------------------------------------------------------------
     @property
@@ -143,22 +145,43 @@ class Backend:
                 f"[H={num_heads}, T={num_tokens}, K={topk}]")
         return buf
 
-    def _missing(self, op: str) -> BackendUnavailableError:
-        return BackendUnavailableError(
-            f"backend {self.name!r} does not provide {op!r} (its capabilities declare ops "
-            f"{sorted(self.capabilities.ops)}, hooks {sorted(self._impls)}); select another "
-            f"backend for this op, e.g. indexer_backend=... / MM3_INDEXER_BACKEND")
+    def _op(self, op: Op) -> Callable[..., Any]:
+        fn = self._ops.get(op)
+        if fn is None:
+            raise BackendUnavailableError(
+                f"backend {self.name!r} does not provide {op.value!r} (its capabilities declare ops "
+                f"{sorted(self.capabilities.ops)}, hooks {sorted(self._impls)}); select another "
+                f"backend for this op, e.g. indexer_backend=... / MM3_INDEXER_BACKEND")
+        return fn
 
     def index_topk(self, index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
                    params: "SparseAttentionParams", out: TopkBuffer) -> None:
-        """The indexer (SPEC §3). Replaced per instance by the plugin's function when provided."""
-        raise self._missing("index_topk")
+        """The indexer (SPEC §3): the arguments checked once (:mod:`mm3.contract.checks`), then the hook."""
+        fn = self._op(Op.INDEX_TOPK)
+        check_index_args(self._where[Op.INDEX_TOPK], index_q, caches, batch, params, out)
+        self._check_declared(Op.INDEX_TOPK, index_q.dtype, caches, batch, params, out)
+        fn(index_q, caches, batch, params, out)
 
     def attention_forward(self, q: "torch.Tensor", caches: "PagedKVCache", topk: TopkBuffer,
                           batch: "BatchMetadata", params: "SparseAttentionParams",
                           out: "torch.Tensor") -> None:
-        """Sparse attention (SPEC §4). Replaced per instance by the plugin's function when provided."""
-        raise self._missing("attention")
+        """Sparse attention (SPEC §4): the arguments checked once (:mod:`mm3.contract.checks`), then the hook."""
+        fn = self._op(Op.ATTENTION)
+        check_attention_args(self._where[Op.ATTENTION], q, caches, topk, batch, params, out)
+        self._check_declared(Op.ATTENTION, q.dtype, caches, batch, params, topk)
+        fn(q, caches, topk, batch, params, out)
+
+    def _check_declared(self, op: Op, dtype: "torch.dtype", caches: "PagedKVCache", batch: "BatchMetadata",
+                        params: "SparseAttentionParams", topk: TopkBuffer) -> None:
+        # Every step of a layer asks the same question of the capabilities: remember the answers
+        # that passed (a handful per process), so the limits cost a set lookup per call.
+        dql = batch.decode_query_len if batch.num_decodes else 1
+        key = (op, caches.device.type, dtype, caches.index_dtype, params, dql)
+        if key not in self._within_limits:
+            check_declared(self._where[op], self.capabilities, op, device_type=key[1], dtype=dtype,
+                           index_dtype=key[3], params=params, decode_query_len=dql)
+            self._within_limits.add(key)
+        check_topk_accepted(self._where[op], self.capabilities, topk)
 
     def __repr__(self) -> str:
         c = self.capabilities

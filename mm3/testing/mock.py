@@ -105,10 +105,6 @@ class MockBackend:
             loaded on first use.
         fault: one of :data:`FAULTS` (see the module docstring), or ``None``.
         available: what ``backend_probe`` answers; ``probe_reason`` says why.
-        strict: when the declared capabilities say ``topk_requires_contiguous``,
-            reject (:class:`~mm3.contract.errors.InputError`) a top-k buffer that is not
-            dense in the declared layout, as a raw kernel would misread it. This
-            is how tests prove the caller converted the buffer.
         **capabilities: any :class:`~mm3.contract.capabilities.BackendCapabilities` field
             (``topk_layout``, ``ops``, ``priority``, ``dtypes``...), overriding the
             defaults (both ops, cpu+cuda, head-major, decode query length 16).
@@ -120,7 +116,7 @@ class MockBackend:
 
     def __init__(self, name: str = "mock", *, delegate: Union[object, str, None] = "cpu_ref",
                  fault: Optional[Fault] = None, available: bool = True,
-                 probe_reason: str = "mock backend", strict: bool = True,
+                 probe_reason: str = "mock backend",
                  **capabilities: Any) -> None:
         if fault is not None and fault not in FAULTS:
             raise InputError(f"MockBackend: unknown fault {fault!r}; use one of {list(FAULTS)} or None")
@@ -128,7 +124,6 @@ class MockBackend:
         self.fault = fault
         self.available = available
         self.probe_reason = probe_reason
-        self.strict = strict
         self._delegate_spec = delegate if delegate is not None else "cpu_ref"
         self._delegate: Optional[object] = None
         self.calls: list[Call] = []
@@ -171,14 +166,6 @@ class MockBackend:
             return None
         return caps.topk_layout
 
-    def _check_declared(self, hook: str, buf: TopkBuffer) -> None:
-        caps = self.capabilities
-        if self.strict and not caps.accepts_topk(buf.layout, buf.is_dense()):
-            raise InputError(
-                f"mock backend {caps.name!r}.{hook}: got a {'dense' if buf.is_dense() else 'non-dense'} "
-                f"{buf.layout} top-k buffer but declares topk_requires_contiguous with "
-                f"topk_layout={caps.topk_layout!r}; convert it first: buf.to_layout({caps.topk_layout!r})")
-
     # -- hooks ----------------------------------------------------------------------------
     @hookimpl
     def backend_capabilities(self) -> BackendCapabilities:
@@ -212,7 +199,6 @@ class MockBackend:
         self._record("index_topk", index_q=index_q, caches=caches, batch=batch, params=params, out=out)
         if self.fault == "raise":
             raise MockFault(f"mock backend {self.capabilities.name!r}: injected fault in index_topk")
-        self._check_declared("index_topk", out)
         need = self._for_delegate(out)
         T = batch.num_tokens
         if self.fault == "wrong_layout" or need is not None:
@@ -255,7 +241,6 @@ class MockBackend:
                      out=out)
         if self.fault == "raise":
             raise MockFault(f"mock backend {self.capabilities.name!r}: injected fault in attention_forward")
-        self._check_declared("attention_forward", topk)
         need = self._for_delegate(topk)
         if need is not None:
             topk = topk.to_layout(need)
