@@ -11,7 +11,7 @@ calls the plugin, which checks only what is its own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
@@ -21,11 +21,14 @@ from mm3.contract.checks import check_attention_args, check_declared, check_inde
 from mm3.contract.errors import BackendUnavailableError, InputError, PluginError
 from mm3.contract.hookspecs import Op
 
+from mm3.runtime.discovery import PluginSource, call_hookimpl
+
 if TYPE_CHECKING:
+    import pluggy
+
     from mm3.contract.batch import BatchMetadata
     from mm3.contract.buffers import PagedKVCache
     from mm3.contract.params import SparseAttentionParams
-    from mm3.runtime.discovery import PluginSource
 
 __all__ = ["Backend", "DeviceLike"]
 
@@ -47,8 +50,8 @@ class Backend:
         >>> be.index_topk(index_q, caches, batch, params, buf.rows(0, T))  # doctest: +SKIP
     """
 
-    def __init__(self, plugin: object, capabilities: BackendCapabilities, source: "PluginSource",
-                 impls: dict[str, Callable[..., Any]]) -> None:
+    def __init__(self, plugin: object, capabilities: BackendCapabilities, source: PluginSource,
+                 impls: dict[str, "pluggy.HookImpl"]) -> None:
         self.plugin = plugin
         self.capabilities = capabilities
         self.source = source
@@ -97,7 +100,7 @@ class Backend:
             result = Probe.yes("no backend_probe hook; assumed available")
         else:
             try:
-                got = fn(device=dev)
+                got = call_hookimpl(fn, device=dev)
             except Exception as e:  # a probe must not take selection down
                 result = Probe.no(f"probe raised {type(e).__name__}: {e}")
             else:
@@ -124,7 +127,7 @@ class Backend:
             return TopkBuffer.allocate(num_tokens, num_heads, topk,
                                        layout=self.capabilities.topk_layout, device=dev)
         try:
-            buf = fn(num_tokens=num_tokens, num_heads=num_heads, topk=topk, device=dev)
+            buf = call_hookimpl(fn, num_tokens=num_tokens, num_heads=num_heads, topk=topk, device=dev)
         except InputError as e:  # e.g. a TopkBuffer whose memory contradicts its label
             raise PluginError(f"backend {self.name!r} ({self.source}): alloc_topk_buffer built an invalid "
                               f"top-k buffer: {e}") from e
@@ -145,7 +148,7 @@ class Backend:
                 f"[H={num_heads}, T={num_tokens}, K={topk}]")
         return buf
 
-    def _op(self, op: Op) -> Callable[..., Any]:
+    def _op(self, op: Op) -> "pluggy.HookImpl":
         fn = self._ops.get(op)
         if fn is None:
             raise BackendUnavailableError(
@@ -160,7 +163,7 @@ class Backend:
         fn = self._op(Op.INDEX_TOPK)
         check_index_args(self._where[Op.INDEX_TOPK], index_q, caches, batch, params, out)
         self._check_declared(Op.INDEX_TOPK, index_q.dtype, caches, batch, params, out)
-        fn(index_q, caches, batch, params, out)
+        call_hookimpl(fn, index_q=index_q, caches=caches, batch=batch, params=params, out=out)
 
     def attention_forward(self, q: "torch.Tensor", caches: "PagedKVCache", topk: TopkBuffer,
                           batch: "BatchMetadata", params: "SparseAttentionParams",
@@ -169,7 +172,7 @@ class Backend:
         fn = self._op(Op.ATTENTION)
         check_attention_args(self._where[Op.ATTENTION], q, caches, topk, batch, params, out)
         self._check_declared(Op.ATTENTION, q.dtype, caches, batch, params, topk)
-        fn(q, caches, topk, batch, params, out)
+        call_hookimpl(fn, q=q, caches=caches, topk=topk, batch=batch, params=params, out=out)
 
     def _check_declared(self, op: Op, dtype: "torch.dtype", caches: "PagedKVCache", batch: "BatchMetadata",
                         params: "SparseAttentionParams", topk: TopkBuffer) -> None:

@@ -62,7 +62,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from mm3.contract.errors import ConfigError
+from mm3.contract.errors import ConfigError, describe_validation_error
 from mm3.runtime import discovery
 
 if sys.version_info >= (3, 11):
@@ -223,23 +223,6 @@ def _pyproject_view(settings_cls: type[BaseSettings]) -> type[BaseSettings]:
 _PYPROJECT_VIEWS: dict[type, type[BaseSettings]] = {}
 
 
-def _format_validation_error(e: ValidationError, provenance: Mapping[str, str]) -> str:
-    parts = []
-    fields = ", ".join(Settings.model_fields)
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(settings)"
-        top = str(err["loc"][0]) if err["loc"] else ""
-        where = provenance.get(top, "")
-        where = f" (from {where})" if where else ""
-        if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(top, list(Settings.model_fields), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            parts.append(f"unknown setting {loc!r}{where}: {hint}valid settings are {fields}")
-        else:
-            parts.append(f"invalid {loc}{where}: {err['msg']} (got {err.get('input')!r})")
-    return "invalid mm3 settings: " + "; ".join(parts)
-
-
 class Settings(BaseSettings):
     """mm3's configuration; see the module docstring for sources and precedence.
 
@@ -288,7 +271,8 @@ class Settings(BaseSettings):
                 prov = _provenance(type(self), values)
             except ConfigError:
                 prov = {}
-            raise ConfigError(_format_validation_error(e, prov)) from None
+            raise ConfigError("invalid mm3 settings: " + describe_validation_error(
+                e, fields=list(type(self).model_fields), sources=prov, item="setting")) from None
         cfg = _locate_config(values)
         self._provenance = _provenance(type(self), values, cfg)
         # A discovered pyproject.toml without [tool.mm3] configures nothing: don't claim it.

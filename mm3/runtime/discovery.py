@@ -23,9 +23,10 @@ Behaviour (DESIGN §5):
 
   - ``plugins`` (``MM3_PLUGINS``): when set, only entry points whose name (or
     distribution name) is listed load.
-  - ``disable_plugins`` (``MM3_DISABLE_PLUGINS``): entry points whose name or
-    distribution name is listed are skipped; a loaded plugin whose *backend*
-    name is listed is dropped too.
+  - ``disable_plugins`` (``MM3_DISABLE_PLUGINS``): the names are blocked in
+    pluggy's plugin manager (``set_blocked``); entry points whose name or
+    distribution name is blocked are skipped, and a loaded plugin whose
+    *backend* name is blocked is dropped too.
   - ``no_plugin_autoload`` (``MM3_NO_PLUGIN_AUTOLOAD``): third-party entry
     points (distributions other than ``mm3``) load only when named in
     ``plugins``; mm3's own built-ins still load so the library stays usable.
@@ -45,6 +46,7 @@ import pluggy
 from pydantic import ValidationError
 
 from mm3.contract.capabilities import BackendCapabilities
+from mm3.contract.errors import describe_validation_error
 from mm3.contract.hookspecs import HOOK_NAMES
 
 __all__ = [
@@ -61,7 +63,7 @@ __all__ = [
     "validate_plugin",
     "exc_line",
     "plugin_label",
-    "adapt",
+    "call_hookimpl",
 ]
 
 ENTRY_POINT_GROUP = "mm3.backends"
@@ -163,11 +165,7 @@ def exc_line(exc: BaseException) -> str:
     each field, so ``mm3 backends`` can print it as one readable line.
     """
     if isinstance(exc, ValidationError):
-        fields = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc']) or '(model)'}: {err['msg']}"
-            + (f" (got {err['input']!r})" if err["type"] != "missing" else "")
-            for err in exc.errors())
-        return f"ValidationError: invalid {exc.title}: {fields}"
+        return f"ValidationError: invalid {exc.title}: {describe_validation_error(exc)}"
     return traceback.format_exception_only(type(exc), exc)[-1].strip()
 
 
@@ -188,30 +186,19 @@ class Candidate:
     plugin: object
     source: PluginSource
     capabilities: BackendCapabilities
-    impls: dict[str, Callable[..., Any]]
+    impls: dict[str, pluggy.HookImpl]
     pm_name: str
 
 
 
-def adapt(fn: Callable[..., Any], impl_args: Sequence[str], spec_args: Sequence[str]) -> Callable[..., Any]:
-    """A callable taking the spec's arguments (positional or keyword) and calling ``fn``.
+def call_hookimpl(impl: pluggy.HookImpl, **kwargs: Any) -> Any:
+    """Call one plugin's hookimpl the way pluggy does: with the arguments it names.
 
-    pluggy lets a hookimpl take any subset of the spec's arguments, in any
-    order. The usual case (same names, same order) binds ``fn`` itself: zero
-    overhead. Otherwise a small adapter maps arguments by name.
+    A hookimpl may take any subset of its spec's arguments, in any order;
+    pluggy parsed its names at registration (``impl.argnames``). This is that
+    call for exactly one plugin, without a ``pm.hook`` dispatch.
     """
-    if tuple(impl_args) == tuple(spec_args):
-        return fn
-    spec_args = tuple(spec_args)
-    impl_args = tuple(impl_args)
-
-    def adapter(*args: Any, **kwargs: Any) -> Any:
-        values = dict(zip(spec_args, args))
-        values.update(kwargs)
-        return fn(**{n: values[n] for n in impl_args})
-
-    adapter.__wrapped__ = fn  # type: ignore[attr-defined]
-    return adapter
+    return impl.function(*[kwargs[name] for name in impl.argnames])
 
 
 def entry_point_source(ep: Any) -> PluginSource:
@@ -222,17 +209,19 @@ def entry_point_source(ep: Any) -> PluginSource:
     return PluginSource(dist_name, dist_version, ep.name, getattr(ep, "value", None))
 
 
-def exclusion(ep_name: str, source: PluginSource, settings: Any) -> Optional[str]:
+def exclusion(ep_name: str, source: PluginSource, settings: Any,
+              is_blocked: Callable[[str], bool]) -> Optional[str]:
     """Why the settings exclude this entry point before it is imported, or None.
 
-    ``settings`` has ``plugins``, ``disable_plugins`` and ``no_plugin_autoload``.
+    ``settings`` has ``plugins``, ``disable_plugins`` and ``no_plugin_autoload``;
+    ``is_blocked`` is the plugin manager's (``disable_plugins`` are blocked there).
     """
     allow = set(settings.plugins) if settings.plugins is not None else None
-    deny = set(settings.disable_plugins or ())
     ids = {ep_name} | ({source.distribution} if source.distribution else set())
-    if ids & deny:
+    blocked = sorted(name for name in ids if is_blocked(name))
+    if blocked:
         return (f"excluded by MM3_DISABLE_PLUGINS (disable_plugins="
-                f"{sorted(deny)}); remove {sorted(ids & deny)[0]!r} from it to load")
+                f"{sorted(settings.disable_plugins)}); remove {blocked[0]!r} from it to load")
     if allow is not None and not ids & allow:
         return (f"excluded by MM3_PLUGINS allow-list (plugins={sorted(allow)}); "
                 f"add {ep_name!r} to it to load")
@@ -274,7 +263,7 @@ def validate_plugin(pm: pluggy.PluginManager, plugin: object, source: PluginSour
         return PluginProblem(label, source, stage, error, backend=backend, details=details)
 
     # Collect this plugin's own hookimpls (never another plugin's).
-    impls: dict[str, Callable[..., Any]] = {}
+    impls: dict[str, pluggy.HookImpl] = {}
     for caller in pm.get_hookcallers(plugin) or ():
         own = [i for i in caller.get_hookimpls() if i.plugin is plugin]
         if not caller.has_spec():
@@ -289,15 +278,14 @@ def validate_plugin(pm: pluggy.PluginManager, plugin: object, source: PluginSour
         if impl.hookwrapper or impl.wrapper:
             return fail("hooks", f"hook {caller.name!r} is declared as a wrapper; backends "
                                  f"implement hooks directly (drop wrapper=/hookwrapper=)")
-        assert caller.spec is not None
-        impls[caller.name] = adapt(impl.function, impl.argnames, caller.spec.argnames)
+        impls[caller.name] = impl
 
     caps_fn = impls.get("backend_capabilities")
     if caps_fn is None:
         return fail("hooks", "no @hookimpl backend_capabilities(); every backend must declare "
                              "its capabilities (see mm3.contract.hookspecs)")
     try:
-        raw = caps_fn()
+        raw = call_hookimpl(caps_fn)
     except Exception as e:
         return fail("capabilities", f"backend_capabilities() raised {exc_line(e)}",
                     details=traceback.format_exc())
@@ -311,11 +299,9 @@ def validate_plugin(pm: pluggy.PluginManager, plugin: object, source: PluginSour
                                         f"return a BackendCapabilities or a dict of its fields")
     except ValidationError as e:
         backend = raw.get("name") if isinstance(raw.get("name"), str) else None
-        fields = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc']) or '(model)'}: {err['msg']}"
-            + (f" (got {err['input']!r})" if err["type"] != "missing" else "")
-            for err in e.errors())
-        return fail("capabilities", f"invalid capabilities: {fields}", backend=backend)
+        fields = list(BackendCapabilities.model_fields)
+        return fail("capabilities", f"invalid capabilities: {describe_validation_error(e, fields=fields)}",
+                    backend=backend)
 
     missing = [op for op in sorted(caps.ops) if op.hook not in impls]
     if missing:

@@ -207,13 +207,16 @@ class Registry:
 
             settings = Settings()
         allow = set(settings.plugins) if settings.plugins is not None else None
-        deny = set(settings.disable_plugins or ())
+        # The deny list is pluggy's own: a blocked name (entry point, distribution or
+        # backend) is never imported or registered.
+        for name in settings.disable_plugins or ():
+            self._pm.set_blocked(name)
 
         seen_names: set[str] = set()
         for ep in discovery.list_entry_points(ENTRY_POINT_GROUP):
             src = entry_point_source(ep)
             seen_names |= {ep.name} | ({src.distribution} if src.distribution else set())
-            reason = exclusion(ep.name, src, settings)
+            reason = exclusion(ep.name, src, settings, self._pm.is_blocked)
             if reason:
                 self._problems.append(PluginProblem(ep.name, src, "disabled", reason))
                 continue
@@ -229,13 +232,14 @@ class Registry:
                     details=traceback.format_exc()))
                 continue
             got = self._validate(plugin, src, name_hint=ep.name)
-            if isinstance(got, Candidate) and got.name in deny:
+            if isinstance(got, Candidate) and self._pm.is_blocked(got.name):
                 # Denied by backend name (the entry point is named differently).
                 self._pm.unregister(name=got.pm_name)
                 self._problems.append(PluginProblem(
                     ep.name, src, "disabled",
                     f"backend {got.name!r} excluded by MM3_DISABLE_PLUGINS (disable_plugins="
-                    f"{sorted(deny)}); remove {got.name!r} from it to load", backend=got.name))
+                    f"{sorted(settings.disable_plugins)}); remove {got.name!r} from it to load",
+                    backend=got.name))
                 continue
             self._add_candidate(candidates, got)
         if allow:

@@ -46,7 +46,7 @@ from pydantic import ValidationError
 from mm3.contract.buffers import dtype_name
 from mm3.contract.capabilities import Probe, Requirements
 from mm3.contract.hookspecs import ALL_OPS, Op
-from mm3.contract.errors import BackendUnavailableError, InputError, NoBackendError
+from mm3.contract.errors import BackendUnavailableError, InputError, NoBackendError, describe_validation_error
 
 if TYPE_CHECKING:
     import torch
@@ -179,9 +179,7 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
                             gqa_group=params.gqa_group, decode_query_len=decode_query_len,
                             cuda_graph=cuda_graph)
     except ValidationError as e:
-        errs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']} (got {x.get('input')!r})"
-                         for x in e.errors())
-        raise InputError(f"unsupported request: {errs}; attention runs in bfloat16/float16/float32 "
+        raise InputError(f"unsupported request: {describe_validation_error(e)}; attention runs in bfloat16/float16/float32 "
                          f"and the index cache in bfloat16/float16/float32/float8_e4m3fn") from None
 
 
