@@ -16,9 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mm3.runtime.config import Settings, explain_settings
+    from mm3.runtime.config import default_settings, explain_settings
 
-    settings = Settings()
+    settings = default_settings()
     rows = explain_settings(settings)
     if args.json:
         print(json.dumps({"config_file": str(settings.config_file) if settings.config_file else None,

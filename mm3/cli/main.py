@@ -106,11 +106,11 @@ def check_configured_backends(settings: Any = None, registry: Any = None) -> Non
     registry; the message says where the name came from (argument, ``MM3_*``
     variable or config file) and carries the registry's did-you-mean hint.
     """
-    from mm3.runtime.config import Settings, explain_settings
+    from mm3.runtime.config import default_settings, explain_settings
     from mm3.contract.errors import UnknownBackendError
     from mm3.runtime.registry import default_registry
 
-    settings = settings if settings is not None else Settings()
+    settings = settings if settings is not None else default_settings()
     registry = registry if registry is not None else default_registry()
     sources = {key: source for key, _, source in explain_settings(settings)}
     for key in ("backend", "indexer_backend"):

@@ -47,6 +47,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Any, Mapping, Optional, Union
 
@@ -70,8 +71,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - pyproject pins tomli for 3.10
     import tomli as tomllib
 
-__all__ = ["Settings", "explain_settings", "ENV_PREFIX", "CONFIG_FILE_NAME", "PYPROJECT_TABLE",
-           "RESERVED_ENV_PREFIXES"]
+__all__ = ["Settings", "default_settings", "reset_default_settings", "explain_settings", "ENV_PREFIX",
+           "CONFIG_FILE_NAME", "PYPROJECT_TABLE", "RESERVED_ENV_PREFIXES"]
 
 ENV_PREFIX = "MM3_"
 CONFIG_FILE_NAME = "mm3.toml"
@@ -380,7 +381,7 @@ def explain_settings(settings_or_kwargs: Union[Settings, Mapping[str, Any], None
     """Each effective setting as ``(key, value, source)``, in field order.
 
     Accepts a :class:`Settings` or the keyword arguments to build one (``None``
-    = ``Settings()``). ``source`` is ``"argument"``, ``"env MM3_X"``,
+    = :func:`default_settings`). ``source`` is ``"argument"``, ``"env MM3_X"``,
     ``"file PATH"`` or ``"default"``.
 
     Example:
@@ -389,10 +390,46 @@ def explain_settings(settings_or_kwargs: Union[Settings, Mapping[str, Any], None
         ('backend', 'cpu_ref', 'argument')
     """
     if settings_or_kwargs is None:
-        settings = Settings()
+        settings = default_settings()
     elif isinstance(settings_or_kwargs, Settings):
         settings = settings_or_kwargs
     else:
         settings = Settings(**dict(settings_or_kwargs))
     prov = settings.sources()
     return [(name, getattr(settings, name), prov.get(name, "default")) for name in type(settings).model_fields]
+
+
+# -- the process's settings -------------------------------------------------------------------
+
+_default: Optional[Settings] = None
+_default_lock = threading.Lock()
+
+
+def default_settings() -> Settings:
+    """The settings from the environment and the config file, read once per process.
+
+    Every layer, the registry and the CLI use these unless given a
+    :class:`Settings` of their own; reading the environment and the config
+    file once means every layer of a model sees the same configuration. After
+    changing ``MM3_*`` variables or the config file in-process, call
+    :func:`reset_default_settings` (``mm3.reset_default_registry()`` does).
+
+    Example:
+        >>> default_settings() is default_settings()
+        True
+    """
+    global _default
+    settings = _default
+    if settings is None:
+        with _default_lock:
+            if _default is None:
+                _default = Settings()
+            settings = _default
+    return settings
+
+
+def reset_default_settings() -> None:
+    """Forget the process's settings; the next :func:`default_settings` reads them afresh."""
+    global _default
+    with _default_lock:
+        _default = None

@@ -29,7 +29,7 @@ import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
-from mm3.runtime.config import Settings
+from mm3.runtime.config import Settings, default_settings
 from mm3.contract.errors import InputError
 from mm3.contract.params import SparseAttentionParams
 from mm3.runtime.backend import Backend
@@ -67,7 +67,8 @@ class SparseAttention:
         max_decode_query_len: 1 + draft tokens for speculative decoding.
         backend / indexer_backend: backend names, or ``None`` to follow
             ``use_backend`` scopes, then settings (``MM3_BACKEND``...), then "auto".
-        settings: explicit :class:`~mm3.runtime.config.Settings` (default: read env/files).
+        settings: explicit :class:`~mm3.runtime.config.Settings` (default: the process's,
+            :func:`~mm3.runtime.config.default_settings`).
         registry: the backend registry (default: the process-wide one).
         cuda_graph: require backends that are safe to capture in CUDA graphs.
     """
@@ -88,7 +89,7 @@ class SparseAttention:
         self.index_dtype = index_dtype
         self.max_num_tokens = max_num_tokens
         self.max_decode_query_len = max_decode_query_len
-        self.settings = settings if settings is not None else Settings()
+        self.settings = settings if settings is not None else default_settings()
         self.registry = registry if registry is not None else default_registry()
         self._explicit = (backend, indexer_backend) if backend is not None or indexer_backend is not None else None
         self.requirements = requirements_for(params, dtype, index_dtype, self.device,

@@ -42,6 +42,7 @@ from mm3.contract.errors import PluginError, UnknownBackendError
 from mm3.contract.hookspecs import PROJECT
 from mm3.runtime import discovery
 from mm3.runtime.backend import Backend
+from mm3.runtime.config import default_settings, reset_default_settings
 from mm3.runtime.discovery import (
     ENTRY_POINT_GROUP, Candidate, PluginLoadWarning, PluginProblem, PluginSource, entry_point_source,
     exc_line, exclusion, plugin_label, validate_plugin,
@@ -60,7 +61,7 @@ class Registry:
             ``Registry(plugins=[...], entry_points=False)`` is fully isolated.
         settings: an :class:`mm3.runtime.config.Settings` (or any object with
             ``plugins``, ``disable_plugins`` and ``no_plugin_autoload``) for the
-            allow/deny lists; default ``Settings()`` at load time (env + files).
+            allow/deny lists; default :func:`~mm3.runtime.config.default_settings` at load time.
 
     Example:
         >>> reg = Registry(plugins=[fake_backend], entry_points=False)  # doctest: +SKIP
@@ -201,11 +202,7 @@ class Registry:
         self._resolve_duplicates(candidates)
 
     def _load_entry_points(self, candidates: list[Candidate]) -> None:
-        settings = self._settings
-        if settings is None:
-            from mm3.runtime.config import Settings  # lazy: config is only needed for entry points
-
-            settings = Settings()
+        settings = self._settings if self._settings is not None else default_settings()
         allow = set(settings.plugins) if settings.plugins is not None else None
         # The deny list is pluggy's own: a blocked name (entry point, distribution or
         # backend) is never imported or registered.
@@ -324,10 +321,11 @@ def default_registry() -> Registry:
 
 
 def reset_default_registry() -> None:
-    """Forget the process-wide registry; the next :func:`default_registry` loads afresh.
+    """Forget the process-wide registry and settings; the next :func:`default_registry` loads afresh.
 
     Use after changing ``MM3_*`` settings or installing a plugin in-process.
     """
     global _default
     with _default_lock:
         _default = None
+    reset_default_settings()
