@@ -19,7 +19,7 @@ Example:
     >>> b = decode_bytes(p, batch=64, context=65536, qlen=1, index_elt=2, kv_elt=2,
     ...                  kv_tokens=64 * 4 * 16 * 128)
     >>> round(b["index_keys"] / 1e9, 3), round(b["kv"] / 1e6, 1), round(b["step"] / 1e9, 3)
-    (1.074, 268.4, 1.345)
+    (1.074, 268.4, 1.344)
 """
 
 from __future__ import annotations

@@ -203,9 +203,15 @@ class GuardedBackend:
 
     Example:
         >>> from mm3 import default_registry
-        >>> be = guard_backend(default_registry().get("cpu_ref"))      # doctest: +SKIP
-        >>> buf = be.alloc_topk_buffer(64, 2, 4, "cpu")                  # checked   # doctest: +SKIP
-        >>> be.index_topk(index_q, caches, batch, params, buf.rows(0, T))  # checked # doctest: +SKIP
+        >>> from mm3.testing.factories import make_case
+        >>> from mm3.testing.fixtures import default_params
+        >>> p = default_params()
+        >>> case = make_case(p, decodes=[40], prefills=[(5, 20)], dtype="float32")
+        >>> be = guard_backend(default_registry().get("cpu_ref"))
+        >>> buf = be.alloc_topk_buffer(64, p.num_kv_heads, p.topk, "cpu")     # checked
+        >>> int(buf.storage[0, 0, 0]) == GUARD_SENTINEL
+        True
+        >>> be.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, 6))   # checked
     """
 
     def __init__(self, backend: Any, *, check_finite: bool = True) -> None:

@@ -43,11 +43,20 @@ class Backend:
     function (no pluggy dispatch).
 
     Example:
-        >>> be = default_registry().get("cpu_ref")                  # doctest: +SKIP
-        >>> be.capabilities.topk_layout, be.source.distribution     # doctest: +SKIP
+        >>> import mm3
+        >>> from mm3.testing.factories import make_case
+        >>> be = mm3.default_registry().get("cpu_ref")
+        >>> be.capabilities.topk_layout, be.source.distribution
         ('head_major', 'mm3')
-        >>> buf = be.alloc_topk_buffer(1024, 1, 16, "cpu")          # doctest: +SKIP
-        >>> be.index_topk(index_q, caches, batch, params, buf.rows(0, T))  # doctest: +SKIP
+        >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16,
+        ...     num_index_heads=2, index_head_dim=16, block_size=16, topk=4)
+        >>> case = make_case(p, decodes=[40], prefills=[(5, 20)], dtype="float32")
+        >>> buf = be.alloc_topk_buffer(64, 2, 4, "cpu")
+        >>> be.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, case.batch.num_tokens))
+        >>> be.index_topk(case.q, case.caches, case.batch, p, buf)   # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        mm3.contract.errors.InputError: cpu_ref.index_topk: index_q has shape (6, 4, 16), expected ...
     """
 
     def __init__(self, plugin: object, capabilities: BackendCapabilities, source: PluginSource,

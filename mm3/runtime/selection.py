@@ -28,10 +28,15 @@ Example:
     >>> from mm3.contract.params import SparseAttentionParams
     >>> req = requirements_for(SparseAttentionParams.minimax_m3(tp_size=8),
     ...                        torch.bfloat16, torch.bfloat16, "cpu")
-    >>> sel = select(req, default_registry(), device="cpu")       # doctest: +SKIP
-    >>> sel.attention.name, sel.indexer.name                       # doctest: +SKIP
-    ('cpu_ref', 'cpu_ref')
-    >>> print(sel.explain())                                       # doctest: +SKIP
+    >>> from mm3 import Registry
+    >>> from mm3.testing.mock import MockBackend
+    >>> reg = Registry([MockBackend("fast", priority=5, available=False, probe_reason="no GPU"),
+    ...                 MockBackend("ref")], entry_points=False)
+    >>> sel = select(req, reg, device="cpu")
+    >>> sel.attention.name, sel.indexer.name
+    ('ref', 'ref')
+    >>> print(sel.explain().splitlines()[2])
+        fast  rejected: unavailable on cpu: no GPU [auto]
 """
 
 from __future__ import annotations
@@ -88,8 +93,16 @@ class Selection:
     """The chosen backends for one request, with the trace that led there.
 
     Example:
-        >>> sel.indexer.name, sel.attention.name, sel.topk_conversion   # doctest: +SKIP
-        ('cuda', 'cuda', None)
+        >>> from mm3 import Registry, requirements_for, select
+        >>> from mm3.testing.fixtures import default_params
+        >>> from mm3.testing.mock import MockBackend
+        >>> reg = Registry([MockBackend("idx", ops={"index_topk"}, topk_layout="head_major"),
+        ...                 MockBackend("att", ops={"attention"}, topk_layout="token_major",
+        ...                             topk_requires_contiguous=True)], entry_points=False)
+        >>> sel = select(requirements_for(default_params(), "float32", "bfloat16", "cpu"), reg,
+        ...              device="cpu")
+        >>> sel.indexer.name, sel.attention.name, sel.converts_topk
+        ('idx', 'att', True)
     """
 
     indexer: "Backend"
@@ -305,8 +318,13 @@ def select(requirements: Requirements, registry: "Registry", *, backend: str = "
         NoBackendError: no backend fits an op.
 
     Example:
-        >>> sel = select(req, reg, backend="auto", device="cpu")   # doctest: +SKIP
-        >>> print(sel.explain())                                   # doctest: +SKIP
+        >>> from mm3 import Registry, requirements_for
+        >>> from mm3.testing.fixtures import default_params
+        >>> from mm3.testing.mock import MockBackend
+        >>> reg = Registry([MockBackend("ref")], entry_points=False)
+        >>> req = requirements_for(default_params(), "float32", "bfloat16", "cpu")
+        >>> print(select(req, reg, backend="ref", device="cpu").summary())
+        indexer=ref attention=ref on cpu
     """
     device_str = str(device)
     trace: list[TraceEntry] = []

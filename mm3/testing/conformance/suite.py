@@ -8,9 +8,10 @@ device its probe refuses. :func:`run_conformance` runs the plan.
 
 Example:
     >>> from mm3 import default_registry
-    >>> report = run_conformance(default_registry().get("cpu_ref"), dtypes=["float32"],
-    ...                          index_dtypes=["bfloat16"])         # doctest: +SKIP
-    >>> print(report.format())                                      # doctest: +SKIP
+    >>> plan = plan_cases(default_registry().get("cpu_ref"), dtypes=["float32"],
+    ...                   index_dtypes=["bfloat16"])
+    >>> plan[0].name, plan[0].run().status
+    ('indexer/mixed_h1:bfloat16', 'pass')
 """
 
 from __future__ import annotations
@@ -184,8 +185,8 @@ def run_conformance(backend: Union["Backend", str], *, device: Union[str, torch.
         seed: varies the random inputs of every case (0 = the standard set).
 
     Example:
-        >>> report = run_conformance("cpu_ref", dtypes=["float32"])   # doctest: +SKIP
-        >>> report.passed, [r.name for r in report.failures]          # doctest: +SKIP
+        >>> report = run_conformance("cpu_ref", dtypes=["float32"], index_dtypes=["bfloat16"])
+        >>> report.passed, [r.name for r in report.failures]
         (True, [])
     """
     be = _resolve(backend)
