@@ -30,12 +30,9 @@ about 1e-4. Every attention result reports it as ``floor_mean``.
 
 from __future__ import annotations
 
-import hashlib
-import threading
 import time
 import traceback
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -43,8 +40,11 @@ import torch
 
 from mm3.contract.buffers import TopkBuffer
 from mm3.contract.params import SparseAttentionParams
+from mm3.testing.conformance.oracle_cache import (
+    oracle_attention_cached, oracle_scores_cached, oracle_topk_cached,
+)
 from mm3.testing.factories import Case, make_case
-from mm3.testing.oracle import check_topk, oracle_attention, oracle_block_scores, oracle_topk
+from mm3.testing.oracle import check_topk
 
 if TYPE_CHECKING:
     from mm3.runtime.backend import Backend
@@ -64,66 +64,6 @@ SENTINEL = 123456789
 
 OUT_POISON = 7777.0
 """Fills output rows past the step; rows of the step start as NaN."""
-
-
-# -- the oracle, memoised ---------------------------------------------------------------------------
-# The fp64 oracle is deliberately slow (Python loops per token). Running the
-# suite on several backends in one process (tests, `mm3 check a b`) feeds the
-# oracle identical inputs, so its results are cached by a digest of exactly
-# the tensors it reads: a hit is bit-for-bit the same question.
-
-_CACHE: "OrderedDict[tuple[str, str], Any]" = OrderedDict()
-_CACHE_LOCK = threading.Lock()
-_CACHE_SIZE = 256
-
-
-def _digest(*tensors: torch.Tensor) -> str:
-    h = hashlib.sha1()
-    for t in tensors:
-        t = t.detach().to("cpu").contiguous()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def _memo(kind: str, key: str, compute: Callable[[], Any]) -> Any:
-    with _CACHE_LOCK:
-        if (kind, key) in _CACHE:
-            _CACHE.move_to_end((kind, key))
-            return _CACHE[(kind, key)]
-    value = compute()
-    with _CACHE_LOCK:
-        _CACHE[(kind, key)] = value
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    return value
-
-
-def _index_key(case: Case) -> str:
-    b = case.batch
-    return _digest(case.index_q, case.caches.index, b.block_table, b.token_positions, b.token_to_request) + \
-        repr(case.params)
-
-
-def oracle_scores_cached(case: Case) -> list[torch.Tensor]:
-    """:func:`~mm3.testing.oracle.oracle_block_scores` of ``case``, memoised."""
-    return _memo("scores", _index_key(case), lambda: oracle_block_scores(
-        case.index_q, case.caches, case.batch, case.params))
-
-
-def oracle_topk_cached(case: Case) -> TopkBuffer:
-    """:func:`~mm3.testing.oracle.oracle_topk` of ``case`` (head-major, CPU), memoised; a fresh copy."""
-    return _memo("topk", _index_key(case), lambda: oracle_topk(
-        case.index_q, case.caches, case.batch, case.params)).clone()
-
-
-def oracle_attention_cached(case: Case, sel: TopkBuffer) -> torch.Tensor:
-    """:func:`~mm3.testing.oracle.oracle_attention` of ``case`` on ``sel``, memoised."""
-    b = case.batch
-    key = _digest(case.q, case.caches.k, case.caches.v, b.block_table, b.token_positions,
-                  b.token_to_request, sel.head_major()) + repr(case.params)
-    return _memo("attention", key, lambda: oracle_attention(case.q, case.caches, sel, case.batch,
-                                                            case.params))
 
 
 class CaseFailure(AssertionError):
