@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         auto_line = (f"auto picks attention={sel.attention.name}, indexer={sel.indexer.name} "
                      f"for MiniMax-M3 TP{args.tp} bfloat16 on {device}")
         if sel.topk_conversion:
-            auto_line += f" (top-k buffer converted each step)"
+            auto_line += " (top-k buffer converted each step)"
     except MM3Error as e:
         auto_line = f"auto finds no backend for MiniMax-M3 TP{args.tp} bfloat16 on {device}: " \
                     f"{one_line(str(e)).split(' Candidates:')[0]}"

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 

@@ -45,9 +45,9 @@ Example:
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import sys
-import threading
 from pathlib import Path
 from typing import Annotated, Any, Mapping, Optional, Union
 
@@ -401,10 +401,7 @@ def explain_settings(settings_or_kwargs: Union[Settings, Mapping[str, Any], None
 
 # -- the process's settings -------------------------------------------------------------------
 
-_default: Optional[Settings] = None
-_default_lock = threading.Lock()
-
-
+@functools.cache
 def default_settings() -> Settings:
     """The settings from the environment and the config file, read once per process.
 
@@ -418,18 +415,9 @@ def default_settings() -> Settings:
         >>> default_settings() is default_settings()
         True
     """
-    global _default
-    settings = _default
-    if settings is None:
-        with _default_lock:
-            if _default is None:
-                _default = Settings()
-            settings = _default
-    return settings
+    return Settings()
 
 
 def reset_default_settings() -> None:
     """Forget the process's settings; the next :func:`default_settings` reads them afresh."""
-    global _default
-    with _default_lock:
-        _default = None
+    default_settings.cache_clear()

@@ -56,10 +56,11 @@ from mm3.contract.buffers import PagedKVCache
 from mm3.contract.errors import InputError
 from mm3.contract.params import SparseAttentionParams
 
+from mm3.runtime.layer import SparseAttention
+
 if TYPE_CHECKING:
     from mm3.contract.batch import BatchMetadata
     from mm3.runtime.config import Settings
-    from mm3.runtime.layer import SparseAttention
     from mm3.runtime.registry import Registry
     from mm3.runtime.selection import Selection
 
@@ -353,9 +354,6 @@ class TensorParallelSparseAttention:
                 raise InputError("rank/world_size not given and torch.distributed is not initialised; call "
                                  "init_process_group first or pass rank= and world_size=")
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        # Imported here so that importing mm3.runtime.distributed stays cheap and free of the registry.
-        from mm3.runtime.layer import SparseAttention
-
         self.shard: RankShard = rank_shard(full_params, rank, world_size)
         self.group = group
         self.layer: SparseAttention = SparseAttention(
