@@ -1,6 +1,7 @@
-"""mm3's GPU benchmark harness (``mm3 bench``); see :mod:`benchmarks.harness` and NOTES.md.
+"""mm3's GPU benchmark harness (``mm3 bench``); see :mod:`.harness` and NOTES.md.
 
-Not part of the installed ``mm3`` package: ``mm3 bench`` loads this folder by
-path from a checkout (or from ``MM3_BENCH_HARNESS``), so the core never
+Installed with mm3 as the package ``mm3_benchmarks`` (``pyproject.toml`` maps
+this folder), so ``mm3 bench`` works from an installed distribution. Nothing
+in ``mm3`` imports it except that command, on first use: the core never
 imports benchmark or platform code.
 """

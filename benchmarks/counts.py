@@ -14,12 +14,12 @@ needs: ``2 * Di`` per (token, index head, visible key) for the indexer and
 P.V). Dense attention FLOPs count every causally visible key.
 
 Example:
-    >>> from mm3.params import SparseAttentionParams
+    >>> from mm3.contract import SparseAttentionParams
     >>> p = SparseAttentionParams.minimax_m3(tp_size=1)
     >>> b = decode_bytes(p, batch=64, context=65536, qlen=1, index_elt=2, kv_elt=2,
     ...                  kv_tokens=64 * 4 * 16 * 128)
     >>> round(b["index_keys"] / 1e9, 3), round(b["kv"] / 1e6, 1), round(b["step"] / 1e9, 3)
-    (1.074, 268.4, 1.345)
+    (1.074, 268.4, 1.344)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from mm3.params import SparseAttentionParams
+from mm3.contract import SparseAttentionParams
 
 __all__ = ["decode_bytes", "distinct_kv_tokens", "prefill_counts", "attended_keys"]
 

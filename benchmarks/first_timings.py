@@ -31,9 +31,9 @@ from typing import Callable
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache
-from mm3.params import SparseAttentionParams
+from mm3.contract import BatchMetadata
+from mm3.contract import PagedKVCache
+from mm3.contract import SparseAttentionParams
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
 

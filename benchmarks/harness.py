@@ -44,9 +44,9 @@ import warnings
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import TopkBuffer
-from mm3.params import SparseAttentionParams
+from mm3.contract import BatchMetadata
+from mm3.contract import TopkBuffer
+from mm3.contract import SparseAttentionParams
 
 from . import counts, inputs, peers, report
 from .timing import Timer, ceilings, kernel_breakdown
@@ -619,8 +619,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def _pick_backend(name: str, device: torch.device, params: SparseAttentionParams) -> Any:
-    from mm3.registry import default_registry
-    from mm3.selection import requirements_for, select
+    from mm3.runtime.registry import default_registry
+    from mm3.runtime.selection import requirements_for, select
 
     reg = default_registry()
     if name != "auto":

@@ -6,7 +6,7 @@ real paged cache's; rotated sets of one configuration use disjoint pages.
 
 Example:
     >>> import torch
-    >>> from mm3.params import SparseAttentionParams
+    >>> from mm3.contract import SparseAttentionParams
     >>> p = SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16, num_index_heads=2,
     ...                           index_head_dim=16, block_size=16, topk=4)
     >>> pool = Pool(p, num_pages=64, device=torch.device("cpu"), seed=0)
@@ -23,9 +23,9 @@ from typing import Optional
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache
-from mm3.params import SparseAttentionParams
+from mm3.contract import BatchMetadata
+from mm3.contract import PagedKVCache
+from mm3.contract import SparseAttentionParams
 
 __all__ = ["Pool", "StepInputs", "decode_sets", "prefill_inputs", "dense_kv", "page_bytes",
            "INDEX_DTYPES"]

@@ -66,16 +66,16 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
 
 
 class VariantBackend:
-    """Quacks like :class:`mm3.registry.Backend` for the harness: name, alloc, index_topk, attention_forward."""
+    """Quacks like :class:`mm3.runtime.backend.Backend` for the harness: name, alloc, index_topk, attention_forward."""
 
     def __init__(self, name: str, overrides: dict[str, Any], kinds: tuple[str, ...]) -> None:
-        from mm3_backends.cuda.plugin import SPEC
+        from mm3_backends.cuda.plugin import PLATFORM
         from mm3_backends.triton.plugin_factory import make_hookimpls
 
         self.name = f"cuda[{name}]"
         self.kinds = kinds
         self.overrides = overrides
-        self._hooks = make_hookimpls(replace(SPEC, launch=replace(SPEC.launch, **overrides)))
+        self._hooks = make_hookimpls(replace(PLATFORM, launch=replace(PLATFORM.launch, **overrides)))
         self.index_topk = self._hooks.index_topk
         self.attention_forward = self._hooks.attention_forward
 

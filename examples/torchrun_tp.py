@@ -2,8 +2,8 @@
 
 Every rank builds the same realistic step (long decodes with a speculative
 draft token, a padding decode slot, a chunked prefill and a fresh prompt) from
-one seed, keeps its share of the heads (``mm3.distributed``), runs its own
-:class:`~mm3.layer.SparseAttention` - each rank selects its backend through the
+one seed, keeps its share of the heads (``mm3.TensorParallelSparseAttention``), runs its own
+:class:`~mm3.SparseAttention` - each rank selects its backend through the
 registry and settings, exactly as a single process would - and all-gathers the
 outputs. Rank 0 then runs the whole layer on one rank and checks that the
 gathered output matches. Timings of every rank are printed; the exit status is
@@ -43,11 +43,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mm3.buffers import TORCH_DTYPES, PagedKVCache
-from mm3.distributed import TensorParallelSparseAttention
-from mm3.errors import MM3Error
-from mm3.layer import SparseAttention
-from mm3.params import SparseAttentionParams
+from mm3 import MM3Error, PagedKVCache, SparseAttention, SparseAttentionParams, TensorParallelSparseAttention
+from mm3.contract import TORCH_DTYPES
 from mm3.testing.factories import Case, make_case
 
 # Gathered vs single-rank output, same backend and dtype (bf16 rounding of fp32 results).

@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The contract guard (mm3.guard) checks every backend call the suite makes through
+# The contract guard (mm3.debug.guard) checks every backend call the suite makes through
 # SparseAttention; production keeps it off (the default). Tests that need the
 # default clear MM3_* variables themselves.
 os.environ.setdefault("MM3_CHECK_CONTRACTS", "1")

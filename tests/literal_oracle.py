@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.params import SparseAttentionParams
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.params import SparseAttentionParams
 
 FORCED_INIT = 1e30
 FORCED_LOCAL = 1e29

@@ -1,7 +1,7 @@
 """Plugin test helpers shared by several test files.
 
 * :class:`FakeEntryPoint`: the registry discovers plugins through
-  ``mm3.registry.list_entry_points``; tests replace that function with one
+  ``mm3.runtime.discovery.list_entry_points``; tests replace that function with one
   returning these, so discovery, load failures and provenance (distribution
   name and version) can be exercised without installing anything.
 * :func:`subprocess_env`: the environment for running mm3 in a subprocess

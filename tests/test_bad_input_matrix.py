@@ -35,13 +35,13 @@ if __name__ == "__main__" and not torch.cuda.is_available():  # as tests/conftes
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, Settings, SparseAttentionParams,
                  TopkBuffer, hookimpl)
-from mm3.errors import (BackendUnavailableError, ConfigError, ContractViolation, InputError, NoBackendError,
+from mm3.contract.errors import (BackendUnavailableError, ConfigError, ContractViolation, InputError, NoBackendError,
                         PluginError, UnknownBackendError)
-from mm3.guard import guard_backend
-from mm3.layer import SparseAttention
-from mm3.registry import Registry, default_registry
-from mm3.scope import use_backend
-from mm3.selection import requirements_for, select
+from mm3.debug import guard_backend
+from mm3.runtime.layer import SparseAttention
+from mm3.runtime.registry import Registry, default_registry
+from mm3.runtime.scope import use_backend
+from mm3.runtime.selection import requirements_for, select
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention, oracle_topk
 
@@ -301,16 +301,18 @@ ROWS: list[Row] = [
     Row("caches-device", FORWARD, "caches on another device", InputError, "caches is on meta",
         lambda: ctx().forward(caches=PagedKVCache(*(t.to("meta") for t in (
             ctx().case.caches.k, ctx().case.caches.v, ctx().case.caches.index))))),
-    Row("kv-heads", FORWARD, "KV cache heads != num_kv_heads", InputError, "KV cache has 1 heads of dim 16",
+    Row("kv-heads", FORWARD, "KV cache heads != num_kv_heads", InputError,
+        "cpu_ref.index_topk: caches have 1 KV heads, params.num_kv_heads is 2",
         lambda: ctx().forward(caches=ctx().caches(k=ctx().case.caches.k[:, :, :1], v=ctx().case.caches.v[:, :, :1]))),
-    Row("kv-head-dim", FORWARD, "KV head dim != head_dim", InputError, "KV cache has 2 heads of dim 8",
+    Row("kv-head-dim", FORWARD, "KV head dim != head_dim", InputError,
+        "cpu_ref.attention_forward: KV cache heads have dim 8, params.head_dim is 16",
         lambda: ctx().forward(caches=ctx().caches(k=ctx().case.caches.k[..., :8], v=ctx().case.caches.v[..., :8]))),
     Row("cache-block-size", FORWARD, "cache pages hold another block size", InputError,
-        "cache pages hold 8 tokens but params.block_size is 16",
+        "cpu_ref.index_topk: block sizes disagree: cache pages hold 8 tokens",
         lambda: ctx().forward(caches=ctx().caches(k=ctx().case.caches.k[:, :8], v=ctx().case.caches.v[:, :8],
                                                   index=ctx().case.caches.index[:, :8]))),
     Row("index-head-dim", FORWARD, "index key dim != index_head_dim", InputError,
-        "index cache dim 8 != params.index_head_dim 16",
+        "cpu_ref.index_topk: index cache keys have dim 8, params.index_head_dim is 16",
         lambda: ctx().forward(caches=ctx().caches(index=ctx().case.caches.index[..., :8]))),
     Row("kv-layout-unknown", "PagedKVCache.allocate", "unknown page layout", InputError,
         "unknown KV cache layout 'NDH'", lambda: PagedKVCache.allocate(2, 16, 2, 16, 16, layout="NDH")),
@@ -320,7 +322,7 @@ ROWS: list[Row] = [
     Row("batch-device", FORWARD, "batch tensors on another device", InputError, "batch is on meta",
         lambda: ctx().forward(batch=ctx().case.batch.to("meta"))),
     Row("batch-block-size", FORWARD, "batch built for another block size", InputError,
-        "batch was built with block_size 32, params say 16",
+        "batch.block_size=32, params.block_size=16",
         lambda: ctx().forward(batch=ctx().rebatch(block_size=32))),
     Row("capacity", FORWARD, "step larger than the top-k buffer (max_num_tokens)", InputError,
         "step has 12 tokens but the top-k buffer holds 8",
@@ -433,7 +435,7 @@ ROWS: list[Row] = [
     Row("params-non-positive", PARAMS, "a size <= 0", InputError, "head_dim: Input should be greater than 0",
         lambda: _params(head_dim=0)),
     Row("params-unknown-field", PARAMS, "misspelled field", InputError,
-        "top_k: Extra inputs are not permitted: unknown field",
+        "unknown field 'top_k': did you mean 'topk'?",
         lambda: _params(top_k=8)),
     Row("forced-exceed-topk", PARAMS, "init + local blocks > topk", InputError,
         "init_blocks (3) + local_blocks (2) exceed topk (4)", lambda: _params(init_blocks=3, local_blocks=2)),
@@ -498,12 +500,12 @@ ROWS: list[Row] = [
         "CUDA-graph capture requested but backend is not cuda_graph_safe",
         lambda: _layer(backend="cpu_ref", cuda_graph=True)),
     Row("no-backend", LAYER, "auto finds no capable backend", NoBackendError,
-        "no backend can serve the attention on cpu", lambda: _auto_nothing()),
+        "no backend can serve the attention op on cpu", lambda: _auto_nothing()),
     Row("duplicate-backend", "Registry.get", "two plugins declare one name", PluginError,
         "backend name 'twin' is declared by more than one plugin", _duplicate_registry),
     Row("op-missing-direct", "Backend.index_topk", "calling an op the backend does not provide",
         BackendUnavailableError, "does not provide 'index_topk'", lambda: _attention_only().index_topk(1, 2, 3, 4, 5)),
-    Row("provides-unknown-op", "Backend.provides", "an op name that does not exist", ValueError,
+    Row("provides-unknown-op", "Backend.provides", "an op name that does not exist", InputError,
         "unknown op 'indexer'", lambda: default_registry().get("cpu_ref").provides("indexer")),
     # contiguity
     Row("topk-not-dense-direct", "Backend.attention_forward", "non-dense / other-layout top-k buffer to a "
@@ -514,22 +516,25 @@ ROWS: list[Row] = [
     # settings
     Row("settings-unknown-key", SETTINGS, "misspelled keyword", ConfigError,
         "unknown setting 'bakend': did you mean 'backend'?", _settings(bakend="cpu_ref")),
-    Row("settings-bad-bool", SETTINGS, "non-boolean check_contracts", ConfigError, "invalid check_contracts",
+    Row("settings-bad-bool", SETTINGS, "non-boolean check_contracts", ConfigError,
+        "check_contracts (from argument): Input should be a valid boolean",
         _settings(check_contracts="maybe")),
     Row("settings-bad-name", SETTINGS, "backend name that is not an identifier", ConfigError,
         "'cu-da' is not a backend name", _settings(backend="cu-da")),
-    Row("settings-bad-list", SETTINGS, "plugins not a list of names", ConfigError, "invalid plugins",
+    Row("settings-bad-list", SETTINGS, "plugins not a list of names", ConfigError,
+        "plugins (from argument): Input should be a valid list",
         _settings(plugins=3)),
     Row("env-unknown", "Settings() / env", "misspelled MM3_ variable", ConfigError,
         "unknown environment variable MM3_BACKEDN: did you mean MM3_BACKEND?",
         _settings(env={"MM3_BACKEDN": "cpu_ref"})),
     Row("env-bad-value", "Settings() / env", "MM3_ALLOW_FALLBACK=perhaps", ConfigError,
-        "invalid allow_fallback (from env MM3_ALLOW_FALLBACK)", _settings(env={"MM3_ALLOW_FALLBACK": "perhaps"})),
+        "allow_fallback (from env MM3_ALLOW_FALLBACK): Input should be a valid boolean", _settings(env={"MM3_ALLOW_FALLBACK": "perhaps"})),
     Row("file-malformed", "Settings() / mm3.toml", "malformed TOML", ConfigError, "malformed TOML in config file",
         _settings(files={"mm3.toml": "backend = \n"})),
     Row("file-unknown-key", "Settings() / mm3.toml", "unknown key", ConfigError,
         "unknown key 'bakend' in file", _settings(files={"mm3.toml": 'bakend = "cpu_ref"\n'})),
-    Row("file-bad-value", "Settings() / mm3.toml", "wrongly typed value", ConfigError, "invalid check_contracts",
+    Row("file-bad-value", "Settings() / mm3.toml", "wrongly typed value", ConfigError,
+        "mm3.toml): Input should be a valid boolean (got 3.5)",
         _settings(files={"mm3.toml": "check_contracts = 3.5\n"})),
     Row("pyproject-unknown-key", "Settings() / pyproject.toml", "unknown key in [tool.mm3]", ConfigError,
         "unknown key 'bakend'", _settings(files={"pyproject.toml": '[tool.mm3]\nbakend = "x"\n'})),
@@ -580,7 +585,7 @@ def test_rejected(row: Row) -> None:
     assert type(e) is row.exc or isinstance(e, row.exc)
     assert row.fragment in str(e), f"{row.id}: {str(e)!r} lacks {row.fragment!r}"
     if row.exc is not ValueError:                       # every mm3 rejection is an mm3.MM3Error
-        from mm3.errors import MM3Error
+        from mm3.contract.errors import MM3Error
 
         assert isinstance(e, MM3Error)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.errors import InputError
-from mm3.params import SparseAttentionParams
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.errors import InputError
+from mm3.contract.params import SparseAttentionParams
 
 
 def _bt(rows: int, cols: int = 4) -> torch.Tensor:
@@ -88,7 +88,7 @@ def test_minimax_m3_presets(tp: int, heads: tuple[int, int, int]) -> None:
     (dict(num_heads=6), "multiple of num_kv_heads"),
     (dict(init_blocks=10, topk=8), "forced blocks would not fit"),
     (dict(head_dim=0), "greater than 0"),
-    (dict(bogus=1), "Extra inputs are not permitted"),
+    (dict(bogus=1), "unknown field 'bogus'"),
 ])
 def test_bad_params(kwargs: dict, match: str) -> None:
     base = dict(num_heads=8, num_kv_heads=4, head_dim=16, num_index_heads=4, index_head_dim=16)

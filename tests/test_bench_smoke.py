@@ -1,7 +1,7 @@
 """`mm3 bench --tiny`: the whole benchmark pipeline on tiny shapes, on the CPU, in seconds.
 
 Runs a reduced tiny grid in-process through the same loader `mm3 bench` uses
-(the harness is loaded by path from benchmarks/), with every peer that runs
+(the harness is the installed package mm3_benchmarks), with every peer that runs
 on a CPU (SDPA, eager FlexAttention, the reference backend), and checks the
 outputs: JSON with records and targets, the Markdown report, the plots when
 matplotlib is installed, and that every correctness check inside passed
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm3 import bench
+from mm3.cli import bench
 
 
 def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
@@ -28,10 +28,9 @@ def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
     return ap.parse_args(["--tiny", "--device", "cpu", "--out", str(tmp_path), *extra])
 
 
-def test_harness_is_found_and_loaded_lazily() -> None:
-    folder = bench.find_harness()
-    assert (folder / "harness.py").is_file()
-    mod = bench.load_harness(folder)
+def test_harness_is_an_installed_package() -> None:
+    mod = bench.load_harness()
+    assert mod.__name__ == "mm3_benchmarks.harness"
     assert callable(mod.run) and callable(mod.add_arguments)
 
 
@@ -72,7 +71,7 @@ def test_tiny_run_writes_every_output(tmp_path: Path) -> None:
 def test_minimal_byte_counts_match_the_notes() -> None:
     """The counts BENCHMARKS.md and NOTES.md quote for M3 TP1, batch 64, 64K context."""
     counts = bench.load_harness().counts
-    from mm3.params import SparseAttentionParams
+    from mm3.contract.params import SparseAttentionParams
 
     p = SparseAttentionParams.minimax_m3(tp_size=1)
     kv_tokens = 64 * 4 * 16 * 128

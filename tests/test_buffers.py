@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.errors import InputError
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.errors import InputError
 
 
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
@@ -91,3 +91,48 @@ def test_paged_cache_rejects_mismatches() -> None:
         PagedKVCache(torch.zeros(3, 16, 16), k, torch.zeros(3, 16, 8))
     with pytest.raises(InputError, match="dtype"):
         PagedKVCache(k, k.to(torch.float16), torch.zeros(3, 16, 8))
+
+
+# -- the label is the memory order -------------------------------------------------------------------
+
+def test_vllm_allocation_bug_is_an_error_at_construction() -> None:
+    """Token-major [T, H, K] memory handed over as a permuted head-major view (vLLM's MiniMax-M3 bug)."""
+    T, H, K = 9, 2, 4
+    token_major = torch.full((T, H, K), -1, dtype=torch.int32)
+    with pytest.raises(InputError) as info:
+        TopkBuffer(token_major.permute(1, 0, 2), "head_major")
+    msg = str(info.value)
+    for fragment in ("(2, 9, 4)", "(4, 8, 1)", "'head_major' label", "vLLM",
+                     "TopkBuffer.allocate(..., layout='head_major')",
+                     "TopkBuffer(tensor.permute(1, 0, 2), 'token_major')"):
+        assert fragment in msg, msg
+    # ... and the reverse mislabel; the fix the message names works
+    with pytest.raises(InputError, match="'token_major' label"):
+        TopkBuffer(torch.zeros(H, T, K, dtype=torch.int32).permute(1, 0, 2), "token_major")
+    fixed = TopkBuffer(token_major.permute(1, 0, 2).permute(1, 0, 2), "token_major")
+    assert fixed.head_major().shape == (H, T, K)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_one_head_makes_both_labels_the_same_memory(layout: str) -> None:
+    """With H = 1 the head axis has no memory extent: either label is true of either storage."""
+    other = "token_major" if layout == "head_major" else "head_major"
+    buf = TopkBuffer.allocate(7, 1, 4, other)
+    relabelled = TopkBuffer(buf.storage.permute(1, 0, 2), layout)
+    assert relabelled.layout == layout and relabelled.strides()[1:] == buf.strides()[1:]
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_row_views_and_padded_storage_stay_legal(layout: str) -> None:
+    buf = TopkBuffer.allocate(10, 3, 4, layout)
+    for start, stop in [(0, 10), (0, 6), (3, 9), (5, 6), (4, 4), (0, 0)]:
+        assert buf.rows(start, stop).rows(0, stop - start).layout == layout
+    shape = (3, 10, 8) if layout == "head_major" else (10, 3, 8)
+    padded = TopkBuffer(torch.zeros(shape, dtype=torch.int32)[:, :, :4], layout)   # honest, not dense
+    assert not padded.is_dense() and padded.rows(2, 7).num_tokens == 5
+
+
+def test_storage_whose_elements_overlap_is_refused() -> None:
+    """An expand()-ed buffer would have two heads write one row: not a layout at all."""
+    with pytest.raises(InputError, match="not laid out"):
+        TopkBuffer(torch.zeros(1, 5, 4, dtype=torch.int32).expand(3, 5, 4), "head_major")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import mm3.cli as cli
-from mm3.check import EXIT_FAILED, EXIT_PASSED, EXIT_UNUSABLE
+from mm3.cli.check import EXIT_FAILED, EXIT_PASSED, EXIT_UNUSABLE
 
 FAST = ["--device", "cpu", "--dtype", "float32", "--index-dtype", "bfloat16"]
 

@@ -13,9 +13,9 @@ import pytest
 from plugin_fakes import FakeEntryPoint
 
 import mm3.cli as cli
-import mm3.registry as registry_mod
+import mm3.runtime.discovery as discovery
 from mm3 import BackendCapabilities, Probe, hookimpl
-from mm3.registry import reset_default_registry
+from mm3.runtime.registry import reset_default_registry
 
 
 class Plugin:
@@ -63,7 +63,7 @@ def env(monkeypatch: pytest.MonkeyPatch, tmp_path):
         EP("broken_ep", ImportError("cannot import name 'kernel' from 'vendor_ext'"),
            "vendor-ext", "0.9"),
     ]
-    monkeypatch.setattr(registry_mod, "list_entry_points", lambda group="mm3.backends": eps)
+    monkeypatch.setattr(discovery, "list_entry_points", lambda group="mm3.backends": eps)
     reset_default_registry()
     yield tmp_path
     reset_default_registry()
@@ -248,7 +248,7 @@ def test_known_configured_backend_passes(capsys, monkeypatch):
 
 
 def test_demo_checks_the_configuration_before_building_inputs(capsys, monkeypatch):
-    import mm3.demo as demo
+    import mm3.cli.demo as demo
 
     monkeypatch.setattr(demo, "_build", lambda *a, **k: pytest.fail("inputs built before the check"))
     monkeypatch.setenv("MM3_BACKEND", "nosuch")
@@ -256,10 +256,10 @@ def test_demo_checks_the_configuration_before_building_inputs(capsys, monkeypatc
     assert "unknown backend 'nosuch'" in capsys.readouterr().err
 
 
-@pytest.mark.filterwarnings("ignore::mm3.registry.PluginLoadWarning")
+@pytest.mark.filterwarnings("ignore::mm3.runtime.discovery.PluginLoadWarning")
 def test_use_backend_rejects_an_unknown_name_when_the_block_opens():
     from mm3 import use_backend
-    from mm3.errors import UnknownBackendError
+    from mm3.contract.errors import UnknownBackendError
 
     with pytest.raises(UnknownBackendError, match="did you mean 'fast'"):
         with use_backend("fsat"):

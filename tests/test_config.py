@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mm3.config import Settings, explain_settings
-from mm3.errors import ConfigError
+from mm3.runtime.config import Settings, explain_settings
+from mm3.contract.errors import ConfigError
 
 FIELDS = ["backend", "indexer_backend", "plugins", "disable_plugins", "no_plugin_autoload",
           "check_contracts", "allow_fallback", "config"]
@@ -233,15 +233,44 @@ def test_settings_are_frozen():
 
 
 def test_plugin_and_tool_env_namespaces_are_not_settings(monkeypatch):
-    import mm3.registry as registry_mod
+    import mm3.runtime.discovery as discovery
 
     class EP:
         name = "vendorx"
 
-    monkeypatch.setattr(registry_mod, "list_entry_points", lambda group="mm3.backends": [EP()])
+    monkeypatch.setattr(discovery, "list_entry_points", lambda group="mm3.backends": [EP()])
     monkeypatch.setenv("MM3_VENDORX_TUNING", "aggressive")  # a plugin's own knob
     monkeypatch.setenv("MM3_GPU_REPORT", "/tmp/report.jsonl")  # a test-suite knob
     assert Settings().backend == "auto"
     monkeypatch.setenv("MM3_OTHERVENDOR_TUNING", "1")  # no such plugin installed
     with pytest.raises(ConfigError, match="MM3_OTHERVENDOR_TUNING"):
         Settings()
+
+
+# -- one Settings per process -----------------------------------------------------------------------
+
+def test_layers_share_the_process_settings_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mm3
+    from mm3.runtime import config
+
+    reads: list[int] = []
+    real_init = Settings.__init__
+
+    def counting_init(self: Settings, **values: object) -> None:
+        reads.append(1)
+        real_init(self, **values)
+
+    monkeypatch.setattr(Settings, "__init__", counting_init)
+    monkeypatch.setenv("MM3_BACKEND", "cpu_ref")
+    p = mm3.SparseAttentionParams.minimax_m3(tp_size=8)
+    layers = [mm3.SparseAttention(p, max_num_tokens=8) for _ in range(3)]
+    assert len(reads) == 1 and all(layer.settings is config.default_settings() for layer in layers)
+    assert layers[0].selection.attention.name == "cpu_ref"
+
+    own = Settings(backend="cpu_ref")                          # a caller's own settings are used as given
+    assert mm3.SparseAttention(p, max_num_tokens=8, settings=own).settings is own
+
+    monkeypatch.setenv("MM3_BACKEND", "nosuch")                # changed in-process: stale until reset
+    assert mm3.SparseAttention(p, max_num_tokens=8).settings.backend == "cpu_ref"
+    mm3.reset_default_registry()
+    assert config.default_settings().backend == "nosuch"

@@ -16,7 +16,8 @@ import sys
 import pytest
 
 import mm3_backends.cpu_ref.plugin as cpu_ref
-from mm3.registry import Backend, Registry
+from mm3.runtime.backend import Backend
+from mm3.runtime.registry import Registry
 from mm3.testing.conformance import (
     CaseResult, ConformanceReport, PlannedCase, plan_cases, run_conformance,
 )
@@ -93,8 +94,9 @@ def _failures(fault: str, layout: str = "head_major") -> dict[str, str]:
 def test_suite_catches_wrong_layout_storage_only_with_several_heads() -> None:
     for layout in ("head_major", "token_major"):
         failed = _failures("wrong_layout", layout)
-        assert "buffer/sentinel_rows_h2:bfloat16" in failed
-        assert "label and the memory map disagree" in failed["buffer/sentinel_rows_h2:bfloat16"]
+        assert "buffer/sentinel_rows_h2:bfloat16" in failed          # the mislabelled buffer is refused
+        assert f"as the {layout!r} label promises" in failed["buffer/sentinel_rows_h2:bfloat16"]
+        assert "buffer/indexer_writes_other_layout_h2:bfloat16" in failed    # the layout-blind writer
         assert "buffer/sentinel_rows_h1:bfloat16" not in failed     # one head: same memory map
         assert "indexer/mixed_h1:bfloat16" not in failed
 
@@ -183,7 +185,7 @@ def test_reference_indexer_feeds_attention_cases() -> None:
 
 
 def test_unknown_dtype_is_an_input_error() -> None:
-    from mm3.errors import InputError
+    from mm3.contract.errors import InputError
 
     with pytest.raises(InputError, match="float64"):
         plan_cases(CPU_REF, dtypes=["float64"])

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import SparseAttentionParams, TopkBuffer
-from mm3.errors import InputError
-from mm3.registry import Registry
+from mm3.contract.errors import InputError
+from mm3.runtime.registry import Registry
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention, oracle_topk
 from mm3_backends.cpu_ref.attention import attention_forward
@@ -234,20 +234,22 @@ def test_non_contiguous_inputs_and_fp32_caches(strategy: str) -> None:
 
 
 def test_input_errors_say_what_to_fix() -> None:
+    """The bound backend checks the shared rules; cpu_ref itself only its own (the strategy)."""
+    be = Registry(plugins=[cpu_ref], entry_points=False).get("cpu_ref")
     p = _params(2, 2)
     case = make_case(p, decodes=[40], seed=0)
     T = case.batch.num_tokens
     with pytest.raises(InputError, match="index_q has shape"):
-        index_topk(case.index_q[:, :1], case.caches, case.batch, p, TopkBuffer.allocate(T, 2, 4))
+        be.index_topk(case.index_q[:, :1], case.caches, case.batch, p, TopkBuffer.allocate(T, 2, 4))
     wrong_heads = r"the top-k buffer is \[H=1, K=4\] but params need \[H=2"
     with pytest.raises(InputError, match="cpu_ref.index_topk: " + wrong_heads):
-        index_topk(case.index_q, case.caches, case.batch, p, TopkBuffer.allocate(T, 1, 4))
+        be.index_topk(case.index_q, case.caches, case.batch, p, TopkBuffer.allocate(T, 1, 4))
     with pytest.raises(InputError, match="block sizes disagree"):
-        index_topk(case.index_q, case.caches, case.batch, p.model_copy(update={"block_size": 32}),
-                   TopkBuffer.allocate(T, 2, 4))
+        be.index_topk(case.index_q, case.caches, case.batch, p.model_copy(update={"block_size": 32}),
+                      TopkBuffer.allocate(T, 2, 4))
     with pytest.raises(InputError, match="cpu_ref.attention_forward: " + wrong_heads):
-        attention_forward(case.q, case.caches, TopkBuffer.allocate(T, 1, 4), case.batch, p,
-                          torch.empty_like(case.q))
+        be.attention_forward(case.q, case.caches, TopkBuffer.allocate(T, 1, 4), case.batch, p,
+                             torch.empty_like(case.q))
     with pytest.raises(InputError, match="strategy"):
         attention_forward(case.q, case.caches, TopkBuffer.allocate(T, 2, 4), case.batch, p,
                           torch.empty_like(case.q), strategy="fast")  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Tensor parallelism (mm3.distributed): the sharding math, and real gloo runs on 2 and 4 processes.
+"""Tensor parallelism (mm3.runtime.distributed): the sharding math, and real gloo runs on 2 and 4 processes.
 
 The multi-process tests spawn one process per rank with torch.multiprocessing,
 rendezvous through a file in the test's tmp dir (gloo then talks over loopback),
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mm3.buffers import TopkBuffer
-from mm3.distributed import (
+from mm3.contract.buffers import TopkBuffer
+from mm3.runtime.distributed import (
     RankShard,
     TensorParallelSparseAttention,
     all_rank_shards,
@@ -30,8 +30,8 @@ from mm3.distributed import (
     rank_shard,
     shard_params,
 )
-from mm3.errors import InputError
-from mm3.params import SparseAttentionParams
+from mm3.contract.errors import InputError
+from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention
 
@@ -240,7 +240,7 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gloo_tensor_parallel_matches_single_process_and_oracle(world_size: int, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from mm3.layer import SparseAttention  # needs the registry and a backend
+    from mm3.runtime.layer import SparseAttention  # needs the registry and a backend
 
     # The backend comes from ordinary configuration, which the spawned ranks inherit with the
     # environment. The reference keeps this a test of the sharding, not of a kernel (under

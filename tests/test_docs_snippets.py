@@ -142,8 +142,8 @@ def run_document(path: Path, scratch: Path, label: Optional[str] = None) -> int:
 @pytest.fixture
 def docs_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """cwd and sys.path in a scratch dir, no MM3_* settings, fresh default registry; undone after."""
-    from mm3.config import RESERVED_ENV_PREFIXES
-    from mm3.registry import reset_default_registry
+    from mm3.runtime.config import RESERVED_ENV_PREFIXES
+    from mm3.runtime.registry import reset_default_registry
 
     saved_env = dict(os.environ)
     for key in list(os.environ):

@@ -38,11 +38,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mm3 import Settings, SparseAttentionParams, TopkBuffer
-from mm3.buffers import TORCH_DTYPES
-from mm3.errors import BackendUnavailableError
-from mm3.guard import GUARD_SENTINEL, guard_backend
-from mm3.layer import SparseAttention
-from mm3.registry import Registry
+from mm3.contract.buffers import TORCH_DTYPES
+from mm3.contract.errors import BackendUnavailableError
+from mm3.debug import GUARD_SENTINEL, guard_backend
+from mm3.runtime.layer import SparseAttention
+from mm3.runtime.registry import Registry
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention, oracle_topk
 
@@ -82,7 +82,7 @@ def _rocm_allowed() -> Iterator[None]:
 
 def _load_backends() -> dict[str, Any]:
     """name -> Backend for every built-in that runs here (each in its own isolated registry)."""
-    from mm3.registry import list_entry_points
+    from mm3.runtime.discovery import list_entry_points
 
     found = {}
     with _rocm_allowed():

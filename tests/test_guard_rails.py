@@ -64,9 +64,10 @@ def test_detector_catches_a_platform_check(tmp_path: Path) -> None:
     assert any(p.search(code) for p, _ in FORBIDDEN_PATTERNS)
 
 
-def test_importing_mm3_loads_no_backend_and_no_triton() -> None:
-    code = ("import sys, mm3, mm3.layer, mm3.cli; "
-            "bad = [m for m in sys.modules if m.startswith(('mm3_backends', 'triton'))]; "
+def test_importing_mm3_loads_no_backend_no_benchmark_and_no_triton() -> None:
+    code = ("import sys, mm3, mm3.runtime.layer, mm3.cli; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('mm3_backends', 'backends', 'mm3_benchmarks', 'benchmarks', 'triton')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -7,8 +7,8 @@ import torch
 
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import SparseAttentionParams, TopkBuffer
-from mm3.errors import InputError, PluginError, UnknownBackendError
-from mm3.registry import Registry
+from mm3.contract.errors import InputError, PluginError, UnknownBackendError
+from mm3.runtime.registry import Registry
 from mm3.testing.factories import make_case
 from mm3.testing.mock import FAULTS, Call, MockBackend, MockFault
 from mm3.testing.oracle import check_topk, oracle_attention
@@ -95,17 +95,19 @@ def test_explicit_delegate_and_unknown_entry_point() -> None:
         lost.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
 
 
-def test_contiguous_declaration_is_enforced_when_strict() -> None:
+def test_contiguous_declaration_is_enforced_by_the_bound_backend() -> None:
     case = _case()
     T = case.batch.num_tokens
-    strict = _bind(MockBackend("tm", topk_layout="token_major", topk_requires_contiguous=True))
+    mock = MockBackend("tm", topk_layout="token_major", topk_requires_contiguous=True)
+    strict = _bind(mock)
     head_major = TopkBuffer.allocate(T, 2, 4, "head_major")
     with pytest.raises(InputError, match="to_layout"):
         strict.index_topk(case.index_q, case.caches, case.batch, case.params, head_major)
-    strict.index_topk(case.index_q, case.caches, case.batch, case.params, head_major.to_layout("token_major"))
-    lax = _bind(MockBackend("tm2", topk_layout="token_major", topk_requires_contiguous=True, strict=False))
-    lax.index_topk(case.index_q, case.caches, case.batch, case.params, head_major)
-    assert not check_topk(head_major, case.index_q, case.caches, case.batch, case.params)
+    assert not mock.calls_to("index_topk")                  # refused before the plugin ran
+    converted = head_major.to_layout("token_major")
+    strict.index_topk(case.index_q, case.caches, case.batch, case.params, converted)
+    assert len(mock.calls_to("index_topk")) == 1
+    assert not check_topk(converted, case.index_q, case.caches, case.batch, case.params)
 
 
 def test_delegate_that_needs_its_own_layout_gets_it() -> None:
@@ -119,7 +121,9 @@ def test_delegate_that_needs_its_own_layout_gets_it() -> None:
     assert not check_topk(buf.rows(0, T), case.index_q, case.caches, case.batch, case.params)
     out = torch.empty_like(case.q)
     outer.attention_forward(case.q, case.caches, buf.rows(0, T), case.batch, case.params, out)
-    assert inner.calls_to("attention_forward")[0].args["topk"].layout == "token_major"
+    for hook, arg in (("index_topk", "out"), ("attention_forward", "topk")):
+        given = inner.calls_to(hook)[0].args[arg]
+        assert given.layout == "token_major" and given.is_dense(), hook
 
 
 # -- faults ---------------------------------------------------------------------------------------
@@ -136,19 +140,31 @@ def test_fault_raise() -> None:
 
 
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
-def test_fault_wrong_layout_is_harmless_with_one_head_and_scrambles_rows_with_two(layout: str) -> None:
-    for H, expect_ok in ((1, True), (2, False)):
-        mock = MockBackend(f"wl_{H}", topk_layout=layout, fault="wrong_layout")
-        be = _bind(mock)
-        case = _case(H)
-        T = case.batch.num_tokens
-        full = be.alloc_topk_buffer(T + 5, H, 4, "cpu")
-        assert full.layout == layout                      # labelled as declared ...
-        assert full.is_contiguous() == (H == 1)           # ... but stored the other way round
-        full.fill_(-7)
-        be.index_topk(case.index_q, case.caches, case.batch, case.params, full.rows(0, T))
-        errors = check_topk(full.rows(0, T), case.index_q, case.caches, case.batch, case.params)
-        assert (not errors) == expect_ok, f"H={H}: {len(errors)} bad rows"
+def test_fault_wrong_layout_is_harmless_with_one_head_and_refused_with_two(layout: str) -> None:
+    # one head: both layouts are one memory map, the mislabelled buffer is legal and rows come out right
+    be = _bind(MockBackend(f"wl_1", topk_layout=layout, fault="wrong_layout"))
+    case = _case(1)
+    T = case.batch.num_tokens
+    full = be.alloc_topk_buffer(T + 5, 1, 4, "cpu")
+    assert full.layout == layout
+    full.fill_(-7)
+    be.index_topk(case.index_q, case.caches, case.batch, case.params, full.rows(0, T))
+    assert not check_topk(full.rows(0, T), case.index_q, case.caches, case.batch, case.params)
+    # two heads: the storage contradicts the label, so the buffer is never built
+    be = _bind(MockBackend(f"wl_2", topk_layout=layout, fault="wrong_layout"))
+    with pytest.raises(PluginError, match=f"as the {layout!r} label promises") as info:
+        be.alloc_topk_buffer(T + 5, 2, 4, "cpu")
+    assert isinstance(info.value.__cause__, InputError)
+
+
+def test_fault_wrong_layout_writer_scrambles_a_buffer_of_the_other_layout() -> None:
+    """The writer half of the fault: given an honest buffer in the other layout, rows land on other tokens."""
+    be = _bind(MockBackend("wl_w", topk_layout="token_major", fault="wrong_layout"))
+    case = _case(2)
+    T = case.batch.num_tokens
+    buf = TopkBuffer.allocate(T, 2, 4, "head_major")
+    be.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
+    assert check_topk(buf, case.index_q, case.caches, case.batch, case.params)
 
 
 def test_fault_out_of_range() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mm3.params import SparseAttentionParams
+from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import make_case
 from mm3.testing.oracle import NAN_SCORE, check_topk, oracle_attention, oracle_block_scores, oracle_topk
 from literal_oracle import literal_attention, literal_block_scores, literal_topk

@@ -149,8 +149,8 @@ PROGRAM = textwrap.dedent("""
     import contextlib, io, json, warnings
     import torch
     import mm3, mm3.cli as cli
-    from mm3.layer import SparseAttention
-    from mm3.registry import PluginLoadWarning
+    from mm3.runtime.layer import SparseAttention
+    from mm3.runtime.discovery import PluginLoadWarning
     from mm3.testing.fixtures import CaseFactory, default_params
     from mm3.testing.oracle import oracle_attention
 

@@ -10,19 +10,23 @@ import pytest
 import torch
 from plugin_fakes import FakeEntryPoint
 
-import mm3.registry as registry_mod
+import mm3.runtime.discovery as discovery
 from mm3 import BackendCapabilities, Probe, hookimpl
-from mm3.buffers import TopkBuffer
-from mm3.config import Settings
-from mm3.errors import BackendUnavailableError, PluginError, UnknownBackendError
-from mm3.registry import (
-    Backend,
-    PluginLoadWarning,
-    PluginSource,
-    Registry,
-    default_registry,
-    reset_default_registry,
-)
+from mm3.contract.buffers import TopkBuffer
+from mm3.runtime.config import Settings
+from mm3.contract.errors import BackendUnavailableError, InputError, PluginError, UnknownBackendError
+from mm3.runtime.backend import Backend
+from mm3.runtime.discovery import PluginLoadWarning, PluginSource
+from mm3.runtime.registry import Registry, default_registry, reset_default_registry
+from mm3.testing.factories import make_case
+from mm3.testing.fixtures import default_params
+
+# One small valid step: the bound backend checks every call's arguments before the plugin runs.
+_CASE = make_case(default_params(num_kv_heads=1, num_index_heads=1), decodes=[40], prefills=[(3, 20)],
+                  dtype="float32")
+_TOPK = TopkBuffer.allocate(_CASE.batch.num_tokens, 1, 4)
+INDEX_ARGS = (_CASE.index_q, _CASE.caches, _CASE.batch, _CASE.params, _TOPK)
+ATTENTION_ARGS = (_CASE.q, _CASE.caches, _TOPK, _CASE.batch, _CASE.params, torch.empty_like(_CASE.q))
 
 
 # -- fakes ---------------------------------------------------------------------------------------
@@ -81,9 +85,11 @@ class SubsetArgs:
     def backend_capabilities(self):
         return caps("subset", ops=["attention"])
 
+    got: tuple = ()
+
     @hookimpl
     def attention_forward(self, out, q):
-        return (q, out)
+        self.got = (q, out)
 
 
 class MisspelledArg:
@@ -149,13 +155,13 @@ class DeclaresMissingOp:
 
 
 def fake_eps(monkeypatch: pytest.MonkeyPatch, eps: list, calls: Optional[list] = None) -> None:
-    def lister(group: str = registry_mod.ENTRY_POINT_GROUP):
+    def lister(group: str = discovery.ENTRY_POINT_GROUP):
         assert group == "mm3.backends"
         if calls is not None:
             calls.append(group)
         return list(eps)
 
-    monkeypatch.setattr(registry_mod, "list_entry_points", lister)
+    monkeypatch.setattr(discovery, "list_entry_points", lister)
 
 
 @pytest.fixture(autouse=True)
@@ -193,43 +199,48 @@ def test_isolated_registry_never_touches_entry_points(monkeypatch):
     def boom(group="mm3.backends"):
         raise AssertionError("entry points listed")
 
-    monkeypatch.setattr(registry_mod, "list_entry_points", boom)
+    monkeypatch.setattr(discovery, "list_entry_points", boom)
     reg = Registry([FullPlugin("x")], entry_points=False)
     assert reg.names() == ["x"]
 
 
-def test_bound_call_is_the_plugins_own_function_not_pm_hook():
+def test_bound_call_checks_once_then_calls_the_plugins_own_function_not_pm_hook():
     plugin = FullPlugin("direct")
     reg = Registry([plugin, FullPlugin("other")], entry_points=False)
     be = reg.get("direct")
     assert isinstance(be, Backend) and be.plugin is plugin
-    # The bound attribute *is* the plugin's method: one call, no pluggy in between.
-    assert be.index_topk == plugin.index_topk
-    assert be.attention_forward == plugin.attention_forward
     hook_calls: list[str] = []
     undo = reg.plugin_manager.add_hookcall_monitoring(
         lambda name, impls, kw: hook_calls.append(name), lambda *a: None)
     try:
-        assert be.index_topk(1, 2, 3, 4, 5) == ("index", "direct")
-        assert be.attention_forward(q=1, caches=2, topk=3, batch=4, params=5, out=6) == ("attention", "direct")
+        be.index_topk(*INDEX_ARGS)
+        be.attention_forward(*ATTENTION_ARGS)
     finally:
         undo()
-    assert hook_calls == []
+    assert hook_calls == []                                  # no pluggy in between
     assert [c[0] for c in plugin.calls] == ["index_topk", "attention_forward"]
-    assert plugin.calls[1][1] == (1, 2, 3, 4, 5, 6)
+    assert all(a is b for a, b in zip(plugin.calls[1][1], ATTENTION_ARGS))   # the very objects
+    with pytest.raises(InputError, match="direct.index_topk: index_q has shape"):
+        be.index_topk(_CASE.q, *INDEX_ARGS[1:])              # q where index_q belongs
+    assert len(plugin.calls) == 2                            # refused before the plugin ran
 
 
 def test_hooks_of_different_backends_never_mix():
     a, b = FullPlugin("a"), FullPlugin("b")
     reg = Registry([a, b], entry_points=False)
-    assert reg.get("b").index_topk(0, 0, 0, 0, 0) == ("index", "b")
+    reg.get("b").index_topk(*INDEX_ARGS)
     assert a.calls == [] and len(b.calls) == 1
 
 
 def test_subset_and_reordered_hookimpl_arguments_are_adapted():
-    be = Registry([SubsetArgs()], entry_points=False).get("subset")
-    assert be.attention_forward("Q", "C", "T", "B", "P", "O") == ("Q", "O")
-    assert be.attention_forward(q="Q", caches="C", topk="T", batch="B", params="P", out="O") == ("Q", "O")
+    plugin = SubsetArgs()
+    be = Registry([plugin], entry_points=False).get("subset")
+    q, out = ATTENTION_ARGS[0], ATTENTION_ARGS[-1]
+    be.attention_forward(*ATTENTION_ARGS)
+    assert plugin.got[0] is q and plugin.got[1] is out
+    plugin.got = ()
+    be.attention_forward(**dict(zip(("q", "caches", "topk", "batch", "params", "out"), ATTENTION_ARGS)))
+    assert plugin.got[0] is q and plugin.got[1] is out
 
 
 def test_capabilities_may_be_model_or_dict_and_source_is_explicit():
@@ -273,12 +284,12 @@ def test_register_same_object_twice_is_an_error():
 
 
 def test_plugins_given_as_import_paths_and_broken_import_path():
-    reg = Registry(["mm3.capabilities", "no_such_mm3_module_xyz"], entry_points=False)
+    reg = Registry(["mm3.contract.capabilities", "no_such_mm3_module_xyz"], entry_points=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PluginLoadWarning)
         probs = {p.name: p for p in reg.problems()}
-    # mm3.capabilities has no hookimpls at all -> no backend_capabilities
-    assert probs["mm3.capabilities"].stage == "hooks"
+    # mm3.contract.capabilities has no hookimpls at all -> no backend_capabilities
+    assert probs["mm3.contract.capabilities"].stage == "hooks"
     assert probs["no_such_mm3_module_xyz"].stage == "import"
     assert "ModuleNotFoundError" in probs["no_such_mm3_module_xyz"].error
 
@@ -308,7 +319,8 @@ def test_broken_plugins_are_excluded_reported_and_warned(plugin, stage, fragment
     assert len(warned) == 1 and "vendor-x" in str(warned[0].message)
     # nothing of the broken plugin stays registered in pluggy
     assert plugin not in reg.plugin_manager.get_plugins()
-    assert reg.get("good").index_topk(0, 0, 0, 0, 0) == ("index", "good")
+    reg.get("good").index_topk(*INDEX_ARGS)
+    assert [c[0] for c in good.calls] == ["index_topk"]
 
 
 def test_import_error_reports_last_traceback_line_and_distribution(monkeypatch):

@@ -10,15 +10,15 @@ from plugin_fakes import FakeEntryPoint
 import torch
 
 from mm3 import BackendCapabilities, Probe, SparseAttentionParams, hookimpl
-from mm3.errors import (
+from mm3.contract.errors import (
     BackendUnavailableError,
     InputError,
     NoBackendError,
     PluginError,
     UnknownBackendError,
 )
-from mm3.registry import Registry
-from mm3.selection import Selection, requirements_for, select
+from mm3.runtime.registry import Registry
+from mm3.runtime.selection import Selection, requirements_for, select
 
 
 class Fake:
@@ -94,7 +94,7 @@ def test_auto_picks_highest_priority_available_and_capable(req):
     assert not att["gpu"].accepted and any("no GPU driver" in r for r in att["gpu"].reasons)
     assert any("dtype bfloat16" in r for r in att["fp16only"].reasons)
     # the indexer role reuses the attention backend: one entry, chosen
-    (ientry,) = sel.entries("indexer")
+    (ientry,) = sel.entries("index_topk")
     assert ientry.backend == "fast" and ientry.chosen and "same backend" in ientry.note
     assert sel.topk_conversion is None
 
@@ -166,14 +166,14 @@ def test_unknown_name_raises_even_with_fallback(req):
 
 
 def test_duplicate_named_backend_raises_plugin_error(req, monkeypatch):
-    import mm3.registry as registry_mod
-    from mm3.config import Settings
+    import mm3.runtime.discovery as discovery
+    from mm3.runtime.config import Settings
 
-    monkeypatch.setattr(registry_mod, "list_entry_points",
+    monkeypatch.setattr(discovery, "list_entry_points",
                         lambda group="mm3.backends": [FakeEntryPoint("x1", Fake("x"), "dist-a", "1"),
                                                       FakeEntryPoint("x2", Fake("x"), "dist-b", "1")])
     reg = Registry(settings=Settings())
-    with pytest.warns(registry_mod.PluginLoadWarning):
+    with pytest.warns(discovery.PluginLoadWarning):
         reg.backends()
     with pytest.raises(PluginError, match="dist-a.*dist-b"):
         select(req, reg, backend="x", device="cpu")
@@ -186,7 +186,7 @@ def test_attention_only_backend_gets_an_auto_indexer(req):
     sel = select(req, reg, device="cpu")
     assert sel.attention.name == "vendor" and sel.indexer.name == "idx"
     assert any("does not provide index_topk" in n for n in sel.notes)
-    vendor_idx = [e for e in sel.entries("indexer") if e.backend == "vendor"]
+    vendor_idx = [e for e in sel.entries("index_topk") if e.backend == "vendor"]
     assert vendor_idx and "does not provide op(s) ['index_topk']" in vendor_idx[0].reasons[0]
 
 
@@ -238,7 +238,7 @@ def test_explain_marks_chosen_and_lists_reasons(req):
     assert any(line.lstrip().startswith("* ref") for line in lines)
     assert any("gpu" in line and "rejected" in line and "no driver" in line and "*" not in line
                for line in lines)
-    assert lines.index("attention:") < lines.index("indexer:")
+    assert lines.index("attention:") < lines.index("index_topk:")
 
 
 def test_choice_logged_once_at_info(req, caplog):
@@ -257,7 +257,7 @@ def test_select_is_pure_for_the_registry(req):
     s2 = select(req, reg, device="cpu")
     assert reg.names() == before
     assert (s1.attention, s1.indexer) == (s2.attention, s2.indexer)
-    assert [(e.backend, e.role, e.accepted) for e in s1.trace] == [(e.backend, e.role, e.accepted) for e in s2.trace]
+    assert [(e.backend, e.op, e.accepted) for e in s1.trace] == [(e.backend, e.op, e.accepted) for e in s2.trace]
 
 
 # -- requirements_for --------------------------------------------------------------------------------------
@@ -282,9 +282,9 @@ def test_requirements_for_rejects_unsupported_dtype():
 def test_named_only_probe_is_passed_over_by_auto_but_served_by_name() -> None:
     """A test-only path (e.g. a GPU backend under Triton's interpreter) is never picked by accident."""
     from mm3 import hookimpl
-    from mm3.capabilities import BackendCapabilities, Probe
-    from mm3.registry import Registry
-    from mm3.selection import select
+    from mm3.contract.capabilities import BackendCapabilities, Probe
+    from mm3.runtime.registry import Registry
+    from mm3.runtime.selection import select
 
     class Plugin:
         def __init__(self, name: str, priority: int, probe: Probe) -> None:
@@ -309,7 +309,7 @@ def test_named_only_probe_is_passed_over_by_auto_but_served_by_name() -> None:
 
     reg = Registry(plugins=[Plugin("interp", 100, Probe.named_only("interpreter")),
                             Plugin("plain", 0, Probe.yes())], entry_points=False)
-    from mm3.capabilities import Requirements
+    from mm3.contract.capabilities import Requirements
     req = Requirements(device_type="cpu")
     auto = select(req, reg, device="cpu")
     assert auto.attention.name == "plain" and auto.indexer.name == "plain"

@@ -98,7 +98,7 @@ def test_discovered_with_provenance(site: Path, tmp_path: Path) -> None:
 STEP = textwrap.dedent("""
     import json, torch
     from mm3 import Settings
-    from mm3.layer import SparseAttention
+    from mm3.runtime.layer import SparseAttention
     from mm3.testing.fixtures import CaseFactory, default_params
     from mm3.testing.oracle import check_topk, oracle_attention
 

@@ -17,13 +17,15 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import mm3.registry as registry_mod
+import mm3.runtime.discovery as discovery
+import mm3.runtime.registry as registry_module
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import Settings, SparseAttentionParams
-from mm3.guard import GuardedBackend
-from mm3.layer import SparseAttention
-from mm3.registry import PluginLoadWarning, Registry, default_registry, reset_default_registry
-from mm3.scope import use_backend
+from mm3.debug import GuardedBackend
+from mm3.runtime.layer import SparseAttention
+from mm3.runtime.discovery import PluginLoadWarning
+from mm3.runtime.registry import Registry, default_registry, reset_default_registry
+from mm3.runtime.scope import use_backend
 from mm3.testing.factories import make_case
 from mm3.testing.mock import MockBackend
 
@@ -65,7 +67,7 @@ def fake_entry_points(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Entry points: cpu_ref, a mock and a broken plugin; counts how often they are listed."""
     state: dict[str, Any] = {"listed": 0, "eps": []}
 
-    def listing(group: str = registry_mod.ENTRY_POINT_GROUP) -> tuple[Any, ...]:
+    def listing(group: str = discovery.ENTRY_POINT_GROUP) -> tuple[Any, ...]:
         state["listed"] += 1
         time.sleep(0.005)
         return tuple(state["eps"])
@@ -77,7 +79,7 @@ def fake_entry_points(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         state["listed"] = 0
 
     state["fresh"] = fresh
-    monkeypatch.setattr(registry_mod, "list_entry_points", listing)
+    monkeypatch.setattr(discovery, "list_entry_points", listing)
     return state
 
 
@@ -119,7 +121,7 @@ def test_default_registry_is_created_once_under_contention(fake_entry_points: di
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     for _ in range(ROUNDS):
         fake_entry_points["fresh"]()
-        monkeypatch.setattr(registry_mod, "_default", None)
+        monkeypatch.setattr(registry_module, "_default", None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PluginLoadWarning)
             regs = _race(lambda i: default_registry())

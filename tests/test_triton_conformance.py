@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from mm3.registry import Registry
+from mm3.runtime.registry import Registry
 from mm3_backends.cpu_ref import plugin as cpu_ref
 from mm3_backends.cuda import plugin as cuda_plugin
 from mm3_backends.rocm import plugin as rocm_plugin

@@ -20,9 +20,11 @@ from types import ModuleType
 import pytest
 import torch
 
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.errors import InputError
-from mm3.params import SparseAttentionParams
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.errors import InputError
+from mm3.contract.params import SparseAttentionParams
+from mm3.runtime.backend import Backend
+from mm3.runtime.registry import Registry
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention, oracle_topk
 from mm3_backends.cuda import plugin as cuda_plugin
@@ -103,7 +105,7 @@ def test_step_matches_oracle(backend: str, name: str) -> None:
     case = _case(name, seed=zlib.crc32(f"{backend}/{name}".encode()) % 1000)
     p, T = case.params, case.batch.num_tokens
     buf = _poisoned_buffer(plugin, T, p)
-    assert buf.layout == plugin.SPEC.topk_layout
+    assert buf.layout == plugin.PLATFORM.topk_layout
     plugin.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, T))
 
     errors = check_topk(buf.rows(0, T), case.index_q, case.caches, case.batch, p)
@@ -123,7 +125,7 @@ def test_reader_in_other_layout(backend: str) -> None:
     plugin = PLUGINS[backend]
     case = _case("mixed_h2_fp16_nhd", seed=11)
     p, T = case.params, case.batch.num_tokens
-    other = "head_major" if plugin.SPEC.topk_layout == "token_major" else "token_major"
+    other = "head_major" if plugin.PLATFORM.topk_layout == "token_major" else "token_major"
     sel = oracle_topk(case.index_q, case.caches, case.batch, p)
     foreign = TopkBuffer.allocate(T + 3, p.num_kv_heads, p.topk, other, fill=SENTINEL).rows(0, T).copy_(sel)
     out = torch.full_like(case.q, float("nan"))
@@ -198,11 +200,15 @@ def test_pure_decode_and_pure_prefill() -> None:
         _assert_attention_close(out, oracle_attention(case.q, case.caches, buf.rows(0, T), case.batch, p), T)
 
 
-# --- the plugin boundary -------------------------------------------------------------------------
+# --- the boundary: mm3's bound backend checks, the plugin adds only its own -----------------------------
 
 def _small() -> Case:
     return make_case(_params(2, 2), decodes=[20], prefills=[(3, 3)], dtype="float16",
                      index_dtype="float16", seed=1)
+
+
+def _bound(plugin: ModuleType) -> Backend:
+    return Registry([plugin], entry_points=False).get(plugin.PLATFORM.name)
 
 
 @pytest.mark.parametrize("mutate, match", [
@@ -214,27 +220,35 @@ def _small() -> Case:
 ])
 def test_attention_rejects_bad_inputs(mutate, match: str) -> None:
     case = _small()
-    buf = cuda_plugin.alloc_topk_buffer(case.batch.num_tokens, 2, 4, CPU)
+    cuda = _bound(cuda_plugin)
+    buf = cuda.alloc_topk_buffer(case.batch.num_tokens, 2, 4, CPU)
     q, caches, out = mutate(case, torch.empty_like(case.q))
-    with pytest.raises(InputError, match=match):
-        cuda_plugin.attention_forward(q, caches, buf, case.batch, case.params, out)
+    with pytest.raises(InputError, match="cuda.attention_forward: .*" + match):
+        cuda.attention_forward(q, caches, buf, case.batch, case.params, out)
 
 
 def test_index_rejects_bad_inputs() -> None:
     case = _small()
+    cuda = _bound(cuda_plugin)
     T = case.batch.num_tokens
-    small = cuda_plugin.alloc_topk_buffer(T - 1, 2, 4, CPU)
+    small = cuda.alloc_topk_buffer(T - 1, 2, 4, CPU)
     with pytest.raises(InputError, match="holds 3 rows"):
-        cuda_plugin.index_topk(case.index_q, case.caches, case.batch, case.params, small)
-    buf = cuda_plugin.alloc_topk_buffer(T, 2, 4, CPU)
-    with pytest.raises(InputError, match="index_q dtype"):
-        cuda_plugin.index_topk(case.index_q.to(torch.int32), case.caches, case.batch, case.params, buf)
+        cuda.index_topk(case.index_q, case.caches, case.batch, case.params, small)
+    buf = cuda.alloc_topk_buffer(T, 2, 4, CPU)
+    with pytest.raises(InputError, match="cuda: index_q dtype torch.int32 unsupported"):   # the plugin's own
+        cuda.index_topk(case.index_q.to(torch.int32), case.caches, case.batch, case.params, buf)
     odd = make_case(SparseAttentionParams(num_heads=2, num_kv_heads=1, head_dim=24, num_index_heads=1,
                                           index_head_dim=24, block_size=16, topk=4),
                     decodes=[20], dtype="float16", index_dtype="float16")
-    with pytest.raises(InputError, match="power of two"):
-        cuda_plugin.index_topk(odd.index_q, odd.caches, odd.batch, odd.params,
-                               cuda_plugin.alloc_topk_buffer(1, 1, 4, CPU))
+    # the tile sizes the capabilities declare are the ones enforced: one list, read at the boundary
+    tiles = sorted(cuda.capabilities.index_head_dims or ())
+    with pytest.raises(InputError, match=rf"index_head_dim 24 not in \[{', '.join(map(str, tiles))}\]"):
+        cuda.index_topk(odd.index_q, odd.caches, odd.batch, odd.params, cuda.alloc_topk_buffer(1, 1, 4, CPU))
+    with pytest.raises(InputError, match="block_size 512 not in"):       # a power of two, but not declared
+        big = SparseAttentionParams(num_heads=2, num_kv_heads=1, head_dim=32, num_index_heads=1,
+                                    index_head_dim=32, block_size=512, topk=4)
+        c = make_case(big, decodes=[600], dtype="float16", index_dtype="float16")
+        cuda.index_topk(c.index_q, c.caches, c.batch, big, cuda.alloc_topk_buffer(1, 1, 4, CPU))
 
 
 # --- probes and capabilities ----------------------------------------------------------------------

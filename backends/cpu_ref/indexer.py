@@ -37,11 +37,9 @@ from typing import Iterator
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.errors import InputError
-from mm3.hook_args import check_hook_args
-from mm3.params import SparseAttentionParams
+from mm3.contract import BatchMetadata
+from mm3.contract import PagedKVCache, TopkBuffer
+from mm3.contract import SparseAttentionParams
 
 from ._common import DEFAULT_MAX_ELEMENTS, gather_pages
 
@@ -166,13 +164,9 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     change the ranking (docs/spec.md §3.2), so it is not applied. ``max_elements``
     bounds the largest intermediate tensor (see :data:`DEFAULT_MAX_ELEMENTS`).
     """
+    # The bound backend (mm3.Backend) has checked every argument against the contract.
     H, Di, K = params.num_index_heads, params.index_head_dim, params.topk
-    T = check_hook_args("cpu_ref.index_topk", caches, batch, params, topk=out, rows={
-        "index_q": (index_q, (H, Di), "= [num_tokens, num_index_heads, index_head_dim]")})
-    if caches.index_head_dim != Di:
-        raise InputError(f"cpu_ref.index_topk: index cache dim {caches.index_head_dim} != "
-                         f"params.index_head_dim {Di}")
-
+    T = batch.num_tokens
     view = out.head_major()[:, :T]  # [H, T, K]; a view, so writes land in out's storage
     view.fill_(-1)
     if T == 0:

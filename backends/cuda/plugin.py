@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from mm3_backends.triton.launch import LaunchConfig
-from mm3_backends.triton.plugin_factory import TritonPluginSpec, make_hookimpls
+from mm3_backends.triton.plugin_factory import TritonPlatform, make_hookimpls
 
-__all__ = ["SPEC", "NVIDIA_LAUNCH", "backend_capabilities", "backend_probe", "alloc_topk_buffer",
+__all__ = ["PLATFORM", "NVIDIA_LAUNCH", "backend_capabilities", "backend_probe", "alloc_topk_buffer",
            "index_topk", "attention_forward"]
 
 NVIDIA_LAUNCH = LaunchConfig()
@@ -31,9 +31,9 @@ def _platform() -> tuple[str, str]:
     return "", f"NVIDIA GPU (CUDA {torch.version.cuda}) with Triton"
 
 
-SPEC = TritonPluginSpec(
+PLATFORM = TritonPlatform(
     "cuda", "Triton kernels for NVIDIA GPUs (token-major top-k buffer, CUDA-graph safe decode)",
     "token_major", _platform, NVIDIA_LAUNCH)
 
 (backend_capabilities, backend_probe, alloc_topk_buffer,
- index_topk, attention_forward) = make_hookimpls(SPEC)
+ index_topk, attention_forward) = make_hookimpls(PLATFORM)

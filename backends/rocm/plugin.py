@@ -22,9 +22,9 @@ import os
 import torch
 
 from mm3_backends.triton.launch import LaunchConfig
-from mm3_backends.triton.plugin_factory import TritonPluginSpec, make_hookimpls
+from mm3_backends.triton.plugin_factory import TritonPlatform, make_hookimpls
 
-__all__ = ["SPEC", "AMD_LAUNCH", "ALLOW_NON_ROCM_ENV", "backend_capabilities", "backend_probe",
+__all__ = ["PLATFORM", "AMD_LAUNCH", "ALLOW_NON_ROCM_ENV", "backend_capabilities", "backend_probe",
            "alloc_topk_buffer", "index_topk", "attention_forward"]
 
 ALLOW_NON_ROCM_ENV = "MM3_ROCM_ALLOW_NON_ROCM"
@@ -54,9 +54,9 @@ def _platform() -> tuple[str, str]:
             f"backend needs an AMD GPU (tests only: {ALLOW_NON_ROCM_ENV}=1 runs it on this GPU anyway)"), ""
 
 
-SPEC = TritonPluginSpec(
+PLATFORM = TritonPlatform(
     "rocm", "Triton kernels for AMD GPUs (head-major top-k buffer, 64-wide wavefront launch configs)",
     "head_major", _platform, AMD_LAUNCH)
 
 (backend_capabilities, backend_probe, alloc_topk_buffer,
- index_topk, attention_forward) = make_hookimpls(SPEC)
+ index_topk, attention_forward) = make_hookimpls(PLATFORM)

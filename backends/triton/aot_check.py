@@ -91,8 +91,8 @@ class _Recorder:
 
 def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
     """Every launch the plugin's hooks make on a mixed M3 step per shape variant (nothing runs)."""
-    from mm3.buffers import TopkBuffer
-    from mm3.params import SparseAttentionParams
+    from mm3.contract import TopkBuffer
+    from mm3.contract import SparseAttentionParams
     from mm3.testing.factories import make_case
 
     from . import attention, indexer
@@ -169,8 +169,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("aot_check: unset TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
         return 2
-    from mm3_backends.cuda.plugin import SPEC as CUDA
-    from mm3_backends.rocm.plugin import SPEC as ROCM
+    from mm3_backends.cuda.plugin import PLATFORM as CUDA
+    from mm3_backends.rocm.plugin import PLATFORM as ROCM
 
     failures = 0
     seen: set[str] = set()

@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.params import SparseAttentionParams
+from mm3.contract import BatchMetadata
+from mm3.contract import PagedKVCache, TopkBuffer
+from mm3.contract import SparseAttentionParams
 
 from .launch import LaunchConfig, next_pow2
 from .tiles import load_rows, store_rows, token_rows

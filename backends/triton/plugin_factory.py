@@ -1,12 +1,12 @@
-"""Build a platform plugin's pluggy hooks from one declarative :class:`TritonPluginSpec`.
+"""Build a platform plugin's pluggy hooks from one declarative :class:`TritonPlatform`.
 
 The ``cuda`` and ``rocm`` plugins run the same kernels; they differ in their
 capabilities (name, top-k layout), their probe (which platform they accept)
-and their launch configuration. Each plugin module is therefore a spec plus
-one line that binds the hooks this factory returns::
+and their launch configuration. Each plugin module is therefore a
+:class:`TritonPlatform` plus one line that binds the hooks this factory returns::
 
     (backend_capabilities, backend_probe, alloc_topk_buffer,
-     index_topk, attention_forward) = make_hookimpls(SPEC)
+     index_topk, attention_forward) = make_hookimpls(PLATFORM)
 
 Triton and the kernel modules are imported on first use, never at plugin
 import, so ``mm3 backends`` stays cheap and works where Triton is missing.
@@ -22,19 +22,19 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
-from mm3.buffers import TopkBuffer
-from mm3.capabilities import BackendCapabilities, KVCacheLayout, Probe, TopkLayout
-from mm3.hookspecs import hookimpl
-from mm3.params import MINIMAX_M3_MAX_DECODE_QUERY_LEN
+from mm3.contract import TopkBuffer
+from mm3.contract import BackendCapabilities, KVCacheLayout, Probe, TopkLayout
+from mm3.contract import hookimpl
+from mm3.contract import MINIMAX_M3_MAX_DECODE_QUERY_LEN
 
 from .launch import LaunchConfig
 
 if TYPE_CHECKING:
-    from mm3.batch import BatchMetadata
-    from mm3.buffers import PagedKVCache
-    from mm3.params import SparseAttentionParams
+    from mm3.contract import BatchMetadata
+    from mm3.contract import PagedKVCache
+    from mm3.contract import SparseAttentionParams
 
-__all__ = ["TritonPluginSpec", "TritonHooks", "make_hookimpls", "triton_missing", "interpreter_probe",
+__all__ = ["TritonPlatform", "TritonHooks", "make_hookimpls", "triton_missing", "interpreter_probe",
            "INTERPRETER_CONFIG", "SUPPORTED_TILE_SIZES"]
 
 #: head dims, index head dims and block sizes the kernels tile (powers of two >= 16)
@@ -85,17 +85,17 @@ def _loaded_kernel_mode() -> str:
 
 
 @dataclass(frozen=True)
-class TritonPluginSpec:
+class TritonPlatform:
     """Everything that distinguishes one Triton platform plugin from another.
 
-    ``platform()`` answers for a GPU device: ``(problem, note)``; a non-empty
+    ``platform_check()`` answers for a GPU device: ``(problem, note)``; a non-empty
     problem makes the probe say no with it, else the note is the probe's reason.
     """
 
     name: str
     description: str
     topk_layout: TopkLayout
-    platform: Callable[[], tuple[str, str]]
+    platform_check: Callable[[], tuple[str, str]]
     launch: LaunchConfig
     priority: int = 100
     kv_cache_layout: KVCacheLayout = "NHD"
@@ -107,7 +107,7 @@ class TritonPluginSpec:
             return interpreter_probe(self.name)
         if device.type != "cuda":
             return Probe.no(f"{self.name} serves GPU tensors (torch device type 'cuda'), not {device.type!r}")
-        problem, note = self.platform()
+        problem, note = self.platform_check()
         if problem:
             return Probe.no(problem)
         if not torch.cuda.is_available():
@@ -165,9 +165,9 @@ class TritonHooks(NamedTuple):
     attention_forward: Callable[..., None]
 
 
-def make_hookimpls(spec: TritonPluginSpec) -> TritonHooks:
-    """The pluggy hook implementations of a Triton plugin described by ``spec``."""
-    caps = spec.capabilities()
+def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
+    """The pluggy hook implementations of a Triton plugin for ``platform``."""
+    caps = platform.capabilities()
 
     @hookimpl
     def backend_capabilities() -> BackendCapabilities:
@@ -175,33 +175,31 @@ def make_hookimpls(spec: TritonPluginSpec) -> TritonHooks:
 
     @hookimpl
     def backend_probe(device: torch.device) -> Probe:
-        return spec.probe(torch.device(device))
+        return platform.probe(torch.device(device))
 
     @hookimpl
     def alloc_topk_buffer(num_tokens: int, num_heads: int, topk: int, device: torch.device) -> TopkBuffer:
-        return TopkBuffer.allocate(num_tokens, num_heads, topk, layout=spec.topk_layout, device=device)
+        return TopkBuffer.allocate(num_tokens, num_heads, topk, layout=platform.topk_layout, device=device)
 
     @hookimpl
     def index_topk(index_q: torch.Tensor, caches: "PagedKVCache", batch: "BatchMetadata",
                    params: "SparseAttentionParams", out: TopkBuffer) -> None:
         from . import checks, indexer
 
-        checks.check_index_inputs(spec.name, index_q, caches, batch, params, out,
-                                  max_decode_query_len=spec.max_decode_query_len,
-                                  device_ok=spec.device_problem)
+        # mm3's Backend checked the arguments and the declared limits; these are the plugin's own.
+        checks.check_device(platform.name, caches.device, platform.device_problem)
+        checks.check_index_q(platform.name, caps, index_q)
         if batch.num_tokens:
-            indexer.index_topk(index_q, caches, batch, params, out, spec.launch_config(caches.device))
+            indexer.index_topk(index_q, caches, batch, params, out, platform.launch_config(caches.device))
 
     @hookimpl
     def attention_forward(q: torch.Tensor, caches: "PagedKVCache", topk: TopkBuffer, batch: "BatchMetadata",
                           params: "SparseAttentionParams", out: torch.Tensor) -> None:
         from . import attention, checks
 
-        checks.check_attention_inputs(spec.name, q, caches, topk, batch, params, out,
-                                      max_decode_query_len=spec.max_decode_query_len,
-                                      device_ok=spec.device_problem)
+        checks.check_device(platform.name, caches.device, platform.device_problem)
         if batch.num_tokens:
             attention.attention_forward(q, caches, topk, batch, params, out,
-                                        spec.launch_config(caches.device))
+                                        platform.launch_config(caches.device))
 
     return TritonHooks(backend_capabilities, backend_probe, alloc_topk_buffer, index_topk, attention_forward)

@@ -1,7 +1,7 @@
 """Build realistic random steps: paged caches with permuted pages and a mixed batch.
 
 Example:
-    >>> from mm3.params import SparseAttentionParams
+    >>> from mm3.contract.params import SparseAttentionParams
     >>> p = SparseAttentionParams(num_heads=8, num_kv_heads=2, head_dim=32,
     ...     num_index_heads=2, index_head_dim=32, block_size=16, topk=4)
     >>> c = make_case(p, decodes=[100, 40], prefills=[(30, 90)], decode_query_len=2,
@@ -17,9 +17,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import TORCH_DTYPES, PagedKVCache
-from mm3.params import SparseAttentionParams
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import TORCH_DTYPES, PagedKVCache
+from mm3.contract.params import SparseAttentionParams
 
 __all__ = ["Case", "make_case", "random_caches"]
 

@@ -50,10 +50,11 @@ import pytest
 if TYPE_CHECKING:
     import torch
 
-    from mm3.batch import BatchMetadata
-    from mm3.buffers import PagedKVCache
-    from mm3.params import SparseAttentionParams
-    from mm3.registry import Backend, Registry
+    from mm3.contract.batch import BatchMetadata
+    from mm3.contract.buffers import PagedKVCache
+    from mm3.contract.params import SparseAttentionParams
+    from mm3.runtime.backend import Backend
+    from mm3.runtime.registry import Registry
     from mm3.testing.conformance import ConformanceReport
     from mm3.testing.factories import Case
     from mm3.testing.mock import MockBackend
@@ -81,7 +82,7 @@ def default_params(**overrides: Any) -> "SparseAttentionParams":
         >>> default_params(topk=2).gqa_group
         4
     """
-    from mm3.params import SparseAttentionParams
+    from mm3.contract.params import SparseAttentionParams
 
     base: dict[str, Any] = dict(num_heads=8, num_kv_heads=2, head_dim=32, num_index_heads=2,
                                 index_head_dim=32, block_size=16, topk=4)
@@ -93,12 +94,12 @@ def installed_plugin(name: str) -> object:
     """The plugin object of the installed ``mm3.backends`` entry point ``name`` (e.g. ``"cpu_ref"``).
 
     Example:
-        >>> from mm3.registry import Registry
+        >>> from mm3 import Registry
         >>> Registry([installed_plugin("cpu_ref")], entry_points=False).names()
         ['cpu_ref']
     """
-    from mm3.errors import UnknownBackendError
-    from mm3.registry import ENTRY_POINT_GROUP, list_entry_points
+    from mm3.contract.errors import UnknownBackendError
+    from mm3.runtime.discovery import ENTRY_POINT_GROUP, list_entry_points
 
     eps = list(list_entry_points(ENTRY_POINT_GROUP))
     for ep in eps:
@@ -130,7 +131,7 @@ class RegistryFactory:
 
     def __call__(self, *plugins: object, installed: Iterable[str] = (), settings: Any = None,
                  default: Optional[bool] = None) -> "Registry":
-        """A loaded :class:`~mm3.registry.Registry` of ``plugins`` plus the ``installed`` entry points.
+        """A loaded :class:`~mm3.runtime.registry.Registry` of ``plugins`` plus the ``installed`` entry points.
 
         ``plugins`` are modules or objects with ``@mm3.hookimpl`` functions (a
         :class:`~mm3.testing.mock.MockBackend`, your plugin module...), or
@@ -139,7 +140,7 @@ class RegistryFactory:
         ``default`` (default: True inside the fixture) makes it ``mm3.default_registry()``.
         Broken plugins are reported in ``registry.problems()``, as in production.
         """
-        import mm3.registry as registry_module
+        import mm3.runtime.registry as registry_module
 
         reg = registry_module.Registry([*plugins, *(installed_plugin(n) for n in installed)],
                                        entry_points=False, settings=settings)
@@ -217,7 +218,7 @@ class CaseFactory:
         """Paged caches filled with N(0, 1) values."""
         import torch
 
-        from mm3.buffers import TORCH_DTYPES
+        from mm3.contract.buffers import TORCH_DTYPES
         from mm3.testing.factories import random_caches
 
         def dt(d: Union[str, torch.dtype]) -> torch.dtype:
@@ -350,8 +351,8 @@ def mm3_clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[P
     file configuration). Variables of the test/bench namespaces
     (``MM3_TEST_*``...) are kept.
     """
-    from mm3.config import RESERVED_ENV_PREFIXES
-    from mm3.registry import reset_default_registry
+    from mm3.runtime.config import RESERVED_ENV_PREFIXES
+    from mm3.runtime.registry import reset_default_registry
 
     for key in list(os.environ):
         if key.upper().startswith("MM3_") and not key.upper().startswith(RESERVED_ENV_PREFIXES):
@@ -366,7 +367,7 @@ def mm3_clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[P
 def mm3_conformance() -> Callable[..., "ConformanceReport"]:
     """``mm3_conformance(backend, **kwargs)``: run the suite, fail the test with the report on failure.
 
-    ``backend`` is a :class:`~mm3.registry.Backend` or a name in the default
+    ``backend`` is a :class:`~mm3.runtime.backend.Backend` or a name in the default
     registry; ``kwargs`` go to :func:`mm3.testing.conformance.run_conformance`
     (``device``, ``quick``, ``dtypes``, ``index_dtypes``...). Returns the report.
     """

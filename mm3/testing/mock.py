@@ -9,11 +9,13 @@ importing mm3 never imports a backend) and can inject one fault:
 ``fault``           what happens
 ==================  ====================================================================
 ``"raise"``         ``index_topk`` / ``attention_forward`` raise :class:`MockFault`
-``"wrong_layout"``  vLLM's bug: ``alloc_topk_buffer`` allocates storage in the *other*
-                    layout but labels it with the declared one, and ``index_topk`` writes
+``"wrong_layout"``  vLLM's bug: ``alloc_topk_buffer`` wraps storage of the *other* layout
+                    in a buffer labelled with the declared one, and ``index_topk`` writes
                     like a raw-pointer kernel that assumes a dense buffer in the declared
                     layout. With one head both memory maps coincide and all is well; with
-                    ``H > 1`` rows land on other tokens' rows.
+                    ``H > 1`` :class:`~mm3.TopkBuffer` refuses the mislabelled storage, so
+                    the allocation fails (``PluginError`` from the bound backend), and a
+                    buffer of the other layout handed to ``index_topk`` gets scrambled rows.
 ``"out_of_range"``  ``index_topk`` writes block id ``nb`` (one past the token's last
                     visible block) into slot 0 of the first real token, head 0
 ``"write_past_rows"``  ``index_topk`` also writes ``0`` into every row at or past ``T`` of
@@ -23,7 +25,7 @@ importing mm3 never imports a backend) and can inject one fault:
 ==================  ====================================================================
 
 Example:
-    >>> from mm3.registry import Registry
+    >>> from mm3 import Registry
     >>> mock = MockBackend("mock_tm", topk_layout="token_major", priority=5)
     >>> be = Registry(plugins=[mock], entry_points=False).get("mock_tm")
     >>> be.alloc_topk_buffer(8, 2, 4, "cpu").layout
@@ -39,12 +41,12 @@ from typing import Any, Literal, Optional, Union, get_args
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.capabilities import BackendCapabilities, Probe
-from mm3.errors import InputError, UnknownBackendError
-from mm3.hookspecs import hookimpl
-from mm3.params import SparseAttentionParams
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.capabilities import BackendCapabilities, Probe
+from mm3.contract.errors import InputError, UnknownBackendError
+from mm3.contract.hookspecs import hookimpl
+from mm3.contract.params import SparseAttentionParams
 
 __all__ = ["MockBackend", "MockFault", "Call", "Fault", "FAULTS"]
 
@@ -76,19 +78,13 @@ def _other(layout: str) -> str:
     return "token_major" if layout == "head_major" else "head_major"
 
 
-def _dense_strides(storage: torch.Tensor) -> tuple[int, int, int]:
-    """Strides of a *contiguous* tensor shaped like ``storage``: its layout's memory map."""
-    a, b, c = storage.shape
-    return (b * c, c, 1)
-
-
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _load_entry_point(name: str) -> object:
     """The plugin registered under entry point ``name`` of the ``mm3.backends`` group."""
-    from mm3.registry import list_entry_points  # deferred: keep mm3.testing import-light
+    from mm3.runtime.discovery import list_entry_points  # deferred: keep mm3.testing import-light
 
     for ep in list_entry_points():
         if ep.name == name:
@@ -104,16 +100,12 @@ class MockBackend:
     Args:
         name: backend name (``capabilities.name``).
         delegate: who does the math: a plugin module/object or a
-            :class:`~mm3.registry.Backend` (anything with ``index_topk`` /
+            :class:`~mm3.runtime.backend.Backend` (anything with ``index_topk`` /
             ``attention_forward``), or an entry-point name. Default ``"cpu_ref"``,
             loaded on first use.
         fault: one of :data:`FAULTS` (see the module docstring), or ``None``.
         available: what ``backend_probe`` answers; ``probe_reason`` says why.
-        strict: when the declared capabilities say ``topk_requires_contiguous``,
-            reject (:class:`~mm3.errors.InputError`) a top-k buffer that is not
-            dense in the declared layout, as a raw kernel would misread it. This
-            is how tests prove the caller converted the buffer.
-        **capabilities: any :class:`~mm3.capabilities.BackendCapabilities` field
+        **capabilities: any :class:`~mm3.contract.capabilities.BackendCapabilities` field
             (``topk_layout``, ``ops``, ``priority``, ``dtypes``...), overriding the
             defaults (both ops, cpu+cuda, head-major, decode query length 16).
 
@@ -124,7 +116,7 @@ class MockBackend:
 
     def __init__(self, name: str = "mock", *, delegate: Union[object, str, None] = "cpu_ref",
                  fault: Optional[Fault] = None, available: bool = True,
-                 probe_reason: str = "mock backend", strict: bool = True,
+                 probe_reason: str = "mock backend",
                  **capabilities: Any) -> None:
         if fault is not None and fault not in FAULTS:
             raise InputError(f"MockBackend: unknown fault {fault!r}; use one of {list(FAULTS)} or None")
@@ -132,7 +124,6 @@ class MockBackend:
         self.fault = fault
         self.available = available
         self.probe_reason = probe_reason
-        self.strict = strict
         self._delegate_spec = delegate if delegate is not None else "cpu_ref"
         self._delegate: Optional[object] = None
         self.calls: list[Call] = []
@@ -160,24 +151,20 @@ class MockBackend:
             self._delegate = _load_entry_point(spec) if isinstance(spec, str) else spec
         return self._delegate
 
-    def _delegate_layout_need(self) -> Optional[str]:
-        """The layout the delegate must be given, when it requires a dense buffer in it."""
+    def _delegate_capabilities(self) -> Optional[BackendCapabilities]:
+        """The delegate's declaration, when it has one (a plugin, or a bound backend)."""
         d = self.resolve_delegate()
         caps = getattr(d, "capabilities", None)
         if caps is None and callable(getattr(d, "backend_capabilities", None)):
             caps = d.backend_capabilities()  # type: ignore[attr-defined]
-        if isinstance(caps, BackendCapabilities) and caps.topk_requires_contiguous:
-            return caps.topk_layout
-        return None
+        return caps if isinstance(caps, BackendCapabilities) else None
 
-    def _check_declared(self, hook: str, buf: TopkBuffer) -> None:
-        caps = self.capabilities
-        if self.strict and caps.topk_requires_contiguous and (buf.layout != caps.topk_layout
-                                                               or not buf.is_dense()):
-            raise InputError(
-                f"mock backend {caps.name!r}.{hook}: got a {'dense' if buf.is_dense() else 'non-dense'} "
-                f"{buf.layout} top-k buffer but declares topk_requires_contiguous with "
-                f"topk_layout={caps.topk_layout!r}; convert it first: buf.to_layout({caps.topk_layout!r})")
+    def _for_delegate(self, buf: TopkBuffer) -> Optional[str]:
+        """The layout ``buf`` must be converted to before the delegate accepts it, or None."""
+        caps = self._delegate_capabilities()
+        if caps is None or caps.accepts_topk(buf.layout, buf.is_dense()):
+            return None
+        return caps.topk_layout
 
     # -- hooks ----------------------------------------------------------------------------
     @hookimpl
@@ -197,8 +184,8 @@ class MockBackend:
                      device=device)
         layout = self.capabilities.topk_layout
         if self.fault == "wrong_layout":
-            # Memory laid out in the other order, labelled as the declared one:
-            # the strides stay honest, the label and the memory map disagree.
+            # Memory laid out in the other order, labelled as the declared one: TopkBuffer
+            # refuses it unless one head makes both orders the same memory map.
             real = TopkBuffer.allocate(num_tokens, num_heads, topk, _other(layout), device)
             buf = TopkBuffer(real.storage.permute(1, 0, 2), layout)
         else:
@@ -212,14 +199,13 @@ class MockBackend:
         self._record("index_topk", index_q=index_q, caches=caches, batch=batch, params=params, out=out)
         if self.fault == "raise":
             raise MockFault(f"mock backend {self.capabilities.name!r}: injected fault in index_topk")
-        self._check_declared("index_topk", out)
-        need = self._delegate_layout_need()
+        need = self._for_delegate(out)
         T = batch.num_tokens
-        if self.fault == "wrong_layout" or (need is not None and (out.layout != need or not out.is_dense())):
+        if self.fault == "wrong_layout" or need is not None:
             scratch = TopkBuffer.allocate(T, out.num_heads, out.topk, need or out.layout, out.device)
             self.resolve_delegate().index_topk(index_q, caches, batch, params, scratch)  # type: ignore[attr-defined]
             if self.fault == "wrong_layout":
-                self._write_as_dense(scratch.to_layout(out.layout), out.rows(0, T))
+                self._write_as_dense(scratch, out.rows(0, T), self.capabilities.topk_layout)
             else:
                 out.rows(0, T).copy_(scratch)
         else:
@@ -235,16 +221,17 @@ class MockBackend:
                     full.head_major()[:, T:] = 0
 
     @staticmethod
-    def _write_as_dense(src: TopkBuffer, out: TopkBuffer) -> None:
-        """Write ``src`` the way a kernel assuming dense ``out.layout`` storage would.
+    def _write_as_dense(src: TopkBuffer, out: TopkBuffer, layout: str) -> None:
+        """Write ``src`` the way a kernel assuming a dense ``layout`` buffer would.
 
-        The target addresses are those of a contiguous tensor starting at
-        ``out``'s first element, whatever ``out``'s real strides are. They stay
-        inside ``out``'s allocation because a step's rows never exceed capacity.
+        The target addresses are those of a contiguous ``layout`` tensor starting
+        at ``out``'s first element, whatever ``out``'s real layout and strides
+        are. They stay inside ``out``'s allocation because a step's rows never
+        exceed its capacity.
         """
+        dense = src.to_layout(layout).storage
         s = out.storage
-        raw = torch.as_strided(s, s.shape, _dense_strides(s), s.storage_offset())
-        raw.copy_(src.storage)
+        torch.as_strided(s, dense.shape, dense.stride(), s.storage_offset()).copy_(dense)
 
     @hookimpl
     def attention_forward(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
@@ -254,8 +241,7 @@ class MockBackend:
                      out=out)
         if self.fault == "raise":
             raise MockFault(f"mock backend {self.capabilities.name!r}: injected fault in attention_forward")
-        self._check_declared("attention_forward", topk)
-        need = self._delegate_layout_need()
+        need = self._for_delegate(topk)
         if need is not None:
             topk = topk.to_layout(need)
         self.resolve_delegate().attention_forward(q, caches, topk, batch, params, out)  # type: ignore[attr-defined]

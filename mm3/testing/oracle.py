@@ -9,7 +9,7 @@ shapes, not for production contexts.
 
 Example:
     >>> from mm3.testing.factories import make_case
-    >>> from mm3.params import SparseAttentionParams
+    >>> from mm3.contract.params import SparseAttentionParams
     >>> p = SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16,
     ...     num_index_heads=2, index_head_dim=16, block_size=16, topk=4)
     >>> case = make_case(p, decodes=[70, 33], prefills=[(20, 50)], dtype="float32")
@@ -26,9 +26,9 @@ from typing import Iterator
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.params import SparseAttentionParams
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.params import SparseAttentionParams
 
 __all__ = [
     "FORCED_INIT", "FORCED_LOCAL", "NAN_SCORE",

@@ -3,6 +3,8 @@
 Installing mm3 makes this plugin load in every pytest run of the environment,
 so a backend or engine project gets, with no conftest.py:
 
+* a fresh read of mm3's settings for every test (``MM3_*`` variables a test
+  sets apply to the layers it builds);
 * the fixtures of :mod:`mm3.testing.fixtures`: ``mm3_registry`` (isolated
   registries), ``mock_backend``, ``mm3_params``, ``mm3_case``, ``mm3_batch``,
   ``mm3_caches``, ``mm3_clean_env``, ``mm3_conformance``; and
@@ -17,7 +19,7 @@ so a backend or engine project gets, with no conftest.py:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 
@@ -30,7 +32,17 @@ from mm3.testing.fixtures import (  # noqa: F401
 if TYPE_CHECKING:
     import torch
 
-    from mm3.registry import Backend
+    from mm3.runtime.backend import Backend
+
+
+@pytest.fixture(autouse=True)
+def _mm3_fresh_settings() -> Iterator[None]:
+    """mm3 reads its settings once per process; each test reads them afresh (after its own setenv)."""
+    from mm3.runtime.config import reset_default_settings
+
+    reset_default_settings()
+    yield
+    reset_default_settings()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -76,6 +88,6 @@ def mm3_conformance_backend(pytestconfig: pytest.Config) -> "Backend":
     names = pytestconfig.getoption("--mm3-backend")
     if not names:
         pytest.skip("no backend given: pass --mm3-backend NAME")
-    from mm3.registry import default_registry
+    from mm3.runtime.registry import default_registry
 
     return default_registry().get(names[0])

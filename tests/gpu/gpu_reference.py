@@ -14,9 +14,9 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.params import SparseAttentionParams
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import make_case
 
 __all__ = ["GpuCase", "build_case", "block_scores", "selection_errors", "attention_reference",

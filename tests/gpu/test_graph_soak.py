@@ -41,10 +41,10 @@ import pytest
 import torch
 
 from mm3 import BatchMetadata, PagedKVCache, Settings, SparseAttentionParams
-from mm3.buffers import TopkBuffer
-from mm3.errors import ContractViolation
-from mm3.layer import SparseAttention
-from mm3.registry import Registry
+from mm3.contract.buffers import TopkBuffer
+from mm3.contract.errors import PluginError
+from mm3.runtime.layer import SparseAttention
+from mm3.runtime.registry import Registry
 
 from gpu_reference import attention_reference, block_scores, selection_errors
 
@@ -66,7 +66,7 @@ def rocm_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _registry(*names: str) -> Registry:
-    from mm3.registry import list_entry_points
+    from mm3.runtime.discovery import list_entry_points
 
     eps = {ep.name: ep for ep in list_entry_points()}
     return Registry(plugins=[eps[n].load() for n in names], entry_points=False)
@@ -412,7 +412,7 @@ def test_guard_overhead_on_gpu(tp: int) -> None:
 
 @needs_gpu
 @pytest.mark.gpu
-def test_guard_stops_the_vllm_layout_bug_on_gpu() -> None:
+def test_vllm_layout_bug_cannot_be_allocated_on_gpu() -> None:
     from gpu_reference import build_case
     from mm3.testing.mock import MockBackend
 
@@ -430,9 +430,8 @@ def test_guard_stops_the_vllm_layout_bug_on_gpu() -> None:
 
     honest = layer(MockBackend("honest", topk_layout="token_major", delegate="cuda", device_types={"cuda"}),
                    False)(c.q, c.index_q, c.caches, c.batch)
-    wrong = layer(buggy(), False)(c.q, c.index_q, c.caches, c.batch)        # runs, silently wrong
-    diff = (wrong.float() - honest.float()).abs().max().item()
-    assert diff > 1e-2, f"expected the layout bug to change the output, max diff {diff:.3g}"
-    with pytest.raises(ContractViolation, match="alloc.memory_order"):
-        layer(buggy(), True)
-    _figures(test="vllm_bug_gpu", unguarded_max_diff=f"{diff:.3g}", guarded="ContractViolation")
+    assert torch.isfinite(honest).all()
+    for guard in (False, True):                  # TopkBuffer refuses the mislabelled storage itself
+        with pytest.raises(PluginError, match="not laid out outermost-to-innermost"):
+            layer(buggy(), guard)
+    _figures(test="vllm_bug_gpu", unguarded="PluginError", guarded="PluginError")

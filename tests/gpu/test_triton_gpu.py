@@ -23,7 +23,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from mm3.params import SparseAttentionParams
+from mm3.contract.params import SparseAttentionParams
 from mm3_backends.cuda import plugin as cuda_plugin
 from mm3_backends.rocm import plugin as rocm_plugin
 
@@ -159,8 +159,8 @@ def test_decode_step_in_cuda_graph(backend: str) -> None:
 
 
 def test_auto_selection_picks_cuda_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mm3.registry import Registry
-    from mm3.selection import requirements_for, select
+    from mm3.runtime.registry import Registry
+    from mm3.runtime.selection import requirements_for, select
     from mm3_backends.cpu_ref import plugin as cpu_ref
 
     monkeypatch.delenv(rocm_plugin.ALLOW_NON_ROCM_ENV)
@@ -177,7 +177,7 @@ def test_auto_selection_picks_cuda_here(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.parametrize("backend", sorted(PLUGINS))
 def test_conformance_suite_bf16_on_gpu(backend: str) -> None:
     """The official suite (full plan: small and larger shapes, all docs/spec.md §5 buffer cases) in bf16."""
-    from mm3.registry import Registry
+    from mm3.runtime.registry import Registry
     from mm3.testing.conformance import run_conformance
 
     reg = Registry(plugins=[cuda_plugin, rocm_plugin], entry_points=False)

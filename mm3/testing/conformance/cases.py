@@ -32,109 +32,28 @@ about 1e-4. Every attention result reports it as ``floor_mean``.
 
 from __future__ import annotations
 
-import hashlib
-import threading
 import time
 import traceback
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from mm3.buffers import TopkBuffer
-from mm3.params import SparseAttentionParams
+from mm3.contract.buffers import TopkBuffer
+from mm3.contract.params import SparseAttentionParams
+from mm3.testing.conformance.oracle_cache import oracle_topk_cached
+from mm3.testing.conformance.verdicts import (
+    OUT_POISON, SENTINEL, TOLERANCES, CaseFailure, check_attention, check_exact_selection, check_selection,
+    check_spare_rows, poisoned_out,
+)
 from mm3.testing.factories import Case, make_case
-from mm3.testing.oracle import check_topk, oracle_attention, oracle_block_scores, oracle_topk
 
 if TYPE_CHECKING:
-    from mm3.registry import Backend
+    from mm3.runtime.backend import Backend
 
 __all__ = ["Step", "CaseSpec", "CaseContext", "CaseFailure", "TOLERANCES", "SENTINEL", "OUT_POISON",
            "INDEXER_STEPS", "ATTENTION_STEPS", "COMPOSED_STEPS", "LARGE_STEPS", "BUFFER_CASES"]
-
-TOLERANCES: dict[str, tuple[float, float]] = {
-    "bfloat16": (3e-4, 2e-2),
-    "float16": (1.5e-4, 1e-2),
-    "float32": (1e-5, 1e-5),
-}
-"""docs/spec.md §4: ``(mean, max)`` absolute error against the fp64 oracle, per attention dtype."""
-
-SENTINEL = 123456789
-"""Fills top-k rows a backend must not write (an int32 no block id can equal)."""
-
-OUT_POISON = 7777.0
-"""Fills output rows past the step; rows of the step start as NaN."""
-
-
-# -- the oracle, memoised ---------------------------------------------------------------------------
-# The fp64 oracle is deliberately slow (Python loops per token). Running the
-# suite on several backends in one process (tests, `mm3 check a b`) feeds the
-# oracle identical inputs, so its results are cached by a digest of exactly
-# the tensors it reads: a hit is bit-for-bit the same question.
-
-_CACHE: "OrderedDict[tuple[str, str], Any]" = OrderedDict()
-_CACHE_LOCK = threading.Lock()
-_CACHE_SIZE = 256
-
-
-def _digest(*tensors: torch.Tensor) -> str:
-    h = hashlib.sha1()
-    for t in tensors:
-        t = t.detach().to("cpu").contiguous()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def _memo(kind: str, key: str, compute: Callable[[], Any]) -> Any:
-    with _CACHE_LOCK:
-        if (kind, key) in _CACHE:
-            _CACHE.move_to_end((kind, key))
-            return _CACHE[(kind, key)]
-    value = compute()
-    with _CACHE_LOCK:
-        _CACHE[(kind, key)] = value
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    return value
-
-
-def _index_key(case: Case) -> str:
-    b = case.batch
-    return _digest(case.index_q, case.caches.index, b.block_table, b.token_positions, b.token_to_request) + \
-        repr(case.params)
-
-
-def oracle_scores_cached(case: Case) -> list[torch.Tensor]:
-    """:func:`~mm3.testing.oracle.oracle_block_scores` of ``case``, memoised."""
-    return _memo("scores", _index_key(case), lambda: oracle_block_scores(
-        case.index_q, case.caches, case.batch, case.params))
-
-
-def oracle_topk_cached(case: Case) -> TopkBuffer:
-    """:func:`~mm3.testing.oracle.oracle_topk` of ``case`` (head-major, CPU), memoised; a fresh copy."""
-    return _memo("topk", _index_key(case), lambda: oracle_topk(
-        case.index_q, case.caches, case.batch, case.params)).clone()
-
-
-def oracle_attention_cached(case: Case, sel: TopkBuffer) -> torch.Tensor:
-    """:func:`~mm3.testing.oracle.oracle_attention` of ``case`` on ``sel``, memoised."""
-    b = case.batch
-    key = _digest(case.q, case.caches.k, case.caches.v, b.block_table, b.token_positions,
-                  b.token_to_request, sel.head_major()) + repr(case.params)
-    return _memo("attention", key, lambda: oracle_attention(case.q, case.caches, sel, case.batch,
-                                                            case.params))
-
-
-class CaseFailure(AssertionError):
-    """A conformance check did not hold; ``details`` carries the numbers."""
-
-    def __init__(self, message: str, details: Optional[dict[str, Any]] = None) -> None:
-        super().__init__(message)
-        self.details = details or {}
-
 
 @dataclass(frozen=True)
 class Step:
@@ -240,66 +159,24 @@ def _timed(device: torch.device, fn: Callable[[], None]) -> float:
 
 
 def _alloc(ctx: CaseContext, case: Case, capacity: int) -> TopkBuffer:
-    """A buffer from the backend, checked against its declaration, filled with the sentinel."""
+    """A buffer from the backend, filled with the sentinel.
+
+    The bound backend already refuses a wrong type, label or shape, and
+    :class:`TopkBuffer` storage whose memory contradicts its label; the suite
+    also wants it contiguous and on the device asked for.
+    """
     p = case.params
-    be = ctx.backend
-    buf = be.alloc_topk_buffer(capacity, p.num_index_heads, p.topk, ctx.device)
-    declared = be.capabilities.topk_layout
-    if buf.layout != declared:
-        raise CaseFailure(f"alloc_topk_buffer returned a {buf.layout} buffer; the backend declares "
-                          f"topk_layout={declared!r}")
-    if (buf.num_heads, buf.num_tokens, buf.topk) != (p.num_index_heads, capacity, p.topk):
-        raise CaseFailure(f"alloc_topk_buffer returned [H={buf.num_heads}, T={buf.num_tokens}, "
-                          f"K={buf.topk}], asked for [H={p.num_index_heads}, T={capacity}, K={p.topk}]")
+    buf = ctx.backend.alloc_topk_buffer(capacity, p.num_index_heads, p.topk, ctx.device)
     if not buf.is_contiguous():
         raise CaseFailure(
-            f"alloc_topk_buffer returned a buffer labelled {buf.layout} whose storage is not a contiguous "
-            f"{buf.layout} tensor (strides {tuple(buf.storage.stride())} for shape "
-            f"{tuple(buf.storage.shape)}): the label and the memory map disagree, as in vLLM's "
-            f"token-major/head-major bug; allocate with TopkBuffer.allocate(..., layout=declared)")
+            f"alloc_topk_buffer returned a {buf.layout} buffer whose storage is not contiguous (strides "
+            f"{tuple(buf.storage.stride())} for shape {tuple(buf.storage.shape)}); allocate with "
+            f"TopkBuffer.allocate(..., layout={buf.layout!r})")
     want = torch.device(ctx.device)
     # "cuda" names whichever GPU is current; the buffer reports "cuda:0": compare the index only if asked.
     if buf.device.type != want.type or (want.index is not None and buf.device.index != want.index):
         raise CaseFailure(f"alloc_topk_buffer put the buffer on {buf.device}, asked for {ctx.device}")
     return buf.fill_(SENTINEL)
-
-
-def _check_spare_rows(full: TopkBuffer, start: int, stop: int, what: str) -> None:
-    """Rows outside ``[start, stop)`` of ``full`` must still hold the sentinel."""
-    hm = full.head_major()
-    for label, part in (("before", hm[:, :start]), ("past", hm[:, stop:])):
-        bad = (part != SENTINEL).nonzero()
-        if bad.numel():
-            h, t = int(bad[0, 0]), int(bad[0, 1]) + (0 if label == "before" else stop)
-            raise CaseFailure(
-                f"{what} wrote top-k rows {label} the step's rows [{start}, {stop}) (first: head {h}, "
-                f"buffer row {t}, now {hm[h, t].tolist()}); kernels must write only the rows they are given",
-                {"rows_changed": int((part != SENTINEL).any(dim=-1).sum())})
-
-
-def _check_selection(case: Case, sel: TopkBuffer, details: dict[str, Any]) -> None:
-    errors = check_topk(sel, case.index_q, case.caches, case.batch, case.params,
-                        scores=oracle_scores_cached(case))
-    details["topk_rows"] = case.params.num_index_heads * case.batch.num_tokens
-    details["bad_rows"] = len(errors)
-    if errors:
-        raise CaseFailure(f"{len(errors)} of {details['topk_rows']} top-k rows break docs/spec.md §3; first: "
-                          f"{errors[0]}", details)
-
-
-def _check_exact_selection(case: Case, sel: TopkBuffer) -> None:
-    """Every row selects the oracle's blocks (exact ties: the lowest ids), in any order."""
-    T = case.batch.num_tokens
-    got = sel.head_major()[:, :T].to("cpu").sort(dim=-1).values
-    want = oracle_topk_cached(case).head_major().sort(dim=-1).values
-    bad = (got != want).any(dim=-1).nonzero()
-    if bad.numel():
-        h, t = int(bad[0, 0]), int(bad[0, 1])
-        raise CaseFailure(
-            f"{bad.shape[0]} top-k rows break the exact-tie rule of docs/spec.md §3.5 (equal block "
-            f"scores go to the lowest block id); first: head {h}, token {t} selected "
-            f"{sorted(x for x in got[h, t].tolist() if x >= 0)}, expected "
-            f"{sorted(x for x in want[h, t].tolist() if x >= 0)}", {"tie_rows": int(bad.shape[0])})
 
 
 def _selection(ctx: CaseContext, case: Case) -> TopkBuffer:
@@ -313,54 +190,10 @@ def _selection(ctx: CaseContext, case: Case) -> TopkBuffer:
     return buf
 
 
-def _poisoned_out(case: Case, spare: int = 3) -> torch.Tensor:
-    T = case.batch.num_tokens
-    out = torch.full((T + spare, *case.q.shape[1:]), float("nan"), dtype=case.q.dtype, device=case.q.device)
-    out[T:] = OUT_POISON
-    return out
-
-
-def _check_attention(case: Case, sel: TopkBuffer, out: torch.Tensor, details: dict[str, Any]) -> None:
-    """``out[:T]`` against the oracle on ``sel``; padding rows zero; spare rows untouched."""
-    T = case.batch.num_tokens
-    if not torch.equal(out[T:], torch.full_like(out[T:], OUT_POISON)):
-        raise CaseFailure(f"attention wrote output rows past the step ({T} tokens); write only out[:T]",
-                          details)
-    got = out[:T].detach().to("cpu", torch.float64)
-    pos = case.batch.token_positions.to("cpu")
-    real, pad = pos >= 0, pos < 0
-    if pad.any() and not bool((got[pad] == 0).all()):
-        t = int(pad.nonzero()[0, 0])
-        raise CaseFailure(f"padding token {t} (position -1) must output zeros; got values like "
-                          f"{got[pad][got[pad] != 0][:3].tolist()}", details)
-    bad = ~torch.isfinite(got[real])
-    if bad.any():
-        t = int(real.nonzero()[bad.any(dim=-1).any(dim=-1).nonzero()[0, 0], 0])
-        raise CaseFailure(f"non-finite output for token {t} (NaN/inf, or a row left unwritten: rows "
-                          f"start as NaN)", details)
-    ref = oracle_attention_cached(case, sel)
-    dtype = str(case.q.dtype).removeprefix("torch.")
-    mean_tol, max_tol = TOLERANCES[dtype]
-    err = (got - ref).abs()[real]
-    floor = (ref.to(case.q.dtype).to(torch.float64) - ref).abs()[real]
-    if err.numel():
-        details.update(mean_err=float(err.mean()), max_err=float(err.max()),
-                       floor_mean=float(floor.mean()), mean_tol=mean_tol, max_tol=max_tol)
-        if details["mean_err"] > mean_tol or details["max_err"] > max_tol:
-            worst = torch.nonzero(err == err.max())[0].tolist()
-            token = int(real.nonzero()[worst[0], 0])
-            raise CaseFailure(
-                f"attention error vs fp64 oracle: mean {details['mean_err']:.3g} (tol {mean_tol:g}), max "
-                f"{details['max_err']:.3g} (tol {max_tol:g}) at token {token}, head {worst[1]} "
-                f"(the {dtype} rounding floor alone is mean {details['floor_mean']:.3g})", details)
-
-
 def _to_consumer(ctx: CaseContext, buf: TopkBuffer) -> TopkBuffer:
     """What the core hands the attention: a dense copy in its layout only when it asks for one."""
     caps = ctx.backend.capabilities
-    if caps.topk_requires_contiguous and (buf.layout != caps.topk_layout or not buf.is_dense()):
-        return buf.to_layout(caps.topk_layout, contiguous=True)
-    return buf
+    return buf if caps.accepts_topk(buf.layout, buf.is_dense()) else buf.to_layout(caps.topk_layout)
 
 
 def _other(layout: str) -> str:
@@ -380,10 +213,10 @@ def indexer_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any]:
     details: dict[str, Any] = {"tokens": T, "layout": full.layout}
     details["backend_s"] = _timed(ctx.device, lambda: ctx.backend.index_topk(
         case.index_q, case.caches, case.batch, case.params, sel))
-    _check_spare_rows(full, 0, T, "index_topk")
-    _check_selection(case, sel, details)
+    check_spare_rows(full, 0, T, "index_topk")
+    check_selection(case, sel, details)
     if spec.step.tied_index_keys:
-        _check_exact_selection(case, sel)
+        check_exact_selection(case, sel)
     return details
 
 
@@ -397,8 +230,8 @@ def indexer_other_layout_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any
     details: dict[str, Any] = {"tokens": T, "layout": layout}
     details["backend_s"] = _timed(ctx.device, lambda: ctx.backend.index_topk(
         case.index_q, case.caches, case.batch, p, sel))
-    _check_spare_rows(full, 0, T, "index_topk")
-    _check_selection(case, sel, details)
+    check_spare_rows(full, 0, T, "index_topk")
+    check_selection(case, sel, details)
     return details
 
 
@@ -423,15 +256,15 @@ def attention_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any]:
         start = 3 if delivery == "offset" else 0
     given = full.rows(start, start + T).copy_(shared)
     given = _to_consumer(ctx, given)
-    out = _poisoned_out(case)
+    out = poisoned_out(case)
     details: dict[str, Any] = {"tokens": T, "topk_given": f"{given.layout}{'' if given.is_dense() else ' (strided)'}"}
     details["backend_s"] = _timed(ctx.device, lambda: ctx.backend.attention_forward(
         case.q, case.caches, given, case.batch, p, out[:T]))
-    _check_spare_rows(full, start, start + T, "attention_forward")
+    check_spare_rows(full, start, start + T, "attention_forward")
     if not torch.equal(full.rows(start, start + T).head_major().cpu(), shared.head_major().cpu()):
         raise CaseFailure("attention_forward modified the top-k buffer it was given (it must only read it)",
                           details)
-    _check_attention(case, shared.to_layout("head_major"), out, details)
+    check_attention(case, shared.to_layout("head_major"), out, details)
     return details
 
 
@@ -441,16 +274,16 @@ def composed_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any]:
     p, T = case.params, case.batch.num_tokens
     full = _alloc(ctx, case, T + 3)
     sel = full.rows(0, T)
-    out = _poisoned_out(case)
+    out = poisoned_out(case)
     details: dict[str, Any] = {"tokens": T}
     details["index_s"] = _timed(ctx.device, lambda: ctx.backend.index_topk(
         case.index_q, case.caches, case.batch, p, sel))
     given = _to_consumer(ctx, sel)
     details["attention_s"] = _timed(ctx.device, lambda: ctx.backend.attention_forward(
         case.q, case.caches, given, case.batch, p, out[:T]))
-    _check_spare_rows(full, 0, T, "index_topk/attention_forward")
-    _check_selection(case, sel, details)
-    _check_attention(case, sel.to_layout("head_major"), out, details)
+    check_spare_rows(full, 0, T, "index_topk/attention_forward")
+    check_selection(case, sel, details)
+    check_attention(case, sel.to_layout("head_major"), out, details)
     return details
 
 

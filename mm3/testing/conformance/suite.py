@@ -7,10 +7,11 @@ head dim, block size or decode query length outside its capabilities, or a
 device its probe refuses. :func:`run_conformance` runs the plan.
 
 Example:
-    >>> from mm3.registry import default_registry
-    >>> report = run_conformance(default_registry().get("cpu_ref"), dtypes=["float32"],
-    ...                          index_dtypes=["bfloat16"])         # doctest: +SKIP
-    >>> print(report.format())                                      # doctest: +SKIP
+    >>> from mm3 import default_registry
+    >>> plan = plan_cases(default_registry().get("cpu_ref"), dtypes=["float32"],
+    ...                   index_dtypes=["bfloat16"])
+    >>> plan[0].name, plan[0].run().status
+    ('indexer/mixed_h1:bfloat16', 'pass')
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
 import torch
 
-from mm3.errors import InputError
+from mm3.contract.errors import InputError
 from mm3.testing.conformance.cases import (
     ATTENTION_STEPS, BODIES, BUFFER_CASES, COMPOSED_STEPS, INDEXER_STEPS, LARGE_STEPS, CaseContext,
     CaseSpec, Step,
@@ -28,7 +29,7 @@ from mm3.testing.conformance.cases import (
 from mm3.testing.conformance.report import CaseResult, ConformanceReport
 
 if TYPE_CHECKING:
-    from mm3.registry import Backend
+    from mm3.runtime.backend import Backend
 
 __all__ = ["PlannedCase", "plan_cases", "run_conformance", "DEFAULT_DTYPES", "DEFAULT_INDEX_DTYPES"]
 
@@ -67,7 +68,7 @@ class PlannedCase:
 
 def _resolve(backend: Union["Backend", str]) -> "Backend":
     if isinstance(backend, str):
-        from mm3.registry import default_registry
+        from mm3.runtime.registry import default_registry
 
         return default_registry().get(backend)
     return backend
@@ -146,7 +147,7 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
 
     probe = be.probe(dev)
     planned = []
-    from mm3.selection import requirements_for
+    from mm3.runtime.selection import requirements_for
 
     for spec in specs:
         reasons: list[str] = []
@@ -157,7 +158,8 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
             req = requirements_for(spec.step.params(), spec.dtype, spec.index_dtype, dev,
                                    decode_query_len=spec.step.dq).for_ops(*spec.ops)
             reasons += caps.unmet(req)
-            if spec.needs_any_layout and caps.topk_requires_contiguous:
+            other = "token_major" if caps.topk_layout == "head_major" else "head_major"
+            if spec.needs_any_layout and not caps.accepts_topk(other, dense=True):
                 reasons.append(f"backend declares topk_requires_contiguous ({caps.topk_layout} only)")
             if not reasons and not probe.available:
                 reasons.append(f"backend unavailable on {dev}: {probe.reason}")
@@ -173,7 +175,7 @@ def run_conformance(backend: Union["Backend", str], *, device: Union[str, torch.
     """Run the conformance suite (docs/spec.md) on ``backend`` and return a report (never raises on failure).
 
     Args:
-        backend: a bound :class:`~mm3.registry.Backend` (or a name in the
+        backend: a bound :class:`~mm3.runtime.backend.Backend` (or a name in the
             default registry).
         device: where the inputs live (``"cpu"``, ``"cuda"``...).
         quick: tiny shapes only; ``False`` adds bigger ones.
@@ -183,8 +185,8 @@ def run_conformance(backend: Union["Backend", str], *, device: Union[str, torch.
         seed: varies the random inputs of every case (0 = the standard set).
 
     Example:
-        >>> report = run_conformance("cpu_ref", dtypes=["float32"])   # doctest: +SKIP
-        >>> report.passed, [r.name for r in report.failures]          # doctest: +SKIP
+        >>> report = run_conformance("cpu_ref", dtypes=["float32"], index_dtypes=["bfloat16"])
+        >>> report.passed, [r.name for r in report.failures]
         (True, [])
     """
     be = _resolve(backend)

@@ -39,8 +39,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     index_dtypes = _option(cfg, "--mm3-index-dtype", []) or None
     planned: list[Optional[PlannedCase]] = []
     if names:
-        from mm3.errors import MM3Error
-        from mm3.registry import default_registry
+        from mm3.contract.errors import MM3Error
+        from mm3.runtime.registry import default_registry
 
         reg = default_registry()
         for name in names:

@@ -23,6 +23,12 @@ token-major ``[T, H, K]`` storage. That is why the plugin declares
 indexer writes another layout, mm3 converts the step's rows before calling
 us, and says so in the selection trace.
 
+mm3 checks every argument before a hook runs (``mm3.Backend``): types,
+shapes, devices, dtypes, the limits in ``CAPABILITIES`` - and, because we
+declare ``topk_requires_contiguous``, that the buffer is dense token-major. So
+this module checks only what is its own (``strategy``) and calls
+:func:`attention_forward` directly only with arguments it knows are valid.
+
 Example:
     >>> import torch
     >>> from mm3 import SparseAttentionParams
@@ -47,11 +53,10 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.errors import InputError
-from mm3.hook_args import check_hook_args
-from mm3.params import SparseAttentionParams
+from mm3.contract import BatchMetadata
+from mm3.contract import PagedKVCache, TopkBuffer
+from mm3.contract import InputError
+from mm3.contract import SparseAttentionParams
 
 __all__ = ["attention_forward", "DEFAULT_MAX_ELEMENTS", "MAX_ELEMENTS_ENV", "DENSE_MAX_BLOCKS_PER_TOPK",
            "Strategy"]
@@ -88,28 +93,6 @@ def _max_elements() -> int:
         raise InputError(f"{MAX_ELEMENTS_ENV}={raw!r} must be a positive integer (elements of the "
                          f"largest fp32 intermediate, default {DEFAULT_MAX_ELEMENTS}); fix or unset it")
     return value
-
-
-def _check(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
-           params: SparseAttentionParams, out: torch.Tensor) -> None:
-    """Raise :class:`InputError` with the fix when the inputs do not fit this backend.
-
-    mm3's shared hook checks cover types, shapes, devices and the top-k
-    buffer's size; what is left is this backend's own: the layout it reads.
-    """
-    where = "torch_sdpa_sparse.attention_forward"
-    hint = "= [num_tokens, num_heads, head_dim]"
-    shape = (params.num_heads, params.head_dim)
-    check_hook_args(where, caches, batch, params, topk=topk, rows={"q": (q, shape, hint), "out": (out, shape, hint)})
-    if topk.layout != "token_major" or not topk.is_dense():
-        raise InputError(f"{where}: needs a dense token_major top-k buffer (it reads [T, H, K] storage "
-                         f"directly), got {topk!r}; pass topk.to_layout('token_major') - SparseAttention "
-                         f"does this for you")
-    if caches.head_dim != params.head_dim:
-        raise InputError(f"{where}: the KV cache has heads of dim {caches.head_dim}, params expect "
-                         f"{params.head_dim}")
-    if not out.is_floating_point():
-        raise InputError(f"{where}: out must be a floating-point tensor, got {out.dtype}")
 
 
 def _valid_ids(ids: torch.Tensor, nb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +178,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     (``"gather"`` or ``"dense"``; tests use it); ``max_elements`` bounds the largest
     fp32 intermediate (default: ``MM3_TORCH_SDPA_SPARSE_MAX_ELEMENTS`` or 2**24).
     """
-    _check(q, caches, topk, batch, params, out)
+    # mm3 checked every argument before calling us (see the module docstring).
     if strategy not in ("auto", "gather", "dense"):
         raise InputError(f"torch_sdpa_sparse.attention_forward: strategy must be 'auto', 'gather' or "
                          f"'dense', got {strategy!r}")

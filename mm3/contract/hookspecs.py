@@ -2,7 +2,7 @@
 
 One plugin is one backend: a module or object with ``@hookimpl`` functions.
 Every hook is ``firstresult``; the registry binds each backend's own
-implementations directly (see :mod:`mm3.registry`), so hooks of different
+implementations directly (see :mod:`mm3.runtime.backend`), so hooks of different
 backends never mix and no ``pm.hook`` call happens per forward.
 
 A minimal attention-only plugin::
@@ -28,6 +28,7 @@ Register it under the entry-point group ``mm3.backends`` in your
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -35,16 +36,51 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
-    from mm3.batch import BatchMetadata
-    from mm3.buffers import PagedKVCache, TopkBuffer
-    from mm3.capabilities import BackendCapabilities, Probe
-    from mm3.params import SparseAttentionParams
+    from mm3.contract.batch import BatchMetadata
+    from mm3.contract.buffers import PagedKVCache, TopkBuffer
+    from mm3.contract.capabilities import BackendCapabilities, Probe
+    from mm3.contract.params import SparseAttentionParams
 
-__all__ = ["PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "OP_HOOKS"]
+__all__ = ["PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "Op", "ALL_OPS"]
 
 PROJECT = "mm3"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class Op(str, enum.Enum):
+    """An operation a backend can provide: the name capabilities declare, and the hook that runs it.
+
+    A member *is* its name (``Op.ATTENTION == "attention"``), so capabilities
+    may list plain strings, and it prints as that name wherever it is shown.
+
+    Example:
+        >>> Op("attention").hook, [op.value for op in Op]
+        ('attention_forward', ['index_topk', 'attention'])
+    """
+
+    hook: str
+
+    def __new__(cls, name: str, hook: str) -> "Op":
+        op = str.__new__(cls, name)
+        op._value_ = name
+        op.hook = hook
+        return op
+
+    INDEX_TOPK = ("index_topk", "index_topk")
+    ATTENTION = ("attention", "attention_forward")
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+ALL_OPS: frozenset[Op] = frozenset(Op)
 
 
 @hookspec(firstresult=True)
@@ -89,7 +125,6 @@ def attention_forward(q: "torch.Tensor", caches: "PagedKVCache", topk: "TopkBuff
     """Block-sparse attention (docs/spec.md §4): write ``out[:T]`` (``[T, Hq, D]``, q's dtype)."""
 
 
-HOOK_NAMES = ("backend_capabilities", "backend_probe", "alloc_topk_buffer",
-              "index_topk", "attention_forward")
-OP_HOOKS = {"index_topk": "index_topk", "attention": "attention_forward"}
-"""Capability op name -> the hook that implements it."""
+HOOK_NAMES: tuple[str, ...] = tuple(name for name, fn in list(globals().items())
+                                    if hasattr(fn, f"{PROJECT}_spec"))
+"""Every hook of the contract, in the order above (read from pluggy's spec markers)."""

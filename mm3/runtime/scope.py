@@ -2,7 +2,7 @@
 
 Like ``torch.nn.attention.sdpa_kernel``, the choice holds for the code inside
 the block (per thread and per asyncio task, through a ``ContextVar``) and is
-undone on exit. A :class:`~mm3.layer.SparseAttention` built without an explicit
+undone on exit. A :class:`~mm3.runtime.layer.SparseAttention` built without an explicit
 ``backend=`` argument follows the innermost scope on each call.
 
 Example:
@@ -20,7 +20,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from mm3.registry import Registry, default_registry
+from mm3.runtime.registry import Registry, default_registry
 
 __all__ = ["BackendScope", "use_backend", "current_scope"]
 
@@ -48,7 +48,7 @@ def use_backend(backend: str, indexer_backend: Optional[str] = None, *,
 
     The names are checked against ``registry`` (default: the process-wide one)
     when the block opens: an unknown name raises
-    :class:`~mm3.errors.UnknownBackendError` there, listing the known ones and
+    :class:`~mm3.contract.errors.UnknownBackendError` there, listing the known ones and
     the closest match, not later at a layer's first step. Whether the backend
     can serve a given layer is still decided (and explained) by that layer.
     """

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mm3.errors import InputError
+from mm3.contract.errors import InputError, describe_validation_error
 
 __all__ = ["SparseAttentionParams", "MINIMAX_M3_MAX_DECODE_QUERY_LEN"]
 
@@ -48,15 +48,8 @@ class SparseAttentionParams(BaseModel):
         try:
             super().__init__(**values)
         except ValidationError as e:
-            parts = []
-            for err in e.errors():
-                msg = str(err["msg"]).removeprefix("Value error, ")
-                loc = ".".join(str(x) for x in err["loc"])
-                if err["type"] == "extra_forbidden":
-                    msg = f"{msg}: unknown field (fields are {', '.join(type(self).model_fields)})"
-                got = f" (got {err['input']!r})" if loc and err["type"] != "missing" else ""
-                parts.append(f"{loc}: {msg}{got}" if loc else msg)
-            raise InputError("invalid SparseAttentionParams: " + "; ".join(parts)) from None
+            raise InputError("invalid SparseAttentionParams: "
+                             + describe_validation_error(e, fields=list(type(self).model_fields))) from None
 
     @model_validator(mode="after")
     def _consistent(self) -> "SparseAttentionParams":

@@ -24,8 +24,8 @@ from typing import Literal, Union, cast, get_args
 
 import torch
 
-from mm3.capabilities import KVCacheLayout, TopkLayout
-from mm3.errors import InputError
+from mm3.contract.capabilities import KVCacheLayout, TopkLayout
+from mm3.contract.errors import InputError
 
 __all__ = ["TopkBuffer", "PagedKVCache", "TORCH_DTYPES", "dtype_name"]
 
@@ -50,6 +50,18 @@ def _check_layout(layout: str) -> TopkLayout:
     return cast(TopkLayout, layout)
 
 
+def _in_storage_order(storage: torch.Tensor) -> bool:
+    """True when axes 0, 1, 2 of ``storage`` lie in memory outermost to innermost, without overlap.
+
+    Axes of size 1 are skipped: their stride is meaningless. That is why
+    vLLM's bug hid with one KV head (both layouts are then one memory map),
+    and why a one-token ``rows(t, t + 1)`` view stays legal.
+    """
+    axes = [(storage.shape[i], storage.stride(i)) for i in range(3) if storage.shape[i] > 1]
+    return all(outer_stride >= inner_size * inner_stride
+               for (_, outer_stride), (inner_size, inner_stride) in zip(axes, axes[1:]))
+
+
 class TopkBuffer:
     """An int32 top-k buffer with a declared storage layout.
 
@@ -58,7 +70,18 @@ class TopkBuffer:
     Slots hold logical block ids (0-based) as a prefix, then ``-1``.
 
     Construct with :meth:`allocate`, or wrap an existing tensor with
-    ``TopkBuffer(tensor, layout)`` - the layout is always explicit.
+    ``TopkBuffer(tensor, layout)`` - the layout is always explicit, and the
+    tensor's memory must be in that order (its strides are checked, no device
+    sync): a permuted view cannot pass for the other layout.
+
+    Example:
+        >>> tm = torch.zeros(6, 2, 4, dtype=torch.int32)          # token-major memory [T, H, K]
+        >>> TopkBuffer(tm.permute(1, 0, 2), "head_major")        # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        mm3.contract.errors.InputError: top-k storage of shape (2, 6, 4) has strides (4, 8, 1): ...
+        >>> TopkBuffer(tm, "token_major").head_major().shape    # say what it is: fine
+        torch.Size([2, 6, 4])
     """
 
     __slots__ = ("_data", "_layout")
@@ -73,6 +96,15 @@ class TopkBuffer:
         if data.dim() != 3:
             raise InputError(f"top-k storage must be 3-D ({'[H, T, K]' if layout == 'head_major' else '[T, H, K]'}"
                              f" for {layout}), got shape {tuple(data.shape)}")
+        if not _in_storage_order(data):
+            other = "token_major" if layout == "head_major" else "head_major"
+            raise InputError(
+                f"top-k storage of shape {tuple(data.shape)} has strides {tuple(data.stride())}: its memory is "
+                f"not laid out outermost-to-innermost as the {layout!r} label promises, so a kernel that "
+                f"trusts the label would write other tokens' rows (a token_major [T, H, K] tensor permuted "
+                f"to look head_major is vLLM's MiniMax-M3 bug); allocate with "
+                f"TopkBuffer.allocate(..., layout={layout!r}), or label the memory as it is: "
+                f"TopkBuffer(tensor.permute(1, 0, 2), {other!r})")
         self._data = data
 
     # -- construction ---------------------------------------------------------

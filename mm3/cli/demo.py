@@ -7,7 +7,7 @@ It builds two realistic paged steps at MiniMax-M3 TP8 shapes (8 query heads,
   (a later chunk of a long prompt);
 * a speculative step: decodes with 3 draft tokens each, plus the prompt's next chunk;
 
-runs each through :class:`~mm3.layer.SparseAttention`, prints the selection
+runs each through :class:`~mm3.runtime.layer.SparseAttention`, prints the selection
 trace and timings, then checks the same backends against the fp64 oracle on a
 reduced copy of each step (same structure, shorter contexts, smaller blocks).
 Exit status 0 means every check passed.
@@ -20,14 +20,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
-from mm3.buffers import TORCH_DTYPES
-from mm3.cli import check_configured_backends
-from mm3.layer import SparseAttention
-from mm3.params import SparseAttentionParams
+from mm3.contract.buffers import TORCH_DTYPES
+from mm3.cli.main import check_configured_backends
+from mm3.runtime.layer import SparseAttention
+from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention
 

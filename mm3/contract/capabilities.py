@@ -25,16 +25,16 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mm3.contract.hookspecs import ALL_OPS, Op
+
 __all__ = [
     "TopkLayout",
     "KVCacheLayout",
-    "Op",
     "DType",
     "IndexDType",
     "BackendCapabilities",
     "Requirements",
     "Probe",
-    "ALL_OPS",
 ]
 
 TopkLayout = Literal["head_major", "token_major"]
@@ -42,9 +42,6 @@ TopkLayout = Literal["head_major", "token_major"]
 
 KVCacheLayout = Literal["NHD", "HND"]
 """Storage order inside one KV page: tokens-then-heads (NHD) or heads-then-tokens (HND)."""
-
-Op = Literal["index_topk", "attention"]
-ALL_OPS: frozenset[str] = frozenset({"index_topk", "attention"})
 
 DType = Literal["bfloat16", "float16", "float32"]
 IndexDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
@@ -81,6 +78,24 @@ class BackendCapabilities(_Frozen):
     max_decode_query_len: int = Field(1, ge=1, description="1 + draft tokens (speculative decoding)")
     cuda_graph_safe: bool = False
 
+    def accepts_topk(self, layout: str, dense: bool) -> bool:
+        """Can this backend's hooks use a top-k buffer in ``layout`` (``dense`` or not) as it is?
+
+        Always, unless it declares ``topk_requires_contiguous``: then only a
+        dense buffer in its own ``topk_layout``. The one rule behind the core's
+        per-step conversion, the selection trace, the bound backend's argument
+        check, the guard, the mock backend and the conformance suite.
+
+        Example:
+            >>> strict = BackendCapabilities(name="strict", ops={"attention"}, device_types={"cpu"},
+            ...                              topk_layout="token_major", topk_requires_contiguous=True)
+            >>> strict.accepts_topk("token_major", dense=True), strict.accepts_topk("head_major", dense=True)
+            (True, False)
+            >>> strict.accepts_topk("token_major", dense=False)
+            False
+        """
+        return not self.topk_requires_contiguous or (layout == self.topk_layout and dense)
+
     def unmet(self, req: "Requirements") -> list[str]:
         """Every reason this backend cannot serve ``req`` (empty list = capable)."""
         reasons: list[str] = []
@@ -89,14 +104,14 @@ class BackendCapabilities(_Frozen):
         missing = set(req.ops) - set(self.ops)
         if missing:
             reasons.append(f"does not provide op(s) {sorted(missing)} (provides {sorted(self.ops)})")
-        if "attention" in req.ops and req.dtype not in self.dtypes:
+        if Op.ATTENTION in req.ops and req.dtype not in self.dtypes:
             reasons.append(f"dtype {req.dtype} not in {sorted(self.dtypes)}")
-        if "index_topk" in req.ops and req.index_cache_dtype not in self.index_cache_dtypes:
+        if Op.INDEX_TOPK in req.ops and req.index_cache_dtype not in self.index_cache_dtypes:
             reasons.append(
                 f"index cache dtype {req.index_cache_dtype} not in {sorted(self.index_cache_dtypes)}")
         checks = [
-            ("head_dim", req.head_dim, self.head_dims, "attention"),
-            ("index_head_dim", req.index_head_dim, self.index_head_dims, "index_topk"),
+            ("head_dim", req.head_dim, self.head_dims, Op.ATTENTION),
+            ("index_head_dim", req.index_head_dim, self.index_head_dims, Op.INDEX_TOPK),
             ("block_size", req.block_size, self.block_sizes, None),
         ]
         for field, value, allowed, op in checks:
@@ -104,7 +119,7 @@ class BackendCapabilities(_Frozen):
                 reasons.append(f"{field} {value} not in {sorted(allowed)}")
         if self.max_topk is not None and req.topk > self.max_topk:
             reasons.append(f"topk {req.topk} > max_topk {self.max_topk}")
-        if ("attention" in req.ops and self.max_gqa_group is not None
+        if (Op.ATTENTION in req.ops and self.max_gqa_group is not None
                 and req.gqa_group > self.max_gqa_group):
             reasons.append(f"GQA group {req.gqa_group} > max_gqa_group {self.max_gqa_group}")
         if req.decode_query_len > self.max_decode_query_len:
@@ -136,8 +151,8 @@ class Requirements(_Frozen):
     cuda_graph: bool = False
 
     def for_ops(self, *ops: str) -> "Requirements":
-        """The same requirements restricted to ``ops`` (e.g. only the indexer)."""
-        return self.model_copy(update={"ops": frozenset(ops)})
+        """The same requirements restricted to ``ops`` (e.g. only ``Op.INDEX_TOPK``)."""
+        return self.model_copy(update={"ops": frozenset(Op(op) for op in ops)})
 
 
 class Probe(_Frozen):

@@ -2,22 +2,22 @@
 
 :func:`select` is a pure function of the requirements, the registry's
 backends (their capabilities and probes) and the requested names. It returns a
-:class:`Selection` whose trace holds one entry per candidate per role, accepted
+:class:`Selection` whose trace holds one entry per candidate per op, accepted
 or rejected with every reason, so a surprising choice can always be explained.
 
 Rules (docs/configuration.md):
 
 * ``backend`` governs the attention. A *named* backend that cannot serve
-  raises :class:`~mm3.errors.BackendUnavailableError` with its reasons; with
+  raises :class:`~mm3.contract.errors.BackendUnavailableError` with its reasons; with
   ``allow_fallback=True`` selection falls back to ``"auto"`` instead and the
   trace says so. An unknown name always raises
-  :class:`~mm3.errors.UnknownBackendError` (a typo is not a reason to fall back).
+  :class:`~mm3.contract.errors.UnknownBackendError` (a typo is not a reason to fall back).
 * ``"auto"`` takes the highest-priority backend that is available on the
   device and capable (ties broken by name).
 * The indexer is ``indexer_backend`` when given (same rules); otherwise the
   attention backend itself when it provides ``index_topk`` and is capable;
-  otherwise ``"auto"`` for the indexer role.
-* Nothing fits -> :class:`~mm3.errors.NoBackendError` listing the request and
+  otherwise ``"auto"`` for ``index_topk``.
+* Nothing fits -> :class:`~mm3.contract.errors.NoBackendError` listing the request and
   each candidate's reasons.
 * When the attention backend needs a contiguous top-k buffer in a layout other
   than the one the indexer writes, :attr:`Selection.topk_conversion` says the
@@ -25,46 +25,53 @@ Rules (docs/configuration.md):
 
 Example:
     >>> import torch
-    >>> from mm3.params import SparseAttentionParams
+    >>> from mm3.contract.params import SparseAttentionParams
     >>> req = requirements_for(SparseAttentionParams.minimax_m3(tp_size=8),
     ...                        torch.bfloat16, torch.bfloat16, "cpu")
-    >>> sel = select(req, default_registry(), device="cpu")       # doctest: +SKIP
-    >>> sel.attention.name, sel.indexer.name                       # doctest: +SKIP
-    ('cpu_ref', 'cpu_ref')
-    >>> print(sel.explain())                                       # doctest: +SKIP
+    >>> from mm3 import Registry
+    >>> from mm3.testing.mock import MockBackend
+    >>> reg = Registry([MockBackend("fast", priority=5, available=False, probe_reason="no GPU"),
+    ...                 MockBackend("ref")], entry_points=False)
+    >>> sel = select(req, reg, device="cpu")
+    >>> sel.attention.name, sel.indexer.name
+    ('ref', 'ref')
+    >>> print(sel.explain().splitlines()[2])
+        fast  rejected: unavailable on cpu: no GPU [auto]
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Optional, Union
 
 from pydantic import ValidationError
 
-from mm3.buffers import dtype_name
-from mm3.capabilities import ALL_OPS, Probe, Requirements
-from mm3.errors import BackendUnavailableError, InputError, NoBackendError
+from mm3.contract.buffers import dtype_name
+from mm3.contract.capabilities import Probe, Requirements
+from mm3.contract.hookspecs import ALL_OPS, Op
+from mm3.contract.errors import BackendUnavailableError, InputError, NoBackendError, describe_validation_error
 
 if TYPE_CHECKING:
     import torch
 
-    from mm3.params import SparseAttentionParams
-    from mm3.registry import Backend, Registry
+    from mm3.contract.buffers import TopkBuffer
+    from mm3.contract.params import SparseAttentionParams
+    from mm3.runtime.backend import Backend
+    from mm3.runtime.registry import Registry
 
-__all__ = ["Role", "TraceEntry", "Selection", "select", "requirements_for", "describe_requirements"]
+__all__ = ["TraceEntry", "Selection", "select", "requirements_for", "describe_requirements",
+           "topk_conversion_note"]
 
 logger = logging.getLogger("mm3")
 
-Role = Literal["indexer", "attention"]
-_ROLE_OP: dict[str, str] = {"indexer": "index_topk", "attention": "attention"}
 DeviceLike = Union[str, "torch.device"]
 
 
 @dataclass(frozen=True)
 class TraceEntry:
-    """One candidate considered for one role.
+    """One candidate considered for one op (the attention, or the indexer's ``index_topk``).
 
     ``reasons`` lists every reason the backend was rejected (empty when
     accepted); ``probe`` is its probe answer on the device; ``chosen`` marks the
@@ -72,7 +79,7 @@ class TraceEntry:
     """
 
     backend: str
-    role: Role
+    op: Op
     accepted: bool
     reasons: tuple[str, ...]
     probe: Probe
@@ -86,8 +93,16 @@ class Selection:
     """The chosen backends for one request, with the trace that led there.
 
     Example:
-        >>> sel.indexer.name, sel.attention.name, sel.topk_conversion   # doctest: +SKIP
-        ('cuda', 'cuda', None)
+        >>> from mm3 import Registry, requirements_for, select
+        >>> from mm3.testing.fixtures import default_params
+        >>> from mm3.testing.mock import MockBackend
+        >>> reg = Registry([MockBackend("idx", ops={"index_topk"}, topk_layout="head_major"),
+        ...                 MockBackend("att", ops={"attention"}, topk_layout="token_major",
+        ...                             topk_requires_contiguous=True)], entry_points=False)
+        >>> sel = select(requirements_for(default_params(), "float32", "bfloat16", "cpu"), reg,
+        ...              device="cpu")
+        >>> sel.indexer.name, sel.attention.name, sel.converts_topk
+        ('idx', 'att', True)
     """
 
     indexer: "Backend"
@@ -98,9 +113,19 @@ class Selection:
     trace: list[TraceEntry] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def entries(self, role: Role) -> list[TraceEntry]:
-        """Trace entries of one role, in the order they were considered."""
-        return [e for e in self.trace if e.role == role]
+    @property
+    def converts_topk(self) -> bool:
+        """True when the core copies the top-k buffer into the attention's layout each step."""
+        return self.topk_conversion is not None
+
+    def for_buffer(self, topk: "TopkBuffer") -> "Selection":
+        """This selection with :attr:`topk_conversion` judged on the indexer's actual buffer."""
+        return replace(self, topk_conversion=topk_conversion_note(self.indexer, self.attention, topk.layout,
+                                                             topk.is_dense()))
+
+    def entries(self, op: str) -> list[TraceEntry]:
+        """Trace entries of one op (``"attention"`` or ``"index_topk"``), in the order considered."""
+        return [e for e in self.trace if e.op == op]
 
     def summary(self) -> str:
         """One line: ``indexer=cuda attention=cuda on cuda:0``."""
@@ -108,11 +133,11 @@ class Selection:
         return f"indexer={self.indexer.name} attention={self.attention.name} on {self.device}{conv}"
 
     def explain(self) -> str:
-        """A readable multi-line trace; ``*`` marks the chosen backend of each role."""
+        """A readable multi-line trace; ``*`` marks the chosen backend of each op."""
         lines = [f"mm3 backend selection on {self.device}: {describe_requirements(self.requirements)}"]
-        for role in ("attention", "indexer"):
-            lines.append(f"{role}:")
-            entries = self.entries(role)  # type: ignore[arg-type]
+        for op in (Op.ATTENTION, Op.INDEX_TOPK):
+            lines.append(f"{op}:")
+            entries = self.entries(op)
             width = max((len(e.backend) for e in entries), default=0)
             for e in entries:
                 mark = "*" if e.chosen else " "
@@ -149,7 +174,7 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
 
     Example:
         >>> import torch
-        >>> from mm3.params import SparseAttentionParams
+        >>> from mm3.contract.params import SparseAttentionParams
         >>> r = requirements_for(SparseAttentionParams.minimax_m3(tp_size=8),
         ...                      torch.bfloat16, torch.float8_e4m3fn, "cpu")
         >>> r.device_type, r.index_cache_dtype, r.gqa_group
@@ -167,13 +192,11 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
                             gqa_group=params.gqa_group, decode_query_len=decode_query_len,
                             cuda_graph=cuda_graph)
     except ValidationError as e:
-        errs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']} (got {x.get('input')!r})"
-                         for x in e.errors())
-        raise InputError(f"unsupported request: {errs}; attention runs in bfloat16/float16/float32 "
+        raise InputError(f"unsupported request: {describe_validation_error(e)}; attention runs in bfloat16/float16/float32 "
                          f"and the index cache in bfloat16/float16/float32/float8_e4m3fn") from None
 
 
-def _evaluate(be: "Backend", role: Role, req: Requirements, device: DeviceLike,
+def _evaluate(be: "Backend", op: Op, req: Requirements, device: DeviceLike,
               note: str, auto: bool = False) -> TraceEntry:
     probe = be.probe(device)
     reasons: list[str] = []
@@ -181,18 +204,18 @@ def _evaluate(be: "Backend", role: Role, req: Requirements, device: DeviceLike,
         reasons.append(f"unavailable on {device}: {probe.reason}")
     elif auto and not probe.auto:
         reasons.append(f"available on {device} only when named ({probe.reason}); auto passes it over")
-    reasons.extend(be.capabilities.unmet(req.for_ops(_ROLE_OP[role])))
-    return TraceEntry(be.name, role, not reasons, tuple(reasons), probe, be.priority, note=note)
+    reasons.extend(be.capabilities.unmet(req.for_ops(op)))
+    return TraceEntry(be.name, op, not reasons, tuple(reasons), probe, be.priority, note=note)
 
 
-def _auto(role: Role, req: Requirements, registry: "Registry", device: DeviceLike,
+def _auto(op: Op, req: Requirements, registry: "Registry", device: DeviceLike,
           trace: list[TraceEntry], note: str, skip: Optional[str] = None) -> Optional["Backend"]:
-    """Evaluate every backend (priority order) for ``role``; return the first accepted."""
+    """Evaluate every backend (priority order) for ``op``; return the first accepted."""
     chosen: Optional[Backend] = None
     for be in registry.backends():
         if be.name == skip:
             continue
-        entry = _evaluate(be, role, req, device, note, auto=True)
+        entry = _evaluate(be, op, req, device, note, auto=True)
         if entry.accepted and chosen is None:
             chosen = be
             entry = _mark(entry)
@@ -201,15 +224,14 @@ def _auto(role: Role, req: Requirements, registry: "Registry", device: DeviceLik
 
 
 def _mark(entry: TraceEntry) -> TraceEntry:
-    return TraceEntry(entry.backend, entry.role, entry.accepted, entry.reasons, entry.probe,
+    return TraceEntry(entry.backend, entry.op, entry.accepted, entry.reasons, entry.probe,
                       entry.priority, chosen=True, note=entry.note)
 
 
-def _no_backend(role: Role, req: Requirements, registry: "Registry", device: DeviceLike,
+def _no_backend(op: Op, req: Requirements, registry: "Registry", device: DeviceLike,
                 trace: list[TraceEntry]) -> NoBackendError:
-    what = role if role == _ROLE_OP[role] else f"{role} ({_ROLE_OP[role]})"
-    lines = [f"no backend can serve the {what} on {device} for {describe_requirements(req)}."]
-    rejected = [e for e in trace if e.role == role and not e.accepted]
+    lines = [f"no backend can serve the {op} op on {device} for {describe_requirements(req)}."]
+    rejected = [e for e in trace if e.op == op and not e.accepted]
     if rejected:
         lines.append("Candidates:")
         lines += [f"  {e.backend}: {'; '.join(e.reasons)}" for e in rejected]
@@ -224,40 +246,47 @@ def _no_backend(role: Role, req: Requirements, registry: "Registry", device: Dev
     return NoBackendError("\n".join(lines))
 
 
-def _pick(role: Role, name: Optional[str], req: Requirements, registry: "Registry",
+def _pick(op: Op, name: Optional[str], req: Requirements, registry: "Registry",
           device: DeviceLike, allow_fallback: bool, trace: list[TraceEntry],
           notes: list[str], setting: str) -> "Backend":
     if name is None or name == "auto":
-        chosen = _auto(role, req, registry, device, trace, note="auto")
+        chosen = _auto(op, req, registry, device, trace, note="auto")
         if chosen is None:
-            raise _no_backend(role, req, registry, device, trace)
+            raise _no_backend(op, req, registry, device, trace)
         return chosen
     be = registry.get(name)  # UnknownBackendError / PluginError (duplicate) propagate
-    entry = _evaluate(be, role, req, device, note=f"named by {setting}")
+    entry = _evaluate(be, op, req, device, note=f"named by {setting}")
     if entry.accepted:
         trace.append(_mark(entry))
         return be
     trace.append(entry)
     if not allow_fallback:
         raise BackendUnavailableError(
-            f"backend {name!r} (named by {setting}) cannot serve the {role} on {device}: "
+            f"backend {name!r} (named by {setting}) cannot serve the {op} op on {device}: "
             f"{'; '.join(entry.reasons)}. Choose another backend ({setting}=auto picks one that "
             f"can), or set allow_fallback=True / MM3_ALLOW_FALLBACK=1 to fall back automatically.")
-    notes.append(f"{setting}={name!r} cannot serve the {role} ({'; '.join(entry.reasons)}); "
+    notes.append(f"{setting}={name!r} cannot serve the {op} op ({'; '.join(entry.reasons)}); "
                  f"falling back to auto because allow_fallback is set")
-    chosen = _auto(role, req, registry, device, trace, note="fallback", skip=name)
+    chosen = _auto(op, req, registry, device, trace, note="fallback", skip=name)
     if chosen is None:
-        raise _no_backend(role, req, registry, device, trace)
+        raise _no_backend(op, req, registry, device, trace)
     return chosen
 
 
-def _conversion(indexer: "Backend", attention: "Backend") -> Optional[str]:
-    att, idx = attention.capabilities, indexer.capabilities
-    if att.topk_requires_contiguous and att.topk_layout != idx.topk_layout:
-        return (f"indexer {indexer.name!r} writes a {idx.topk_layout} top-k buffer but attention "
-                f"{attention.name!r} requires a contiguous {att.topk_layout} one, so the core "
-                f"copies the step's rows into {att.topk_layout} layout before each attention call")
-    return None
+def topk_conversion_note(indexer: "Backend", attention: "Backend", layout: str, dense: bool) -> Optional[str]:
+    """What the core does to the indexer's top-k buffer (``layout``, ``dense``) for the attention.
+
+    ``None`` when the attention accepts it as it is (:meth:`BackendCapabilities.accepts_topk`),
+    else the sentence the trace shows: the core copies the step's rows into
+    the attention's layout before each call.
+    """
+    att = attention.capabilities
+    if att.accepts_topk(layout, dense):
+        return None
+    written = layout if dense else f"non-dense {layout}"
+    return (f"indexer {indexer.name!r} writes a {written} top-k buffer but attention "
+            f"{attention.name!r} requires a contiguous {att.topk_layout} one, so the core "
+            f"copies the step's rows into {att.topk_layout} layout before each attention call")
 
 
 _logged: set[str] = set()
@@ -279,29 +308,34 @@ def select(requirements: Requirements, registry: "Registry", *, backend: str = "
            device: DeviceLike) -> Selection:
     """Choose the indexer and attention backends for ``requirements`` on ``device``.
 
-    ``requirements.ops`` is ignored: each role is checked against its own op.
+    ``requirements.ops`` is ignored: each op is checked on its own.
     See the module docstring for the rules.
 
     Raises:
         UnknownBackendError: a named backend does not exist.
         PluginError: a named backend is declared by several plugins.
         BackendUnavailableError: a named backend cannot serve (and no ``allow_fallback``).
-        NoBackendError: no backend fits a role.
+        NoBackendError: no backend fits an op.
 
     Example:
-        >>> sel = select(req, reg, backend="auto", device="cpu")   # doctest: +SKIP
-        >>> print(sel.explain())                                   # doctest: +SKIP
+        >>> from mm3 import Registry, requirements_for
+        >>> from mm3.testing.fixtures import default_params
+        >>> from mm3.testing.mock import MockBackend
+        >>> reg = Registry([MockBackend("ref")], entry_points=False)
+        >>> req = requirements_for(default_params(), "float32", "bfloat16", "cpu")
+        >>> print(select(req, reg, backend="ref", device="cpu").summary())
+        indexer=ref attention=ref on cpu
     """
     device_str = str(device)
     trace: list[TraceEntry] = []
     notes: list[str] = []
-    attention = _pick("attention", backend, requirements, registry, device_str, allow_fallback,
+    attention = _pick(Op.ATTENTION, backend, requirements, registry, device_str, allow_fallback,
                       trace, notes, setting="backend")
     if indexer_backend is not None and indexer_backend != "auto":
-        indexer = _pick("indexer", indexer_backend, requirements, registry, device_str,
+        indexer = _pick(Op.INDEX_TOPK, indexer_backend, requirements, registry, device_str,
                         allow_fallback, trace, notes, setting="indexer_backend")
     elif indexer_backend is None and attention.provides("index_topk"):
-        entry = _evaluate(attention, "indexer", requirements, device_str,
+        entry = _evaluate(attention, Op.INDEX_TOPK, requirements, device_str,
                           note="same backend as attention")
         if entry.accepted:
             trace.append(_mark(entry))
@@ -310,19 +344,21 @@ def select(requirements: Requirements, registry: "Registry", *, backend: str = "
             trace.append(entry)
             notes.append(f"attention backend {attention.name!r} cannot serve as indexer "
                          f"({'; '.join(entry.reasons)}); indexer chosen by auto")
-            chosen = _auto("indexer", requirements, registry, device_str, trace, note="auto",
+            chosen = _auto(Op.INDEX_TOPK, requirements, registry, device_str, trace, note="auto",
                            skip=attention.name)
             if chosen is None:
-                raise _no_backend("indexer", requirements, registry, device_str, trace)
+                raise _no_backend(Op.INDEX_TOPK, requirements, registry, device_str, trace)
             indexer = chosen
     else:
         if indexer_backend is None:
             notes.append(f"attention backend {attention.name!r} does not provide index_topk; "
                          f"indexer chosen by auto")
-        indexer = _pick("indexer", "auto", requirements, registry, device_str, allow_fallback,
+        indexer = _pick(Op.INDEX_TOPK, "auto", requirements, registry, device_str, allow_fallback,
                         trace, notes, setting="indexer_backend")
+    # Before a buffer exists, assume the indexer allocates a dense one in its declared layout;
+    # SparseAttention replaces this with the verdict on the buffer it got (Selection.for_buffer).
+    conversion = topk_conversion_note(indexer, attention, indexer.capabilities.topk_layout, dense=True)
     sel = Selection(indexer=indexer, attention=attention, requirements=requirements,
-                    device=device_str, topk_conversion=_conversion(indexer, attention),
-                    trace=trace, notes=notes)
+                    device=device_str, topk_conversion=conversion, trace=trace, notes=notes)
     _log_once(sel)
     return sel

@@ -27,15 +27,16 @@ from typing import Optional, Union
 
 import torch
 
-from mm3.batch import BatchMetadata
-from mm3.buffers import PagedKVCache, TopkBuffer
-from mm3.config import Settings
-from mm3.errors import InputError
-from mm3.params import SparseAttentionParams
-from mm3.registry import Backend, Registry, default_registry
-from mm3.scope import current_scope
-from mm3.selection import Selection, requirements_for, select
-from mm3.validate import check_layer_args, check_step_inputs
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.runtime.config import Settings, default_settings
+from mm3.contract.errors import InputError
+from mm3.contract.params import SparseAttentionParams
+from mm3.runtime.backend import Backend
+from mm3.runtime.registry import Registry, default_registry
+from mm3.runtime.scope import current_scope
+from mm3.runtime.selection import Selection, requirements_for, select
+from mm3.contract.checks import check_layer_args, check_step_inputs
 
 __all__ = ["SparseAttention"]
 
@@ -66,7 +67,8 @@ class SparseAttention:
         max_decode_query_len: 1 + draft tokens for speculative decoding.
         backend / indexer_backend: backend names, or ``None`` to follow
             ``use_backend`` scopes, then settings (``MM3_BACKEND``...), then "auto".
-        settings: explicit :class:`~mm3.config.Settings` (default: read env/files).
+        settings: explicit :class:`~mm3.runtime.config.Settings` (default: the process's,
+            :func:`~mm3.runtime.config.default_settings`).
         registry: the backend registry (default: the process-wide one).
         cuda_graph: require backends that are safe to capture in CUDA graphs.
     """
@@ -87,7 +89,7 @@ class SparseAttention:
         self.index_dtype = index_dtype
         self.max_num_tokens = max_num_tokens
         self.max_decode_query_len = max_decode_query_len
-        self.settings = settings if settings is not None else Settings()
+        self.settings = settings if settings is not None else default_settings()
         self.registry = registry if registry is not None else default_registry()
         self._explicit = (backend, indexer_backend) if backend is not None or indexer_backend is not None else None
         self.requirements = requirements_for(params, dtype, index_dtype, self.device,
@@ -122,17 +124,15 @@ class SparseAttention:
                      allow_fallback=self.settings.allow_fallback, device=self.device)
         idx, att = sel.indexer, sel.attention
         if self.settings.check_contracts:
-            from mm3.guard import guard_backend  # debugging mode: every call checked (mm3.guard)
+            from mm3.debug.guard import guard_backend  # debugging mode: every call checked
 
             idx, att = guard_backend(idx), guard_backend(att)
         p = self.params
         # Backend.alloc_topk_buffer already checks type, layout and shape against the declaration.
         buf = idx.alloc_topk_buffer(self.max_num_tokens, p.num_index_heads, p.topk, self.device)
-        att_caps = att.capabilities
-        convert = None
-        if att_caps.topk_requires_contiguous and (buf.layout != att_caps.topk_layout or not buf.is_dense()):
-            convert = att_caps.topk_layout
-        return _Bound(sel, idx, att, buf, convert)
+        # What runs is what the trace says: both come from the selection's verdict on this buffer.
+        sel = sel.for_buffer(buf)
+        return _Bound(sel, idx, att, buf, att.capabilities.topk_layout if sel.converts_topk else None)
 
     @property
     def selection(self) -> Selection:

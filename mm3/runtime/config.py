@@ -21,7 +21,7 @@ comma-separated string (``MM3_PLUGINS=cpu_ref,cuda``). An empty
 
 Mistakes are errors, never ignored: an unknown key in a file, an unknown
 ``MM3_*`` environment variable (``MM3_BACKEDN``), malformed TOML or an invalid
-value raises :class:`~mm3.errors.ConfigError` naming the key, the file and the
+value raises :class:`~mm3.contract.errors.ConfigError` naming the key, the file and the
 valid choices. Two ``MM3_*`` namespaces are not settings and pass through:
 ``MM3_<PLUGIN>_*`` where ``<PLUGIN>`` is an installed backend entry-point name
 (a plugin's own knobs, e.g. ``MM3_ROCM_ALLOW_NON_ROCM``), and
@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import sys
 from pathlib import Path
@@ -62,15 +63,16 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from mm3.errors import ConfigError
+from mm3.contract.errors import ConfigError, describe_validation_error
+from mm3.runtime import discovery
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - pyproject pins tomli for 3.10
     import tomli as tomllib
 
-__all__ = ["Settings", "explain_settings", "ENV_PREFIX", "CONFIG_FILE_NAME", "PYPROJECT_TABLE",
-           "RESERVED_ENV_PREFIXES"]
+__all__ = ["Settings", "default_settings", "reset_default_settings", "explain_settings", "ENV_PREFIX",
+           "CONFIG_FILE_NAME", "PYPROJECT_TABLE", "RESERVED_ENV_PREFIXES"]
 
 ENV_PREFIX = "MM3_"
 CONFIG_FILE_NAME = "mm3.toml"
@@ -136,10 +138,8 @@ def _plugin_env_prefixes() -> tuple[str, ...]:
     Listing entry points imports no plugin (about 2 ms), and it only happens
     when an ``MM3_*`` variable is not a setting.
     """
-    from mm3.registry import ENTRY_POINT_GROUP, list_entry_points  # registry imports config lazily
-
     try:
-        names = [ep.name for ep in list_entry_points(ENTRY_POINT_GROUP)]
+        names = [ep.name for ep in discovery.list_entry_points(discovery.ENTRY_POINT_GROUP)]
     except Exception:  # broken metadata must not turn into a config error
         names = []
     return tuple(f"{ENV_PREFIX}{n.upper()}_" for n in names)
@@ -224,23 +224,6 @@ def _pyproject_view(settings_cls: type[BaseSettings]) -> type[BaseSettings]:
 _PYPROJECT_VIEWS: dict[type, type[BaseSettings]] = {}
 
 
-def _format_validation_error(e: ValidationError, provenance: Mapping[str, str]) -> str:
-    parts = []
-    fields = ", ".join(Settings.model_fields)
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(settings)"
-        top = str(err["loc"][0]) if err["loc"] else ""
-        where = provenance.get(top, "")
-        where = f" (from {where})" if where else ""
-        if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(top, list(Settings.model_fields), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            parts.append(f"unknown setting {loc!r}{where}: {hint}valid settings are {fields}")
-        else:
-            parts.append(f"invalid {loc}{where}: {err['msg']} (got {err.get('input')!r})")
-    return "invalid mm3 settings: " + "; ".join(parts)
-
-
 class Settings(BaseSettings):
     """mm3's configuration; see the module docstring for sources and precedence.
 
@@ -289,7 +272,8 @@ class Settings(BaseSettings):
                 prov = _provenance(type(self), values)
             except ConfigError:
                 prov = {}
-            raise ConfigError(_format_validation_error(e, prov)) from None
+            raise ConfigError("invalid mm3 settings: " + describe_validation_error(
+                e, fields=list(type(self).model_fields), sources=prov, item="setting")) from None
         cfg = _locate_config(values)
         self._provenance = _provenance(type(self), values, cfg)
         # A discovered pyproject.toml without [tool.mm3] configures nothing: don't claim it.
@@ -397,7 +381,7 @@ def explain_settings(settings_or_kwargs: Union[Settings, Mapping[str, Any], None
     """Each effective setting as ``(key, value, source)``, in field order.
 
     Accepts a :class:`Settings` or the keyword arguments to build one (``None``
-    = ``Settings()``). ``source`` is ``"argument"``, ``"env MM3_X"``,
+    = :func:`default_settings`). ``source`` is ``"argument"``, ``"env MM3_X"``,
     ``"file PATH"`` or ``"default"``.
 
     Example:
@@ -406,10 +390,34 @@ def explain_settings(settings_or_kwargs: Union[Settings, Mapping[str, Any], None
         ('backend', 'cpu_ref', 'argument')
     """
     if settings_or_kwargs is None:
-        settings = Settings()
+        settings = default_settings()
     elif isinstance(settings_or_kwargs, Settings):
         settings = settings_or_kwargs
     else:
         settings = Settings(**dict(settings_or_kwargs))
     prov = settings.sources()
     return [(name, getattr(settings, name), prov.get(name, "default")) for name in type(settings).model_fields]
+
+
+# -- the process's settings -------------------------------------------------------------------
+
+@functools.cache
+def default_settings() -> Settings:
+    """The settings from the environment and the config file, read once per process.
+
+    Every layer, the registry and the CLI use these unless given a
+    :class:`Settings` of their own; reading the environment and the config
+    file once means every layer of a model sees the same configuration. After
+    changing ``MM3_*`` variables or the config file in-process, call
+    :func:`reset_default_settings` (``mm3.reset_default_registry()`` does).
+
+    Example:
+        >>> default_settings() is default_settings()
+        True
+    """
+    return Settings()
+
+
+def reset_default_settings() -> None:
+    """Forget the process's settings; the next :func:`default_settings` reads them afresh."""
+    default_settings.cache_clear()

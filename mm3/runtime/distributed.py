@@ -29,13 +29,13 @@ the top-k rows a rank computes are exactly the full model's rows for that head:
 per-rank outputs concatenated along the head axis equal the unsharded result.
 
 Nothing here asks which platform it runs on: each rank builds an ordinary
-:class:`~mm3.layer.SparseAttention`, which selects its backend through the
+:class:`~mm3.runtime.layer.SparseAttention`, which selects its backend through the
 registry and settings (``MM3_BACKEND``, ``mm3.toml``, ``use_backend``) like any
 other layer. Communication uses whatever process group the caller initialised
 (NCCL on GPUs, gloo on CPUs).
 
 Example:
-    >>> from mm3.params import SparseAttentionParams
+    >>> from mm3.contract.params import SparseAttentionParams
     >>> full = SparseAttentionParams.minimax_m3(tp_size=1)
     >>> shard = rank_shard(full, rank=5, world_size=8)
     >>> shard.q_heads, shard.kv_heads, shard.kv_replicas
@@ -52,16 +52,17 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from mm3.buffers import PagedKVCache
-from mm3.errors import InputError
-from mm3.params import SparseAttentionParams
+from mm3.contract.buffers import PagedKVCache
+from mm3.contract.errors import InputError
+from mm3.contract.params import SparseAttentionParams
+
+from mm3.runtime.layer import SparseAttention
 
 if TYPE_CHECKING:
-    from mm3.batch import BatchMetadata
-    from mm3.config import Settings
-    from mm3.layer import SparseAttention
-    from mm3.registry import Registry
-    from mm3.selection import Selection
+    from mm3.contract.batch import BatchMetadata
+    from mm3.runtime.config import Settings
+    from mm3.runtime.registry import Registry
+    from mm3.runtime.selection import Selection
 
 __all__ = [
     "RankShard",
@@ -316,7 +317,7 @@ def gather_heads(local_out: torch.Tensor, shard: RankShard,
 class TensorParallelSparseAttention:
     """One rank's share of a tensor-parallel sparse-attention layer.
 
-    Builds the rank's :class:`~mm3.layer.SparseAttention` from the full-model
+    Builds the rank's :class:`~mm3.runtime.layer.SparseAttention` from the full-model
     params; backend selection goes through the registry and settings as for
     any layer (each rank decides for its own device). Inputs to :meth:`forward`
     are this rank's tensors - as a sharded model produces them - and so is the
@@ -328,7 +329,7 @@ class TensorParallelSparseAttention:
         rank, world_size: this rank and the tensor-parallel size; when both are
             ``None`` they are read from ``group`` (``torch.distributed`` must be initialised).
         group: the tensor-parallel process group (default: the world).
-        Remaining keyword arguments are those of :class:`~mm3.layer.SparseAttention`.
+        Remaining keyword arguments are those of :class:`~mm3.runtime.layer.SparseAttention`.
 
     Example (one rank of ``torchrun --nproc-per-node 2``)::
 
@@ -353,9 +354,6 @@ class TensorParallelSparseAttention:
                 raise InputError("rank/world_size not given and torch.distributed is not initialised; call "
                                  "init_process_group first or pass rank= and world_size=")
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        # Imported here so that importing mm3.distributed stays cheap and free of the registry.
-        from mm3.layer import SparseAttention
-
         self.shard: RankShard = rank_shard(full_params, rank, world_size)
         self.group = group
         self.layer: SparseAttention = SparseAttention(

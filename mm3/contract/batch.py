@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from mm3.errors import InputError
+from mm3.contract.errors import InputError
 
 __all__ = ["BatchMetadata"]
 

@@ -73,16 +73,17 @@ def check_backend(name: str, *, device: str = "cpu", full: bool = False,
     exit status 2 go to ``err`` (default stderr).
 
     Example:
-        >>> check_backend("cpu_ref", dtypes=["float32"], index_dtypes=["bfloat16"])  # doctest: +SKIP
-        mm3 conformance: backend 'cpu_ref' on cpu (mm3 0.1.0)
-          PASS indexer/mixed_h1:bfloat16 (230 ms) [...]
+        >>> check_backend("cpu_ref", dtypes=["float32"], index_dtypes=["bfloat16"])  # doctest: +ELLIPSIS
+        mm3 conformance: backend 'cpu_ref' on cpu (mm3 0.1.0), ... cases
+          [ 1/... s] PASS indexer/mixed_h1:bfloat16 (... ms) [...]
         ...
+        PASSED: ... passed, 0 failed, 0 skipped in ... s
         0
     """
     import torch
 
-    from mm3.errors import MM3Error
-    from mm3.registry import default_registry
+    from mm3.contract.errors import MM3Error
+    from mm3.runtime.registry import default_registry
     from mm3.testing.conformance import ConformanceReport, plan_cases
 
     out = out if out is not None else sys.stdout
@@ -185,7 +186,7 @@ def _as_dict(report: Any, be: Any, elapsed: float) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mm3 check`` (called by :mod:`mm3.cli`)."""
-    from mm3.cli import default_device
+    from mm3.cli.main import default_device
 
     return check_backend(args.name, device=args.device or default_device(), full=args.full,
                          dtypes=args.dtype, index_dtypes=args.index_dtype,

@@ -1,0 +1,43 @@
+"""The contract: what a backend implements and what it receives.
+
+Everything a plugin author needs lives here, and nothing here knows about
+discovery, selection or configuration (those are :mod:`mm3.runtime`'s):
+
+* :mod:`.hookspecs` - the pluggy hook specifications and markers;
+* :mod:`.capabilities` - what a backend declares (:class:`BackendCapabilities`),
+  what a call needs (:class:`Requirements`) and the probe answer (:class:`Probe`);
+* :mod:`.buffers` - :class:`TopkBuffer` and :class:`PagedKVCache`, tensors that carry their layout;
+* :mod:`.batch` - :class:`BatchMetadata`, the decode-first mixed batch;
+* :mod:`.params` - :class:`SparseAttentionParams`, the layer's shapes and policy;
+* :mod:`.checks` - the argument checks of a step;
+* :mod:`.errors` - the exceptions.
+"""
+
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import TORCH_DTYPES, PagedKVCache, TopkBuffer, dtype_name
+from mm3.contract.capabilities import (
+    BackendCapabilities, DType, IndexDType, KVCacheLayout, Probe, Requirements, TopkLayout,
+)
+from mm3.contract.checks import RowSpec, check_hook_args, check_layer_args, check_step_inputs
+from mm3.contract.errors import (
+    BackendUnavailableError, ConfigError, ContractViolation, InputError, MM3Error, NoBackendError,
+    PluginError, UnknownBackendError,
+)
+from mm3.contract.hookspecs import ALL_OPS, HOOK_NAMES, PROJECT, Op, hookimpl, hookspec
+from mm3.contract.params import MINIMAX_M3_MAX_DECODE_QUERY_LEN, SparseAttentionParams
+
+__all__ = [
+    # hooks
+    "PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "Op", "ALL_OPS",
+    # declarations
+    "BackendCapabilities", "Requirements", "Probe", "TopkLayout", "KVCacheLayout",
+    "DType", "IndexDType",
+    # what a hook receives
+    "TopkBuffer", "PagedKVCache", "BatchMetadata", "SparseAttentionParams",
+    "MINIMAX_M3_MAX_DECODE_QUERY_LEN", "TORCH_DTYPES", "dtype_name",
+    # checks
+    "check_hook_args", "check_step_inputs", "check_layer_args", "RowSpec",
+    # errors
+    "MM3Error", "InputError", "ConfigError", "UnknownBackendError", "BackendUnavailableError",
+    "NoBackendError", "PluginError", "ContractViolation",
+]

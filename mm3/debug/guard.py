@@ -1,0 +1,382 @@
+"""The contract guard: check every backend call against docs/spec.md, name the culprit.
+
+A backend that breaks the top-k contract must fail *here*, with a message
+naming it, not three kernels later with an illegal memory access or silently
+wrong tokens (which is how MiniMax-M3 failed in vLLM, docs/spec.md §5). With
+``Settings(check_contracts=True)`` / ``MM3_CHECK_CONTRACTS=1``,
+:class:`~mm3.runtime.layer.SparseAttention` wraps its bound backends in
+:class:`GuardedBackend`; every call is then checked and a broken rule raises
+:class:`~mm3.contract.errors.ContractViolation` naming the backend, the hook, the rule
+and the first offending row (head, token, the row's content). Off by default:
+the checks synchronise with the device once per call.
+
+Rules (``ContractViolation.rule``; docs/errors.md has the full table):
+
+==============================  =============================================================
+``alloc.type`` ... ``alloc.shape``  ``alloc_topk_buffer`` returns an int32 :class:`TopkBuffer`
+                                of the asked ``[H, T, K]`` on the asked device
+``alloc.layout``                its label is the declared ``topk_layout`` (that its *memory*
+                                is in that order, :class:`TopkBuffer` itself enforces)
+``topk.padding``                padding tokens' rows are all ``-1``
+``topk.range``                  every id is ``-1`` or a visible block in ``[0, nb)``
+``topk.prefix``                 exactly ``min(K, nb)`` ids as a prefix, then ``-1``
+``topk.unique``                 no id twice in a row
+``topk.forced``                 the forced init/local blocks are all present
+``topk.rows_past_T``            ``index_topk`` wrote nothing outside its step's rows
+``attention.input_layout``      a ``topk_requires_contiguous`` backend got a dense buffer
+                                in its layout (else the *caller* broke the contract)
+``attention.topk_written``      ``attention_forward`` did not write the top-k buffer
+``attention.out_past_T``        it wrote nothing outside ``out[:T]``
+``attention.out_replaced``      ``out`` kept its shape, dtype, device and storage
+``attention.padding``           padding tokens' outputs are exactly zero
+``attention.nonfinite``         outputs are finite wherever the row's inputs (its ``q`` row
+                                and the K/V of its selected blocks up to its position) are
+==============================  =============================================================
+
+Input data the backends cannot check cheaply is checked too: block-table
+entries a request uses must be page ids of the cache, else
+:class:`~mm3.contract.errors.InputError` (a kernel would read out of bounds).
+
+How: everything is vectorised torch on the whole step (one ``[H, T]`` rule
+code per row, a byte-exact snapshot of the storage around the writable
+rows) and the host synchronises once per call, to read a few flags; the
+slow path that finds and describes the first offending row only runs when a
+rule is broken. A freshly allocated top-k buffer is filled with
+:data:`GUARD_SENTINEL` so a stray write past ``T`` always changes a value.
+Under CUDA-graph capture the guard steps aside (it cannot synchronise there).
+
+The guard's own cost per step is measured by ``benchmarks/guard_overhead.py``
+(docs/errors.md has the figures).
+
+Example:
+    >>> import torch, mm3
+    >>> from mm3.runtime.layer import SparseAttention
+    >>> from mm3.testing.factories import make_case
+    >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16,
+    ...     num_index_heads=2, index_head_dim=16, block_size=16, topk=4)
+    >>> layer = SparseAttention(p, dtype=torch.float32, max_num_tokens=64, backend="cpu_ref",
+    ...     settings=mm3.Settings(check_contracts=True))
+    >>> type(layer._resolve().indexer).__name__
+    'GuardedBackend'
+    >>> case = make_case(p, decodes=[70, 40], prefills=[(9, 30)], dtype="float32")
+    >>> layer(case.q, case.index_q, case.caches, case.batch).shape   # checked, and fine
+    torch.Size([11, 4, 16])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.errors import ContractViolation
+from mm3.contract.params import SparseAttentionParams
+from mm3.debug.fences import Fence, false_flag, locate
+from mm3.debug.inputs import check_block_table, finite_inputs
+from mm3.debug.topk_rows import describe_row, row_codes
+
+__all__ = [
+    "GUARD_SENTINEL",
+    "RULES",
+    "GuardedBackend",
+    "guard_backend",
+    "unguarded",
+    "check_topk_allocation",
+]
+
+GUARD_SENTINEL = -0x4D4D33
+"""Fill value of top-k buffers allocated through the guard (not a valid id, not ``-1``)."""
+
+RULES: dict[str, str] = {
+    "alloc.type": "alloc_topk_buffer must return an mm3.TopkBuffer",
+    "alloc.dtype": "the top-k buffer must be int32",
+    "alloc.device": "the top-k buffer must live on the requested device",
+    "alloc.shape": "the top-k buffer must be [H, T, K] as requested",
+    "alloc.layout": "the top-k buffer's layout label must be the declared topk_layout",
+    "topk.padding": "a padding token's row must be all -1",
+    "topk.range": "every id must be -1 or a visible block in [0, nb)",
+    "topk.prefix": "a row holds exactly min(K, nb) ids as a prefix, then -1",
+    "topk.unique": "a row holds each block id at most once",
+    "topk.forced": "a row holds every forced init/local block",
+    "topk.rows_past_T": "index_topk writes only the step's rows [0, T) of the buffer",
+    "attention.input_layout": "a topk_requires_contiguous backend gets a dense buffer in its layout",
+    "attention.topk_written": "attention_forward must not write the top-k buffer",
+    "attention.out_past_T": "attention_forward writes only out[:T]",
+    "attention.out_replaced": "attention_forward writes into out in place (same shape/dtype/storage)",
+    "attention.padding": "a padding token's output must be zeros",
+    "attention.nonfinite": "outputs are finite where the row's inputs are finite",
+}
+"""Every rule the guard checks: ``ContractViolation.rule`` -> what it demands."""
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+def _violation(backend: Any, hook: str, rule: str, detail: str, *, head: Optional[int] = None,
+               token: Optional[int] = None, row: Optional[list[int]] = None,
+               fix: str = "") -> ContractViolation:
+    """A :class:`ContractViolation` with a uniform message and the facts as attributes."""
+    name = getattr(backend, "name", str(backend))
+    source = getattr(backend, "source", None)
+    origin = f" ({source})" if source is not None else ""
+    msg = (f"backend {name!r}{origin} broke the mm3 contract in {hook}: rule {rule} "
+           f"({RULES[rule]}): {detail}")
+    if fix:
+        msg += f". {fix[0].upper()}{fix[1:]}"
+    exc = ContractViolation(msg)
+    # Structured facts for tests and tooling (the message is for people).
+    exc.backend = name  # type: ignore[attr-defined]
+    exc.hook = hook  # type: ignore[attr-defined]
+    exc.rule = rule  # type: ignore[attr-defined]
+    exc.head = head  # type: ignore[attr-defined]
+    exc.token = token  # type: ignore[attr-defined]
+    exc.row = row  # type: ignore[attr-defined]
+    return exc
+
+
+# -- the top-k buffer: allocation ------------------------------------------------------------
+
+def check_topk_allocation(buf: Any, *, layout: str, num_tokens: int, num_heads: int, topk: int,
+                          device: Union[str, torch.device], backend: Any = "caller",
+                          hook: str = "alloc_topk_buffer") -> TopkBuffer:
+    """Raise :class:`ContractViolation` unless ``buf`` is the buffer that was asked for.
+
+    Checks type, dtype, device, ``[H, T, K]`` and the layout label (that the
+    memory is in the labelled order, :class:`TopkBuffer` checked when it was
+    built). Returns ``buf``. No device sync.
+
+    Example:
+        >>> b = TopkBuffer.allocate(8, 2, 4, "token_major")
+        >>> check_topk_allocation(b, layout="token_major", num_tokens=8, num_heads=2, topk=4,
+        ...                       device="cpu") is b
+        True
+        >>> check_topk_allocation(b, layout="head_major", num_tokens=8, num_heads=2, topk=4,
+        ...                       device="cpu")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        mm3.contract.errors.ContractViolation: backend 'caller' broke the mm3 contract in alloc_topk_buffer: rule alloc.layout ...
+    """
+    if not isinstance(buf, TopkBuffer):
+        raise _violation(backend, hook, "alloc.type", f"got {type(buf).__name__}",
+                         fix="wrap the tensor: TopkBuffer(tensor, layout)")
+    if buf.storage.dtype != torch.int32:
+        raise _violation(backend, hook, "alloc.dtype", f"got {buf.storage.dtype}")
+    want = torch.device(device)
+    got = buf.device
+    if got.type != want.type or (want.index is not None and got.index != want.index):
+        raise _violation(backend, hook, "alloc.device", f"asked for {want}, got {got}")
+    if (buf.num_heads, buf.num_tokens, buf.topk) != (num_heads, num_tokens, topk):
+        raise _violation(backend, hook, "alloc.shape",
+                         f"asked for [H={num_heads}, T={num_tokens}, K={topk}], got "
+                         f"[H={buf.num_heads}, T={buf.num_tokens}, K={buf.topk}]")
+    if buf.layout != layout:
+        raise _violation(backend, hook, "alloc.layout",
+                         f"capabilities declare topk_layout={layout!r} but the buffer is labelled "
+                         f"{buf.layout!r}", fix="make the allocation and the declaration agree")
+    return buf
+
+
+# -- the wrapper -----------------------------------------------------------------------------------
+
+def _capturing(t: torch.Tensor) -> bool:
+    """True inside CUDA-graph capture, where the guard cannot synchronise."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class GuardedBackend:
+    """A bound backend whose every op call is checked against the contract (docs/spec.md).
+
+    It behaves like the :class:`~mm3.runtime.backend.Backend` it wraps (``name``,
+    ``capabilities``, ``probe``... are the wrapped backend's); only
+    ``alloc_topk_buffer``, ``index_topk`` and ``attention_forward`` add checks.
+    Failures raise :class:`~mm3.contract.errors.ContractViolation` (see :data:`RULES`),
+    or :class:`~mm3.contract.errors.InputError` for a block table pointing outside the
+    cache. :class:`~mm3.runtime.layer.SparseAttention` wraps its backends when
+    ``Settings.check_contracts`` is on; wrap one by hand with
+    :func:`guard_backend`.
+
+    Args:
+        backend: the backend to check (a :class:`~mm3.runtime.backend.Backend`, or any
+            object with the same attributes).
+        check_finite: check ``attention.nonfinite`` (costs one pass over ``out``).
+
+    Example:
+        >>> from mm3 import default_registry
+        >>> from mm3.testing.factories import make_case
+        >>> from mm3.testing.fixtures import default_params
+        >>> p = default_params()
+        >>> case = make_case(p, decodes=[40], prefills=[(5, 20)], dtype="float32")
+        >>> be = guard_backend(default_registry().get("cpu_ref"))
+        >>> buf = be.alloc_topk_buffer(64, p.num_kv_heads, p.topk, "cpu")     # checked
+        >>> int(buf.storage[0, 0, 0]) == GUARD_SENTINEL
+        True
+        >>> be.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, 6))   # checked
+    """
+
+    def __init__(self, backend: Any, *, check_finite: bool = True) -> None:
+        self.inner = backend
+        self.check_finite = check_finite
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything not overridden (name, capabilities, source, probe, provides...) is the inner one's.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"GuardedBackend({self.inner!r})"
+
+    # -- alloc ------------------------------------------------------------------------------
+    def alloc_topk_buffer(self, num_tokens: int, num_heads: int, topk: int,
+                          device: Union[str, torch.device]) -> TopkBuffer:
+        """The wrapped allocation, checked, then filled with :data:`GUARD_SENTINEL`."""
+        buf = self.inner.alloc_topk_buffer(num_tokens, num_heads, topk, device)
+        check_topk_allocation(buf, layout=self.inner.capabilities.topk_layout, num_tokens=num_tokens,
+                              num_heads=num_heads, topk=topk, device=device, backend=self.inner)
+        # A sentinel (not a plausible id) makes every stray write past T visible.
+        buf.fill_(GUARD_SENTINEL)
+        return buf
+
+    # -- index_topk ------------------------------------------------------------------------------
+    def index_topk(self, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+                   params: SparseAttentionParams, out: TopkBuffer) -> None:
+        """The wrapped indexer, with ``topk.*`` rules checked on rows ``[0, T)`` afterwards."""
+        if _capturing(out.storage):
+            return self.inner.index_topk(index_q, caches, batch, params, out)
+        T = batch.num_tokens
+        check_block_table(batch, caches)
+        step = out.rows(0, T)
+        fence = Fence(out.storage, step.storage)
+        self.inner.index_topk(index_q, caches, batch, params, out)
+
+        hm = step.head_major()
+        codes = row_codes(hm, batch.token_positions, params) if T else None
+        any_bad = codes.any() if codes is not None else false_flag(out.device)
+        past_rows, bad_rows = torch.stack([fence.changed(), any_bad]).tolist()  # the one host sync
+        if bad_rows:
+            assert codes is not None
+            v = describe_row(codes, hm, batch, params)
+            raise _violation(self.inner, "index_topk", v.rule, v.detail, head=v.head, token=v.token,
+                             row=v.row, fix=self._layout_hint(out))
+        if past_rows:
+            e, before, after = fence.first_change()
+            sh, st, sk = out.strides()
+            where = locate(e, out.storage.storage_offset(), (sh, st, sk), ("head", "token", "slot"),
+                            (out.num_heads, 1 << 62, out.topk))
+            was = f"{before} (the guard's sentinel)" if before == GUARD_SENTINEL else str(before)
+            raise _violation(self.inner, "index_topk", "topk.rows_past_T",
+                             f"the step has T={T} tokens but {where} of the persistent buffer changed "
+                             f"from {was} to {after}; out is rows(0, {T}) of it",
+                             fix="size grids from batch.num_tokens and index through out.strides()")
+
+    def _layout_hint(self, buf: TopkBuffer) -> str:
+        if buf.num_heads > 1:
+            return (f"If only mixed batches with H > 1 fail, suspect a layout mix-up: this buffer is "
+                    f"{buf.layout} with (h, t, k) strides {buf.strides()}; index it through "
+                    f"buf.strides() or buf.head_major(), never through an assumed layout")
+        return ""
+
+    # -- attention_forward ---------------------------------------------------------------------------
+    def attention_forward(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
+                          batch: BatchMetadata, params: SparseAttentionParams,
+                          out: torch.Tensor) -> None:
+        """The wrapped attention, with ``attention.*`` rules checked afterwards."""
+        if _capturing(q):
+            return self.inner.attention_forward(q, caches, topk, batch, params, out)
+        caps = self.inner.capabilities
+        if not caps.accepts_topk(topk.layout, topk.is_dense()):
+            raise _violation(
+                self.inner, "attention_forward", "attention.input_layout",
+                f"the caller passed a {'dense' if topk.is_dense() else 'non-dense'} {topk.layout} "
+                f"buffer but the backend declares topk_requires_contiguous with "
+                f"topk_layout={caps.topk_layout!r} (the caller, not the backend, broke the contract)",
+                fix=f"convert it first: buf.to_layout({caps.topk_layout!r})")
+        T = batch.num_tokens
+        check_block_table(batch, caches)
+        shape, dtype, ptr = tuple(out.shape), out.dtype, out.data_ptr()
+        out_fence = Fence(out, out[:T])
+        topk_fence = Fence(topk.storage, None)
+        self.inner.attention_forward(q, caches, topk, batch, params, out)
+
+        if (tuple(out.shape), out.dtype, out.data_ptr()) != (shape, dtype, ptr):
+            raise _violation(self.inner, "attention_forward", "attention.out_replaced",
+                             f"out was {list(shape)} {dtype} at {ptr:#x}, is now {list(out.shape)} "
+                             f"{out.dtype} at {out.data_ptr():#x}",
+                             fix="write into out (out.copy_(...), out[...] = ...), never resize or re-set it")
+        rows = out[:T]
+        # Padding is read from the device positions, not from host lengths: a batch refreshed
+        # in place with update_ (graph replay) keeps stale host lengths. No boolean-mask
+        # indexing either: it would synchronise.
+        pad = batch.token_positions < 0
+        pad_rows = (pad & (rows != 0).flatten(1).any(-1)) if T else None
+        pad_bad = pad_rows.any() if pad_rows is not None else false_flag(out.device)
+        nonfinite = (~torch.isfinite(rows)).any() if (self.check_finite and T) else false_flag(out.device)
+        flags = torch.stack([out_fence.changed().to(out.device), topk_fence.changed().to(out.device),
+                             pad_bad, nonfinite])
+        out_past, topk_written, padding, nonfin = flags.tolist()        # the one host sync
+        hook = "attention_forward"
+        if out_past:
+            e, before, after = out_fence.first_change()
+            where = locate(e, out.storage_offset(), out.stride(), ("token", "head", "dim"),
+                            (1 << 62, out.shape[1], out.shape[2]))
+            raise _violation(self.inner, hook, "attention.out_past_T",
+                             f"the step has T={T} tokens but {where} of out changed (bits {before:#x} "
+                             f"-> {after:#x})", token=None,
+                             fix="size grids from batch.num_tokens; write only out[:T]")
+        if topk_written:
+            e, before, after = topk_fence.first_change()
+            sh, st, sk = topk.strides()
+            where = locate(e, topk.storage.storage_offset(), (sh, st, sk), ("head", "token", "slot"),
+                            (topk.num_heads, topk.num_tokens, topk.topk))
+            raise _violation(self.inner, hook, "attention.topk_written",
+                             f"{where} of the top-k buffer changed from {before} to {after}",
+                             fix="the attention only reads the top-k buffer")
+        if padding:
+            assert pad_rows is not None
+            t = int(pad_rows.nonzero()[0, 0])
+            raise _violation(self.inner, hook, "attention.padding",
+                             f"token {t} is a padding token (request {int(batch.token_to_request[t])}, "
+                             f"no position) but its output is not zero (first values "
+                             f"{rows[t].flatten()[:4].tolist()})", token=t,
+                             fix="write zeros for tokens whose position is -1")
+        if nonfin:
+            self._attribute_nonfinite(q, caches, topk, batch, params, rows)
+
+    def _attribute_nonfinite(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
+                             batch: BatchMetadata, params: SparseAttentionParams,
+                             rows: torch.Tensor) -> None:
+        """Raise if some non-finite output row had only finite inputs (docs/spec.md §4: garbage in, garbage out)."""
+        real = batch.token_positions >= 0
+        bad = (~torch.isfinite(rows)).any(-1) & real[:, None]           # [T, Hq]
+        pairs = bad.nonzero()
+        if not pairs.numel():
+            return
+        hm = topk.head_major()
+        ok = finite_inputs(q, caches, hm, batch, params, pairs[:, 0], pairs[:, 1])
+        if not bool(ok.any()):
+            return
+        i = int(ok.nonzero()[0, 0])
+        t, g = int(pairs[i, 0]), int(pairs[i, 1])
+        h = g // params.gqa_group
+        row = [int(v) for v in hm[h, t].tolist()]
+        n = int(ok.sum())
+        raise _violation(
+            self.inner, "attention_forward", "attention.nonfinite",
+            f"token {t} (request {int(batch.token_to_request[t])}, position "
+            f"{int(batch.token_positions[t])}), query head {g} (KV head {h}, selected blocks {row}): "
+            f"output {rows[t, g, :4].tolist()}... is not finite although q and the selected K/V are"
+            + (f"; {n} such (token, head) rows" if n > 1 else ""),
+            head=h, token=t, row=row, fix="accumulate in fp32 and mask positions past the token")
+
+
+def guard_backend(backend: Any, *, check_finite: bool = True) -> GuardedBackend:
+    """``backend`` wrapped in a :class:`GuardedBackend` (returned as is when already guarded)."""
+    if isinstance(backend, GuardedBackend):
+        return backend
+    return GuardedBackend(backend, check_finite=check_finite)
+
+
+def unguarded(backend: Any) -> Any:
+    """The backend inside a :class:`GuardedBackend` (anything else is returned unchanged)."""
+    return backend.inner if isinstance(backend, GuardedBackend) else backend

@@ -1,0 +1,202 @@
+"""A bound backend: the checked boundary between the core and one plugin's hooks.
+
+pluggy is used to declare and validate the contract, not to dispatch: a
+:class:`Backend` holds the plugin's own hookimpl functions, resolved once by
+the registry, so hooks of different backends can never mix and a forward
+pays no ``pm.hook`` cost (``benchmarks/dispatch.py`` measures both). Each op
+method checks its arguments once - what every backend needs, and the limits
+this backend's capabilities declare (:mod:`mm3.contract.checks`) - and then
+calls the plugin, which checks only what is its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Union
+
+import torch
+
+from mm3.contract.buffers import TopkBuffer
+from mm3.contract.capabilities import BackendCapabilities, Probe
+from mm3.contract.checks import check_attention_args, check_declared, check_index_args, check_topk_accepted
+from mm3.contract.errors import BackendUnavailableError, InputError, PluginError
+from mm3.contract.hookspecs import Op
+
+from mm3.runtime.discovery import PluginSource, call_hookimpl
+
+if TYPE_CHECKING:
+    import pluggy
+
+    from mm3.contract.batch import BatchMetadata
+    from mm3.contract.buffers import PagedKVCache
+    from mm3.contract.params import SparseAttentionParams
+
+__all__ = ["Backend", "DeviceLike"]
+
+DeviceLike = Union[str, torch.device]
+
+
+class Backend:
+    """A validated backend with its own hook implementations bound for direct calls.
+
+    Obtained from :meth:`Registry.get` / :meth:`Registry.backends`; not built by
+    hand. Op methods check their arguments once, then call the plugin's own
+    function (no pluggy dispatch).
+
+    Example:
+        >>> import mm3
+        >>> from mm3.testing.factories import make_case
+        >>> be = mm3.default_registry().get("cpu_ref")
+        >>> be.capabilities.topk_layout, be.source.distribution
+        ('head_major', 'mm3')
+        >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16,
+        ...     num_index_heads=2, index_head_dim=16, block_size=16, topk=4)
+        >>> case = make_case(p, decodes=[40], prefills=[(5, 20)], dtype="float32")
+        >>> buf = be.alloc_topk_buffer(64, 2, 4, "cpu")
+        >>> be.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, case.batch.num_tokens))
+        >>> be.index_topk(case.q, case.caches, case.batch, p, buf)   # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        mm3.contract.errors.InputError: cpu_ref.index_topk: index_q has shape (6, 4, 16), expected ...
+    """
+
+    def __init__(self, plugin: object, capabilities: BackendCapabilities, source: PluginSource,
+                 impls: dict[str, "pluggy.HookImpl"]) -> None:
+        self.plugin = plugin
+        self.capabilities = capabilities
+        self.source = source
+        self._impls = dict(impls)
+        self._probe_cache: dict[str, Probe] = {}
+        self._ops = {op: impls[op.hook] for op in Op if op in capabilities.ops and op.hook in impls}
+        self._where = {op: f"{capabilities.name}.{op.hook}" for op in Op}
+        self._within_limits: set[tuple[Any, ...]] = set()
+
+    # -- facts ------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.capabilities.name
+
+    @property
+    def priority(self) -> int:
+        return self.capabilities.priority
+
+    @property
+    def hooks(self) -> frozenset[str]:
+        """Names of the hooks this plugin implements."""
+        return frozenset(self._impls)
+
+    def provides(self, op: str) -> bool:
+        """True when the backend declares ``op`` ("index_topk" | "attention") and implements it."""
+        try:
+            known = Op(op)
+        except ValueError:
+            raise InputError(f"unknown op {op!r}; ops are {sorted(Op)}") from None
+        return known in self.capabilities.ops and known.hook in self._impls
+
+    # -- probe ----------------------------------------------------------------------
+    def probe(self, device: DeviceLike) -> Probe:
+        """Can this backend run on ``device``? Cached per device string.
+
+        A probe that raises or returns something other than a :class:`Probe`
+        yields ``Probe.no(...)`` naming the problem; it never propagates.
+        """
+        dev = torch.device(device) if not isinstance(device, torch.device) else device
+        key = str(dev)
+        cached = self._probe_cache.get(key)
+        if cached is not None:
+            return cached
+        fn = self._impls.get("backend_probe")
+        if fn is None:
+            result = Probe.yes("no backend_probe hook; assumed available")
+        else:
+            try:
+                got = call_hookimpl(fn, device=dev)
+            except Exception as e:  # a probe must not take selection down
+                result = Probe.no(f"probe raised {type(e).__name__}: {e}")
+            else:
+                if isinstance(got, Probe):
+                    result = got
+                else:
+                    result = Probe.no(f"backend_probe returned {type(got).__name__} {got!r}, "
+                                      f"expected mm3.Probe (return Probe.yes() or Probe.no(reason))")
+        # A racing thread may probe twice; both results are equal and the write is atomic.
+        self._probe_cache[key] = result
+        return result
+
+    # -- ops ----------------------------------------------------------------------------
+    def alloc_topk_buffer(self, num_tokens: int, num_heads: int, topk: int,
+                          device: DeviceLike) -> TopkBuffer:
+        """A persistent top-k buffer in this backend's declared ``topk_layout``.
+
+        Uses the plugin's ``alloc_topk_buffer`` hook when it has one, else
+        ``TopkBuffer.allocate(..., layout=capabilities.topk_layout)``.
+        """
+        dev = torch.device(device) if not isinstance(device, torch.device) else device
+        fn = self._impls.get("alloc_topk_buffer")
+        if fn is None:
+            return TopkBuffer.allocate(num_tokens, num_heads, topk,
+                                       layout=self.capabilities.topk_layout, device=dev)
+        try:
+            buf = call_hookimpl(fn, num_tokens=num_tokens, num_heads=num_heads, topk=topk, device=dev)
+        except InputError as e:  # e.g. a TopkBuffer whose memory contradicts its label
+            raise PluginError(f"backend {self.name!r} ({self.source}): alloc_topk_buffer built an invalid "
+                              f"top-k buffer: {e}") from e
+        if not isinstance(buf, TopkBuffer):
+            raise PluginError(
+                f"backend {self.name!r} ({self.source}): alloc_topk_buffer returned "
+                f"{type(buf).__name__}, expected mm3.TopkBuffer; wrap the tensor with "
+                f"TopkBuffer(tensor, layout) or drop the hook to use the default allocation")
+        if buf.layout != self.capabilities.topk_layout:
+            raise PluginError(
+                f"backend {self.name!r} ({self.source}): alloc_topk_buffer returned a {buf.layout} "
+                f"buffer but capabilities declare topk_layout={self.capabilities.topk_layout!r}; "
+                f"make them agree")
+        if (buf.num_heads, buf.num_tokens, buf.topk) != (num_heads, num_tokens, topk):
+            raise PluginError(
+                f"backend {self.name!r} ({self.source}): alloc_topk_buffer returned "
+                f"[H={buf.num_heads}, T={buf.num_tokens}, K={buf.topk}], asked for "
+                f"[H={num_heads}, T={num_tokens}, K={topk}]")
+        return buf
+
+    def _op(self, op: Op) -> "pluggy.HookImpl":
+        fn = self._ops.get(op)
+        if fn is None:
+            raise BackendUnavailableError(
+                f"backend {self.name!r} does not provide {op.value!r} (its capabilities declare ops "
+                f"{sorted(self.capabilities.ops)}, hooks {sorted(self._impls)}); select another "
+                f"backend for this op, e.g. indexer_backend=... / MM3_INDEXER_BACKEND")
+        return fn
+
+    def index_topk(self, index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
+                   params: "SparseAttentionParams", out: TopkBuffer) -> None:
+        """The indexer (docs/spec.md §3): the arguments checked once (:mod:`mm3.contract.checks`), then the hook."""
+        fn = self._op(Op.INDEX_TOPK)
+        check_index_args(self._where[Op.INDEX_TOPK], index_q, caches, batch, params, out)
+        self._check_declared(Op.INDEX_TOPK, index_q.dtype, caches, batch, params, out)
+        call_hookimpl(fn, index_q=index_q, caches=caches, batch=batch, params=params, out=out)
+
+    def attention_forward(self, q: "torch.Tensor", caches: "PagedKVCache", topk: TopkBuffer,
+                          batch: "BatchMetadata", params: "SparseAttentionParams",
+                          out: "torch.Tensor") -> None:
+        """Sparse attention (docs/spec.md §4): the arguments checked once (:mod:`mm3.contract.checks`), then the hook."""
+        fn = self._op(Op.ATTENTION)
+        check_attention_args(self._where[Op.ATTENTION], q, caches, topk, batch, params, out)
+        self._check_declared(Op.ATTENTION, q.dtype, caches, batch, params, topk)
+        call_hookimpl(fn, q=q, caches=caches, topk=topk, batch=batch, params=params, out=out)
+
+    def _check_declared(self, op: Op, dtype: "torch.dtype", caches: "PagedKVCache", batch: "BatchMetadata",
+                        params: "SparseAttentionParams", topk: TopkBuffer) -> None:
+        # Every step of a layer asks the same question of the capabilities: remember the answers
+        # that passed (a handful per process), so the limits cost a set lookup per call.
+        dql = batch.decode_query_len if batch.num_decodes else 1
+        key = (op, caches.device.type, dtype, caches.index_dtype, params, dql)
+        if key not in self._within_limits:
+            check_declared(self._where[op], self.capabilities, op, device_type=key[1], dtype=dtype,
+                           index_dtype=key[3], params=params, decode_query_len=dql)
+            self._within_limits.add(key)
+        check_topk_accepted(self._where[op], self.capabilities, topk)
+
+    def __repr__(self) -> str:
+        c = self.capabilities
+        return (f"Backend({c.name!r}, priority={c.priority}, ops={sorted(c.ops)}, "
+                f"topk_layout={c.topk_layout!r}, source={self.source!s})")
+
