@@ -398,7 +398,12 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
                     D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), PDL=pdl,
                     num_warps=cfg.decode_attention_warps, **dopts)
 
-    if npf > 0 and not per_token_prefill:
+    if npf > 0 and cfg.prefill_attention is not None:
+        from .prefill_attention import prefill_attention_forward  # imports this module's helpers
+
+        prefill_attention_forward(q, caches, topk, batch, params, out, cfg.prefill_attention, qk_scale=qk_scale,
+                                  dot_dtype=dot_dtype, dot_prec=dot_prec, platform_options=opts)
+    elif npf > 0 and not per_token_prefill:
         rows = max(cfg.prefill_attention_rows, next_pow2(G), 16)
         m = rows // G
         common["BN"] = min(B, cfg.prefill_attention_block_n)

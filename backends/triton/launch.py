@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from .prefill_config import PrefillAttentionConfig
+
 __all__ = ["LaunchConfig", "next_pow2"]
 
 
@@ -84,7 +86,10 @@ class LaunchConfig:
     #: prefill indexer: 0 = running top-K updated per block; n = packed-key top-K merged every n
     #: blocks (a power of two >= topk)
     prefill_index_chunk: int = 32
-    #: prefill attention: visit only the union of the tile's selected blocks (walking the
+    #: prefill attention grouped by selected block (:mod:`.prefill_attention`): each block is read once
+    #: per tile of the tokens that chose it. None = the token-tile / per-token kernels below
+    prefill_attention: Optional[PrefillAttentionConfig] = PrefillAttentionConfig()
+    #: (token tiles) visit only the union of the tile's selected blocks (walking the
     #: tile's top-k slots) instead of scanning every visible block for members
     prefill_attention_union: bool = False
     #: prefill attention by the persistent decode kernel, one token x G heads per item (needs
@@ -174,7 +179,7 @@ class LaunchConfig:
         selections) and 10.7 -> 5.0 ms (correlated); at context 0 the multi-token tiles win
         (4.2 vs 5.0 ms). The 16K default threshold lies between the two measured points.
         """
-        if not self.decode_attention_flat:
+        if not self.decode_attention_flat or self.prefill_attention is not None:
             return False
         if self.prefill_attention_per_token is not None:
             return self.prefill_attention_per_token

@@ -1,0 +1,216 @@
+"""Block-grouped prefill attention (SPEC §4): each selected block is read once for all tokens that chose it.
+
+Attending token by token reads a 64 KB K/V block for every (token, KV head,
+selected block) and serves only that token's ``G`` query heads with it:
+about 16 FLOP per byte, bound by on-chip bandwidth far below the tensor
+cores. Neighbouring tokens of a prefill share few blocks when their
+selections are unrelated, but across a whole chunk every block is chosen by
+hundreds of tokens. So the step's (token, block) pairs are regrouped by
+block, and the work is done in three steps:
+
+1. :func:`plan_pairs` (device tensor ops, no host sync): clean each row of
+   the selection (ids outside ``[0, nb)`` and repeats select nothing, as in
+   SPEC §4), key every remaining (KV head, token, slot) pair by its
+   *segment* (KV head, request, block), sort the pairs by segment and cut
+   each segment into tiles of ``M`` pairs.
+2. ``_block_tile_kernel``, one program per tile: the ``M`` tokens' query
+   rows (``M x G`` rows, a full tensor-core tile) against the block's K/V,
+   loaded once; it stores each row's partial result (output normalized by
+   its own softmax sum, and the base-2 log-sum-exp) in the pair's slot of a
+   workspace.
+3. ``_merge_slots_kernel``, one program per (token, KV head): merges the
+   token's ``K`` partials by their log-sum-exp into the output.
+
+Every pair is computed once, in tiles whose rows are all useful except a
+segment's last tile. The price is the workspace round trip: ``K x G x D``
+partial elements per (token, KV head), written once and read once.
+
+A row's arithmetic does not depend on which other rows share its tile, so
+the output does not depend on the order of pairs within a segment.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mm3.batch import BatchMetadata
+from mm3.buffers import PagedKVCache, TopkBuffer
+from mm3.params import SparseAttentionParams
+
+from .attention import _attend_block
+from .launch import next_pow2
+from .prefill_config import PrefillAttentionConfig
+from .tiles import load_rows, store_rows
+from .tl_utils import launch_options
+
+__all__ = ["PairPlan", "plan_pairs", "prefill_attention_forward"]
+
+_NONE = torch.iinfo(torch.int32).max
+
+
+class PairPlan:
+    """The (token, block) pairs of a run of prefill tokens, grouped by segment (see :func:`plan_pairs`).
+
+    ``clean`` ``[H, Tc, K]``: each row's valid block ids once, ``-1`` elsewhere;
+    ``segment`` ``[P]``: sorted segment ids, ``NONE`` for invalid pairs (last);
+    ``slot`` ``[P]``: the flat ``(h * Tc + t) * K + k`` index of each sorted pair;
+    ``tile_start`` ``[max_tiles + 1]``: index into the sorted pairs of each
+    tile's first pair (only the first ``num_tiles`` are meaningful);
+    ``num_tiles`` ``[1]`` (int32, on the device).
+    """
+
+    def __init__(self, clean: torch.Tensor, segment: torch.Tensor, slot: torch.Tensor,
+                 tile_start: torch.Tensor, num_tiles: torch.Tensor, max_tiles: int, nb_max: int,
+                 num_requests: int) -> None:
+        self.clean, self.segment, self.slot = clean, segment, slot
+        self.tile_start, self.num_tiles, self.max_tiles = tile_start, num_tiles, max_tiles
+        self.nb_max, self.num_requests = nb_max, num_requests
+
+
+def plan_pairs(sel_hm: torch.Tensor, positions: torch.Tensor, requests: torch.Tensor, *, block_size: int,
+               nb_max: int, num_requests: int, tokens_per_tile: int, max_tiles: int) -> PairPlan:
+    """Group the pairs of ``sel_hm`` (``[H, Tc, K]``, any strides) by (KV head, request, block).
+
+    ``positions`` ``[Tc]``: absolute positions (``-1``: nothing visible);
+    ``requests`` ``[Tc]``: each token's request, ``0 .. num_requests-1``;
+    ``nb_max``: more than any valid block id; ``max_tiles``: an upper bound
+    of the tile count (sizes the launch grid without a host sync).
+    """
+    H, Tc, K = sel_hm.shape
+    dev = sel_hm.device
+    pos = positions.to(torch.int64)
+    nb = torch.where(pos >= 0, pos // block_size + 1, 0).view(1, Tc, 1)
+    s = sel_hm.to(torch.int64)
+    s = torch.where((s >= 0) & (s < nb), s, -1).sort(dim=-1).values
+    repeat = torch.zeros_like(s, dtype=torch.bool)
+    repeat[..., 1:] = s[..., 1:] == s[..., :-1]
+    clean = s.masked_fill(repeat, -1)
+    head = torch.arange(H, device=dev, dtype=torch.int64).view(H, 1, 1)
+    req = requests.to(torch.int64).view(1, Tc, 1)
+    key = torch.where(clean >= 0, (head * num_requests + req) * nb_max + clean, _NONE)
+    segment, slot = key.view(-1).to(torch.int32).sort(stable=True)
+    n = segment.numel()
+    idx = torch.arange(n, device=dev, dtype=torch.int64)
+    first = torch.ones(n, device=dev, dtype=torch.bool)
+    first[1:] = segment[1:] != segment[:-1]
+    seg_start = torch.cummax(torch.where(first, idx, 0), dim=0).values
+    heads = ((idx - seg_start) % tokens_per_tile == 0) & (segment != _NONE)
+    tile_id = torch.cumsum(heads, dim=0) - 1
+    tile_start = torch.zeros(max_tiles + 1, device=dev, dtype=torch.int32)
+    tile_start.scatter_(0, torch.where(heads, tile_id, max_tiles), idx.to(torch.int32))
+    num_tiles = heads.sum(dtype=torch.int32).view(1)
+    return PairPlan(clean.to(torch.int32), segment, slot, tile_start, num_tiles, max_tiles, nb_max, num_requests)
+
+
+@triton.jit
+def _block_tile_kernel(
+    q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
+    bt_ptr, s_bt_r, s_bt_b, pos_ptr, seg_ptr, slot_ptr, tile_ptr, num_tiles_ptr, ws_o_ptr, ws_lse_ptr,
+    tok0, num_pairs, Tc, nb_max, num_req, first_request, G, qk_scale,
+    B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
+    M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i = tl.program_id(0)
+    if i < tl.load(num_tiles_ptr):
+        start = tl.load(tile_ptr + i)
+        seg = tl.load(seg_ptr + start)
+        rows = tl.arange(0, ROWS)
+        mi = rows // G
+        gi = rows % G
+        e = start + mi
+        # a row holds a pair of this tile's segment: the segment's next M pairs at most
+        row_ok = (mi < M) & (e < num_pairs)
+        row_ok = row_ok & (tl.load(seg_ptr + e, mask=row_ok, other=-1) == seg)
+        slot = tl.load(slot_ptr + e, mask=row_ok, other=0).to(tl.int64)
+        tok = tok0 + (slot // K) % Tc
+        pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+        b = seg % nb_max
+        hr = seg // nb_max
+        h = hr // num_req
+        page = tl.load(bt_ptr + (first_request + hr % num_req) * s_bt_r + b * s_bt_b).to(tl.int64)
+        q = load_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
+            s_kb, s_kd, s_vb, s_vd, row_ok, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
+        # a valid pair's block holds key b * B <= pos, so l > 0 in every stored row
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        offs_d = tl.arange(0, D)
+        part = slot * G + gi
+        tl.store(ws_o_ptr + part[:, None] * D + offs_d[None, :], (acc / l_safe[:, None]).to(ws_o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(ws_lse_ptr + part, m_i + tl.log2(l_safe), mask=row_ok)
+
+
+@triton.jit
+def _merge_slots_kernel(
+    out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr, tok0, Tc, G,
+    D: tl.constexpr, K: tl.constexpr, G_PAD: tl.constexpr,
+):
+    tc = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = tl.arange(0, G_PAD)
+    row_ok = rows < G
+    offs_d = tl.arange(0, D)
+    base = (h * Tc + tc).to(tl.int64) * K
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    zero_rows = tl.full([G_PAD], 0, tl.int32)
+    for k in tl.static_range(K):
+        use = row_ok & ((zero_rows + tl.load(clean_ptr + base + k)) >= 0)
+        part = (base + k) * G + rows
+        lse = tl.load(ws_lse_ptr + part, mask=use, other=float("-inf"))
+        o = tl.load(ws_o_ptr + part[:, None] * D + offs_d[None, :], mask=use[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe)
+        l_i = l_i * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o.to(tl.float32)
+        m_i = m_new
+    store_rows(out_ptr, zero_rows + tok0 + tc, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
+
+
+def _blocks(seq_len: int, block_size: int) -> int:
+    return -(-seq_len // block_size)
+
+
+def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
+                              params: SparseAttentionParams, out: torch.Tensor, cfg: PrefillAttentionConfig,
+                              *, qk_scale: float, dot_dtype, dot_prec: str, platform_options: dict) -> None:
+    """Attention of every prefill token of the step (rows after the decode tokens) into ``out``."""
+    Hkv, G, K, B, D = params.num_kv_heads, params.gqa_group, params.topk, params.block_size, params.head_dim
+    td, T, nd = batch.num_decode_tokens, batch.num_tokens, batch.num_decodes
+    rows = max(cfg.rows, next_pow2(G))
+    m = rows // G
+    seqs = batch.seq_lens_host[nd:]
+    nb_max = max(_blocks(s, B) for s in seqs)
+    nb_sum = sum(_blocks(s, B) for s in seqs)
+    if Hkv * batch.num_prefills * nb_max >= 2**31 - 1:
+        raise ValueError(f"prefill attention: {Hkv} KV heads x {batch.num_prefills} requests x {nb_max} blocks "
+                         f"overflow the int32 segment ids; split the step into fewer prefill requests")
+    k, v, bt = caches.k, caches.v, batch.block_table
+    sel = topk.head_major()
+    common = dict(B=B, D=D, K=K, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
+    for a in range(td, T, cfg.max_tokens_per_pass):
+        c = min(cfg.max_tokens_per_pass, T - a)
+        pairs = Hkv * c * K
+        max_tiles = min(pairs, pairs // m + Hkv * nb_sum)
+        plan = plan_pairs(sel[:, a:a + c], batch.token_positions[a:a + c], batch.token_to_request[a:a + c] - nd,
+                          block_size=B, nb_max=nb_max, num_requests=batch.num_prefills, tokens_per_tile=m,
+                          max_tiles=max_tiles)
+        ws_o = torch.empty((pairs, G, D), dtype=q.dtype, device=q.device)
+        ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
+        _block_tile_kernel[(max_tiles,)](
+            q, *q.stride(), k, *k.stride(), v, *v.stride(), bt, *bt.stride(), batch.token_positions,
+            plan.segment, plan.slot, plan.tile_start, plan.num_tiles, ws_o, ws_lse,
+            a, pairs, c, nb_max, batch.num_prefills, nd, G, qk_scale,
+            BN=min(B, cfg.block_n), ROWS=rows, M=m, **common, num_warps=cfg.warps, **platform_options)
+        _merge_slots_kernel[(c, Hkv)](
+            out, *out.stride(), plan.clean, ws_o, ws_lse, a, c, G,
+            D=D, K=K, G_PAD=max(16, next_pow2(G)), num_warps=cfg.merge_warps, **platform_options)
