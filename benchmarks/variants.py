@@ -68,7 +68,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "old": (dict(prefill_attention=None), ("prefill",)),
     "pbn128": (dict(prefill_attention=PrefillAttentionConfig(block_n=128)), ("prefill",)),
     "pr64w4": (dict(prefill_attention=PrefillAttentionConfig(rows=64, warps=4)), ("prefill",)),
-    "pw4": (dict(prefill_attention=PrefillAttentionConfig(warps=4)), ("prefill",)),
+    "pp1": (dict(prefill_attention=PrefillAttentionConfig(programs_per_sm=1)), ("prefill",)),
+    "pp1bn128": (dict(prefill_attention=PrefillAttentionConfig(programs_per_sm=1, block_n=128)), ("prefill",)),
     "prow256": (dict(prefill_index_rows=256, prefill_index_block_n=32), ("prefill",)),
 }
 

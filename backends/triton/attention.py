@@ -402,7 +402,8 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         from .prefill_attention import prefill_attention_forward  # imports this module's helpers
 
         prefill_attention_forward(q, caches, topk, batch, params, out, cfg.prefill_attention, qk_scale=qk_scale,
-                                  dot_dtype=dot_dtype, dot_prec=dot_prec, platform_options=opts)
+                                  dot_dtype=dot_dtype, dot_prec=dot_prec, platform_options=opts,
+                                  target_programs=cfg.target_programs)
     elif npf > 0 and not per_token_prefill:
         rows = max(cfg.prefill_attention_rows, next_pow2(G), 16)
         m = rows // G

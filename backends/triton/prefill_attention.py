@@ -110,15 +110,17 @@ def _block_tile_kernel(
     bt_ptr, s_bt_r, s_bt_b, pos_ptr, seg_ptr, slot_ptr, tile_ptr, num_tiles_ptr, ws_o_ptr, ws_lse_ptr,
     tok0, num_pairs, Tc, nb_max, num_req, first_request, G, qk_scale,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
-    M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 1,
 ):
-    i = tl.program_id(0)
-    if i < tl.load(num_tiles_ptr):
+    """Tiles ``program_id, program_id + programs, ...``: one per program, or a persistent
+    software-pipelined walk (``STAGES > 1``) whose next tile's loads overlap this one's math."""
+    rows = tl.arange(0, ROWS)
+    mi = rows // G
+    gi = rows % G
+    offs_d = tl.arange(0, D)
+    for i in tl.range(tl.program_id(0), tl.load(num_tiles_ptr), tl.num_programs(0), num_stages=STAGES):
         start = tl.load(tile_ptr + i)
         seg = tl.load(seg_ptr + start)
-        rows = tl.arange(0, ROWS)
-        mi = rows // G
-        gi = rows % G
         e = start + mi
         # a row holds a pair of this tile's segment: the segment's next M pairs at most
         row_ok = (mi < M) & (e < num_pairs)
@@ -139,7 +141,6 @@ def _block_tile_kernel(
             s_kb, s_kd, s_vb, s_vd, row_ok, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
         # a valid pair's block holds key b * B <= pos, so l > 0 in every stored row
         l_safe = tl.where(l_i > 0, l_i, 1.0)
-        offs_d = tl.arange(0, D)
         part = slot * G + gi
         tl.store(ws_o_ptr + part[:, None] * D + offs_d[None, :], (acc / l_safe[:, None]).to(ws_o_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
@@ -182,8 +183,12 @@ def _blocks(seq_len: int, block_size: int) -> int:
 
 def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
                               params: SparseAttentionParams, out: torch.Tensor, cfg: PrefillAttentionConfig,
-                              *, qk_scale: float, dot_dtype, dot_prec: str, platform_options: dict) -> None:
-    """Attention of every prefill token of the step (rows after the decode tokens) into ``out``."""
+                              *, qk_scale: float, dot_dtype: object, dot_prec: str, platform_options: dict,
+                              target_programs: int) -> None:
+    """Attention of every prefill token of the step (rows after the decode tokens) into ``out``.
+
+    ``target_programs``: two per multiprocessor (sizes the persistent grid).
+    """
     Hkv, G, K, B, D = params.num_kv_heads, params.gqa_group, params.topk, params.block_size, params.head_dim
     td, T, nd = batch.num_decode_tokens, batch.num_tokens, batch.num_decodes
     rows = max(cfg.rows, next_pow2(G))
@@ -197,6 +202,9 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
     k, v, bt = caches.k, caches.v, batch.block_table
     sel = topk.head_major()
     common = dict(B=B, D=D, K=K, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
+    tile_opts = dict(platform_options, num_warps=cfg.warps)
+    if cfg.max_registers:
+        tile_opts["maxnreg"] = cfg.max_registers
     for a in range(td, T, cfg.max_tokens_per_pass):
         c = min(cfg.max_tokens_per_pass, T - a)
         pairs = Hkv * c * K
@@ -206,11 +214,13 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
                           max_tiles=max_tiles)
         ws_o = torch.empty((pairs, G, D), dtype=q.dtype, device=q.device)
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
-        _block_tile_kernel[(max_tiles,)](
+        programs = min(max_tiles, target_programs // 2 * cfg.programs_per_sm) if cfg.programs_per_sm else max_tiles
+        _block_tile_kernel[(programs,)](
             q, *q.stride(), k, *k.stride(), v, *v.stride(), bt, *bt.stride(), batch.token_positions,
             plan.segment, plan.slot, plan.tile_start, plan.num_tiles, ws_o, ws_lse,
             a, pairs, c, nb_max, batch.num_prefills, nd, G, qk_scale,
-            BN=min(B, cfg.block_n), ROWS=rows, M=m, **common, num_warps=cfg.warps, **platform_options)
+            BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages if cfg.programs_per_sm else 1, **common,
+            **tile_opts)
         _merge_slots_kernel[(c, Hkv)](
             out, *out.stride(), plan.clean, ws_o, ws_lse, a, c, G,
             D=D, K=K, G_PAD=max(16, next_pow2(G)), num_warps=cfg.merge_warps, **platform_options)

@@ -4,8 +4,9 @@ Plain Python (no Triton import), like :mod:`.launch`, so a plugin can build
 its configuration without importing the kernels.
 
 Example:
-    >>> PrefillAttentionConfig(rows=64)
-    PrefillAttentionConfig(rows=64, block_n=64, warps=8, merge_warps=4, max_tokens_per_pass=16384)
+    >>> cfg = PrefillAttentionConfig(rows=64, warps=4)
+    >>> cfg.rows // 16          # tokens per tile at GQA group 16
+    4
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ class PrefillAttentionConfig:
     #: keys per inner step of a tile (a divisor of the block size, >= 16): bounds registers
     block_n: int = 64
     warps: int = 8
+    #: register cap per thread (0 = the compiler's choice); 128 at 8 warps lets two tiles share an SM
+    max_registers: int = 0
+    #: 0: one program per tile; n: n persistent programs per multiprocessor, each walking its
+    #: tiles as one software-pipelined loop of ``stages`` stages
+    programs_per_sm: int = 0
+    stages: int = 2
     #: warps of the merge (one program per token and KV head)
     merge_warps: int = 4
     #: prefill tokens planned and merged per pass: bounds the partial-output workspace
