@@ -59,17 +59,18 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "ibn64": (dict(index_block_n=64), ("decode",)),
     "if1": (dict(decode_index_programs_factor=1), ("decode",)),
     # prefill
-    "ptok": (dict(prefill_attention_per_token=True), ("prefill",)),
-    "notok": (dict(prefill_attention_per_token=False), ("prefill",)),
+    "ptok": (dict(prefill_attention=None, prefill_attention_per_token=True), ("prefill",)),
+    "notok": (dict(prefill_attention=None, prefill_attention_per_token=False), ("prefill",)),
     "pabn32": (dict(prefill_attention_block_n=32), ("prefill",)),
     "pch64": (dict(prefill_index_chunk=64), ("prefill",)),
     # issue 13: the incumbent prefill attention (token tiles below 16K of context, per token above)
     # beside the block-grouped kernel, and shapes of the latter
     "old": (dict(prefill_attention=None), ("prefill",)),
-    "pbn128": (dict(prefill_attention=PrefillAttentionConfig(block_n=128)), ("prefill",)),
-    "pr64w4": (dict(prefill_attention=PrefillAttentionConfig(rows=64, warps=4)), ("prefill",)),
-    "pp1": (dict(prefill_attention=PrefillAttentionConfig(programs_per_sm=1)), ("prefill",)),
-    "pp1bn128": (dict(prefill_attention=PrefillAttentionConfig(programs_per_sm=1, block_n=128)), ("prefill",)),
+    "pone128": (dict(prefill_attention=PrefillAttentionConfig(programs_per_sm=0)), ("prefill",)),
+    "pone64": (dict(prefill_attention=PrefillAttentionConfig(programs_per_sm=0, block_n=64)), ("prefill",)),
+    "pp1bn64": (dict(prefill_attention=PrefillAttentionConfig(block_n=64)), ("prefill",)),
+    "pr64w4": (dict(prefill_attention=PrefillAttentionConfig(rows=64, warps=4, block_n=64, programs_per_sm=0)),
+               ("prefill",)),
     "prow256": (dict(prefill_index_rows=256, prefill_index_block_n=32), ("prefill",)),
 }
 

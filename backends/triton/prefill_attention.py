@@ -51,34 +51,35 @@ _NONE = torch.iinfo(torch.int32).max
 
 
 class PairPlan:
-    """The (token, block) pairs of a run of prefill tokens, grouped by segment (see :func:`plan_pairs`).
+    """The (token, block) pairs of a run of prefill tokens, grouped into tiles (see :func:`plan_pairs`).
 
     ``clean`` ``[H, Tc, K]``: each row's valid block ids once, ``-1`` elsewhere;
-    ``segment`` ``[P]``: sorted segment ids, ``NONE`` for invalid pairs (last);
-    ``slot`` ``[P]``: the flat ``(h * Tc + t) * K + k`` index of each sorted pair;
-    ``tile_start`` ``[max_tiles + 1]``: index into the sorted pairs of each
-    tile's first pair (only the first ``num_tiles`` are meaningful);
-    ``num_tiles`` ``[1]`` (int32, on the device).
+    ``tile_seg`` ``[max_tiles + 1]``: each tile's segment id;
+    ``tile_page`` ``[max_tiles]``: the page of each tile's block;
+    ``tile_slot`` ``[max_tiles * M + 1]``: per tile, the flat slot ``(h * Tc + t) * K + k`` of each
+    of its ``M`` pairs (``-1``: no pair);
+    ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful.
     """
 
-    def __init__(self, clean: torch.Tensor, segment: torch.Tensor, slot: torch.Tensor,
-                 tile_start: torch.Tensor, num_tiles: torch.Tensor, max_tiles: int, nb_max: int,
-                 num_requests: int) -> None:
-        self.clean, self.segment, self.slot = clean, segment, slot
-        self.tile_start, self.num_tiles, self.max_tiles = tile_start, num_tiles, max_tiles
-        self.nb_max, self.num_requests = nb_max, num_requests
+    def __init__(self, clean: torch.Tensor, tile_seg: torch.Tensor, tile_page: torch.Tensor,
+                 tile_slot: torch.Tensor, num_tiles: torch.Tensor) -> None:
+        self.clean, self.tile_seg, self.tile_page = clean, tile_seg, tile_page
+        self.tile_slot, self.num_tiles = tile_slot, num_tiles
 
 
-def plan_pairs(sel_hm: torch.Tensor, positions: torch.Tensor, requests: torch.Tensor, *, block_size: int,
-               nb_max: int, num_requests: int, tokens_per_tile: int, max_tiles: int) -> PairPlan:
+def plan_pairs(sel_hm: torch.Tensor, positions: torch.Tensor, requests: torch.Tensor, block_table: torch.Tensor, *,
+               block_size: int, nb_max: int, num_requests: int, tokens_per_tile: int, max_tiles: int) -> PairPlan:
     """Group the pairs of ``sel_hm`` (``[H, Tc, K]``, any strides) by (KV head, request, block).
 
     ``positions`` ``[Tc]``: absolute positions (``-1``: nothing visible);
-    ``requests`` ``[Tc]``: each token's request, ``0 .. num_requests-1``;
+    ``requests`` ``[Tc]``: each token's request, ``0 .. num_requests-1``, a row of ``block_table``;
     ``nb_max``: more than any valid block id; ``max_tiles``: an upper bound
     of the tile count (sizes the launch grid without a host sync).
+    Everything the tile kernel needs is laid out per tile, so a tile's loads
+    depend on one round trip (its pairs) before the query rows and K/V.
     """
     H, Tc, K = sel_hm.shape
+    M = tokens_per_tile
     dev = sel_hm.device
     pos = positions.to(torch.int64)
     nb = torch.where(pos >= 0, pos // block_size + 1, 0).view(1, Tc, 1)
@@ -91,24 +92,24 @@ def plan_pairs(sel_hm: torch.Tensor, positions: torch.Tensor, requests: torch.Te
     req = requests.to(torch.int64).view(1, Tc, 1)
     key = torch.where(clean >= 0, (head * num_requests + req) * nb_max + clean, _NONE)
     segment, slot = key.view(-1).to(torch.int32).sort(stable=True)
-    n = segment.numel()
-    idx = torch.arange(n, device=dev, dtype=torch.int64)
-    first = torch.ones(n, device=dev, dtype=torch.bool)
-    first[1:] = segment[1:] != segment[:-1]
-    seg_start = torch.cummax(torch.where(first, idx, 0), dim=0).values
-    heads = ((idx - seg_start) % tokens_per_tile == 0) & (segment != _NONE)
-    tile_id = torch.cumsum(heads, dim=0) - 1
-    tile_start = torch.zeros(max_tiles + 1, device=dev, dtype=torch.int32)
-    tile_start.scatter_(0, torch.where(heads, tile_id, max_tiles), idx.to(torch.int32))
-    num_tiles = heads.sum(dtype=torch.int32).view(1)
-    return PairPlan(clean.to(torch.int32), segment, slot, tile_start, num_tiles, max_tiles, nb_max, num_requests)
+    valid = segment != _NONE
+    within = torch.arange(segment.numel(), device=dev) - torch.searchsorted(segment, segment)
+    heads = (within % M == 0) & valid
+    tile_of = torch.cumsum(heads, dim=0) - 1
+    tile_slot = torch.full((max_tiles * M + 1,), -1, device=dev, dtype=torch.int64)
+    tile_slot.scatter_(0, torch.where(valid, tile_of * M + within % M, max_tiles * M), slot)
+    tile_seg = torch.zeros(max_tiles + 1, device=dev, dtype=torch.int32)
+    tile_seg.scatter_(0, torch.where(heads, tile_of, max_tiles), segment)
+    seg = tile_seg[:max_tiles].to(torch.int64)
+    tile_page = block_table[(seg // nb_max) % num_requests, seg % nb_max]
+    return PairPlan(clean.to(torch.int32), tile_seg, tile_page, tile_slot, heads.sum(dtype=torch.int32).view(1))
 
 
 @triton.jit
 def _block_tile_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
-    bt_ptr, s_bt_r, s_bt_b, pos_ptr, seg_ptr, slot_ptr, tile_ptr, num_tiles_ptr, ws_o_ptr, ws_lse_ptr,
-    tok0, num_pairs, Tc, nb_max, num_req, first_request, G, qk_scale,
+    pos_ptr, tile_seg_ptr, tile_page_ptr, tile_slot_ptr, num_tiles_ptr, ws_o_ptr, ws_lse_ptr,
+    tok0, Tc, nb_max, num_req, G, qk_scale,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
     M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 1,
 ):
@@ -119,19 +120,14 @@ def _block_tile_kernel(
     gi = rows % G
     offs_d = tl.arange(0, D)
     for i in tl.range(tl.program_id(0), tl.load(num_tiles_ptr), tl.num_programs(0), num_stages=STAGES):
-        start = tl.load(tile_ptr + i)
-        seg = tl.load(seg_ptr + start)
-        e = start + mi
-        # a row holds a pair of this tile's segment: the segment's next M pairs at most
-        row_ok = (mi < M) & (e < num_pairs)
-        row_ok = row_ok & (tl.load(seg_ptr + e, mask=row_ok, other=-1) == seg)
-        slot = tl.load(slot_ptr + e, mask=row_ok, other=0).to(tl.int64)
+        seg = tl.load(tile_seg_ptr + i)
+        page = tl.load(tile_page_ptr + i).to(tl.int64)
+        slot = tl.load(tile_slot_ptr + i * M + mi, mask=mi < M, other=-1)
+        row_ok = slot >= 0
         tok = tok0 + (slot // K) % Tc
         pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
         b = seg % nb_max
-        hr = seg // nb_max
-        h = hr // num_req
-        page = tl.load(bt_ptr + (first_request + hr % num_req) * s_bt_r + b * s_bt_b).to(tl.int64)
+        h = seg // nb_max // num_req
         q = load_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
@@ -210,15 +206,15 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         pairs = Hkv * c * K
         max_tiles = min(pairs, pairs // m + Hkv * nb_sum)
         plan = plan_pairs(sel[:, a:a + c], batch.token_positions[a:a + c], batch.token_to_request[a:a + c] - nd,
-                          block_size=B, nb_max=nb_max, num_requests=batch.num_prefills, tokens_per_tile=m,
-                          max_tiles=max_tiles)
+                          bt[nd:], block_size=B, nb_max=nb_max, num_requests=batch.num_prefills,
+                          tokens_per_tile=m, max_tiles=max_tiles)
         ws_o = torch.empty((pairs, G, D), dtype=q.dtype, device=q.device)
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
         programs = min(max_tiles, target_programs // 2 * cfg.programs_per_sm) if cfg.programs_per_sm else max_tiles
         _block_tile_kernel[(programs,)](
-            q, *q.stride(), k, *k.stride(), v, *v.stride(), bt, *bt.stride(), batch.token_positions,
-            plan.segment, plan.slot, plan.tile_start, plan.num_tiles, ws_o, ws_lse,
-            a, pairs, c, nb_max, batch.num_prefills, nd, G, qk_scale,
+            q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
+            plan.tile_seg, plan.tile_page, plan.tile_slot, plan.num_tiles, ws_o, ws_lse,
+            a, c, nb_max, batch.num_prefills, G, qk_scale,
             BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages if cfg.programs_per_sm else 1, **common,
             **tile_opts)
         _merge_slots_kernel[(c, Hkv)](

@@ -75,6 +75,17 @@ def test_block_grouped_prefill_at_m3_shapes(tp: int, context: int, correlated: b
     _check(p, case, buf, out, _run(p, case, buf, None))
 
 
+@pytest.mark.parametrize("cfg", [PrefillAttentionConfig(programs_per_sm=0),
+                                 PrefillAttentionConfig(programs_per_sm=0, block_n=64),
+                                 PrefillAttentionConfig(block_n=64),
+                                 PrefillAttentionConfig(rows=64, warps=4, block_n=64, programs_per_sm=0)],
+                         ids=["one128", "one64", "pp1bn64", "r64w4"])
+def test_block_grouped_prefill_tile_shapes(cfg: PrefillAttentionConfig) -> None:
+    """The benchmark's other tile shapes (one program per tile, 64-key steps, 64-row tiles)."""
+    p, case, buf = _step(1, K32, True, seed=11)
+    _check(p, case, buf, _run(p, case, buf, cfg), _run(p, case, buf, None))
+
+
 def test_block_grouped_prefill_messy_selection_and_small_passes() -> None:
     """Repeats, -1 and ids past the visible range select nothing extra; passes of 3000 tokens agree."""
     p, case, buf = _step(1, 2000, False, seed=7)
