@@ -1,8 +1,8 @@
 """The block-grouped prefill attention (``mm3_backends.triton.prefill_attention``) on the CPU.
 
-* the plan (plain tensor code, no Triton): every valid (KV head, token,
-  block) pair lands in exactly one tile, tiles hold one segment and at most
-  ``M`` pairs, pages come from the block table, repeats and ids outside the
+* the plan: every valid (KV head, token, block) pair of the prefill tokens
+  lands in exactly one tile, tiles hold one segment and at most ``M``
+  pairs, pages come from the block table, repeats and ids outside the
   visible range are dropped;
 * the kernels through Triton's interpreter (fp32 / fp16, tiny shapes) against
   the fp64 oracle: one program per tile and the persistent pipelined walk, a
@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from mm3.batch import BatchMetadata
 from mm3.params import SparseAttentionParams
 from mm3.testing.factories import make_case
 from mm3.testing.oracle import oracle_attention, oracle_topk
@@ -27,6 +28,8 @@ from mm3_backends.triton.prefill_attention import plan_pairs
 from mm3_backends.triton.prefill_config import PrefillAttentionConfig
 
 ATTN_TOL = {torch.float16: (1e-2, 1.5e-4), torch.float32: (1e-5, 1e-5)}
+interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                            reason="CPU-interpreter tests; a GPU machine runs tests/gpu instead")
 
 
 def _params(g: int) -> SparseAttentionParams:
@@ -34,43 +37,42 @@ def _params(g: int) -> SparseAttentionParams:
                                  index_head_dim=32, block_size=16, topk=4)
 
 
+@pytest.mark.interpreter
+@interp
 def test_plan_puts_every_pair_in_one_tile() -> None:
     g = torch.Generator().manual_seed(3)
-    H, T, K, B, M, R, nb_max = 2, 37, 5, 16, 3, 2, 9
-    requests = torch.tensor([0] * 20 + [1] * 17, dtype=torch.int32)
-    positions = torch.cat([torch.arange(100, 120), torch.arange(0, 17) * 8]).to(torch.int32)
-    positions[5] = -1                                                     # nothing visible
-    sel = torch.randint(-2, nb_max + 2, (H, T, K), generator=g, dtype=torch.int32)
+    H, K, B, M, nb_max = 2, 5, 16, 3, 9
+    # one decode (not planned), then two prefills: 20 tokens after 100 cached, 17 from position 0
+    table = torch.randperm(3 * nb_max, generator=g).view(3, nb_max).to(torch.int32)
+    batch = BatchMetadata.build([1, 20, 17], [40, 120, 17], table, block_size=B, num_decodes=1)
+    T, R, nd = batch.num_tokens, 2, 1
+    sel = torch.randint(-2, nb_max + 2, (T, H, K), generator=g, dtype=torch.int32).transpose(0, 1)
     sel[:, :, 1] = sel[:, :, 0]                                           # repeats
-    table = torch.randperm(R * nb_max, generator=g).view(R, nb_max).to(torch.int32)
-    max_tiles = H * T * K // M + H * R * nb_max
-    plan = plan_pairs(sel, positions, requests, table, block_size=B, nb_max=nb_max, num_requests=R,
-                      tokens_per_tile=M, max_tiles=max_tiles)
+    Tc = T - nd
+    max_tiles = H * Tc * K // M + H * R * nb_max
+    plan = plan_pairs(sel, batch, nd, Tc, nb_max=nb_max, tokens_per_tile=M, max_tiles=max_tiles)
     n = int(plan.num_tiles)
     assert 0 < n <= max_tiles
-    nb = torch.where(positions >= 0, positions // B + 1, 0)
-    want = {(h, t, int(b)) for h in range(H) for t in range(T) for b in sel[h, t].tolist() if 0 <= b < nb[t]}
+    pos, req = batch.token_positions[nd:], batch.token_to_request[nd:] - nd
+    nb = pos // B + 1
+    want = {(h, t, int(b)) for h in range(H) for t in range(Tc) for b in sel[h, nd + t].tolist() if 0 <= b < nb[t]}
     got = []
     for i in range(n):
         seg = int(plan.tile_seg[i])
         h, r, b = seg // (R * nb_max), seg // nb_max % R, seg % nb_max
-        assert int(plan.tile_page[i]) == int(table[r, b])
+        assert int(plan.tile_page[i]) == int(table[nd + r, b])
         slots = [s for s in plan.tile_slot[i * M:(i + 1) * M].tolist() if s >= 0]
         assert slots, f"tile {i} is empty"
         for s in slots:
-            hs, t, k = s // (T * K), s // K % T, s % K
-            assert (hs, int(requests[t])) == (h, r) and int(plan.clean[hs, t, k]) == b
+            hs, t, k = s // (Tc * K), s // K % Tc, s % K
+            assert (hs, int(req[t])) == (h, r) and int(plan.clean[hs, t, k]) == b
             got.append((h, t, b))
     assert sorted(got) == sorted(want), "a pair is missing or served twice"
-    assert (plan.tile_slot[n * M:max_tiles * M] == -1).all()      # the last entry is a sink
+    assert (plan.tile_slot[n * M:] == -1).all()
     for h in range(H):
-        for t in range(T):
+        for t in range(Tc):
             assert sorted(x for x in plan.clean[h, t].tolist() if x >= 0) == sorted({b for (hh, tt, b) in want
                                                                                     if (hh, tt) == (h, t)})
-
-
-interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                            reason="CPU-interpreter tests; a GPU machine runs tests/gpu instead")
 
 
 def _forward(case, sel, cfg: PrefillAttentionConfig | None) -> torch.Tensor:

@@ -8,10 +8,10 @@ selections are unrelated, but across a whole chunk every block is chosen by
 hundreds of tokens. So the step's (token, block) pairs are regrouped by
 block, and the work is done in three steps:
 
-1. :func:`plan_pairs` (device tensor ops, no host sync): clean each row of
-   the selection (ids outside ``[0, nb)`` and repeats select nothing, as in
-   SPEC §4), key every remaining (KV head, token, slot) pair by its
-   *segment* (KV head, request, block), sort the pairs by segment and cut
+1. :func:`plan_pairs` (two small kernels and a prefix sum, no host sync):
+   clean each row of the selection (ids outside ``[0, nb)`` and repeats
+   select nothing, as in SPEC §4), give every remaining (KV head, token,
+   slot) pair its place in its *segment* (KV head, request, block) and cut
    each segment into tiles of ``M`` pairs.
 2. ``_block_tile_kernel``, one program per tile: the ``M`` tokens' query
    rows (``M x G`` rows, a full tensor-core tile) against the block's K/V,
@@ -43,20 +43,16 @@ from .attention import _attend_block
 from .launch import next_pow2
 from .prefill_config import PrefillAttentionConfig
 from .tiles import load_rows, store_rows
-from .tl_utils import launch_options
 
 __all__ = ["PairPlan", "plan_pairs", "prefill_attention_forward"]
-
-_NONE = torch.iinfo(torch.int32).max
-
 
 class PairPlan:
     """The (token, block) pairs of a run of prefill tokens, grouped into tiles (see :func:`plan_pairs`).
 
     ``clean`` ``[H, Tc, K]``: each row's valid block ids once, ``-1`` elsewhere;
-    ``tile_seg`` ``[max_tiles + 1]``: each tile's segment id;
+    ``tile_seg`` ``[max_tiles]``: each tile's segment id;
     ``tile_page`` ``[max_tiles]``: the page of each tile's block;
-    ``tile_slot`` ``[max_tiles * M + 1]``: per tile, the flat slot ``(h * Tc + t) * K + k`` of each
+    ``tile_slot`` ``[max_tiles * M]``: per tile, the flat slot ``(h * Tc + t) * K + k`` of each
     of its ``M`` pairs (``-1``: no pair);
     ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful.
     """
@@ -67,42 +63,80 @@ class PairPlan:
         self.tile_slot, self.num_tiles = tile_slot, num_tiles
 
 
-def plan_pairs(sel_hm: torch.Tensor, positions: torch.Tensor, requests: torch.Tensor, block_table: torch.Tensor, *,
-               block_size: int, nb_max: int, num_requests: int, tokens_per_tile: int, max_tiles: int) -> PairPlan:
-    """Group the pairs of ``sel_hm`` (``[H, Tc, K]``, any strides) by (KV head, request, block).
+@triton.jit
+def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, within_ptr, count_ptr,
+                       tok0, Tc, first_request, num_req, nb_max,
+                       B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr):
+    """Row ``(h, t)``: its valid block ids once (ids outside ``[0, nb)`` and repeats dropped) into
+    ``clean``, and each valid pair's place in its segment (a counter per segment)."""
+    tc = tl.program_id(0)
+    h = tl.program_id(1)
+    t = tok0 + tc
+    slots = tl.arange(0, K_PAD)
+    ids = tl.load(sel_ptr + h * s_sh + t * s_st + slots * s_sk, mask=slots < K, other=-1)
+    pos = tl.load(pos_ptr + t)
+    nb = tl.where(pos >= 0, pos // B + 1, 0)
+    repeat = tl.max(((ids[:, None] == ids[None, :]) & (slots[None, :] < slots[:, None])).to(tl.int32), axis=1)
+    ok = (ids >= 0) & (ids < nb) & (repeat == 0)
+    row = (h * Tc + tc) * K + slots
+    tl.store(clean_ptr + row, tl.where(ok, ids, -1), mask=slots < K)
+    seg = (h * num_req + tl.load(req_ptr + t) - first_request) * nb_max + ids
+    tl.store(within_ptr + row, tl.atomic_add(count_ptr + seg, 1, mask=ok), mask=ok)
 
-    ``positions`` ``[Tc]``: absolute positions (``-1``: nothing visible);
-    ``requests`` ``[Tc]``: each token's request, ``0 .. num_requests-1``, a row of ``block_table``;
-    ``nb_max``: more than any valid block id; ``max_tiles``: an upper bound
-    of the tile count (sizes the launch grid without a host sync).
-    Everything the tile kernel needs is laid out per tile, so a tile's loads
-    depend on one round trip (its pairs) before the query rows and K/V.
+
+@triton.jit
+def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, req_ptr, clean_ptr, within_ptr, tile_base_ptr,
+                       tile_seg_ptr, tile_page_ptr, tile_slot_ptr, tok0, Tc, first_request, num_req, nb_max,
+                       K: tl.constexpr, K_PAD: tl.constexpr, M: tl.constexpr):
+    """Row ``(h, t)``: each valid pair into its tile (segment's first tile + place // M); the pair
+    that opens a tile also writes the tile's segment and the page of its block."""
+    tc = tl.program_id(0)
+    h = tl.program_id(1)
+    slots = tl.arange(0, K_PAD)
+    row = (h * Tc + tc) * K + slots
+    ids = tl.load(clean_ptr + row, mask=slots < K, other=-1)
+    ok = ids >= 0
+    r = tl.load(req_ptr + tok0 + tc) - first_request
+    seg = (h * num_req + r) * nb_max + ids
+    within = tl.load(within_ptr + row, mask=ok, other=0)
+    tile = tl.load(tile_base_ptr + seg, mask=ok, other=0) + within // M
+    tl.store(tile_slot_ptr + tile * M + within % M, row, mask=ok)
+    opens = ok & (within % M == 0)
+    tl.store(tile_seg_ptr + tile, seg, mask=opens)
+    page = tl.load(bt_ptr + (first_request + r) * s_bt_r + ids * s_bt_b, mask=opens, other=0)
+    tl.store(tile_page_ptr + tile, page, mask=opens)
+
+
+def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens: int, *, nb_max: int,
+               tokens_per_tile: int, max_tiles: int) -> PairPlan:
+    """Group the pairs of prefill tokens ``tok0 .. tok0 + num_tokens - 1`` by (KV head, request, block).
+
+    ``sel_hm``: the step's selection ``[H, T, K]`` (any strides); ``nb_max``:
+    more than any valid block id; ``max_tiles``: an upper bound of the tile
+    count (sizes the launch grid without a host sync). Two launches and a
+    prefix sum over the segments, no sort: a segment's pairs take their
+    places by an atomic counter, in any order (a row's result does not depend
+    on which rows share its tile). Everything the tile kernel needs is laid
+    out per tile, so a tile waits on one round trip before its query rows and K/V.
     """
-    H, Tc, K = sel_hm.shape
-    M = tokens_per_tile
+    H, _, K = sel_hm.shape
+    M, Tc, nd, R = tokens_per_tile, num_tokens, batch.num_decodes, batch.num_prefills
     dev = sel_hm.device
-    pos = positions.to(torch.int64)
-    nb = torch.where(pos >= 0, pos // block_size + 1, 0).view(1, Tc, 1)
-    s = sel_hm.to(torch.int64)
-    s = torch.where((s >= 0) & (s < nb), s, -1).sort(dim=-1).values
-    repeat = torch.zeros_like(s, dtype=torch.bool)
-    repeat[..., 1:] = s[..., 1:] == s[..., :-1]
-    clean = s.masked_fill(repeat, -1)
-    head = torch.arange(H, device=dev, dtype=torch.int64).view(H, 1, 1)
-    req = requests.to(torch.int64).view(1, Tc, 1)
-    key = torch.where(clean >= 0, (head * num_requests + req) * nb_max + clean, _NONE)
-    segment, slot = key.view(-1).to(torch.int32).sort(stable=True)
-    valid = segment != _NONE
-    within = torch.arange(segment.numel(), device=dev) - torch.searchsorted(segment, segment)
-    heads = (within % M == 0) & valid
-    tile_of = torch.cumsum(heads, dim=0) - 1
-    tile_slot = torch.full((max_tiles * M + 1,), -1, device=dev, dtype=torch.int64)
-    tile_slot.scatter_(0, torch.where(valid, tile_of * M + within % M, max_tiles * M), slot)
-    tile_seg = torch.zeros(max_tiles + 1, device=dev, dtype=torch.int32)
-    tile_seg.scatter_(0, torch.where(heads, tile_of, max_tiles), segment)
-    seg = tile_seg[:max_tiles].to(torch.int64)
-    tile_page = block_table[(seg // nb_max) % num_requests, seg % nb_max]
-    return PairPlan(clean.to(torch.int32), tile_seg, tile_page, tile_slot, heads.sum(dtype=torch.int32).view(1))
+    clean = torch.empty((H, Tc, K), device=dev, dtype=torch.int32)
+    within = torch.empty_like(clean)
+    count = torch.zeros(H * R * nb_max, device=dev, dtype=torch.int32)
+    rows = (Tc, H)
+    _pair_count_kernel[rows](sel_hm, *sel_hm.stride(), batch.token_positions, batch.token_to_request, clean, within,
+                             count, tok0, Tc, nd, R, nb_max, B=batch.block_size, K=K, K_PAD=next_pow2(K))
+    tiles = (count + (M - 1)) // M
+    tile_base = torch.cumsum(tiles, dim=0, dtype=torch.int32) - tiles
+    tile_seg = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    tile_page = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    tile_slot = torch.full((max_tiles * M,), -1, device=dev, dtype=torch.int32)
+    bt = batch.block_table
+    _pair_place_kernel[rows](bt, *bt.stride(), batch.token_to_request, clean, within, tile_base, tile_seg, tile_page,
+                             tile_slot, tok0, Tc, nd, R, nb_max, K=K, K_PAD=next_pow2(K), M=M)
+    return PairPlan(clean, tile_seg, tile_page, tile_slot, tiles.sum(dtype=torch.int32).view(1))
 
 
 @triton.jit
@@ -122,7 +156,7 @@ def _block_tile_kernel(
     for i in tl.range(tl.program_id(0), tl.load(num_tiles_ptr), tl.num_programs(0), num_stages=STAGES):
         seg = tl.load(tile_seg_ptr + i)
         page = tl.load(tile_page_ptr + i).to(tl.int64)
-        slot = tl.load(tile_slot_ptr + i * M + mi, mask=mi < M, other=-1)
+        slot = tl.load(tile_slot_ptr + i * M + mi, mask=mi < M, other=-1).to(tl.int64)
         row_ok = slot >= 0
         tok = tok0 + (slot // K) % Tc
         pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
@@ -195,7 +229,7 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
     if Hkv * batch.num_prefills * nb_max >= 2**31 - 1:
         raise ValueError(f"prefill attention: {Hkv} KV heads x {batch.num_prefills} requests x {nb_max} blocks "
                          f"overflow the int32 segment ids; split the step into fewer prefill requests")
-    k, v, bt = caches.k, caches.v, batch.block_table
+    k, v = caches.k, caches.v
     sel = topk.head_major()
     common = dict(B=B, D=D, K=K, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
     tile_opts = dict(platform_options, num_warps=cfg.warps)
@@ -205,9 +239,7 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         c = min(cfg.max_tokens_per_pass, T - a)
         pairs = Hkv * c * K
         max_tiles = min(pairs, pairs // m + Hkv * nb_sum)
-        plan = plan_pairs(sel[:, a:a + c], batch.token_positions[a:a + c], batch.token_to_request[a:a + c] - nd,
-                          bt[nd:], block_size=B, nb_max=nb_max, num_requests=batch.num_prefills,
-                          tokens_per_tile=m, max_tiles=max_tiles)
+        plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=m, max_tiles=max_tiles)
         ws_o = torch.empty((pairs, G, D), dtype=q.dtype, device=q.device)
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
         programs = min(max_tiles, target_programs // 2 * cfg.programs_per_sm) if cfg.programs_per_sm else max_tiles
