@@ -355,8 +355,11 @@ def test_launch_heuristics_follow_their_measured_rules() -> None:
     assert cfg.decode_attention_flat_items_per_program(32768) == 125
     # PDL only for small grids
     assert cfg.use_pdl(1, 4) and cfg.use_pdl(8, 4) and not cfg.use_pdl(64, 4)
-    # per-token prefill attention from 16K tokens of cached context, and only with the persistent kernel
-    assert not cfg.use_per_token_prefill(0) and cfg.use_per_token_prefill(32768)
+    # the block-grouped prefill attention replaces the per-token kernel; without it, per token from 16K
+    # tokens of cached context, and only with the persistent kernel
     from dataclasses import replace
-    assert not replace(cfg, decode_attention_flat=False).use_per_token_prefill(32768)
-    assert replace(cfg, prefill_attention_per_token=True).use_per_token_prefill(0)
+    assert not cfg.use_per_token_prefill(32768)
+    old = replace(cfg, prefill_attention=None)
+    assert not old.use_per_token_prefill(0) and old.use_per_token_prefill(32768)
+    assert not replace(old, decode_attention_flat=False).use_per_token_prefill(32768)
+    assert replace(old, prefill_attention_per_token=True).use_per_token_prefill(0)
