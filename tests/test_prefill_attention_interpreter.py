@@ -5,7 +5,7 @@
   pairs, pages come from the block table, repeats and ids outside the
   visible range are dropped;
 * the kernels through Triton's interpreter (fp32 / fp16, tiny shapes) against
-  the fp64 oracle: one program per tile and the persistent pipelined walk, a
+  the fp64 oracle: pipelined and not, several tiles per program, a
   GQA group that is not a power of two, passes smaller than the step, a
   messy selection, a mixed batch with decodes before the prefills; and the
   token-tile kernel it replaces on NVIDIA (the rocm plugin's path).
@@ -95,10 +95,10 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.interpreter
 @interp
 @pytest.mark.parametrize("dtype,cfg", [
-    ("float32", PrefillAttentionConfig(rows=16, block_n=16, programs_per_sm=0)),
+    ("float32", PrefillAttentionConfig(rows=16, block_n=16, programs_per_sm=3, stages=1)),
     ("float16", PrefillAttentionConfig(rows=32, block_n=16, max_tokens_per_pass=11)),
     ("float16", None),
-], ids=["one_per_tile_fp32", "persistent_passes_fp16", "token_tiles_fp16"])
+], ids=["unpipelined_fp32", "passes_fp16", "token_tiles_fp16"])
 def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionConfig | None) -> None:
     """A mixed step (2 decodes + padding, 3 prefills, G = 3) with a messy selection.
 

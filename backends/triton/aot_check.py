@@ -155,7 +155,7 @@ def compile_launch(launch: Launch, target: str) -> tuple[Optional[str], str]:
     gpu = GPUTarget("cuda", 90, 32) if target == "nvidia" else GPUTarget("hip", "gfx942", 64)
     options = dict(launch.options)
     if target == "nvidia":
-        options = {k: v for k, v in options.items() if k in ("num_warps", "num_stages", "maxnreg")}
+        options = {k: v for k, v in options.items() if k in ("num_warps", "num_stages")}
     sig, constexprs, attrs = launch.signature()
     try:
         k = triton.compile(ASTSource(launch.kernel, sig, constexprs=constexprs, attrs=attrs), target=gpu,

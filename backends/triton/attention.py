@@ -355,10 +355,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()))
 
     npf = batch.num_prefills
-    # per-token prefill: the persistent decode kernel takes the prefill tokens too (rows after the
-    # decode tokens), one token x G heads per item; no rows are wasted on blocks a token did not pick
-    per_token_prefill = npf > 0 and cfg.use_per_token_prefill(batch.max_prefill_context_len)
-    td = batch.num_tokens if per_token_prefill else batch.num_decode_tokens
+    td = batch.num_decode_tokens
     if td > 0:
         pdl = pdl_enabled(cfg, td, Hkv)
         dopts = decode_launch_options(cfg, pdl)
@@ -404,7 +401,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         prefill_attention_forward(q, caches, topk, batch, params, out, cfg.prefill_attention, qk_scale=qk_scale,
                                   dot_dtype=dot_dtype, dot_prec=dot_prec, platform_options=opts,
                                   target_programs=cfg.target_programs)
-    elif npf > 0 and not per_token_prefill:
+    elif npf > 0:
         rows = max(cfg.prefill_attention_rows, next_pow2(G), 16)
         m = rows // G
         common["BN"] = min(B, cfg.prefill_attention_block_n)

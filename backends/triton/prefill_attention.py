@@ -147,8 +147,8 @@ def _block_tile_kernel(
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
     M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 1,
 ):
-    """Tiles ``program_id, program_id + programs, ...``: one per program, or a persistent
-    software-pipelined walk (``STAGES > 1``) whose next tile's loads overlap this one's math."""
+    """Tiles ``program_id, program_id + programs, ...`` as one software-pipelined loop: the next
+    tile's pairs, query rows and K/V are loaded while this one's math runs."""
     rows = tl.arange(0, ROWS)
     mi = rows // G
     gi = rows % G
@@ -232,9 +232,6 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
     k, v = caches.k, caches.v
     sel = topk.head_major()
     common = dict(B=B, D=D, K=K, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
-    tile_opts = dict(platform_options, num_warps=cfg.warps)
-    if cfg.max_registers:
-        tile_opts["maxnreg"] = cfg.max_registers
     for a in range(td, T, cfg.max_tokens_per_pass):
         c = min(cfg.max_tokens_per_pass, T - a)
         pairs = Hkv * c * K
@@ -242,13 +239,13 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=m, max_tiles=max_tiles)
         ws_o = torch.empty((pairs, G, D), dtype=q.dtype, device=q.device)
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
-        programs = min(max_tiles, target_programs // 2 * cfg.programs_per_sm) if cfg.programs_per_sm else max_tiles
+        programs = max(1, min(max_tiles, target_programs // 2 * cfg.programs_per_sm))
         _block_tile_kernel[(programs,)](
             q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
             plan.tile_seg, plan.tile_page, plan.tile_slot, plan.num_tiles, ws_o, ws_lse,
             a, c, nb_max, batch.num_prefills, G, qk_scale,
-            BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages if cfg.programs_per_sm else 1, **common,
-            **tile_opts)
+            BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, **common, num_warps=cfg.warps,
+            **platform_options)
         _merge_slots_kernel[(c, Hkv)](
             out, *out.stride(), plan.clean, ws_o, ws_lse, a, c, G,
             D=D, K=K, G_PAD=max(16, next_pow2(G)), num_warps=cfg.merge_warps, **platform_options)
