@@ -87,7 +87,7 @@ class LaunchConfig:
     #: blocks (a power of two >= topk)
     prefill_index_chunk: int = 32
     #: prefill attention grouped by selected block (:mod:`.prefill_attention`): each block is read once
-    #: per tile of the tokens that chose it (H200, TP1, 8K chunk: 1.03-1.39x over the token tiles and
+    #: per tile of the tokens that chose it (H200, TP1, 8K chunk: 1.03-1.36x over the token tiles and
     #: the per-token kernel it replaced). None = the token-tile kernel below (AMD: not run there yet)
     prefill_attention: Optional[PrefillAttentionConfig] = PrefillAttentionConfig()
     #: (token tiles) visit only the union of the tile's selected blocks (walking the
