@@ -13,11 +13,11 @@ block, and the work is done in three steps:
    select nothing, as in SPEC §4), give every remaining (KV head, token,
    slot) pair its place in its *segment* (KV head, request, block) and cut
    each segment into tiles of ``M`` pairs.
-2. ``_block_tile_kernel``, one program per tile: the ``M`` tokens' query
-   rows (``M x G`` rows, a full tensor-core tile) against the block's K/V,
-   loaded once; it stores each row's partial result (output normalized by
-   its own softmax sum, and the base-2 log-sum-exp) in the pair's slot of a
-   workspace.
+2. ``_block_tile_kernel``, persistent programs walking the tiles: per tile,
+   the ``M`` tokens' query rows (``M x G`` rows, a full tensor-core tile)
+   against the block's K/V, loaded once; it stores each row's partial result
+   (output normalized by its own softmax sum, and the base-2 log-sum-exp) in
+   the pair's slot of a workspace.
 3. ``_merge_slots_kernel``, one program per (token, KV head): merges the
    token's ``K`` partials by their log-sum-exp into the output.
 
@@ -30,6 +30,8 @@ the output does not depend on the order of pairs within a segment.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -46,6 +48,8 @@ from .tiles import load_rows, store_rows
 
 __all__ = ["PairPlan", "plan_pairs", "prefill_attention_forward"]
 
+
+@dataclass(frozen=True)
 class PairPlan:
     """The (token, block) pairs of a run of prefill tokens, grouped into tiles (see :func:`plan_pairs`).
 
@@ -57,10 +61,11 @@ class PairPlan:
     ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful.
     """
 
-    def __init__(self, clean: torch.Tensor, tile_seg: torch.Tensor, tile_page: torch.Tensor,
-                 tile_slot: torch.Tensor, num_tiles: torch.Tensor) -> None:
-        self.clean, self.tile_seg, self.tile_page = clean, tile_seg, tile_page
-        self.tile_slot, self.num_tiles = tile_slot, num_tiles
+    clean: torch.Tensor
+    tile_seg: torch.Tensor
+    tile_page: torch.Tensor
+    tile_slot: torch.Tensor
+    num_tiles: torch.Tensor
 
 
 @triton.jit
@@ -182,6 +187,7 @@ def _merge_slots_kernel(
     out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr, tok0, Tc, G,
     D: tl.constexpr, K: tl.constexpr, G_PAD: tl.constexpr,
 ):
+    """Token ``tok0 + tc``, KV head ``h``: its valid slots' partials merged by log-sum-exp (zeros if none)."""
     tc = tl.program_id(0)
     h = tl.program_id(1)
     rows = tl.arange(0, G_PAD)
