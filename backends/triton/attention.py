@@ -22,7 +22,9 @@ folded in; accumulation is fp32; ``P`` is rounded to V's dtype for the second
     visible blocks once; a block is loaded only if at least one row selected it,
     and then serves every row that did (rows that did not are masked), so
     neighbouring tokens that share blocks share the loads and the tensor-core
-    tiles.
+    tiles. With ``LaunchConfig.prefill_attention`` set (the NVIDIA default) the
+    prefill tokens go to :mod:`.prefill_attention` instead, which groups the
+    step's (token, block) pairs by block.
 
 Rows and slots that hold no valid block (``-1``, ids ``>= nb``, repeated ids)
 contribute nothing; a token with no visible key (padding) outputs zeros.
