@@ -606,6 +606,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dense-limit-gb", type=float, default=24.0, help="largest dense K/V copy for peers")
     ap.add_argument("--pool-gb", type=float, default=96.0, help="largest paged-cache pool")
     ap.add_argument("--sdpa", default="flash,cudnn,efficient", help="SDPA backends to run as peers")
+    ap.add_argument("--peers", default="sdpa,flex,cpu_ref",
+                    help="peers to run where a configuration lists them (subset of sdpa,flex,cpu_ref; '' for none)")
     ap.add_argument("--no-ceilings", action="store_true",
                     help="skip measuring the copy-bandwidth and matmul ceilings (rows then show no %% of ceiling)")
     ap.add_argument("--variants", default="",
@@ -652,6 +654,8 @@ def run(args: argparse.Namespace) -> int:
     shapes = SHAPES_TINY if args.tiny else SHAPES_FULL
     grid = tiny_grid() if args.tiny else full_grid()
     grid = [c for c in grid if c.priority <= args.max_priority and (not args.only or re.search(args.only, c.name))]
+    allowed = {x.strip() for x in args.peers.split(",")}
+    grid = [replace(c, peers=tuple(x for x in c.peers if x in allowed)) for c in grid]
     first_shape = next(iter(shapes.values()))
     be = _pick_backend(args.backend, dev, first_shape)
     ref = None

@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
+from mm3_backends.triton.prefill_config import PrefillAttentionConfig
+
 __all__ = ["VARIANTS", "VariantBackend", "make_variants"]
 
 #: the session-1 values of the fields added in session 2, so v0-v2 keep meaning what they timed
 _SESSION1 = dict(decode_attention_flat=False, decode_attention_warps=8, decode_attention_stages=2,
                  index_fp8_as_f16=False, index_nan_in_max=False, attention_block_n=64, pdl=False,
-                 prefill_attention_per_token=False)
+                 prefill_attention=None)
 
 #: name -> (LaunchConfig overrides, step kinds it changes)
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
@@ -57,10 +59,12 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "ibn64": (dict(index_block_n=64), ("decode",)),
     "if1": (dict(decode_index_programs_factor=1), ("decode",)),
     # prefill
-    "ptok": (dict(prefill_attention_per_token=True), ("prefill",)),
-    "notok": (dict(prefill_attention_per_token=False), ("prefill",)),
     "pabn32": (dict(prefill_attention_block_n=32), ("prefill",)),
     "pch64": (dict(prefill_index_chunk=64), ("prefill",)),
+    # issue 13: the token-tile prefill attention (the rocm plugin's path) beside the block-grouped
+    # kernel; the latter with 128-key steps (0.97-0.98x on the H200, NOTES.md)
+    "tiles": (dict(prefill_attention=None), ("prefill",)),
+    "pbn128": (dict(prefill_attention=PrefillAttentionConfig(block_n=128)), ("prefill",)),
     "prow256": (dict(prefill_index_rows=256, prefill_index_block_n=32), ("prefill",)),
 }
 

@@ -281,20 +281,20 @@ def test_rocm_probe_on_non_rocm_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 # Every kernel path a LaunchConfig can select, so none of them is only ever run on a GPU:
 # the pre-tuning paths ("legacy") and each opt-in alternative, against the fp64 oracle.
 KERNEL_PATHS = {
+    # prefill_attention=None: the token-tile prefill kernel (the rocm plugin's path)
     "legacy": dict(decode_attention_branchless=False, decode_attention_programs_factor=1, topk_sort=False,
-                   prefill_index_chunk=0, decode_attention_flat=False, index_nan_in_max=False),
+                   prefill_index_chunk=0, decode_attention_flat=False, index_nan_in_max=False,
+                   prefill_attention=None),
     "defaults": {},
     "alternatives": dict(merge_per_row=True, index_keys_as_a=True, prefill_attention_union=True,
                          decode_attention_flat=False, decode_attention_programs_factor=8,
-                         decode_attention_stages=3, decode_index_programs_factor=4, prefill_index_chunk=16),
+                         decode_attention_stages=3, decode_index_programs_factor=4, prefill_index_chunk=16,
+                         prefill_attention=None),
     # persistent decode attention (items straddling programs, several splits), NaN-carrying max,
     # deeper indexer pipeline, prefill key tiles of their own size
     "flat_attention": dict(decode_attention_flat=True, decode_attention_flat_programs_per_sm=2,
                            target_programs=64, index_nan_in_max=True, decode_index_stages=3,
                            prefill_index_block_n=16, index_keys_as_a=True),
-    "per_token_prefill": dict(prefill_attention_per_token=True, target_programs=16),
-    # the automatic choice: the (24, 700) prefill has 676 cached tokens >= 200
-    "per_token_prefill_by_context": dict(prefill_attention_per_token_context=200),
     "flat_attention_one_split": dict(decode_attention_flat=True, decode_attention_programs_factor=1,
                                      decode_attention_flat_programs_per_sm=1, index_nan_in_max=True,
                                      target_programs=3),
@@ -367,8 +367,4 @@ def test_launch_heuristics_follow_their_measured_rules() -> None:
     assert cfg.decode_attention_flat_items_per_program(32768) == 125
     # PDL only for small grids
     assert cfg.use_pdl(1, 4) and cfg.use_pdl(8, 4) and not cfg.use_pdl(64, 4)
-    # per-token prefill attention from 16K tokens of cached context, and only with the persistent kernel
-    assert not cfg.use_per_token_prefill(0) and cfg.use_per_token_prefill(32768)
-    from dataclasses import replace
-    assert not replace(cfg, decode_attention_flat=False).use_per_token_prefill(32768)
-    assert replace(cfg, prefill_attention_per_token=True).use_per_token_prefill(0)
+

@@ -41,7 +41,7 @@ AMD_LAUNCH = LaunchConfig(
     # (persistent attention, fp16 dots for fp8 caches) have not run on AMD hardware
     decode_attention_warps=4, decode_attention_programs_factor=8, decode_attention_stages=2,
     decode_attention_flat=False, index_fp8_as_f16=False, index_nan_in_max=False, attention_block_n=64,
-    pdl=False, prefill_attention_per_token=False,
+    pdl=False, prefill_attention=None,
     platform_launch_options=(("waves_per_eu", 2),))
 
 

@@ -22,7 +22,9 @@ folded in; accumulation is fp32; ``P`` is rounded to V's dtype for the second
     visible blocks once; a block is loaded only if at least one row selected it,
     and then serves every row that did (rows that did not are masked), so
     neighbouring tokens that share blocks share the loads and the tensor-core
-    tiles.
+    tiles. With ``LaunchConfig.prefill_attention`` set (the NVIDIA default) the
+    prefill tokens go to :mod:`.prefill_attention` instead, which groups the
+    step's (token, block) pairs by block.
 
 Rows and slots that hold no valid block (``-1``, ids ``>= nb``, repeated ids)
 contribute nothing; a token with no visible key (padding) outputs zeros.
@@ -355,10 +357,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()))
 
     npf = batch.num_prefills
-    # per-token prefill: the persistent decode kernel takes the prefill tokens too (rows after the
-    # decode tokens), one token x G heads per item; no rows are wasted on blocks a token did not pick
-    per_token_prefill = npf > 0 and cfg.use_per_token_prefill(batch.max_prefill_context_len)
-    td = batch.num_tokens if per_token_prefill else batch.num_decode_tokens
+    td = batch.num_decode_tokens
     if td > 0:
         pdl = pdl_enabled(cfg, td, Hkv)
         dopts = decode_launch_options(cfg, pdl)
@@ -398,7 +397,13 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
                     D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), PDL=pdl,
                     num_warps=cfg.decode_attention_warps, **dopts)
 
-    if npf > 0 and not per_token_prefill:
+    if npf > 0 and cfg.prefill_attention is not None:
+        from .prefill_attention import prefill_attention_forward  # imports this module's helpers
+
+        prefill_attention_forward(q, caches, topk, batch, params, out, cfg.prefill_attention, qk_scale=qk_scale,
+                                  dot_dtype=dot_dtype, dot_prec=dot_prec, platform_options=opts,
+                                  target_programs=cfg.target_programs)
+    elif npf > 0:
         rows = max(cfg.prefill_attention_rows, next_pow2(G), 16)
         m = rows // G
         common["BN"] = min(B, cfg.prefill_attention_block_n)

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from .prefill_config import PrefillAttentionConfig
+
 __all__ = ["LaunchConfig", "next_pow2"]
 
 
@@ -84,14 +86,13 @@ class LaunchConfig:
     #: prefill indexer: 0 = running top-K updated per block; n = packed-key top-K merged every n
     #: blocks (a power of two >= topk)
     prefill_index_chunk: int = 32
-    #: prefill attention: visit only the union of the tile's selected blocks (walking the
+    #: prefill attention grouped by selected block (:mod:`.prefill_attention`): each block is read once
+    #: per tile of the tokens that chose it (H200, TP1, 8K chunk: 1.03-1.36x over the token tiles and
+    #: the per-token kernel it replaced). None = the token-tile kernel below (AMD: not run there yet)
+    prefill_attention: Optional[PrefillAttentionConfig] = PrefillAttentionConfig()
+    #: (token tiles) visit only the union of the tile's selected blocks (walking the
     #: tile's top-k slots) instead of scanning every visible block for members
     prefill_attention_union: bool = False
-    #: prefill attention by the persistent decode kernel, one token x G heads per item (needs
-    #: ``decode_attention_flat``), instead of multi-token tiles walking the union of their blocks;
-    #: None = when a prefill request's cached context reaches ``prefill_attention_per_token_context``
-    prefill_attention_per_token: Optional[bool] = None
-    prefill_attention_per_token_context: int = 16384
     # prefill attention: rows = tokens x query heads of one KV group
     prefill_attention_rows: int = 128
     prefill_attention_warps: int = 8
@@ -166,19 +167,6 @@ class LaunchConfig:
         if self.pdl is not None:
             return self.pdl
         return self._small_grid(num_tokens, num_kv_heads)
-
-    def use_per_token_prefill(self, longest_prefill_context: int) -> bool:
-        """Prefill attention through the persistent per-token kernel for this step?
-
-        Measured on the H200 (TP1, 8K-token chunk): at 32K context 15.4 -> 5.5 ms (random
-        selections) and 10.7 -> 5.0 ms (correlated); at context 0 the multi-token tiles win
-        (4.2 vs 5.0 ms). The 16K default threshold lies between the two measured points.
-        """
-        if not self.decode_attention_flat:
-            return False
-        if self.prefill_attention_per_token is not None:
-            return self.prefill_attention_per_token
-        return longest_prefill_context >= self.prefill_attention_per_token_context
 
     def decode_attention_splits(self, num_tokens: int, num_kv_heads: int, topk: int) -> int:
         """Flash-decoding splits over the selected blocks (1 = no merge pass).

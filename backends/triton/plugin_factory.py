@@ -28,6 +28,7 @@ from mm3.contract import hookimpl
 from mm3.contract import MINIMAX_M3_MAX_DECODE_QUERY_LEN
 
 from .launch import LaunchConfig
+from .prefill_config import PrefillAttentionConfig
 
 if TYPE_CHECKING:
     from mm3.contract import BatchMetadata
@@ -44,7 +45,8 @@ SUPPORTED_TILE_SIZES = frozenset({16, 32, 64, 128, 256})
 #: but more than one split so the flash-decoding merge runs in CI too
 INTERPRETER_CONFIG = LaunchConfig(target_programs=8, decode_index_min_blocks=1,
                                   prefill_index_rows=32, prefill_attention_rows=32,
-                                  index_block_n=16, attention_block_n=16)
+                                  index_block_n=16, attention_block_n=16,
+                                  prefill_attention=PrefillAttentionConfig(rows=32, block_n=16))
 
 
 def triton_missing() -> str:

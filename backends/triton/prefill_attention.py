@@ -1,0 +1,257 @@
+"""Block-grouped prefill attention (docs/spec.md §4): each selected block is read once for all tokens that chose it.
+
+Attending token by token reads a 64 KB K/V block for every (token, KV head,
+selected block) and serves only that token's ``G`` query heads with it:
+about 16 FLOP per byte, bound by on-chip bandwidth far below the tensor
+cores. Neighbouring tokens of a prefill share few blocks when their
+selections are unrelated, but across a whole chunk every block is chosen by
+hundreds of tokens. So the step's (token, block) pairs are regrouped by
+block, and the work is done in three steps:
+
+1. :func:`plan_pairs` (two small kernels and a prefix sum, no host sync):
+   clean each row of the selection (ids outside ``[0, nb)`` and repeats
+   select nothing, as in docs/spec.md §4), give every remaining (KV head, token,
+   slot) pair its place in its *segment* (KV head, request, block) and cut
+   each segment into tiles of ``M`` pairs.
+2. ``_block_tile_kernel``, persistent programs walking the tiles: per tile,
+   the ``M`` tokens' query rows (``M x G`` rows, a full tensor-core tile)
+   against the block's K/V, loaded once; it stores each row's partial result
+   (output normalized by its own softmax sum, and the base-2 log-sum-exp) in
+   the pair's slot of a workspace.
+3. ``_merge_slots_kernel``, one program per (token, KV head): merges the
+   token's ``K`` partials by their log-sum-exp into the output.
+
+Every pair is computed once, in tiles whose rows are all useful except a
+segment's last tile. The price is the workspace round trip: ``K x G x D``
+partial elements per (token, KV head), written once and read once.
+
+A row's arithmetic does not depend on which other rows share its tile, so
+the output does not depend on the order of pairs within a segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.params import SparseAttentionParams
+
+from .attention import _attend_block
+from .launch import next_pow2
+from .prefill_config import PrefillAttentionConfig
+from .tiles import load_rows, store_rows
+
+__all__ = ["PairPlan", "plan_pairs", "prefill_attention_forward"]
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """The (token, block) pairs of a run of prefill tokens, grouped into tiles (see :func:`plan_pairs`).
+
+    ``clean`` ``[H, Tc, K]``: each row's valid block ids once, ``-1`` elsewhere;
+    ``tile_seg`` ``[max_tiles]``: each tile's segment id;
+    ``tile_page`` ``[max_tiles]``: the page of each tile's block;
+    ``tile_slot`` ``[max_tiles * M]``: per tile, the flat slot ``(h * Tc + t) * K + k`` of each
+    of its ``M`` pairs (``-1``: no pair);
+    ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful.
+    """
+
+    clean: torch.Tensor
+    tile_seg: torch.Tensor
+    tile_page: torch.Tensor
+    tile_slot: torch.Tensor
+    num_tiles: torch.Tensor
+
+
+@triton.jit
+def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, within_ptr, count_ptr,
+                       tok0, Tc, first_request, num_req, nb_max,
+                       B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr):
+    """Row ``(h, t)``: its valid block ids once (ids outside ``[0, nb)`` and repeats dropped) into
+    ``clean``, and each valid pair's place in its segment (a counter per segment)."""
+    tc = tl.program_id(0)
+    h = tl.program_id(1)
+    t = tok0 + tc
+    slots = tl.arange(0, K_PAD)
+    ids = tl.load(sel_ptr + h * s_sh + t * s_st + slots * s_sk, mask=slots < K, other=-1)
+    pos = tl.load(pos_ptr + t)
+    nb = tl.where(pos >= 0, pos // B + 1, 0)
+    repeat = tl.max(((ids[:, None] == ids[None, :]) & (slots[None, :] < slots[:, None])).to(tl.int32), axis=1)
+    ok = (ids >= 0) & (ids < nb) & (repeat == 0)
+    row = (h * Tc + tc) * K + slots
+    tl.store(clean_ptr + row, tl.where(ok, ids, -1), mask=slots < K)
+    seg = (h * num_req + tl.load(req_ptr + t) - first_request) * nb_max + ids
+    tl.store(within_ptr + row, tl.atomic_add(count_ptr + seg, 1, mask=ok), mask=ok)
+
+
+@triton.jit
+def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, req_ptr, clean_ptr, within_ptr, tile_base_ptr,
+                       tile_seg_ptr, tile_page_ptr, tile_slot_ptr, tok0, Tc, first_request, num_req, nb_max,
+                       K: tl.constexpr, K_PAD: tl.constexpr, M: tl.constexpr):
+    """Row ``(h, t)``: each valid pair into its tile (segment's first tile + place // M); the pair
+    that opens a tile also writes the tile's segment and the page of its block."""
+    tc = tl.program_id(0)
+    h = tl.program_id(1)
+    slots = tl.arange(0, K_PAD)
+    row = (h * Tc + tc) * K + slots
+    ids = tl.load(clean_ptr + row, mask=slots < K, other=-1)
+    ok = ids >= 0
+    r = tl.load(req_ptr + tok0 + tc) - first_request
+    seg = (h * num_req + r) * nb_max + ids
+    within = tl.load(within_ptr + row, mask=ok, other=0)
+    tile = tl.load(tile_base_ptr + seg, mask=ok, other=0) + within // M
+    tl.store(tile_slot_ptr + tile * M + within % M, row, mask=ok)
+    opens = ok & (within % M == 0)
+    tl.store(tile_seg_ptr + tile, seg, mask=opens)
+    page = tl.load(bt_ptr + (first_request + r) * s_bt_r + ids * s_bt_b, mask=opens, other=0)
+    tl.store(tile_page_ptr + tile, page, mask=opens)
+
+
+def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens: int, *, nb_max: int,
+               tokens_per_tile: int, max_tiles: int) -> PairPlan:
+    """Group the pairs of prefill tokens ``tok0 .. tok0 + num_tokens - 1`` by (KV head, request, block).
+
+    ``sel_hm``: the step's selection ``[H, T, K]`` (any strides); ``nb_max``:
+    more than any valid block id; ``max_tiles``: an upper bound of the tile
+    count (sizes the launch grid without a host sync). Two launches and a
+    prefix sum over the segments, no sort: a segment's pairs take their
+    places by an atomic counter, in any order (a row's result does not depend
+    on which rows share its tile). Everything the tile kernel needs is laid
+    out per tile, so a tile waits on one round trip before its query rows and K/V.
+    """
+    H, _, K = sel_hm.shape
+    M, Tc, nd, R = tokens_per_tile, num_tokens, batch.num_decodes, batch.num_prefills
+    dev = sel_hm.device
+    clean = torch.empty((H, Tc, K), device=dev, dtype=torch.int32)
+    within = torch.empty_like(clean)
+    count = torch.zeros(H * R * nb_max, device=dev, dtype=torch.int32)
+    rows = (Tc, H)
+    _pair_count_kernel[rows](sel_hm, *sel_hm.stride(), batch.token_positions, batch.token_to_request, clean, within,
+                             count, tok0, Tc, nd, R, nb_max, B=batch.block_size, K=K, K_PAD=next_pow2(K))
+    tiles = (count + (M - 1)) // M
+    tile_base = torch.cumsum(tiles, dim=0, dtype=torch.int32) - tiles
+    tile_seg = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    tile_page = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    tile_slot = torch.full((max_tiles * M,), -1, device=dev, dtype=torch.int32)
+    bt = batch.block_table
+    _pair_place_kernel[rows](bt, *bt.stride(), batch.token_to_request, clean, within, tile_base, tile_seg, tile_page,
+                             tile_slot, tok0, Tc, nd, R, nb_max, K=K, K_PAD=next_pow2(K), M=M)
+    return PairPlan(clean, tile_seg, tile_page, tile_slot, tiles.sum(dtype=torch.int32).view(1))
+
+
+@triton.jit
+def _block_tile_kernel(
+    q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
+    pos_ptr, tile_seg_ptr, tile_page_ptr, tile_slot_ptr, num_tiles_ptr, ws_o_ptr, ws_lse_ptr,
+    tok0, Tc, nb_max, num_req, G, qk_scale,
+    B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
+    M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 1,
+):
+    """Tiles ``program_id, program_id + programs, ...`` as one software-pipelined loop: the next
+    tile's pairs, query rows and K/V are loaded while this one's math runs."""
+    rows = tl.arange(0, ROWS)
+    mi = rows // G
+    gi = rows % G
+    offs_d = tl.arange(0, D)
+    for i in tl.range(tl.program_id(0), tl.load(num_tiles_ptr), tl.num_programs(0), num_stages=STAGES):
+        seg = tl.load(tile_seg_ptr + i)
+        page = tl.load(tile_page_ptr + i).to(tl.int64)
+        slot = tl.load(tile_slot_ptr + i * M + mi, mask=mi < M, other=-1).to(tl.int64)
+        row_ok = slot >= 0
+        tok = tok0 + (slot // K) % Tc
+        pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+        b = seg % nb_max
+        h = seg // nb_max // num_req
+        q = load_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
+            s_kb, s_kd, s_vb, s_vd, row_ok, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
+        # a valid pair's block holds key b * B <= pos, so l > 0 in every stored row
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        part = slot * G + gi
+        tl.store(ws_o_ptr + part[:, None] * D + offs_d[None, :], (acc / l_safe[:, None]).to(ws_o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(ws_lse_ptr + part, m_i + tl.log2(l_safe), mask=row_ok)
+
+
+@triton.jit
+def _merge_slots_kernel(
+    out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr, tok0, Tc, G,
+    D: tl.constexpr, K: tl.constexpr, G_PAD: tl.constexpr,
+):
+    """Token ``tok0 + tc``, KV head ``h``: its valid slots' partials merged by log-sum-exp (zeros if none)."""
+    tc = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = tl.arange(0, G_PAD)
+    row_ok = rows < G
+    offs_d = tl.arange(0, D)
+    base = (h * Tc + tc).to(tl.int64) * K
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    zero_rows = tl.full([G_PAD], 0, tl.int32)
+    for k in tl.static_range(K):
+        use = row_ok & ((zero_rows + tl.load(clean_ptr + base + k)) >= 0)
+        part = (base + k) * G + rows
+        lse = tl.load(ws_lse_ptr + part, mask=use, other=float("-inf"))
+        o = tl.load(ws_o_ptr + part[:, None] * D + offs_d[None, :], mask=use[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe)
+        l_i = l_i * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o.to(tl.float32)
+        m_i = m_new
+    store_rows(out_ptr, zero_rows + tok0 + tc, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
+
+
+def _blocks(seq_len: int, block_size: int) -> int:
+    return -(-seq_len // block_size)
+
+
+def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
+                              params: SparseAttentionParams, out: torch.Tensor, cfg: PrefillAttentionConfig,
+                              *, qk_scale: float, dot_dtype: object, dot_prec: str, platform_options: dict,
+                              target_programs: int) -> None:
+    """Attention of every prefill token of the step (rows after the decode tokens) into ``out``.
+
+    ``target_programs``: two per multiprocessor (sizes the persistent grid).
+    """
+    Hkv, G, K, B, D = params.num_kv_heads, params.gqa_group, params.topk, params.block_size, params.head_dim
+    td, T, nd = batch.num_decode_tokens, batch.num_tokens, batch.num_decodes
+    rows = max(cfg.rows, next_pow2(G))
+    m = rows // G
+    seqs = batch.seq_lens_host[nd:]
+    nb_max = max(_blocks(s, B) for s in seqs)
+    nb_sum = sum(_blocks(s, B) for s in seqs)
+    if Hkv * batch.num_prefills * nb_max >= 2**31 - 1:
+        raise ValueError(f"prefill attention: {Hkv} KV heads x {batch.num_prefills} requests x {nb_max} blocks "
+                         f"overflow the int32 segment ids; split the step into fewer prefill requests")
+    k, v = caches.k, caches.v
+    sel = topk.head_major()
+    common = dict(B=B, D=D, K=K, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
+    for a in range(td, T, cfg.max_tokens_per_pass):
+        c = min(cfg.max_tokens_per_pass, T - a)
+        pairs = Hkv * c * K
+        max_tiles = min(pairs, pairs // m + Hkv * nb_sum)
+        plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=m, max_tiles=max_tiles)
+        ws_o = torch.empty((pairs, G, D), dtype=q.dtype, device=q.device)
+        ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
+        programs = max(1, min(max_tiles, target_programs // 2 * cfg.programs_per_sm))
+        _block_tile_kernel[(programs,)](
+            q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
+            plan.tile_seg, plan.tile_page, plan.tile_slot, plan.num_tiles, ws_o, ws_lse,
+            a, c, nb_max, batch.num_prefills, G, qk_scale,
+            BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, **common, num_warps=cfg.warps,
+            **platform_options)
+        _merge_slots_kernel[(c, Hkv)](
+            out, *out.stride(), plan.clean, ws_o, ws_lse, a, c, G,
+            D=D, K=K, G_PAD=max(16, next_pow2(G)), num_warps=cfg.merge_warps, **platform_options)

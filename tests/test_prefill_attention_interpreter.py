@@ -1,0 +1,114 @@
+"""The block-grouped prefill attention (``mm3_backends.triton.prefill_attention``) on the CPU.
+
+* the plan: every valid (KV head, token, block) pair of the prefill tokens
+  lands in exactly one tile, tiles hold one segment and at most ``M``
+  pairs, pages come from the block table, repeats and ids outside the
+  visible range are dropped;
+* the kernels through Triton's interpreter (fp32 / fp16, tiny shapes) against
+  the fp64 oracle: pipelined and not, several tiles per program, a
+  GQA group that is not a power of two, passes smaller than the step, a
+  messy selection, a mixed batch with decodes before the prefills; and the
+  token-tile kernel it replaces on NVIDIA (the rocm plugin's path).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.params import SparseAttentionParams
+from mm3.testing.factories import make_case
+from mm3.testing.oracle import oracle_attention, oracle_topk
+
+from mm3_backends.triton.prefill_attention import plan_pairs
+from mm3_backends.triton.prefill_config import PrefillAttentionConfig
+
+ATTN_TOL = {torch.float16: (1e-2, 1.5e-4), torch.float32: (1e-5, 1e-5)}
+interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                            reason="CPU-interpreter tests; a GPU machine runs tests/gpu instead")
+
+
+def _params(g: int) -> SparseAttentionParams:
+    return SparseAttentionParams(num_heads=2 * g, num_kv_heads=2, head_dim=32, num_index_heads=2,
+                                 index_head_dim=32, block_size=16, topk=4)
+
+
+@pytest.mark.interpreter
+@interp
+def test_plan_puts_every_pair_in_one_tile() -> None:
+    g = torch.Generator().manual_seed(3)
+    H, K, B, M, nb_max = 2, 5, 16, 3, 9
+    # one decode (not planned), then two prefills: 20 tokens after 100 cached, 17 from position 0
+    table = torch.randperm(3 * nb_max, generator=g).view(3, nb_max).to(torch.int32)
+    batch = BatchMetadata.build([1, 20, 17], [40, 120, 17], table, block_size=B, num_decodes=1)
+    T, R, nd = batch.num_tokens, 2, 1
+    sel = torch.randint(-2, nb_max + 2, (T, H, K), generator=g, dtype=torch.int32).transpose(0, 1)
+    sel[:, :, 1] = sel[:, :, 0]                                           # repeats
+    Tc = T - nd
+    max_tiles = H * Tc * K // M + H * R * nb_max
+    plan = plan_pairs(sel, batch, nd, Tc, nb_max=nb_max, tokens_per_tile=M, max_tiles=max_tiles)
+    n = int(plan.num_tiles)
+    assert 0 < n <= max_tiles
+    pos, req = batch.token_positions[nd:], batch.token_to_request[nd:] - nd
+    nb = pos // B + 1
+    want = {(h, t, int(b)) for h in range(H) for t in range(Tc) for b in sel[h, nd + t].tolist() if 0 <= b < nb[t]}
+    got = []
+    for i in range(n):
+        seg = int(plan.tile_seg[i])
+        h, r, b = seg // (R * nb_max), seg // nb_max % R, seg % nb_max
+        assert int(plan.tile_page[i]) == int(table[nd + r, b])
+        slots = [s for s in plan.tile_slot[i * M:(i + 1) * M].tolist() if s >= 0]
+        assert slots, f"tile {i} is empty"
+        for s in slots:
+            hs, t, k = s // (Tc * K), s // K % Tc, s % K
+            assert (hs, int(req[t])) == (h, r) and int(plan.clean[hs, t, k]) == b
+            got.append((h, t, b))
+    assert sorted(got) == sorted(want), "a pair is missing or served twice"
+    assert (plan.tile_slot[n * M:] == -1).all()
+    for h in range(H):
+        for t in range(Tc):
+            assert sorted(x for x in plan.clean[h, t].tolist() if x >= 0) == sorted({b for (hh, tt, b) in want
+                                                                                    if (hh, tt) == (h, t)})
+
+
+def _forward(case, sel, cfg: PrefillAttentionConfig | None) -> torch.Tensor:
+    from mm3_backends.triton import attention
+    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+
+    out = torch.full_like(case.q, float("nan"))
+    attention.attention_forward(case.q, case.caches, sel, case.batch, case.params, out,
+                                replace(INTERPRETER_CONFIG, prefill_attention=cfg))
+    return out
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) output elements"
+    err = (out.double() - ref).abs()
+    max_tol, mean_tol = ATTN_TOL[out.dtype]
+    assert err.max().item() <= max_tol and err.mean().item() <= mean_tol, (err.max().item(), err.mean().item())
+
+
+@pytest.mark.interpreter
+@interp
+@pytest.mark.parametrize("dtype,cfg", [
+    ("float32", PrefillAttentionConfig(rows=16, block_n=16, programs_per_sm=3, stages=1)),
+    ("float16", PrefillAttentionConfig(rows=32, block_n=16, max_tokens_per_pass=11)),
+    ("float16", None),
+], ids=["unpipelined_fp32", "passes_fp16", "token_tiles_fp16"])
+def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionConfig | None) -> None:
+    """A mixed step (2 decodes + padding, 3 prefills, G = 3) with a messy selection.
+
+    ``None``: the token-tile kernel the rocm plugin keeps (the interpreter config takes the
+    block-grouped path for both plugins, so this is where the other one runs in CI)."""
+    p = _params(3)
+    case = make_case(p, decodes=[70, 33], prefills=[(20, 130), (3, 3), (17, 60)], padding_decodes=1,
+                     dtype=dtype, index_dtype=dtype, seed=9)
+    sel = oracle_topk(case.index_q, case.caches, case.batch, p)
+    view = sel.head_major()
+    nb = (case.batch.token_positions.clamp(min=0) // p.block_size + 1).to(torch.int32)
+    view[1, :, 3] = torch.where(view[1, :, 3] >= 0, view[1, :, 0], nb + 1)   # a repeat, or an id past nb
+    _assert_close(_forward(case, sel, cfg), oracle_attention(case.q, case.caches, sel, case.batch, p))
