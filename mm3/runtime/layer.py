@@ -33,6 +33,7 @@ from mm3.runtime.config import Settings, default_settings
 from mm3.contract.errors import InputError
 from mm3.contract.params import SparseAttentionParams
 from mm3.runtime.backend import Backend
+from mm3.runtime.ops import OpTarget, batch_args, run_attention, run_index_topk
 from mm3.runtime.registry import Registry, default_registry
 from mm3.runtime.scope import current_scope
 from mm3.runtime.selection import Selection, requirements_for, select
@@ -52,6 +53,7 @@ class _Bound:
     attention: Backend
     topk: TopkBuffer
     convert_to: Optional[str]  # layout the attention needs, when a per-step copy is required
+    target: OpTarget           # what torch.ops.mm3.* dispatch to for this choice
 
 
 class SparseAttention:
@@ -132,12 +134,20 @@ class SparseAttention:
         buf = idx.alloc_topk_buffer(self.max_num_tokens, p.num_index_heads, p.topk, self.device)
         # What runs is what the trace says: both come from the selection's verdict on this buffer.
         sel = sel.for_buffer(buf)
-        return _Bound(sel, idx, att, buf, att.capabilities.topk_layout if sel.converts_topk else None)
+        convert_to = att.capabilities.topk_layout if sel.converts_topk else None
+        target = OpTarget(idx, att, p, buf.layout, convert_to or buf.layout)
+        return _Bound(sel, idx, att, buf, convert_to, target)
 
     @property
     def selection(self) -> Selection:
         """The current choice (honours an active ``use_backend`` scope)."""
         return self._resolve().selection
+
+    @property
+    def op_target(self) -> OpTarget:
+        """What ``torch.ops.mm3.index_topk`` / ``attention`` dispatch to for the current choice
+        (pass its ``handle``; :mod:`mm3.runtime.ops`)."""
+        return self._resolve().target
 
     @property
     def topk_buffer(self) -> TopkBuffer:
@@ -171,11 +181,15 @@ class SparseAttention:
         T = batch.num_tokens
         if out is None:
             out = torch.empty_like(q)
-        out_rows = out[:T]
-        topk = b.topk.rows(0, T)
-        b.indexer.index_topk(index_q, caches, batch, self.params, topk)
-        b.attention.attention_forward(q, caches, self._for_attention(b, topk), batch, self.params, out_rows)
-        return out_rows
+        if torch.compiler.is_compiling():  # one opaque node per op: nothing below is traced
+            args, c, handle = batch_args(batch), caches, b.target.handle
+            torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, b.topk.storage, *args, handle)
+            topk = self._for_attention(b, b.topk.rows(0, T))
+            torch.ops.mm3.attention(q, c.k, c.v, c.index, topk.storage, *args, handle, out)
+        else:  # eager: the same functions the ops run, without the dispatcher
+            run_index_topk(b.target, index_q, caches, batch, b.topk)
+            run_attention(b.target, q, caches, self._for_attention(b, b.topk.rows(0, T)), batch, out)
+        return out[:T]
 
     __call__ = forward
 
