@@ -194,3 +194,19 @@ def test_from_device_refuses_wrong_tensors() -> None:
         mm3.BatchMetadata.from_device(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3, 4], dtype=torch.int32),
                                       torch.zeros(2, 1, dtype=torch.int32), num_decodes=1, num_tokens=1,
                                       max_query_len=1, block_size=16)
+
+
+def test_engine_loop_example_runs_and_checks_itself(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "engine_loop.py"
+    spec = importlib.util.spec_from_file_location("engine_loop", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    monkeypatch.setitem(sys.modules, "engine_loop", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    assert module.main(["--requests", "3", "--layers", "1", "--seed", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "mixed" in text and "decode" in text and "passed:" in text, text
