@@ -20,6 +20,7 @@ from mm3_backends.cpu_ref import attention as cpu_attention
 from mm3_backends.cpu_ref import plugin as cpu_ref
 
 FP8 = torch.float8_e4m3fn
+PLAIN = {"bfloat16", "float16", "float32"}  # what a backend written before fp8 K/V declares (the default)
 
 
 def _params(h: int = 2, g: int = 2) -> mm3.SparseAttentionParams:
@@ -95,7 +96,8 @@ def test_fp8_kv_needs_no_q_in_fp8_but_other_mismatches_fail() -> None:
 # -- selection ------------------------------------------------------------------------------------
 
 def test_selection_explains_a_backend_that_cannot_read_fp8_kv() -> None:
-    plain = MockBackend("plain_attn", ops={"attention", "index_topk"}, topk_layout="head_major", priority=5)
+    plain = MockBackend("plain_attn", ops={"attention", "index_topk"}, topk_layout="head_major", priority=5,
+                        kv_cache_dtypes=PLAIN)
     reg = Registry([plain, cpu_ref], entry_points=False)
     layer = mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=FP8, max_num_tokens=16, registry=reg)
     assert layer.selection.attention.name == "cpu_ref"
@@ -111,7 +113,7 @@ def test_selection_explains_a_backend_that_cannot_read_fp8_kv() -> None:
 
 
 def test_bound_backend_refuses_fp8_kv_outside_its_declaration() -> None:
-    plain = MockBackend("plain_attn", ops={"attention"}, topk_layout="head_major")
+    plain = MockBackend("plain_attn", ops={"attention"}, topk_layout="head_major", kv_cache_dtypes=PLAIN)
     be = Registry([plain], entry_points=False).get("plain_attn")
     p = _params()
     case = make_case(p, decodes=[40], dtype="float32", kv_dtype="float8_e4m3fn")
@@ -162,3 +164,17 @@ def test_tensor_parallel_shard_keeps_its_heads_scales() -> None:
         local = shard.slice_caches(case.caches, contiguous=contiguous)
         assert local.k_scale.tolist() == case.caches.k_scale[2:].tolist()
         assert torch.equal(local.dequantized().v, case.caches.dequantized().v[:, :, 2:])
+
+
+def test_conformance_skips_fp8_kv_cases_a_backend_does_not_declare() -> None:
+    from mm3.testing.conformance.suite import plan_cases
+
+    plain = Registry([MockBackend("plain_attn", ops={"attention"}, topk_layout="head_major", kv_cache_dtypes=PLAIN)],
+                     entry_points=False).get("plain_attn")
+    plan = {c.name: c for c in plan_cases(plain, dtypes=["float32"], index_dtypes=["bfloat16"])}
+    fp8 = [c for n, c in plan.items() if "kv_fp8" in n]
+    assert fp8 and all("KV cache dtype float8_e4m3fn not in" in c.skip for c in fp8)
+    ref = plan_cases(Registry([cpu_ref], entry_points=False).get("cpu_ref"), dtypes=["float32"],
+                     index_dtypes=["bfloat16"])
+    results = [c.run() for c in ref if "kv_fp8" in c.name]
+    assert len(results) == 2 and all(r.status == "pass" for r in results), [r.message for r in results]
