@@ -92,7 +92,7 @@ def attended_keys(sel_hm: torch.Tensor, positions: torch.Tensor, block_size: int
 
 
 def prefill_counts(p: SparseAttentionParams, sel_hm: torch.Tensor, positions: torch.Tensor, *,
-                   index_elt: int, kv_elt: int) -> dict[str, float]:
+                   index_elt: int, kv_elt: int, q_elt: int = 2) -> dict[str, float]:
     """FLOPs and minimal bytes of one prefill chunk, from its selection ``[H, T, K]`` and positions ``[T]``.
 
     ``positions`` are absolute (context + i). Returns indexer FLOPs, sparse
@@ -108,7 +108,6 @@ def prefill_counts(p: SparseAttentionParams, sel_hm: torch.Tensor, positions: to
     index_flops = 2.0 * p.index_head_dim * p.num_index_heads * visible
     sparse_flops = 4.0 * p.head_dim * G * att_keys
     dense_flops = 4.0 * p.head_dim * p.num_heads * visible
-    q_elt = kv_elt
     index_bytes = seq * p.index_head_dim * index_elt + T * p.num_index_heads * p.index_head_dim * q_elt \
         + T * p.num_index_heads * p.topk * 4
     kv_bytes = seq * p.num_kv_heads * p.head_dim * 2 * kv_elt

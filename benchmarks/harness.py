@@ -67,11 +67,13 @@ class DecodeCfg:
     index_dtype: str = "bfloat16"
     priority: int = 1
     peers: tuple[str, ...] = ("sdpa",)
+    kv_dtype: str = "bfloat16"
 
     @property
     def name(self) -> str:
         idx = "fp8" if self.index_dtype.startswith("float8") else "bf16"
-        return f"decode {self.shape} b{self.batch} ctx{_k(self.context)} q{self.qlen} idx-{idx}"
+        kv = " kv-fp8" if self.kv_dtype == FP8 else ""
+        return f"decode {self.shape} b{self.batch} ctx{_k(self.context)} q{self.qlen} idx-{idx}{kv}"
 
 
 @dataclass(frozen=True)
@@ -84,11 +86,13 @@ class PrefillCfg:
     peers: tuple[str, ...] = ("sdpa", "flex")
     parts: tuple[str, ...] = ("indexer", "attention", "step")
     blockmap: bool = False
+    kv_dtype: str = "bfloat16"
 
     @property
     def name(self) -> str:
         sel = "random" if self.locality == 0 else f"shared{self.locality:g}"
-        return f"prefill {self.shape} {_k(self.chunk)} new ctx{_k(self.context)} sel-{sel}"
+        kv = " kv-fp8" if self.kv_dtype == FP8 else ""
+        return f"prefill {self.shape} {_k(self.chunk)} new ctx{_k(self.context)} sel-{sel}{kv}"
 
 
 def _k(n: int) -> str:
@@ -114,12 +118,20 @@ def full_grid() -> list:
         PrefillCfg("TP1", 32 * K, priority=0, blockmap=True),
         PrefillCfg("TP1", 32 * K, locality=0.9, priority=0, peers=("flex",), blockmap=True),
         PrefillCfg("TP1", 0, locality=0.9, priority=0, peers=("flex",)),
+        # fp8 K/V (issue 17), beside the bf16 rows above: same shapes, same run
+        DecodeCfg("TP1", 64, 64 * K, kv_dtype=FP8, priority=0, peers=()),
+        DecodeCfg("TP1", 64, 64 * K, index_dtype=FP8, kv_dtype=FP8, priority=0, peers=()),
+        DecodeCfg("TP1", 1, 64 * K, kv_dtype=FP8, priority=0, peers=()),
+        DecodeCfg("TP1", 1, 64 * K, index_dtype=FP8, kv_dtype=FP8, priority=0, peers=()),
+        PrefillCfg("TP1", 32 * K, priority=0, peers=(), kv_dtype=FP8),
+        PrefillCfg("TP1", 0, priority=0, peers=(), kv_dtype=FP8),
     ]
-    seen = {(c.shape, c.batch, c.context, c.qlen, c.index_dtype) for c in cfgs if isinstance(c, DecodeCfg)}
+    seen = {(c.shape, c.batch, c.context, c.qlen, c.index_dtype, c.kv_dtype) for c in cfgs
+            if isinstance(c, DecodeCfg)}
 
     def add(c: Any) -> None:
         if isinstance(c, DecodeCfg):
-            key = (c.shape, c.batch, c.context, c.qlen, c.index_dtype)
+            key = (c.shape, c.batch, c.context, c.qlen, c.index_dtype, c.kv_dtype)
             if key in seen:
                 return
             seen.add(key)
@@ -161,12 +173,14 @@ def tiny_grid() -> list:
     return [
         DecodeCfg("tiny", 3, 200, priority=0, peers=all_peers),
         DecodeCfg("tiny", 3, 200, index_dtype=FP8, priority=0, peers=()),
+        DecodeCfg("tiny", 3, 200, index_dtype=FP8, kv_dtype=FP8, priority=0, peers=()),
         DecodeCfg("tiny", 1, 64, priority=0, peers=all_peers),
         DecodeCfg("tiny", 2, 256, qlen=2, priority=0, peers=all_peers),
         DecodeCfg("tiny", 1, 256, priority=1, peers=("sdpa",)),
         PrefillCfg("tiny", 0, chunk=48, priority=0, peers=all_peers, blockmap=True),
         PrefillCfg("tiny", 80, chunk=48, priority=0, peers=all_peers, blockmap=True),
         PrefillCfg("tiny", 80, chunk=48, locality=0.9, priority=0, peers=("flex",), blockmap=True),
+        PrefillCfg("tiny", 80, chunk=48, priority=0, peers=(), kv_dtype=FP8),
     ]
 
 
@@ -263,8 +277,13 @@ def _step_bytes_estimate(p: SparseAttentionParams, c: DecodeCfg) -> int:
     nb = -(-c.context // p.block_size)
     kv_tokens = c.batch * p.num_kv_heads * min(p.topk * c.qlen, nb) * p.block_size
     elt = 1 if c.index_dtype == FP8 else 2
-    return counts.decode_bytes(p, batch=c.batch, context=c.context, qlen=c.qlen, index_elt=elt, kv_elt=2,
-                               kv_tokens=kv_tokens)["step"]
+    return counts.decode_bytes(p, batch=c.batch, context=c.context, qlen=c.qlen, index_elt=elt,
+                               kv_elt=_kv_elt(c), kv_tokens=kv_tokens, q_elt=2)["step"]
+
+
+def _kv_elt(c: Any) -> int:
+    """Bytes of one K or V element in configuration ``c``."""
+    return 1 if c.kv_dtype == FP8 else 2
 
 
 def _num_sets(ctx: Context, p: SparseAttentionParams, c: DecodeCfg) -> int:
@@ -332,12 +351,12 @@ def run_decode(ctx: Context, c: DecodeCfg) -> None:
     S = _num_sets(ctx, p, c)
     pool = ctx.get_pool(c.shape, _pages_needed(ctx, c))
     sets = inputs.decode_sets(pool, batch=c.batch, context=c.context, qlen=c.qlen, num_sets=S,
-                              index_dtype=c.index_dtype)
+                              index_dtype=c.index_dtype, kv_dtype=c.kv_dtype)
     be = ctx.backend
     T = c.batch * c.qlen
     bufs = [be.alloc_topk_buffer(T, p.num_index_heads, p.topk, ctx.device) for _ in sets]
     base = dict(kind="decode", shape=c.shape, batch=c.batch, context=c.context, qlen=c.qlen,
-                index_dtype=c.index_dtype, config=c.name, priority=c.priority)
+                index_dtype=c.index_dtype, kv_dtype=c.kv_dtype, config=c.name, priority=c.priority)
 
     # correctness first: backend vs cpu_ref on (up to) the first and last request of set 0
     s0, b0 = sets[0], bufs[0]
@@ -355,8 +374,8 @@ def run_decode(ctx: Context, c: DecodeCfg) -> None:
              "attn_mean_err": max(g["attn_mean_err"] for g in got)}
     kv_tokens = counts.distinct_kv_tokens(b0.head_major()[:, :T], s0.batch.seq_lens, c.qlen, p.block_size)
     elt = 1 if c.index_dtype == FP8 else 2
-    nbytes = counts.decode_bytes(p, batch=c.batch, context=c.context, qlen=c.qlen, index_elt=elt, kv_elt=2,
-                                 kv_tokens=kv_tokens)
+    nbytes = counts.decode_bytes(p, batch=c.batch, context=c.context, qlen=c.qlen, index_elt=elt,
+                                 kv_elt=_kv_elt(c), kv_tokens=kv_tokens, q_elt=2)
 
     tm = _time_parts(ctx, be, p, sets, bufs, ("indexer", "attention", "step"), graph=True)
     kernels = _kernels(ctx, c, lambda: (be.index_topk(s0.index_q, s0.caches, s0.batch, p, b0),
@@ -483,11 +502,11 @@ def run_prefill(ctx: Context, c: PrefillCfg) -> None:
     p = ctx.shapes[c.shape]
     pool = ctx.get_pool(c.shape, _pages_needed(ctx, c))
     s = inputs.prefill_inputs(pool, chunk=c.chunk, context=c.context, index_dtype="bfloat16",
-                              locality=c.locality)
+                              locality=c.locality, kv_dtype=c.kv_dtype)
     be = ctx.backend
     buf = be.alloc_topk_buffer(c.chunk, p.num_index_heads, p.topk, ctx.device)
     base = dict(kind="prefill", shape=c.shape, context=c.context, chunk=c.chunk, locality=c.locality,
-                index_dtype="bfloat16", config=c.name, priority=c.priority)
+                index_dtype="bfloat16", kv_dtype=c.kv_dtype, config=c.name, priority=c.priority)
     be.index_topk(s.index_q, s.caches, s.batch, p, buf)
     be.attention_forward(s.q, s.caches, buf, s.batch, p, s.out)
     ctx.timer.sync()
@@ -498,7 +517,7 @@ def run_prefill(ctx: Context, c: PrefillCfg) -> None:
     check = _check_against_reference(ctx, p, s, buf, rows, sub)
     sel = buf.head_major()[:, :c.chunk]
     pos = s.batch.token_positions
-    cnt = counts.prefill_counts(p, sel, pos, index_elt=2, kv_elt=2)
+    cnt = counts.prefill_counts(p, sel, pos, index_elt=2, kv_elt=_kv_elt(c))
     nb = -(-(c.context + c.chunk) // p.block_size)
     bitmap = peers.selection_bitmap(sel, 1, c.chunk, nb)
     pairs = bitmap[:, :, 1:] & bitmap[:, :, :-1]

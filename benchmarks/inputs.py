@@ -33,9 +33,22 @@ __all__ = ["Pool", "StepInputs", "decode_sets", "prefill_inputs", "dense_kv", "p
 INDEX_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
-def page_bytes(p: SparseAttentionParams, *, kv_elt: int = 2, with_fp8_index: bool = True) -> int:
-    """Bytes of one page in the pool: K + V + bf16 index (+ fp8 index copy)."""
-    kv = 2 * p.block_size * p.num_kv_heads * p.head_dim * kv_elt
+FP8_KV_SCALE = 1.0 / 64
+"""Scale of the pool's fp8 K/V copy: N(0, 1) values / scale stay well inside e4m3's +-448."""
+
+
+def _to_fp8(t: torch.Tensor, pages_per_pass: int = 4096) -> torch.Tensor:
+    """``t / FP8_KV_SCALE`` in float8_e4m3fn, a few thousand pages at a time (no full-size fp32 copy)."""
+    out = torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=t.device)
+    for a in range(0, t.shape[0], pages_per_pass):
+        out[a:a + pages_per_pass] = t[a:a + pages_per_pass].float() / FP8_KV_SCALE
+    return out
+
+
+def page_bytes(p: SparseAttentionParams, *, kv_elt: int = 2, with_fp8_index: bool = True,
+               with_fp8_kv: bool = True) -> int:
+    """Bytes of one page in the pool: K + V + bf16 index (+ fp8 index copy, + fp8 K/V copy)."""
+    kv = 2 * p.block_size * p.num_kv_heads * p.head_dim * (kv_elt + (1 if with_fp8_kv else 0))
     idx = p.block_size * p.index_head_dim * (2 + (1 if with_fp8_index else 0))
     return kv + idx
 
@@ -56,6 +69,24 @@ class Pool:
         self.caches = {"bfloat16": caches,
                        "float8_e4m3fn": PagedKVCache(caches.k, caches.v,
                                                      caches.index.to(torch.float8_e4m3fn))}
+        self._fp8_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def caches_for(self, index_dtype: str, kv_dtype: str = "bfloat16") -> PagedKVCache:
+        """The pool's caches with this index dtype, K/V in bf16 or in fp8 (made on first use).
+
+        The fp8 K/V hold the bf16 values divided by :data:`FP8_KV_SCALE` (the
+        scales dequantize them back), so both read the same logical keys and values.
+        """
+        c = self.caches[index_dtype]
+        if kv_dtype == "bfloat16":
+            return c
+        if kv_dtype != "float8_e4m3fn":
+            raise ValueError(f"K/V dtype {kv_dtype!r}: use 'bfloat16' or 'float8_e4m3fn'")
+        if self._fp8_kv is None:
+            self._fp8_kv = (_to_fp8(c.k), _to_fp8(c.v))
+        k, v = self._fp8_kv
+        scale = torch.tensor([FP8_KV_SCALE], device=self.device)
+        return PagedKVCache(k, v, c.index, scale, scale.clone())
 
     def sample_pages(self, n: int) -> torch.Tensor:
         """``n`` distinct random page ids (int32)."""
@@ -82,12 +113,12 @@ class StepInputs:
 
 
 def decode_sets(pool: Pool, *, batch: int, context: int, qlen: int, num_sets: int,
-                index_dtype: str) -> list[StepInputs]:
+                index_dtype: str, kv_dtype: str = "bfloat16") -> list[StepInputs]:
     """``num_sets`` decode steps of ``batch`` requests of ``context`` tokens each, on disjoint pages."""
     p = pool.params
     nb = -(-context // p.block_size)
     pages = pool.sample_pages(num_sets * batch * nb).view(num_sets, batch, nb)
-    caches = pool.caches[index_dtype]
+    caches = pool.caches_for(index_dtype, kv_dtype)
     T = batch * qlen
     sets = []
     for s in range(num_sets):
@@ -101,7 +132,7 @@ def decode_sets(pool: Pool, *, batch: int, context: int, qlen: int, num_sets: in
 
 
 def prefill_inputs(pool: Pool, *, chunk: int, context: int, index_dtype: str,
-                   locality: float = 0.0) -> StepInputs:
+                   locality: float = 0.0, kv_dtype: str = "bfloat16") -> StepInputs:
     """One prefill request: ``chunk`` new tokens after ``context`` cached ones.
 
     ``locality`` in [0, 1): the index query of every token is
@@ -123,7 +154,7 @@ def prefill_inputs(pool: Pool, *, chunk: int, context: int, index_dtype: str,
         c = torch.randn(1, p.num_index_heads, p.index_head_dim, device=pool.device, generator=pool.generator)
         noise = locality * c + math.sqrt(1.0 - locality ** 2) * noise
     iq = noise.to(torch.bfloat16)
-    return StepInputs(q, iq, pool.caches[index_dtype], meta, torch.empty_like(q), seq, chunk)
+    return StepInputs(q, iq, pool.caches_for(index_dtype, kv_dtype), meta, torch.empty_like(q), seq, chunk)
 
 
 def dense_kv(caches: PagedKVCache, block_table: torch.Tensor, num_blocks: int,

@@ -23,9 +23,13 @@ TOLERANCES = {"sel_match": 0.95, "attn_max_err": 2e-2, "flex_diff": 3e-2}
 
 def _find(records: Iterable[dict], **kw: Any) -> Optional[dict]:
     for r in records:
-        if "ms" in r and all(r.get(k) == v for k, v in kw.items()):
+        if "ms" in r and all(r.get(k, _UNRECORDED.get(k)) == v for k, v in kw.items()):
             return r
     return None
+
+
+#: what a record written before a field existed means by its absence
+_UNRECORDED = {"kv_dtype": "bfloat16"}
 
 
 def _best_dense(records: list[dict], **kw: Any) -> Optional[dict]:
@@ -44,7 +48,7 @@ def _mm3(records: list[dict]) -> str:
 def targets(records: list[dict], ceil: dict) -> list[dict]:
     """Issue 4's targets, each with the goal, the measured figure and whether it is met."""
     me = _mm3(records)
-    dec = dict(kind="decode", shape="TP1", batch=64, context=64 * K, qlen=1)
+    dec = dict(kind="decode", shape="TP1", batch=64, context=64 * K, qlen=1, kv_dtype="bfloat16")
     out: list[dict] = []
 
     def add(name: str, goal: str, measured: Optional[float], ok: Optional[bool], text: str, note: str = "") -> None:
@@ -61,7 +65,7 @@ def targets(records: list[dict], ceil: dict) -> list[dict]:
         f8 is not None and f8["ms"] <= 0.200,
         f"{f8['ms'] * 1e3:.0f} us ({f8.get('pct_copy', float('nan')):.1f}% of copy)" if f8 else "not measured")
     b1 = _find(records, impl=me, part="step", kind="decode", shape="TP1", batch=1, context=64 * K, qlen=1,
-               index_dtype="bfloat16")
+               index_dtype="bfloat16", kv_dtype="bfloat16")
     add("decode TP1 b1 64K: time (CUDA graph)", "<= 12 us", b1 and b1["ms"] * 1e3,
         b1 is not None and b1["ms"] <= 0.012, f"{b1['ms'] * 1e3:.1f} us" if b1 else "not measured")
     dense = _best_dense(records, **dec)
@@ -75,9 +79,11 @@ def targets(records: list[dict], ceil: dict) -> list[dict]:
     x = fx["ms"] / a["ms"] if a and fx else None
     add("decode TP1 b64 64K attention: speed-up over FlexAttention", ">= 1.4x", x, x is not None and x >= 1.4,
         f"{x:.2f}x (mm3 {a['ms'] * 1e3:.0f} us, flex {fx['ms'] * 1e3:.0f} us)" if x else "not measured")
+    _fp8_kv_targets(records, me, dec, a, b1, add)
     for ctx_ in (32 * K, 0):
         for loc in (0.0, 0.9):
-            r = _find(records, impl=me, part="attention", kind="prefill", shape="TP1", context=ctx_, locality=loc)
+            r = _find(records, impl=me, part="attention", kind="prefill", shape="TP1", context=ctx_, locality=loc,
+                      kv_dtype="bfloat16")
             sel = "random" if loc == 0 else f"shared {loc:g}"
             add(f"prefill TP1 8K ctx {ctx_ // K}K ({sel} sel.): sparse attention TFLOP/s", ">= 350 (stretch 500)",
                 r and r["TFLOPs"], r is not None and r["TFLOPs"] >= 350,
@@ -86,12 +92,14 @@ def targets(records: list[dict], ceil: dict) -> list[dict]:
     add("prefill TP1 8K ctx 64K: indexer TFLOP/s", ">= 450", r and r["TFLOPs"],
         r is not None and r["TFLOPs"] >= 450, f"{r['TFLOPs']:.0f} TFLOP/s ({r['ms']:.3f} ms)" if r else "not measured")
     for loc in (0.0, 0.9):
-        r = _find(records, impl=me, part="step", kind="prefill", shape="TP1", context=32 * K, locality=loc)
+        r = _find(records, impl=me, part="step", kind="prefill", shape="TP1", context=32 * K, locality=loc,
+                  kv_dtype="bfloat16")
         sel = "random" if loc == 0 else f"shared {loc:g}"
         add(f"prefill TP1 8K ctx 32K ({sel} sel.): whole step", "<= 2.0 ms", r and r["ms"],
             r is not None and r["ms"] <= 2.0, f"{r['ms']:.3f} ms" if r else "not measured")
     for loc in (0.0, 0.9):
-        r = _find(records, impl=me, part="step", kind="prefill", shape="TP1", context=0, locality=loc)
+        r = _find(records, impl=me, part="step", kind="prefill", shape="TP1", context=0, locality=loc,
+                  kv_dtype="bfloat16")
         d = _best_dense(records, kind="prefill", shape="TP1", context=0, locality=0.0)
         sel = "random" if loc == 0 else f"shared {loc:g}"
         x = d["ms"] / r["ms"] if r and d else None
@@ -99,6 +107,28 @@ def targets(records: list[dict], ceil: dict) -> list[dict]:
             x is not None and x > 1.0,
             f"{x:.2f}x (mm3 {r['ms']:.3f} ms, {d['impl']} {d['ms']:.3f} ms)" if x else "not measured")
     return out
+
+
+def _fp8_kv_targets(records: list[dict], me: str, dec: dict, bf16_att: Optional[dict], bf16_b1: Optional[dict],
+                    add: Any) -> None:
+    """Issue 17's targets: fp8 K/V beside the bf16 rows of the same run."""
+    f8 = dict(dec, kv_dtype=FP8)
+    a = _find(records, impl=me, part="attention", index_dtype="bfloat16", **f8)
+    add("decode TP1 b64 64K fp8 KV: attention", "<= 40 us", a and a["ms"] * 1e3, a is not None and a["ms"] <= 0.040,
+        f"{a['ms'] * 1e3:.0f} us (bf16 K/V {bf16_att['ms'] * 1e3:.0f} us)" if a and bf16_att else
+        (f"{a['ms'] * 1e3:.0f} us" if a else "not measured"))
+    s = _find(records, impl=me, part="step", index_dtype=FP8, **f8)
+    add("decode TP1 b64 64K fp8 index + fp8 KV: step", "<= 175 us (stretch 160)", s and s["ms"] * 1e3,
+        s is not None and s["ms"] <= 0.175,
+        f"{s['ms'] * 1e3:.0f} us ({s.get('pct_copy', float('nan')):.1f}% of copy)" if s else "not measured")
+    for idx in ("bfloat16", FP8):
+        b1 = _find(records, impl=me, part="step", index_dtype=idx, **dict(f8, batch=1))
+        ref = bf16_b1 if idx == "bfloat16" else _find(records, impl=me, part="step", index_dtype=FP8,
+                                                       **dict(dec, batch=1))
+        x = b1["ms"] / ref["ms"] if b1 and ref else None
+        label = "bf16" if idx == "bfloat16" else "fp8"
+        add(f"decode TP1 b1 64K fp8 KV ({label} index): step vs bf16 K/V", "<= 1.0x", x, x is not None and x <= 1.0,
+            f"{b1['ms'] * 1e3:.1f} us vs {ref['ms'] * 1e3:.1f} us ({x:.2f}x)" if x else "not measured")
 
 
 def check_failures(records: list[dict]) -> list[str]:
@@ -152,7 +182,8 @@ def _decode_rows(records: list[dict]) -> list[list[str]]:
         chk = (st or {}).get("check") or {}
         rows.append([
             r0["shape"], str(r0["batch"]), _ctxs(r0["context"]), str(r0["qlen"]),
-            "fp8" if r0["index_dtype"] == FP8 else "bf16", str(st["sets"]) if st else "-",
+            ("fp8" if r0["index_dtype"] == FP8 else "bf16") + (" kv-fp8" if r0.get("kv_dtype") == FP8 else ""),
+            str(st["sets"]) if st else "-",
             _us(idx), f"{idx['pct_copy']:.0f}%" if idx and "pct_copy" in idx else "-",
             _us(att), f"{att['pct_copy']:.0f}%" if att and "pct_copy" in att else "-",
             _us(st), f"{st['bytes'] / 1e6:.1f}" if st else "-",
@@ -325,7 +356,8 @@ def _plot_decode(records: list[dict], path: Path) -> Optional[Path]:
         for impl, part, idt, label, style in LINES:
             name = me if impl == "mm3" else impl
             pts = sorted((r["context"], r["ms"] * 1e3) for r in dec if r["shape"] == shape and r["batch"] == batch
-                         and r["impl"] == name and r["part"] == part and r["index_dtype"] == idt)
+                         and r["impl"] == name and r["part"] == part and r["index_dtype"] == idt
+                         and r.get("kv_dtype", "bfloat16") == "bfloat16")
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, ms=4)
         ax.set_xscale("log", base=2)

@@ -15,6 +15,10 @@ Two strategies compute the same thing; the choice is only about speed:
 (``dense`` while its context is at most :data:`DENSE_MAX_BLOCKS_PER_TOPK`
 times ``topk`` blocks).
 
+fp8 K/V caches (``float8_e4m3fn`` with scales) are widened to fp32 and
+multiplied by their per-head scale as they are gathered, then the same math
+runs: the reference reads the dequantized cache (docs/spec.md §1).
+
 Semantics follow docs/spec.md §4 and the oracle literally: a token attends to
 positions ``j <= p`` inside the *set* of valid selected blocks (duplicates
 count once; ``-1``, negative ids and ids ``>= nb`` select nothing). A token
@@ -87,6 +91,14 @@ def _softmax_attend(logits: torch.Tensor, keep: torch.Tensor, v: torch.Tensor) -
     return o.div_(denom.clamp_(min=1.0))
 
 
+def _dequantized(values: torch.Tensor, scale: object, shape: tuple[int, ...]) -> torch.Tensor:
+    """fp32 ``values`` read from an fp8 K or V cache times its per-head ``scale`` (docs/spec.md §1), in place.
+
+    ``scale`` is ``None`` for an unscaled cache, else ``[Hkv]``, viewed as ``shape`` against ``values``.
+    """
+    return values if not isinstance(scale, torch.Tensor) else values.mul_(scale.view(shape))
+
+
 def _valid_ids(ids: torch.Tensor, nb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted ids and a mask of those that select a block: in ``[0, nb)`` and not repeated."""
     ids = ids.sort(dim=-1).values
@@ -115,8 +127,8 @@ def _gather_chunk(q: torch.Tensor, pos: torch.Tensor, req: torch.Tensor, ids: to
     head = torch.arange(Hkv, device=dev).view(1, Hkv, 1)
     # Advanced indices on dims 0 and 2 around a slice: result [C, Hkv, K, B, D], whose
     # strides depend on the device's index kernel (hence reshape, not view).
-    kb = caches.k[pages, :, head].float().reshape(C, Hkv, K * B, D)
-    vb = caches.v[pages, :, head].float().reshape(C, Hkv, K * B, D)
+    kb = _dequantized(caches.k[pages, :, head].float().reshape(C, Hkv, K * B, D), caches.k_scale, (1, Hkv, 1, 1))
+    vb = _dequantized(caches.v[pages, :, head].float().reshape(C, Hkv, K * B, D), caches.v_scale, (1, Hkv, 1, 1))
     j = safe.unsqueeze(-1) * B + torch.arange(B, device=dev)
     keep = (valid.unsqueeze(-1) & (j <= pos.view(C, 1, 1, 1))).view(C, Hkv, K * B)
     vb.masked_fill_(~keep.unsqueeze(-1), 0.0)
@@ -195,8 +207,8 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         nblk = -(-seq // B)
         kr = gather_pages(caches.k, batch.block_table[r:r + 1], nblk)[0]   # [nblk, B, Hkv, D]
         vr = gather_pages(caches.v, batch.block_table[r:r + 1], nblk)[0]
-        kr = kr.reshape(nblk * B, Hkv, D).permute(1, 0, 2).float()
-        vr = vr.reshape(nblk * B, Hkv, D).permute(1, 0, 2).float()
+        kr = _dequantized(kr.reshape(nblk * B, Hkv, D).permute(1, 0, 2).float(), caches.k_scale, (Hkv, 1, 1))
+        vr = _dequantized(vr.reshape(nblk * B, Hkv, D).permute(1, 0, 2).float(), caches.v_scale, (Hkv, 1, 1))
         vr[:, seq:] = 0.0  # slots past seq_len are unwritten: never let them reach a matmul
         ctx = seq - (b - a)
         chunk = max(1, max_elements // (Hq * nblk * B))

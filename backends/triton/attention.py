@@ -26,6 +26,11 @@ folded in; accumulation is fp32; ``P`` is rounded to V's dtype for the second
     prefill tokens go to :mod:`.prefill_attention` instead, which groups the
     step's (token, block) pairs by block.
 
+Scaled fp8 K/V caches (docs/spec.md §1) are loaded as fp8 (half the bytes) and
+widened to the dot dtype; the K scale of the program's KV head is folded into
+``qk_scale`` and the V scale multiplies the accumulator once before it is
+stored (:func:`.tl_utils.kv_scale`).
+
 Rows and slots that hold no valid block (``-1``, ids ``>= nb``, repeated ids)
 contribute nothing; a token with no visible key (padding) outputs zeros.
 """
@@ -42,7 +47,9 @@ from mm3.contract import SparseAttentionParams
 
 from .launch import LaunchConfig, next_pow2
 from .tiles import load_rows, store_rows, token_rows
-from .tl_utils import decode_launch_options, dot_config, launch_options, pdl_enabled, pdl_prologue
+from .tl_utils import (
+    decode_launch_options, dot_config, kv_scale, kv_scale_args, launch_options, pdl_enabled, pdl_prologue,
+)
 
 __all__ = ["attention_forward"]
 
@@ -106,17 +113,18 @@ def _attend_block_masked(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_v
 def _decode_attention_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
-    out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, qk_scale,
+    out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BRANCHLESS: tl.constexpr = False,
-    STAGES: tl.constexpr = 2, PDL: tl.constexpr = False,
+    STAGES: tl.constexpr = 2, PDL: tl.constexpr = False, KV_SCALED: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     num_h = tl.num_programs(1)
+    qk_scale = qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED)
     r = tl.load(tok_req_ptr + t)
     pos = tl.load(pos_ptr + t)
     rows = tl.arange(0, G_PAD)
@@ -156,6 +164,7 @@ def _decode_attention_kernel(
                     m_i, l_i, acc = _attend_block(
                         q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                         s_kb, s_kd, s_vb, s_vd, row_ok, pos_rows, blk, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
+    acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
     if SPLITS == 1:
         store_rows(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
     else:
@@ -170,9 +179,11 @@ def _decode_attention_flat_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h, num_items, IPP, qk_scale,
+    ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 3, PDL: tl.constexpr = False,
+    KV_SCALED: tl.constexpr = False,
 ):
     """:func:`_decode_attention_kernel`'s work, persistent: grid ``(programs,)``.
 
@@ -221,16 +232,18 @@ def _decode_attention_flat_kernel(
         # would poison the accumulator even though its rows are masked out of the softmax)
         m_i, l_i, acc = _attend_block_masked(
             q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-            s_kb, s_kd, s_vb, s_vd, row_ok & use, zero_rows + pos, blk, use, qk_scale, B, BN, D,
-            DOT_DTYPE, DOT_PREC)
+            s_kb, s_kd, s_vb, s_vd, row_ok & use, zero_rows + pos, blk, use,
+            qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED), B, BN, D, DOT_DTYPE, DOT_PREC)
         last = row_ok & ((zero_rows + j) == KPS - 1)
+        acc_out = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
         if SPLITS == 1:
-            store_rows(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, acc, l_i, last, D)
+            store_rows(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, acc_out, l_i, last, D)
         else:
             base = (t * num_h + h) * SPLITS + sp
             tl.store(ws_m_ptr + base * G_PAD + rows, m_i, mask=last)
             tl.store(ws_l_ptr + base * G_PAD + rows, l_i, mask=last)
-            tl.store(ws_acc_ptr + (base * G_PAD + rows)[:, None] * D + offs_d[None, :], acc, mask=last[:, None])
+            tl.store(ws_acc_ptr + (base * G_PAD + rows)[:, None] * D + offs_d[None, :], acc_out,
+                     mask=last[:, None])
 
 
 @triton.jit
@@ -293,13 +306,14 @@ def _merge_row_kernel(
 def _prefill_attention_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, qsl_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
-    out_ptr, s_ot, s_oh, s_od, G, first_request, qk_scale,
+    out_ptr, s_ot, s_oh, s_od, G, first_request, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    UNION: tl.constexpr = False,
+    UNION: tl.constexpr = False, KV_SCALED: tl.constexpr = False,
 ):
     r = first_request + tl.program_id(0)
     h = tl.program_id(2)
+    qk_scale = qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED)
     tok, gi, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, G,
                                                       ROWS, M, B)
     if tl.max(row_in.to(tl.int32), axis=0) > 0:
@@ -336,6 +350,7 @@ def _prefill_attention_kernel(
                     m_i, l_i, acc = _attend_block(
                         q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                         s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
+        acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
         store_rows(out_ptr, tok, qh, s_ot, s_oh, s_od, acc, l_i, row_in, D)
 
 
@@ -350,10 +365,11 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     k, v, bt = caches.k, caches.v, batch.block_table
     dot_dtype, dot_prec = dot_config(q.dtype, k.dtype)
     qk_scale = params.softmax_scale * LOG2E
+    scales, kv_scaled = kv_scale_args(caches, q)
     sh, st, sk = topk.strides()
     opts = launch_options(cfg)
     common = dict(B=B, BN=min(B, cfg.attention_block_n), D=D, K=K, K_PAD=next_pow2(K),
-                  DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
+                  DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, KV_SCALED=kv_scaled)
     tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()))
 
     npf = batch.num_prefills
@@ -376,13 +392,13 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
             ipp = cfg.decode_attention_flat_items_per_program(items)
             _decode_attention_flat_kernel[(-(-items // ipp),)](
                 *tensors, batch.token_to_request, batch.token_positions,
-                topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv, items, ipp, qk_scale,
+                topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv, items, ipp, qk_scale, *scales,
                 G_PAD=g_pad, SPLITS=splits, KPS=kps, STAGES=cfg.decode_attention_stages, PDL=pdl,
                 **common, num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **dopts)
         else:
             _decode_attention_kernel[(td, Hkv, splits)](
                 *tensors, batch.token_to_request, batch.token_positions,
-                topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, qk_scale,
+                topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, qk_scale, *scales,
                 G_PAD=g_pad, SPLITS=splits, KPS=kps, BRANCHLESS=cfg.decode_attention_branchless,
                 STAGES=cfg.decode_attention_stages, PDL=pdl, **common,
                 num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **dopts)
@@ -409,6 +425,6 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         common["BN"] = min(B, cfg.prefill_attention_block_n)
         _prefill_attention_kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m), Hkv)](
             *tensors, batch.query_start_loc, batch.token_positions,
-            topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale,
+            topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale, *scales,
             ROWS=rows, M=m, UNION=cfg.prefill_attention_union, **common,
             num_warps=cfg.prefill_attention_warps, num_stages=cfg.num_stages, **opts)

@@ -45,6 +45,7 @@ from .attention import _attend_block
 from .launch import next_pow2
 from .prefill_config import PrefillAttentionConfig
 from .tiles import load_rows, store_rows
+from .tl_utils import kv_scale, kv_scale_args
 
 __all__ = ["PairPlan", "plan_pairs", "prefill_attention_forward"]
 
@@ -148,9 +149,10 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
 def _block_tile_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     pos_ptr, tile_seg_ptr, tile_page_ptr, tile_slot_ptr, num_tiles_ptr, ws_o_ptr, ws_lse_ptr,
-    tok0, Tc, nb_max, num_req, G, qk_scale,
+    tok0, Tc, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
     M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 1,
+    KV_SCALED: tl.constexpr = False,
 ):
     """Tiles ``program_id, program_id + programs, ...`` as one software-pipelined loop: the next
     tile's pairs, query rows and K/V are loaded while this one's math runs."""
@@ -173,7 +175,9 @@ def _block_tile_kernel(
         acc = tl.zeros([ROWS, D], tl.float32)
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-            s_kb, s_kd, s_vb, s_vd, row_ok, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
+            s_kb, s_kd, s_vb, s_vd, row_ok, pos, b, qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED),
+            B, BN, D, DOT_DTYPE, DOT_PREC)
+        acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)  # fp8 K/V: the K scale is in the logits' factor
         # a valid pair's block holds key b * B <= pos, so l > 0 in every stored row
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         part = slot * G + gi
@@ -236,6 +240,7 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         raise ValueError(f"prefill attention: {Hkv} KV heads x {batch.num_prefills} requests x {nb_max} blocks "
                          f"overflow the int32 segment ids; split the step into fewer prefill requests")
     k, v = caches.k, caches.v
+    scales, kv_scaled = kv_scale_args(caches, q)
     sel = topk.head_major()
     common = dict(B=B, D=D, K=K, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
     for a in range(td, T, cfg.max_tokens_per_pass):
@@ -249,9 +254,9 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         _block_tile_kernel[(programs,)](
             q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
             plan.tile_seg, plan.tile_page, plan.tile_slot, plan.num_tiles, ws_o, ws_lse,
-            a, c, nb_max, batch.num_prefills, G, qk_scale,
-            BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, **common, num_warps=cfg.warps,
-            **platform_options)
+            a, c, nb_max, batch.num_prefills, G, qk_scale, *scales,
+            BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
+            num_warps=cfg.warps, **platform_options)
         _merge_slots_kernel[(c, Hkv)](
             out, *out.stride(), plan.clean, ws_o, ws_lse, a, c, G,
             D=D, K=K, G_PAD=max(16, next_pow2(G)), num_warps=cfg.merge_warps, **platform_options)

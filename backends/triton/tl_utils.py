@@ -13,7 +13,7 @@ import triton.language as tl
 from .launch import LaunchConfig
 
 __all__ = ["dot_config", "launch_options", "decode_launch_options", "interpreting", "pdl_enabled", "pdl_prologue",
-           "TL_DTYPES"]
+           "TL_DTYPES", "kv_scale_args", "kv_scale"]
 
 try:  # programmatic dependent launch (Hopper+): Triton >= 3.4 has these
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
@@ -46,6 +46,7 @@ def dot_config(a: torch.dtype, b: torch.dtype) -> tuple[Any, str]:
         return TL_DTYPES[a], "tf32"
     if b == torch.float8_e4m3fn and a in (torch.float16, torch.bfloat16):
         return TL_DTYPES[a], "tf32"
+    # (an fp8 K/V cache with scales: the same; its scales are applied outside the dots, see kv_scale)
     return tl.float32, "ieee"
 
 
@@ -97,3 +98,30 @@ def decode_launch_options(cfg: LaunchConfig, pdl: bool) -> dict[str, Any]:
     if pdl:
         opts["launch_pdl"] = True
     return opts
+
+
+def kv_scale_args(caches: Any, dummy: torch.Tensor) -> tuple[tuple[Any, int, Any, int], bool]:
+    """``((k_scale, its stride, v_scale, its stride), KV_SCALED)`` for a kernel that reads ``caches``.
+
+    Scaled fp8 K/V (docs/spec.md §1) pass their ``[Hkv]`` scales, read in
+    place (stride 0 for a per-tensor scale), so a captured graph sees scales
+    updated in place; otherwise ``dummy`` stands in and is never read.
+    """
+    if caches.kv_scaled:
+        return (caches.k_scale, caches.k_scale.stride(0), caches.v_scale, caches.v_scale.stride(0)), True
+    return (dummy, 0, dummy, 0), False
+
+
+@triton.jit
+def kv_scale(scale_ptr, h, s_scale, KV_SCALED: tl.constexpr):
+    """KV head ``h``'s dequantization factor: ``scale[h]`` for scaled fp8 K/V, else 1.
+
+    The kernels fold the K factor into the softmax scale (``qk_scale * k_scale``:
+    the logits of ``q . stored_k``) and apply the V factor once to the
+    accumulator before it is stored, so no loaded K/V tile is multiplied.
+    """
+    if KV_SCALED:
+        s = tl.load(scale_ptr + h * s_scale)
+    else:
+        s = 1.0
+    return s

@@ -16,7 +16,7 @@ discovery, selection or configuration (those are :mod:`mm3.runtime`'s):
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import TORCH_DTYPES, PagedKVCache, TopkBuffer, dtype_name
 from mm3.contract.capabilities import (
-    BackendCapabilities, DType, IndexDType, KVCacheLayout, Probe, Requirements, TopkLayout,
+    BackendCapabilities, DType, IndexDType, KVCacheLayout, KVDType, Probe, Requirements, TopkLayout,
 )
 from mm3.contract.checks import RowSpec, check_hook_args, check_layer_args, check_step_inputs
 from mm3.contract.errors import (
@@ -31,7 +31,7 @@ __all__ = [
     "PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "Op", "ALL_OPS",
     # declarations
     "BackendCapabilities", "Requirements", "Probe", "TopkLayout", "KVCacheLayout",
-    "DType", "IndexDType",
+    "DType", "IndexDType", "KVDType",
     # what a hook receives
     "TopkBuffer", "PagedKVCache", "BatchMetadata", "SparseAttentionParams",
     "MINIMAX_M3_MAX_DECODE_QUERY_LEN", "TORCH_DTYPES", "dtype_name",

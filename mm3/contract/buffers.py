@@ -20,12 +20,13 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union, cast, get_args
+from typing import Literal, Optional, Union, cast, get_args
 
 import torch
 
 from mm3.contract.capabilities import KVCacheLayout, TopkLayout
 from mm3.contract.errors import InputError
+from mm3.contract.kv_scales import FP8_KV_DTYPE, ScaleLike, check_kv_dtype, kv_head_scale
 
 __all__ = ["TopkBuffer", "PagedKVCache", "TORCH_DTYPES", "dtype_name"]
 
@@ -235,16 +236,29 @@ class PagedKVCache:
     heads-first and returns the permuted (logical) view. Kernels index through
     the tensors' strides, so both layouts work without copies.
 
+    K and V may be stored in ``float8_e4m3fn`` with ``k_scale`` and
+    ``v_scale`` (docs/spec.md §1): ``value = float(stored) * scale[h]``. A
+    scale is per tensor (a number, or a float32 tensor ``[]``/``[1]``) or per
+    KV head (float32 ``[Hkv]``); after construction both are ``[Hkv]`` float32
+    views of what was given (:func:`~mm3.contract.kv_scales.kv_head_scale`),
+    and building the cache reads their values once to check them.
+
     Example:
         >>> c = PagedKVCache.allocate(num_pages=4, block_size=16, num_kv_heads=2,
         ...                           head_dim=8, index_head_dim=8, layout="HND")
         >>> c.k.shape, c.kv_layout
         (torch.Size([4, 16, 2, 8]), 'HND')
+        >>> f8 = PagedKVCache.allocate(4, 16, 2, 8, 8, dtype=torch.float8_e4m3fn, k_scale=0.25,
+        ...                            v_scale=torch.tensor([0.5, 2.0]))
+        >>> f8.kv_scaled, f8.k_scale.tolist(), f8.v_scale.tolist()
+        (True, [0.25, 0.25], [0.5, 2.0])
     """
 
     k: torch.Tensor
     v: torch.Tensor
     index: torch.Tensor
+    k_scale: Optional[ScaleLike] = None
+    v_scale: Optional[ScaleLike] = None
 
     def __post_init__(self) -> None:
         for name in ("k", "v"):
@@ -268,13 +282,42 @@ class PagedKVCache:
         if self.index.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
             raise InputError(f"index cache dtype {self.index.dtype} unsupported; use bfloat16 or "
                              f"float8_e4m3fn (float16/float32 accepted by the reference)")
+        if check_kv_dtype(self.k.dtype, self.k_scale, self.v_scale):
+            for name in ("k_scale", "v_scale"):
+                object.__setattr__(self, name, kv_head_scale(name, getattr(self, name),
+                                                             num_kv_heads=self.k.shape[2], device=self.k.device))
+
+    @classmethod
+    def rewrap(cls, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+               k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> "PagedKVCache":
+        """The cache again from the tensors of one already built and checked: no checks, no device read.
+
+        For boundaries that can pass tensors only (``torch.ops.mm3.*``): the
+        scales are the ``[Hkv]`` views a checked cache holds, so reading their
+        values again (a device synchronisation, refused inside a captured
+        graph) would only repeat the check made when the cache was built.
+
+        Example:
+            >>> c = PagedKVCache.allocate(4, 16, 2, 8, 8, dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=2.0)
+            >>> r = PagedKVCache.rewrap(c.k, c.v, c.index, c.k_scale, c.v_scale)
+            >>> r.kv_scaled, r.k_scale.data_ptr() == c.k_scale.data_ptr()
+            (True, True)
+        """
+        cache = object.__new__(cls)
+        for name, value in (("k", k), ("v", v), ("index", index), ("k_scale", k_scale), ("v_scale", v_scale)):
+            object.__setattr__(cache, name, value)
+        return cache
 
     @classmethod
     def allocate(cls, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
                  index_head_dim: int, dtype: torch.dtype = torch.bfloat16,
                  index_dtype: torch.dtype = torch.bfloat16, layout: str = "NHD",
-                 device: Union[str, torch.device, None] = None) -> "PagedKVCache":
-        """Uninitialised caches (``torch.empty``) in the given page layout."""
+                 device: Union[str, torch.device, None] = None, k_scale: Optional[ScaleLike] = None,
+                 v_scale: Optional[ScaleLike] = None) -> "PagedKVCache":
+        """Uninitialised caches (``torch.empty``) in the given page layout.
+
+        An fp8 ``dtype`` takes ``k_scale``/``v_scale`` (default 1.0 each).
+        """
         if layout not in ("NHD", "HND"):
             raise InputError(f"unknown KV cache layout {layout!r}; use 'NHD' or 'HND'")
 
@@ -285,7 +328,10 @@ class PagedKVCache:
                                device=device).transpose(1, 2)
 
         index = torch.empty(num_pages, block_size, index_head_dim, dtype=index_dtype, device=device)
-        return cls(kv(), kv(), index)
+        if dtype == FP8_KV_DTYPE:
+            k_scale = 1.0 if k_scale is None else k_scale
+            v_scale = 1.0 if v_scale is None else v_scale
+        return cls(kv(), kv(), index, k_scale, v_scale)
 
     @property
     def num_pages(self) -> int:
@@ -312,6 +358,11 @@ class PagedKVCache:
         return self.k.dtype
 
     @property
+    def kv_scaled(self) -> bool:
+        """True for fp8 K/V with scales (``k_scale``/``v_scale`` are then ``[Hkv]`` float32 tensors)."""
+        return self.k_scale is not None
+
+    @property
     def index_dtype(self) -> torch.dtype:
         return self.index.dtype
 
@@ -327,8 +378,29 @@ class PagedKVCache:
     def to_layout(self, layout: Literal["NHD", "HND"]) -> "PagedKVCache":
         """A copy of the caches with pages stored in ``layout`` (same logical contents)."""
         out = PagedKVCache.allocate(self.num_pages, self.block_size, self.num_kv_heads, self.head_dim,
-                                    self.index_head_dim, self.dtype, self.index_dtype, layout, self.device)
+                                    self.index_head_dim, self.dtype, self.index_dtype, layout, self.device,
+                                    self.k_scale, self.v_scale)
         out.k.copy_(self.k)
         out.v.copy_(self.v)
         out.index.copy_(self.index)
         return out
+
+    def to(self, device: Union[str, torch.device]) -> "PagedKVCache":
+        """These caches (and scales) on ``device``."""
+        def move(t: Optional[ScaleLike]) -> Optional[ScaleLike]:
+            return t.to(device) if isinstance(t, torch.Tensor) else t
+
+        return PagedKVCache(self.k.to(device), self.v.to(device), self.index.to(device),
+                            move(self.k_scale), move(self.v_scale))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> "PagedKVCache":
+        """K and V as ``dtype`` values, scales applied (``stored * scale[h]``); the index cache as it is.
+
+        A full copy of K and V: for references and tests. Unscaled caches are
+        simply cast.
+        """
+        k, v = self.k.to(dtype), self.v.to(dtype)
+        if self.kv_scaled:
+            k = k * cast(torch.Tensor, self.k_scale).to(dtype).view(1, 1, -1, 1)
+            v = v * cast(torch.Tensor, self.v_scale).to(dtype).view(1, 1, -1, 1)
+        return PagedKVCache(k, v, self.index)

@@ -32,6 +32,7 @@ __all__ = [
     "KVCacheLayout",
     "DType",
     "IndexDType",
+    "KVDType",
     "BackendCapabilities",
     "Requirements",
     "Probe",
@@ -45,6 +46,8 @@ KVCacheLayout = Literal["NHD", "HND"]
 
 DType = Literal["bfloat16", "float16", "float32"]
 IndexDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
+KVDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
+"""A K/V cache dtype: the attention dtype, or ``float8_e4m3fn`` with scales (docs/spec.md §1)."""
 
 
 class _Frozen(BaseModel):
@@ -70,6 +73,9 @@ class BackendCapabilities(_Frozen):
     kv_cache_layout: KVCacheLayout = Field("NHD", description="preferred page layout")
     dtypes: frozenset[DType] = frozenset({"bfloat16", "float16", "float32"})
     index_cache_dtypes: frozenset[IndexDType] = frozenset({"bfloat16", "float8_e4m3fn"})
+    kv_cache_dtypes: frozenset[KVDType] = Field(
+        frozenset({"bfloat16", "float16", "float32"}),
+        description="K/V cache dtypes the attention reads; float8_e4m3fn = scaled fp8, dequantized on load")
     head_dims: Optional[frozenset[int]] = None
     index_head_dims: Optional[frozenset[int]] = None
     block_sizes: Optional[frozenset[int]] = None
@@ -106,6 +112,10 @@ class BackendCapabilities(_Frozen):
             reasons.append(f"does not provide op(s) {sorted(missing)} (provides {sorted(self.ops)})")
         if Op.ATTENTION in req.ops and req.dtype not in self.dtypes:
             reasons.append(f"dtype {req.dtype} not in {sorted(self.dtypes)}")
+        kv = req.kv_cache_dtype or req.dtype
+        if Op.ATTENTION in req.ops and kv not in self.kv_cache_dtypes:
+            reasons.append(f"KV cache dtype {kv} not in {sorted(self.kv_cache_dtypes)} (cannot read "
+                           f"{'fp8 K/V with scales' if kv == 'float8_e4m3fn' else 'this K/V cache'})")
         if Op.INDEX_TOPK in req.ops and req.index_cache_dtype not in self.index_cache_dtypes:
             reasons.append(
                 f"index cache dtype {req.index_cache_dtype} not in {sorted(self.index_cache_dtypes)}")
@@ -142,6 +152,7 @@ class Requirements(_Frozen):
     ops: frozenset[Op] = ALL_OPS  # type: ignore[assignment]
     dtype: DType = "bfloat16"
     index_cache_dtype: IndexDType = "bfloat16"
+    kv_cache_dtype: Optional[KVDType] = Field(None, description="None: the attention dtype")
     head_dim: int = 128
     index_head_dim: int = 128
     block_size: int = 128

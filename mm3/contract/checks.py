@@ -105,7 +105,8 @@ def _shape(name: str, t: object, expected: tuple[int, ...], hint: str) -> None:
 def check_step_inputs(params: SparseAttentionParams, q: torch.Tensor, index_q: torch.Tensor,
                       caches: PagedKVCache, batch: BatchMetadata, out: Optional[torch.Tensor], *,
                       dtype: torch.dtype, index_dtype: torch.dtype, device: torch.device,
-                      capacity: int, max_decode_query_len: int) -> None:
+                      capacity: int, max_decode_query_len: int,
+                      kv_dtype: Optional[torch.dtype] = None) -> None:
     """Raise :class:`InputError` naming the first input that does not fit the layer.
 
     Only the layer's own promises: ``q`` and ``index_q`` of exactly the step's
@@ -126,11 +127,11 @@ def check_step_inputs(params: SparseAttentionParams, q: torch.Tensor, index_q: t
     _shape("q", q, (T, p.num_heads, p.head_dim), "= [num_tokens, num_heads, head_dim]")
     _shape("index_q", index_q, (T, p.num_index_heads, p.index_head_dim),
            "= [num_tokens, num_index_heads, index_head_dim]")
-    for name, t, want in (("q", q, dtype), ("index_q", index_q, dtype), ("k/v cache", caches.k, dtype),
-                          ("index cache", caches.index, index_dtype)):
+    for name, t, want in (("q", q, dtype), ("index_q", index_q, dtype),
+                          ("k/v cache", caches.k, kv_dtype or dtype), ("index cache", caches.index, index_dtype)):
         if t.dtype != want:
             raise InputError(f"{name} is {t.dtype} but this layer was built for {want}; cast it, or "
-                             f"build the layer with the matching dtype/index_dtype")
+                             f"build the layer with the matching dtype/kv_dtype/index_dtype")
     for name, t in (("q", q), ("index_q", index_q), ("caches", caches.k), ("batch", batch.seq_lens)):
         if t.device.type != device.type or (device.index is not None and t.device != device):
             raise InputError(f"{name} is on {t.device} but the layer runs on {device}; move it with .to()")
@@ -232,15 +233,17 @@ def check_attention_args(where: str, q: torch.Tensor, caches: PagedKVCache, topk
     if caches.head_dim != params.head_dim:
         raise InputError(f"{where}: KV cache heads have dim {caches.head_dim}, params.head_dim is "
                          f"{params.head_dim}")
-    if caches.dtype != q.dtype:
-        raise InputError(f"{where}: KV cache dtype {caches.dtype} differs from q's {q.dtype}; cast one of them")
+    if caches.dtype != q.dtype and not caches.kv_scaled:
+        raise InputError(f"{where}: KV cache dtype {caches.dtype} differs from q's {q.dtype}; cast one of them, "
+                         f"or store K/V in float8_e4m3fn with k_scale/v_scale")
     if out.dtype != q.dtype:
         raise InputError(f"{where}: out dtype {out.dtype} differs from q's {q.dtype}; the output is in q's dtype")
     return T
 
 
 def check_declared(where: str, caps: BackendCapabilities, op: Op, *, device_type: str, dtype: torch.dtype,
-                   index_dtype: torch.dtype, params: SparseAttentionParams, decode_query_len: int) -> None:
+                   index_dtype: torch.dtype, params: SparseAttentionParams, decode_query_len: int,
+                   kv_dtype: Optional[torch.dtype] = None) -> None:
     """Raise :class:`InputError` when a call lies outside what ``caps`` declares for ``op``.
 
     The rule is the one selection applies to a request
@@ -251,7 +254,8 @@ def check_declared(where: str, caps: BackendCapabilities, op: Op, *, device_type
     # declares must reach unmet() and be named there, not fail validation here.
     req = Requirements.model_construct(
         device_type=device_type, ops=frozenset({op}), dtype=dtype_name(dtype),
-        index_cache_dtype=dtype_name(index_dtype), head_dim=params.head_dim,
+        index_cache_dtype=dtype_name(index_dtype), kv_cache_dtype=dtype_name(kv_dtype or dtype),
+        head_dim=params.head_dim,
         index_head_dim=params.index_head_dim, block_size=params.block_size, topk=params.topk,
         gqa_group=params.gqa_group, decode_query_len=decode_query_len)
     reasons = caps.unmet(req)

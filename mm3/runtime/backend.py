@@ -188,10 +188,10 @@ class Backend:
         # Every step of a layer asks the same question of the capabilities: remember the answers
         # that passed (a handful per process), so the limits cost a set lookup per call.
         dql = batch.decode_query_len if batch.num_decodes else 1
-        key = (op, caches.device.type, dtype, caches.index_dtype, params, dql)
+        key = (op, caches.device.type, dtype, caches.index_dtype, caches.dtype, params, dql)
         if key not in self._within_limits:
             check_declared(self._where[op], self.capabilities, op, device_type=key[1], dtype=dtype,
-                           index_dtype=key[3], params=params, decode_query_len=dql)
+                           index_dtype=key[3], params=params, decode_query_len=dql, kv_dtype=caches.dtype)
             self._within_limits.add(key)
         check_topk_accepted(self._where[op], self.capabilities, topk)
 

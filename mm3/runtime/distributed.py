@@ -193,11 +193,13 @@ class RankShard:
                 f"per-rank caches need no slicing)")
         sl = slice(self.kv_heads.start, self.kv_heads.stop)
         k, v = caches.k[:, :, sl], caches.v[:, :, sl]
+        # fp8 K/V: the scales of this rank's heads (views of the full-model ones)
+        ks, vs = ((s[sl] if isinstance(s, torch.Tensor) else None) for s in (caches.k_scale, caches.v_scale))
         if not contiguous:
-            return PagedKVCache(k, v, caches.index)
+            return PagedKVCache(k, v, caches.index, ks, vs)
         out = PagedKVCache.allocate(caches.num_pages, caches.block_size, len(self.kv_heads), caches.head_dim,
                                     caches.index_head_dim, caches.dtype, caches.index_dtype,
-                                    caches.kv_layout, caches.device)
+                                    caches.kv_layout, caches.device, ks, vs)
         out.k.copy_(k)
         out.v.copy_(v)
         out.index.copy_(caches.index)
@@ -346,7 +348,8 @@ class TensorParallelSparseAttention:
                  index_dtype: torch.dtype = torch.bfloat16, max_num_tokens: int = 8192,
                  max_decode_query_len: int = 1, backend: Optional[str] = None,
                  indexer_backend: Optional[str] = None, settings: Optional["Settings"] = None,
-                 registry: Optional["Registry"] = None, cuda_graph: bool = False) -> None:
+                 registry: Optional["Registry"] = None, cuda_graph: bool = False,
+                 kv_dtype: Optional[torch.dtype] = None) -> None:
         if (rank is None) != (world_size is None):
             raise InputError("give both rank and world_size, or neither (to read them from the process group)")
         if rank is None or world_size is None:
@@ -359,7 +362,8 @@ class TensorParallelSparseAttention:
         self.layer: SparseAttention = SparseAttention(
             self.shard.params, device=device, dtype=dtype, index_dtype=index_dtype,
             max_num_tokens=max_num_tokens, max_decode_query_len=max_decode_query_len, backend=backend,
-            indexer_backend=indexer_backend, settings=settings, registry=registry, cuda_graph=cuda_graph)
+            indexer_backend=indexer_backend, settings=settings, registry=registry, cuda_graph=cuda_graph,
+            kv_dtype=kv_dtype)
 
     @property
     def params(self) -> SparseAttentionParams:

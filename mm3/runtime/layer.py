@@ -64,6 +64,8 @@ class SparseAttention:
         device: where inputs live; selection probes backends on it.
         dtype: attention dtype of ``q``, ``index_q`` and the KV cache.
         index_dtype: dtype of the index cache (bf16, or float8_e4m3fn).
+        kv_dtype: dtype of the K/V caches when it is not ``dtype``: ``torch.float8_e4m3fn``
+            (scaled fp8, see :class:`~mm3.contract.buffers.PagedKVCache`). ``None``: ``dtype``.
         max_num_tokens: the largest step (tokens) this layer will see; sizes the
             persistent top-k buffer.
         max_decode_query_len: 1 + draft tokens for speculative decoding.
@@ -80,22 +82,28 @@ class SparseAttention:
                  max_num_tokens: int = 8192, max_decode_query_len: int = 1,
                  backend: Optional[str] = None, indexer_backend: Optional[str] = None,
                  settings: Optional[Settings] = None, registry: Optional[Registry] = None,
-                 cuda_graph: bool = False) -> None:
+                 cuda_graph: bool = False, kv_dtype: Optional[torch.dtype] = None) -> None:
         if not isinstance(params, SparseAttentionParams):
             raise InputError(f"params must be SparseAttentionParams, got {type(params).__name__}")
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise InputError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
+        for name, value in (("dtype", dtype), ("index_dtype", index_dtype), ("kv_dtype", kv_dtype)):
+            if value is not None and not isinstance(value, torch.dtype):
+                raise InputError(f"{name} must be a torch.dtype (e.g. torch.{value} if {value!r} is a dtype "
+                                 f"name), got {type(value).__name__} {value!r}")
         self.params = params
         self.device = check_layer_args(device, max_decode_query_len)
         self.dtype = dtype
         self.index_dtype = index_dtype
+        self.kv_dtype = kv_dtype if kv_dtype is not None else dtype
         self.max_num_tokens = max_num_tokens
         self.max_decode_query_len = max_decode_query_len
         self.settings = settings if settings is not None else default_settings()
         self.registry = registry if registry is not None else default_registry()
         self._explicit = (backend, indexer_backend) if backend is not None or indexer_backend is not None else None
         self.requirements = requirements_for(params, dtype, index_dtype, self.device,
-                                             decode_query_len=max_decode_query_len, cuda_graph=cuda_graph)
+                                             decode_query_len=max_decode_query_len, cuda_graph=cuda_graph,
+                                             kv_dtype=self.kv_dtype)
         self._bound: dict[tuple[str, Optional[str]], _Bound] = {}
         self._lock = threading.Lock()
         self._resolve()  # select now so configuration errors surface at construction
@@ -176,16 +184,17 @@ class SparseAttention:
         """
         b = self._resolve()
         check_step_inputs(self.params, q, index_q, caches, batch, out, dtype=self.dtype,
-                          index_dtype=self.index_dtype, device=self.device,
+                          index_dtype=self.index_dtype, kv_dtype=self.kv_dtype, device=self.device,
                           capacity=b.topk.num_tokens, max_decode_query_len=self.max_decode_query_len)
         T = batch.num_tokens
         if out is None:
             out = torch.empty_like(q)
         if torch.compiler.is_compiling():  # one opaque node per op: nothing below is traced
             args, c, handle = batch_args(batch), caches, b.target.handle
-            torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, b.topk.storage, *args, handle)
+            torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, b.topk.storage, *args, handle, c.k_scale,
+                                     c.v_scale)
             topk = self._for_attention(b, b.topk.rows(0, T))
-            torch.ops.mm3.attention(q, c.k, c.v, c.index, topk.storage, *args, handle, out)
+            torch.ops.mm3.attention(q, c.k, c.v, c.index, topk.storage, *args, handle, out, c.k_scale, c.v_scale)
         else:  # eager: the same functions the ops run, without the dispatcher
             run_index_topk(b.target, index_q, caches, batch, b.topk)
             run_attention(b.target, q, caches, self._for_attention(b, b.topk.rows(0, T)), batch, out)

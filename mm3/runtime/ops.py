@@ -36,7 +36,7 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
@@ -129,19 +129,20 @@ def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
                topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                context_lens: torch.Tensor, block_table: torch.Tensor, token_to_request: torch.Tensor,
                token_positions: torch.Tensor, num_decodes: int, decode_query_len: int, num_decode_tokens: int,
-               max_prefill_query_len: int, block_size: int, handle: int) -> None:
+               max_prefill_query_len: int, block_size: int, handle: int,
+               k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """The indexer of the bound backend ``handle``: writes rows ``[0, T)`` of the top-k storage ``topk``."""
     target = OpTarget.lookup(handle)
     batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
                             token_positions, num_decodes, decode_query_len, num_decode_tokens,
                             max_prefill_query_len, block_size)
-    run_index_topk(target, index_q, PagedKVCache(k, v, index), batch, TopkBuffer(topk, target.topk_layout))
+    run_index_topk(target, index_q, PagedKVCache.rewrap(k, v, index, k_scale, v_scale), batch, TopkBuffer(topk, target.topk_layout))
 
 
 @index_topk.register_fake
 def _(index_q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table,  # type: ignore[no-untyped-def]
       token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
-      max_prefill_query_len, block_size, handle) -> None:
+      max_prefill_query_len, block_size, handle, k_scale=None, v_scale=None) -> None:
     return None
 
 
@@ -150,18 +151,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Te
               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
               block_table: torch.Tensor, token_to_request: torch.Tensor, token_positions: torch.Tensor,
               num_decodes: int, decode_query_len: int, num_decode_tokens: int, max_prefill_query_len: int,
-              block_size: int, handle: int, out: torch.Tensor) -> None:
+              block_size: int, handle: int, out: torch.Tensor,
+              k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """The attention of the bound backend ``handle``: reads the top-k storage, writes ``out[:T]``."""
     target = OpTarget.lookup(handle)
     batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
                             token_positions, num_decodes, decode_query_len, num_decode_tokens,
                             max_prefill_query_len, block_size)
-    run_attention(target, q, PagedKVCache(k, v, index), TopkBuffer(topk, target.attention_topk_layout),
+    run_attention(target, q, PagedKVCache.rewrap(k, v, index, k_scale, v_scale), TopkBuffer(topk, target.attention_topk_layout),
                   batch, out)
 
 
 @attention.register_fake
 def _(q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table,  # type: ignore[no-untyped-def]
       token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
-      max_prefill_query_len, block_size, handle, out) -> None:
+      max_prefill_query_len, block_size, handle, out, k_scale=None, v_scale=None) -> None:
     return None

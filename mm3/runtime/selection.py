@@ -164,13 +164,18 @@ def describe_requirements(req: Requirements) -> str:
     return (f"device type {req.device_type}, dtype {req.dtype}, index cache {req.index_cache_dtype}, "
             f"head_dim {req.head_dim}, index_head_dim {req.index_head_dim}, block_size "
             f"{req.block_size}, topk {req.topk}, GQA group {req.gqa_group}, decode query len "
-            f"{req.decode_query_len}" + (", CUDA graph" if req.cuda_graph else ""))
+            f"{req.decode_query_len}"
+            + (f", KV cache {req.kv_cache_dtype}" if req.kv_cache_dtype not in (None, req.dtype) else "")
+            + (", CUDA graph" if req.cuda_graph else ""))
 
 
 def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtype", str],
                      index_dtype: Union["torch.dtype", str], device: DeviceLike,
-                     decode_query_len: int = 1, cuda_graph: bool = False) -> Requirements:
+                     decode_query_len: int = 1, cuda_graph: bool = False,
+                     kv_dtype: Union["torch.dtype", str, None] = None) -> Requirements:
     """The :class:`Requirements` of running ``params`` with these dtypes on ``device``.
+
+    ``kv_dtype``: the K/V cache dtype when it is not ``q_dtype`` (``float8_e4m3fn``, scaled).
 
     Example:
         >>> import torch
@@ -185,15 +190,18 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
     dev = device if isinstance(device, torch.device) else torch.device(device)
     dt = q_dtype if isinstance(q_dtype, str) else dtype_name(q_dtype)
     idt = index_dtype if isinstance(index_dtype, str) else dtype_name(index_dtype)
+    kvt = kv_dtype if kv_dtype is None or isinstance(kv_dtype, str) else dtype_name(kv_dtype)
     try:
         return Requirements(device_type=dev.type, ops=ALL_OPS, dtype=dt, index_cache_dtype=idt,
+                            kv_cache_dtype=None if kvt == dt else kvt,
                             head_dim=params.head_dim, index_head_dim=params.index_head_dim,
                             block_size=params.block_size, topk=params.topk,
                             gqa_group=params.gqa_group, decode_query_len=decode_query_len,
                             cuda_graph=cuda_graph)
     except ValidationError as e:
         raise InputError(f"unsupported request: {describe_validation_error(e)}; attention runs in bfloat16/float16/float32 "
-                         f"and the index cache in bfloat16/float16/float32/float8_e4m3fn") from None
+                         f"the K/V cache in that dtype or float8_e4m3fn, the index cache in "
+                         f"bfloat16/float16/float32/float8_e4m3fn") from None
 
 
 def _evaluate(be: "Backend", op: Op, req: Requirements, device: DeviceLike,

@@ -19,6 +19,8 @@ import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import TORCH_DTYPES, PagedKVCache
+from mm3.contract.errors import InputError
+from mm3.contract.kv_scales import FP8_KV_DTYPE
 from mm3.contract.params import SparseAttentionParams
 
 __all__ = ["Case", "make_case", "random_caches"]
@@ -36,8 +38,7 @@ class Case:
 
     def to(self, device: Union[str, torch.device]) -> "Case":
         c = self.caches
-        return Case(self.params, self.q.to(device), self.index_q.to(device),
-                    PagedKVCache(c.k.to(device), c.v.to(device), c.index.to(device)),
+        return Case(self.params, self.q.to(device), self.index_q.to(device), c.to(device),
                     self.batch.to(device))
 
 
@@ -45,14 +46,33 @@ def _dtype(d: Union[str, torch.dtype]) -> torch.dtype:
     return TORCH_DTYPES[d] if isinstance(d, str) else d
 
 
+def _fp8_scales(num_kv_heads: int, kv_scale: str, generator: torch.Generator) -> torch.Tensor:
+    """Random K or V scales in [0.02, 0.05): one per KV head, or one per tensor (``[1]``)."""
+    if kv_scale not in ("tensor", "head"):
+        raise InputError(f"kv_scale must be 'tensor' or 'head', got {kv_scale!r}")
+    n = num_kv_heads if kv_scale == "head" else 1
+    return 0.02 + 0.03 * torch.rand(n, generator=generator)
+
+
 def random_caches(params: SparseAttentionParams, num_pages: int, *, dtype: torch.dtype,
                   index_dtype: torch.dtype, kv_layout: str, device: Union[str, torch.device],
-                  generator: torch.Generator) -> PagedKVCache:
-    """Caches filled with N(0, 1) values (never zeros), generated on the CPU then moved."""
+                  generator: torch.Generator, kv_dtype: Optional[torch.dtype] = None,
+                  kv_scale: str = "head") -> PagedKVCache:
+    """Caches filled with N(0, 1) values (never zeros), generated on the CPU then moved.
+
+    ``kv_dtype=torch.float8_e4m3fn`` stores K and V as ``value / scale`` with
+    random scales (``kv_scale``: ``"head"`` or ``"tensor"``), so a reader that
+    skips a scale, or takes another head's, is far off.
+    """
+    kv_dtype = kv_dtype or dtype
+    fp8 = kv_dtype == FP8_KV_DTYPE
+    scales = [_fp8_scales(params.num_kv_heads, kv_scale, generator).to(device) if fp8 else None
+              for _ in range(2)]
     caches = PagedKVCache.allocate(num_pages, params.block_size, params.num_kv_heads, params.head_dim,
-                                   params.index_head_dim, dtype, index_dtype, kv_layout, device)
-    for t in (caches.k, caches.v):
-        t.copy_(torch.randn(t.shape, generator=generator))
+                                   params.index_head_dim, kv_dtype, index_dtype, kv_layout, device, *scales)
+    for t, s in zip((caches.k, caches.v), (caches.k_scale, caches.v_scale)):
+        values = torch.randn(t.shape, generator=generator).to(device)
+        t.copy_(values / s.view(1, 1, -1, 1) if isinstance(s, torch.Tensor) else values)
     caches.index.copy_(torch.randn(caches.index.shape, generator=generator).to(index_dtype))
     return caches
 
@@ -61,7 +81,8 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
               prefills: Sequence[tuple[int, int]] = (), decode_query_len: int = 1,
               padding_decodes: int = 0, empty_decodes: int = 0,
               dtype: Union[str, torch.dtype] = "bfloat16",
-              index_dtype: Union[str, torch.dtype] = "bfloat16", kv_layout: str = "NHD",
+              index_dtype: Union[str, torch.dtype] = "bfloat16",
+              kv_dtype: Union[str, torch.dtype, None] = None, kv_scale: str = "head", kv_layout: str = "NHD",
               device: Union[str, torch.device] = "cpu", seed: int = 0,
               extra_pages: int = 3, extra_block_columns: int = 1,
               generator: Optional[torch.Generator] = None) -> Case:
@@ -73,6 +94,8 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
     that keep their token slots; ``empty_decodes`` adds decodes with no tokens.
     Pages are a random permutation with spare pages; unused block-table entries
     hold ``-1`` so a backend that reads past a request's blocks is caught.
+    ``kv_dtype="float8_e4m3fn"`` builds scaled fp8 K/V (``kv_scale``: ``"head"``
+    or ``"tensor"``, see :func:`random_caches`); ``None`` stores them in ``dtype``.
     """
     g = generator or torch.Generator().manual_seed(seed)
     dtype, index_dtype = _dtype(dtype), _dtype(index_dtype)
@@ -106,7 +129,8 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
     batch = BatchMetadata.build(ql, sl, bt, block_size=B, num_decodes=num_decodes,
                                 decode_query_len=decode_query_len, num_pages=num_pages, device=device)
     caches = random_caches(params, num_pages, dtype=dtype, index_dtype=index_dtype,
-                           kv_layout=kv_layout, device=device, generator=g)
+                           kv_layout=kv_layout, device=device, generator=g,
+                           kv_dtype=None if kv_dtype is None else _dtype(kv_dtype), kv_scale=kv_scale)
     T = batch.num_tokens
     q = torch.randn(T, params.num_heads, params.head_dim, generator=g).to(dtype).to(device)
     index_q = torch.randn(T, params.num_index_heads, params.index_head_dim, generator=g)

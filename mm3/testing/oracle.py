@@ -168,7 +168,9 @@ def oracle_attention(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
     """docs/spec.md §4 in float64 on the CPU; returns ``[T, Hq, D]`` float64."""
     B, G = params.block_size, params.gqa_group
     qf = _f64(q)
-    kc, vc = _f64(caches.k), _f64(caches.v)
+    # fp8 K/V: the oracle's input is the dequantized cache (docs/spec.md §1), exact in float64
+    values = caches.dequantized(torch.float64)
+    kc, vc = _f64(values.k), _f64(values.v)
     sel = topk.head_major().to("cpu").long()                                    # [Hkv, T, K]
     T, Hq, D = q.shape
     out = torch.zeros(T, Hq, D, dtype=torch.float64)

@@ -38,7 +38,7 @@ def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefill
                decode_query_len: int = 1, padding_decodes: int = 0, dtype: torch.dtype = torch.bfloat16,
                index_dtype: torch.dtype = torch.bfloat16, kv_layout: str = "NHD", seed: int = 0,
                width: Optional[int] = None, num_pages: Optional[int] = None,
-               device: str = "cuda") -> GpuCase:
+               device: str = "cuda", kv_dtype: Optional[torch.dtype] = None) -> GpuCase:
     """A random mixed step whose caches and queries are generated on ``device``.
 
     The batch (decode-first order, padding decodes between real ones, permuted
@@ -46,6 +46,8 @@ def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefill
     16-wide heads, whose CPU-made caches are tiny; the real caches are drawn
     here on the GPU, ``num_pages`` of them (at least what the batch uses).
     ``width`` (block-table columns) defaults to the longest request's blocks + 3.
+    ``kv_dtype=torch.float8_e4m3fn`` stores K/V as ``value / scale`` with a
+    random scale per KV head (K) and one per tensor (V).
     """
     B = params.block_size
     need = max([-(-s // B) for s in list(decodes) + [s for _, s in prefills]])
@@ -58,10 +60,18 @@ def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefill
     pages = max(num_pages or 0, int(batch.block_table.max()) + 1)
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    scales = ((0.02 + 0.03 * torch.rand(params.num_kv_heads, device=dev, generator=g),
+               0.02 + 0.03 * torch.rand(1, device=dev, generator=g)) if fp8 else (None, None))
     caches = PagedKVCache.allocate(pages, B, params.num_kv_heads, params.head_dim, params.index_head_dim,
-                                   dtype, index_dtype, kv_layout, dev)
-    for t in (caches.k, caches.v):
-        t.copy_(torch.randn(t.shape, device=dev, generator=g, dtype=torch.float32))
+                                   kv_dtype or dtype, index_dtype, kv_layout, dev, *scales)
+    for t, sc in ((caches.k, caches.k_scale), (caches.v, caches.v_scale)):
+        if not fp8:
+            t.copy_(torch.randn(t.shape, device=dev, generator=g, dtype=torch.float32))
+            continue
+        for a in range(0, t.shape[0], 4096):   # in slices: no full-size fp32 temporary
+            x = torch.randn(t[a:a + 4096].shape, device=dev, generator=g, dtype=torch.float32)
+            t[a:a + 4096] = x / sc.view(1, 1, -1, 1)
     caches.index.copy_(torch.randn(caches.index.shape, device=dev, generator=g).to(index_dtype))
     T = batch.num_tokens
     q = torch.randn(T, params.num_heads, params.head_dim, device=dev, generator=g).to(dtype)
@@ -157,6 +167,9 @@ def attention_reference(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
     host, B, G = _host(batch), params.block_size, params.gqa_group
     view = topk.head_major()
     out: dict[int, torch.Tensor] = {}
+    # fp8 K/V: the reference reads the dequantized values (docs/spec.md §1)
+    ones = torch.ones(params.num_kv_heads, dtype=torch.float64, device=q.device)
+    k_scale, v_scale = ((caches.k_scale.double(), caches.v_scale.double()) if caches.kv_scaled else (ones, ones))
     for t in tokens:
         res = torch.zeros(params.num_heads, params.head_dim, dtype=torch.float64, device=q.device)
         if host["pos"][t] >= 0:
@@ -167,8 +180,8 @@ def attention_reference(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
                     continue
                 js = torch.cat([torch.arange(b * B, min(b * B + B, p + 1), device=q.device) for b in ids])
                 pg = pages[js // B]
-                keys = caches.k[pg, js % B, h].to(torch.float64)
-                vals = caches.v[pg, js % B, h].to(torch.float64)
+                keys = caches.k[pg, js % B, h].to(torch.float64) * k_scale[h]
+                vals = caches.v[pg, js % B, h].to(torch.float64) * v_scale[h]
                 qs = q[t, h * G:(h + 1) * G].to(torch.float64)
                 w = torch.softmax(params.softmax_scale * (qs @ keys.T), dim=1)
                 res[h * G:(h + 1) * G] = w @ vals

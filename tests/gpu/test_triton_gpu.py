@@ -7,6 +7,7 @@
   (``gpu_reference``) for every decode token and a spread of prefill tokens;
 * the rocm plugin runs here through its test-only override
   ``MM3_ROCM_ALLOW_NON_ROCM=1``, so its head-major path runs on real hardware;
+* fp8 (e4m3) K/V caches with scales, with bf16 and fp8 index caches;
 * a decode step (indexer + attention on a persistent buffer) captured in a
   CUDA graph and replayed with new inputs matches eager execution exactly;
 * on this machine, auto selection picks ``cuda`` and ``rocm`` says why not.
@@ -37,6 +38,7 @@ SENTINEL = -7
 # docs/spec.md §4 vs the fp64 reference: (max, mean)
 TOL = {torch.bfloat16: (2e-2, 3e-4), torch.float16: (1e-2, 1.5e-4)}
 K8, K16, K32, K64, K128 = 8192, 16384, 32768, 65536, 131072
+FP8 = torch.float8_e4m3fn
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +63,7 @@ def _attention_errors(out: torch.Tensor, ref: dict[int, torch.Tensor]) -> tuple[
 
 
 CASES = {
-    # id: (tp, dtype, index dtype, kv layout, decode query len, decode contexts, prefills)
+    # id: (tp, dtype, index dtype, kv layout, decode query len, decode contexts, prefills[, K/V dtype])
     "tp1_bf16_q1_nhd": (1, torch.bfloat16, torch.bfloat16, "NHD", 1,
                         [K8, K16 + 77, K32, K64 - 5, K128, 3000], [(1024, K32 + 1024), (333, 333)]),
     "tp1_bf16_fp8idx_q4_hnd": (1, torch.bfloat16, torch.float8_e4m3fn, "HND", 4,
@@ -70,17 +72,23 @@ CASES = {
                         [K64, K8 + 3, K128, K32 + 100, 2000], [(1500, K16 + 1500), (64, 64)]),
     "tp8_fp16_fp8idx_q1_nhd": (8, torch.float16, torch.float8_e4m3fn, "NHD", 1,
                                [K32, K128 - 1, K8], [(900, K64 + 900), (17, 17)]),
+    # fp8 K/V with scales (per KV head for K, per tensor for V), with a bf16 and an fp8 index cache
+    "tp1_bf16_kvfp8_q1_nhd": (1, torch.bfloat16, torch.bfloat16, "NHD", 1,
+                              [K64, K8 + 1, K128 - 3, 2500], [(1024, K32 + 1024), (200, 200)], FP8),
+    "tp8_bf16_fp8idx_kvfp8_q3_hnd": (8, torch.bfloat16, torch.float8_e4m3fn, "HND", 3,
+                                     [K32, K64 + 7, K8], [(800, K16 + 800), (33, 33)], FP8),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("backend", sorted(PLUGINS))
 def test_m3_shapes_against_fp64(backend: str, name: str) -> None:
-    tp, dtype, idx_dtype, layout, dq, decodes, prefills = CASES[name]
+    tp, dtype, idx_dtype, layout, dq, decodes, prefills, *kv = CASES[name]
     plugin = PLUGINS[backend]
     p = SparseAttentionParams.minimax_m3(tp_size=tp)
     case = build_case(p, decodes=decodes, prefills=prefills, decode_query_len=dq, padding_decodes=1,
-                      dtype=dtype, index_dtype=idx_dtype, kv_layout=layout, seed=len(name) + tp)
+                      dtype=dtype, index_dtype=idx_dtype, kv_layout=layout, seed=len(name) + tp,
+                      kv_dtype=kv[0] if kv else None)
     assert plugin.backend_probe(case.q.device).available
     T, batch = case.batch.num_tokens, case.batch
     buf = plugin.alloc_topk_buffer(T + 9, p.num_kv_heads, p.topk, case.q.device).fill_(SENTINEL)

@@ -75,6 +75,12 @@ class Step:
     kv_layout: str = "NHD"
     nan_tokens: tuple[int, ...] = ()
     tied_index_keys: bool = False   # every page holds page 0's index keys: full blocks tie exactly
+    kv_fp8: str = ""                # "head" / "tensor": K/V in float8_e4m3fn with per-head / per-tensor scales
+
+    @property
+    def kv_dtype(self) -> Optional[str]:
+        """The K/V cache dtype when it is not the attention dtype (scaled fp8), else ``None``."""
+        return "float8_e4m3fn" if self.kv_fp8 else None
 
     def params(self) -> SparseAttentionParams:
         return SparseAttentionParams(num_heads=self.H * self.G, num_kv_heads=self.H, head_dim=self.D,
@@ -85,7 +91,7 @@ class Step:
         case = make_case(self.params(), decodes=self.decodes, prefills=self.prefills,
                          decode_query_len=self.dq, padding_decodes=self.padding, empty_decodes=self.empty,
                          dtype=dtype, index_dtype=index_dtype, kv_layout=self.kv_layout, device=device,
-                         seed=seed)
+                         seed=seed, kv_dtype=self.kv_dtype, kv_scale=self.kv_fp8 or "head")
         for t in self.nan_tokens:
             case.index_q[t, 0, 1] = float("nan")
         if self.tied_index_keys:
@@ -318,6 +324,10 @@ ATTENTION_STEPS: dict[str, Step] = {
     "hnd_kv_cache": Step(H=2, G=4, K=16, dq=2, decodes=(400, 300), prefills=((21, 360),), kv_layout="HND"),
     "padding_decodes": Step(H=1, G=4, K=16, dq=2, decodes=(360,), padding=3, empty=1,
                             prefills=((9, 400),)),
+    # fp8 K/V with scales (docs/spec.md §1), compared with the oracle on the dequantized cache
+    "kv_fp8_mixed": Step(H=2, G=4, K=16, decodes=(420, 300), padding=1, prefills=((6, 380),), kv_fp8="head"),
+    "kv_fp8_spec_decode_hnd": Step(H=1, G=8, D=64, K=16, dq=3, decodes=(400,), prefills=((5, 330),),
+                                   kv_layout="HND", kv_fp8="tensor"),
 }
 
 COMPOSED_STEPS: dict[str, Step] = {
@@ -329,6 +339,9 @@ COMPOSED_STEPS: dict[str, Step] = {
 LARGE_STEPS: dict[str, Step] = {
     "large": Step(H=2, G=4, D=128, Di=128, B=32, K=8, dq=2, decodes=(1500, 900, 333),
                   prefills=((12, 12), (96, 1200))),
+    # fp8 K/V composed with a bf16 and an fp8 index cache (the quick plan has the fp8 attention cases)
+    "large_kv_fp8": Step(H=2, G=4, D=128, Di=128, B=32, K=8, dq=2, decodes=(1400, 700), padding=1,
+                         prefills=((9, 9), (80, 1100)), kv_fp8="head"),
 }
 """Bigger shapes, added when ``quick=False`` (indexer, attention and composed)."""
 

@@ -69,7 +69,9 @@ def oracle_topk_cached(case: Case) -> TopkBuffer:
 def oracle_attention_cached(case: Case, sel: TopkBuffer) -> torch.Tensor:
     """:func:`~mm3.testing.oracle.oracle_attention` of ``case`` on ``sel``, memoised."""
     b = case.batch
-    key = _digest(case.q, case.caches.k, case.caches.v, b.block_table, b.token_positions,
+    c = case.caches
+    scales = [s for s in (c.k_scale, c.v_scale) if isinstance(s, torch.Tensor)]
+    key = _digest(case.q, c.k, c.v, *scales, b.block_table, b.token_positions,
                   b.token_to_request, sel.head_major()) + repr(case.params)
     return _memo("attention", key, lambda: oracle_attention(case.q, case.caches, sel, case.batch,
                                                             case.params))
