@@ -36,6 +36,9 @@ class PrefillAttentionConfig:
     #: over one program per tile at TP1)
     programs_per_sm: int = 1
     stages: int = 2
+    #: 0 = one tile per loop step; n = runs of up to n tiles of one segment: the block's K/V loaded
+    #: once per run, the run's tiles one pipelined loop of ``stages`` stages
+    run_tiles: int = 0
     #: warps of the merge (one program per token and KV head)
     merge_warps: int = 4
     #: prefill tokens planned and merged per pass: bounds the partial-output workspace

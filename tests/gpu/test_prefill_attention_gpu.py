@@ -75,10 +75,17 @@ def test_block_grouped_prefill_at_m3_shapes(tp: int, context: int, correlated: b
     _check(p, case, buf, out, _run(p, case, buf, None))
 
 
-@pytest.mark.parametrize("cfg", [PrefillAttentionConfig(block_n=128)], ids=["bn128"])
-def test_block_grouped_prefill_tile_shapes(cfg: PrefillAttentionConfig) -> None:
-    """Another tile shape: 128-key steps."""
-    p, case, buf = _step(1, K32, True, seed=11)
+RUNS = PrefillAttentionConfig(run_tiles=8, stages=5, block_n=128)
+
+
+@pytest.mark.parametrize("tp,cfg", [
+    (1, PrefillAttentionConfig(block_n=128)), (1, RUNS), (8, RUNS), (1, replace(RUNS, run_tiles=16)),
+    (1, replace(RUNS, block_n=64)), (1, replace(RUNS, stages=3)),
+    (1, PrefillAttentionConfig(rows=64, warps=4, programs_per_sm=2, run_tiles=8, stages=4, block_n=128)),
+], ids=["bn128", "runs", "runs_tp8", "runs16", "runs_halves", "runs_s3", "runs_w4"])
+def test_block_grouped_prefill_tile_shapes(tp: int, cfg: PrefillAttentionConfig) -> None:
+    """Other tile shapes: 128-key steps; runs of tiles of one block (K/V loaded once per run)."""
+    p, case, buf = _step(tp, K32, True, seed=11)
     _check(p, case, buf, _run(p, case, buf, cfg), _run(p, case, buf, None))
 
 
