@@ -97,18 +97,18 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.interpreter
 @interp
 @pytest.mark.parametrize("dtype,cfg,block", [
-    ("float32", PrefillAttentionConfig(rows=16, block_n=16, programs_per_sm=3, stages=1), 16),
-    ("float16", PrefillAttentionConfig(rows=32, block_n=16, max_tokens_per_pass=11), 16),
+    ("float32", PrefillAttentionConfig(rows=16, block_n=16, programs_per_sm=3, stages=1, run_tiles=0), 16),
+    ("float16", PrefillAttentionConfig(rows=32, block_n=16, stages=2, max_tokens_per_pass=11, run_tiles=0), 16),
     ("float16", None, 16),
     ("float32", PrefillAttentionConfig(rows=16, run_tiles=2, stages=1, programs_per_sm=3), 16),
-    ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, stages=3, block_n=16, max_tokens_per_pass=11), 32),
-], ids=["unpipelined_fp32", "passes_fp16", "token_tiles_fp16", "runs_fp32", "runs_halves_passes_fp16"])
+    ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11), 32),
+], ids=["tiles_unpipelined_fp32", "tiles_passes_fp16", "token_tiles_fp16", "runs_fp32", "runs_passes_fp16"])
 def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionConfig | None, block: int) -> None:
     """A mixed step (2 decodes + padding, 3 prefills, G = 3) with a messy selection.
 
     ``None``: the token-tile kernel the rocm plugin keeps (the interpreter config takes the
     block-grouped path for both plugins, so this is where the other one runs in CI). ``runs``: runs of
-    several tiles per block (one K/V load per run), the whole block one key tile or two halves."""
+    several tiles per block (one K/V load per run, the default); ``tiles``: one tile per loop step."""
     p = _params(3, block)
     case = make_case(p, decodes=[70, 33], prefills=[(20, 130), (3, 3), (17, 60)], padding_decodes=1,
                      dtype=dtype, index_dtype=dtype, seed=9)

@@ -75,16 +75,16 @@ def test_block_grouped_prefill_at_m3_shapes(tp: int, context: int, correlated: b
     _check(p, case, buf, out, _run(p, case, buf, None))
 
 
-RUNS = PrefillAttentionConfig(run_tiles=8, stages=5, block_n=128)
+#: the one-tile-per-step kernel (the default before runs of tiles), with 64- and 128-key steps
+TILES = PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=2, run_tiles=0)
 
 
 @pytest.mark.parametrize("tp,cfg", [
-    (1, PrefillAttentionConfig(block_n=128)), (1, RUNS), (8, RUNS), (1, replace(RUNS, run_tiles=16)),
-    (1, replace(RUNS, block_n=64)), (1, replace(RUNS, stages=3)),
-    (1, PrefillAttentionConfig(rows=64, warps=4, programs_per_sm=2, run_tiles=8, stages=4, block_n=128)),
-], ids=["bn128", "runs", "runs_tp8", "runs16", "runs_halves", "runs_s3", "runs_w4"])
+    (1, TILES), (1, replace(TILES, block_n=128)), (8, TILES), (1, PrefillAttentionConfig(run_tiles=16)),
+    (1, PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=5)),
+], ids=["tiles", "tiles_bn128", "tiles_tp8", "runs16", "runs_rows128"])
 def test_block_grouped_prefill_tile_shapes(tp: int, cfg: PrefillAttentionConfig) -> None:
-    """Other tile shapes: 128-key steps; runs of tiles of one block (K/V loaded once per run)."""
+    """Other tile shapes: the one-tile-per-step kernel; longer runs; 128-row runs (8 warps)."""
     p, case, buf = _step(tp, K32, True, seed=11)
     _check(p, case, buf, _run(p, case, buf, cfg), _run(p, case, buf, None))
 
