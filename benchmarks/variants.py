@@ -64,8 +64,14 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # issue 13: the token-tile prefill attention (the rocm plugin's path) beside the block-grouped
     # kernel; the latter with 128-key steps (0.97-0.98x on the H200, NOTES.md)
     "tiles": (dict(prefill_attention=None), ("prefill",)),
-    "pbn128": (dict(prefill_attention=PrefillAttentionConfig(block_n=128)), ("prefill",)),
+    "pbn128": (dict(prefill_attention=PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=2,
+                                                              run_tiles=0, block_n=128)), ("prefill",)),
     "prow256": (dict(prefill_index_rows=256, prefill_index_block_n=32), ("prefill",)),
+    # issue 13, session 4: the default before runs of tiles (one 8-warp program per SM, one
+    # 128-row tile per loop step, K/V per tile); runs of 16 tiles
+    "grp3": (dict(prefill_attention=PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=2,
+                                                            run_tiles=0)), ("prefill",)),
+    "run16": (dict(prefill_attention=PrefillAttentionConfig(run_tiles=16)), ("prefill",)),
 }
 
 

@@ -32,9 +32,9 @@ interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                             reason="CPU-interpreter tests; a GPU machine runs tests/gpu instead")
 
 
-def _params(g: int) -> SparseAttentionParams:
+def _params(g: int, block_size: int = 16) -> SparseAttentionParams:
     return SparseAttentionParams(num_heads=2 * g, num_kv_heads=2, head_dim=32, num_index_heads=2,
-                                 index_head_dim=32, block_size=16, topk=4)
+                                 index_head_dim=32, block_size=block_size, topk=4)
 
 
 @pytest.mark.interpreter
@@ -63,6 +63,8 @@ def test_plan_puts_every_pair_in_one_tile() -> None:
         assert int(plan.tile_page[i]) == int(table[nd + r, b])
         slots = [s for s in plan.tile_slot[i * M:(i + 1) * M].tolist() if s >= 0]
         assert slots, f"tile {i} is empty"
+        assert slots == plan.tile_slot[i * M:i * M + len(slots)].tolist(), f"tile {i} is not filled from the front"
+        assert int(plan.tile_pairs[i]) == len(slots), f"tile {i}: pair count"
         for s in slots:
             hs, t, k = s // (Tc * K), s // K % Tc, s % K
             assert (hs, int(req[t])) == (h, r) and int(plan.clean[hs, t, k]) == b
@@ -94,17 +96,20 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.interpreter
 @interp
-@pytest.mark.parametrize("dtype,cfg", [
-    ("float32", PrefillAttentionConfig(rows=16, block_n=16, programs_per_sm=3, stages=1)),
-    ("float16", PrefillAttentionConfig(rows=32, block_n=16, max_tokens_per_pass=11)),
-    ("float16", None),
-], ids=["unpipelined_fp32", "passes_fp16", "token_tiles_fp16"])
-def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionConfig | None) -> None:
+@pytest.mark.parametrize("dtype,cfg,block", [
+    ("float32", PrefillAttentionConfig(rows=16, block_n=16, programs_per_sm=3, stages=1, run_tiles=0), 16),
+    ("float16", PrefillAttentionConfig(rows=32, block_n=16, stages=2, max_tokens_per_pass=11, run_tiles=0), 16),
+    ("float16", None, 16),
+    ("float32", PrefillAttentionConfig(rows=16, run_tiles=2, stages=1, programs_per_sm=3), 16),
+    ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11), 32),
+], ids=["tiles_unpipelined_fp32", "tiles_passes_fp16", "token_tiles_fp16", "runs_fp32", "runs_passes_fp16"])
+def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionConfig | None, block: int) -> None:
     """A mixed step (2 decodes + padding, 3 prefills, G = 3) with a messy selection.
 
     ``None``: the token-tile kernel the rocm plugin keeps (the interpreter config takes the
-    block-grouped path for both plugins, so this is where the other one runs in CI)."""
-    p = _params(3)
+    block-grouped path for both plugins, so this is where the other one runs in CI). ``runs``: runs of
+    several tiles per block (one K/V load per run, the default); ``tiles``: one tile per loop step."""
+    p = _params(3, block)
     case = make_case(p, decodes=[70, 33], prefills=[(20, 130), (3, 3), (17, 60)], padding_decodes=1,
                      dtype=dtype, index_dtype=dtype, seed=9)
     sel = oracle_topk(case.index_q, case.caches, case.batch, p)

@@ -13,11 +13,13 @@ block, and the work is done in three steps:
    select nothing, as in docs/spec.md §4), give every remaining (KV head, token,
    slot) pair its place in its *segment* (KV head, request, block) and cut
    each segment into tiles of ``M`` pairs.
-2. ``_block_tile_kernel``, persistent programs walking the tiles: per tile,
-   the ``M`` tokens' query rows (``M x G`` rows, a full tensor-core tile)
-   against the block's K/V, loaded once; it stores each row's partial result
+2. ``_block_run_kernel`` (default), persistent programs walking *runs* (up
+   to ``run_tiles`` tiles of one segment): per run the block's K/V are loaded
+   once; per tile the ``M`` tokens' query rows (``M x G`` rows, a full
+   tensor-core tile) against them; it stores each row's partial result
    (output normalized by its own softmax sum, and the base-2 log-sum-exp) in
-   the pair's slot of a workspace.
+   the pair's slot of a workspace. ``_block_tile_kernel`` (``run_tiles=0``,
+   the previous default) loads K/V per tile.
 3. ``_merge_slots_kernel``, one program per (token, KV head): merges the
    token's ``K`` partials by their log-sum-exp into the output.
 
@@ -58,7 +60,8 @@ class PairPlan:
     ``tile_seg`` ``[max_tiles]``: each tile's segment id;
     ``tile_page`` ``[max_tiles]``: the page of each tile's block;
     ``tile_slot`` ``[max_tiles * M]``: per tile, the flat slot ``(h * Tc + t) * K + k`` of each
-    of its ``M`` pairs (``-1``: no pair);
+    of its ``M`` pairs (``-1``: no pair), filled from the front;
+    ``tile_pairs`` ``[max_tiles]``: how many of a tile's ``M`` slots hold a pair;
     ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful.
     """
 
@@ -66,6 +69,7 @@ class PairPlan:
     tile_seg: torch.Tensor
     tile_page: torch.Tensor
     tile_slot: torch.Tensor
+    tile_pairs: torch.Tensor
     num_tiles: torch.Tensor
 
 
@@ -91,11 +95,11 @@ def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, w
 
 
 @triton.jit
-def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, req_ptr, clean_ptr, within_ptr, tile_base_ptr,
-                       tile_seg_ptr, tile_page_ptr, tile_slot_ptr, tok0, Tc, first_request, num_req, nb_max,
-                       K: tl.constexpr, K_PAD: tl.constexpr, M: tl.constexpr):
+def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, req_ptr, clean_ptr, within_ptr, count_ptr, tile_base_ptr,
+                       tile_seg_ptr, tile_page_ptr, tile_slot_ptr, tile_pairs_ptr, tok0, Tc, first_request, num_req,
+                       nb_max, K: tl.constexpr, K_PAD: tl.constexpr, M: tl.constexpr):
     """Row ``(h, t)``: each valid pair into its tile (segment's first tile + place // M); the pair
-    that opens a tile also writes the tile's segment and the page of its block."""
+    that opens a tile also writes the tile's segment, the page of its block and its pair count."""
     tc = tl.program_id(0)
     h = tl.program_id(1)
     slots = tl.arange(0, K_PAD)
@@ -109,6 +113,7 @@ def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, req_ptr, clean_ptr, within_ptr, t
     tl.store(tile_slot_ptr + tile * M + within % M, row, mask=ok)
     opens = ok & (within % M == 0)
     tl.store(tile_seg_ptr + tile, seg, mask=opens)
+    tl.store(tile_pairs_ptr + tile, tl.minimum(tl.load(count_ptr + seg, mask=opens, other=0) - within, M), mask=opens)
     page = tl.load(bt_ptr + (first_request + r) * s_bt_r + ids * s_bt_b, mask=opens, other=0)
     tl.store(tile_page_ptr + tile, page, mask=opens)
 
@@ -139,10 +144,11 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     tile_seg = torch.empty(max_tiles, device=dev, dtype=torch.int32)
     tile_page = torch.empty(max_tiles, device=dev, dtype=torch.int32)
     tile_slot = torch.full((max_tiles * M,), -1, device=dev, dtype=torch.int32)
+    tile_pairs = torch.empty(max_tiles, device=dev, dtype=torch.int32)
     bt = batch.block_table
-    _pair_place_kernel[rows](bt, *bt.stride(), batch.token_to_request, clean, within, tile_base, tile_seg, tile_page,
-                             tile_slot, tok0, Tc, nd, R, nb_max, K=K, K_PAD=next_pow2(K), M=M)
-    return PairPlan(clean, tile_seg, tile_page, tile_slot, tiles.sum(dtype=torch.int32).view(1))
+    _pair_place_kernel[rows](bt, *bt.stride(), batch.token_to_request, clean, within, count, tile_base, tile_seg,
+                             tile_page, tile_slot, tile_pairs, tok0, Tc, nd, R, nb_max, K=K, K_PAD=next_pow2(K), M=M)
+    return PairPlan(clean, tile_seg, tile_page, tile_slot, tile_pairs, tiles.sum(dtype=torch.int32).view(1))
 
 
 @triton.jit
@@ -184,6 +190,81 @@ def _block_tile_kernel(
         tl.store(ws_o_ptr + part[:, None] * D + offs_d[None, :], (acc / l_safe[:, None]).to(ws_o_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
         tl.store(ws_lse_ptr + part, m_i + tl.log2(l_safe), mask=row_ok)
+
+
+@triton.jit
+def _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, B: tl.constexpr, D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """A block's K^T (the dot's B operand as loaded, so the compiler keeps it in shared memory
+    across a run) and V."""
+    offs_d = tl.arange(0, D)
+    offs_j = tl.arange(0, B)
+    keys_t = tl.load(k_page + offs_d[:, None] * s_kd + offs_j[None, :] * s_kb)
+    vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd)
+    return keys_t.to(DOT_DTYPE), vals.to(DOT_DTYPE)
+
+
+@triton.jit
+def _run_step(q, keys_t, vals, visible, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One online-softmax step (base 2, scale folded in) over keys given as K^T."""
+    s = tl.where(visible, tl.dot(q, keys_t, input_precision=DOT_PREC) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _block_run_kernel(
+    q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
+    pos_ptr, run_seg_ptr, run_page_ptr, run_slot_ptr, run_pairs_ptr, num_runs_ptr, ws_o_ptr, ws_lse_ptr,
+    tok0, Tc, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
+    B: tl.constexpr, D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr, RUN: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 4, KV_SCALED: tl.constexpr = False,
+):
+    """Runs ``program_id, program_id + programs, ...``; a run is up to ``RUN`` tiles of one segment.
+
+    The run's block K/V are loaded once and stay on chip as one ``B``-key tile (one block per row:
+    a single softmax step); its tiles (``M`` pairs, ``ROWS`` query rows each) are one
+    software-pipelined loop of ``STAGES`` stages: later tiles' pairs and query rows load while this
+    one's math runs. (Two 64-key halves at 128-key blocks spilled and measured 0.90-0.93x.)
+    """
+    rows = tl.arange(0, ROWS)
+    mi = rows // G
+    gi = rows % G
+    offs_d = tl.arange(0, D)
+    for i in tl.range(tl.program_id(0), tl.load(num_runs_ptr), tl.num_programs(0), num_stages=1):
+        seg = tl.load(run_seg_ptr + i)
+        page = tl.load(run_page_ptr + i).to(tl.int64)
+        n = tl.load(run_pairs_ptr + i)
+        b = seg % nb_max
+        h = seg // nb_max // num_req
+        k_page = k_ptr + page * s_kp + h * s_kh
+        v_page = v_ptr + page * s_vp + h * s_vh
+        keys_t, vals = _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, B, D, DOT_DTYPE)
+        # fp8 K/V: the K scale joins the logits' factor, the V scale multiplies the result once
+        run_qk_scale = qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED)
+        v_scale = kv_scale(vs_ptr, h, s_vs, KV_SCALED)
+        key_pos = b * B + tl.arange(0, B)
+        for r in tl.range(0, tl.cdiv(n, M), num_stages=STAGES):
+            slot = tl.load(run_slot_ptr + i * (M * RUN) + r * M + mi, mask=mi < M, other=-1).to(tl.int64)
+            row_ok = slot >= 0
+            tok = tok0 + (slot // K) % Tc
+            pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+            q = load_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
+            m_i = tl.full([ROWS], float("-inf"), tl.float32)
+            l_i = tl.zeros([ROWS], tl.float32)
+            acc = tl.zeros([ROWS, D], tl.float32)
+            m_i, l_i, acc = _run_step(q, keys_t, vals, row_ok[:, None] & (key_pos[None, :] <= pos[:, None]),
+                                      m_i, l_i, acc, run_qk_scale, DOT_DTYPE, DOT_PREC)
+            # a valid pair's block holds key b * B <= pos, so l > 0 in every stored row
+            l_safe = tl.where(l_i > 0, l_i, 1.0)
+            part = slot * G + gi
+            tl.store(ws_o_ptr + part[:, None] * D + offs_d[None, :],
+                     (acc * (v_scale / l_safe)[:, None]).to(ws_o_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(ws_lse_ptr + part, m_i + tl.log2(l_safe), mask=row_ok)
 
 
 @triton.jit
@@ -246,17 +327,26 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
     for a in range(td, T, cfg.max_tokens_per_pass):
         c = min(cfg.max_tokens_per_pass, T - a)
         pairs = Hkv * c * K
-        max_tiles = min(pairs, pairs // m + Hkv * nb_sum)
-        plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=m, max_tiles=max_tiles)
+        per = m * max(1, cfg.run_tiles)
+        max_tiles = min(pairs, pairs // per + Hkv * nb_sum)
+        plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=per, max_tiles=max_tiles)
         ws_o = torch.empty((pairs, G, D), dtype=q.dtype, device=q.device)
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
         programs = max(1, min(max_tiles, target_programs // 2 * cfg.programs_per_sm))
-        _block_tile_kernel[(programs,)](
-            q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
-            plan.tile_seg, plan.tile_page, plan.tile_slot, plan.num_tiles, ws_o, ws_lse,
-            a, c, nb_max, batch.num_prefills, G, qk_scale, *scales,
-            BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
-            num_warps=cfg.warps, **platform_options)
+        if cfg.run_tiles:
+            _block_run_kernel[(programs,)](
+                q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
+                plan.tile_seg, plan.tile_page, plan.tile_slot, plan.tile_pairs, plan.num_tiles, ws_o, ws_lse,
+                a, c, nb_max, batch.num_prefills, G, qk_scale, *scales,
+                ROWS=rows, M=m, RUN=cfg.run_tiles, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
+                num_warps=cfg.warps, **platform_options)
+        else:
+            _block_tile_kernel[(programs,)](
+                q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
+                plan.tile_seg, plan.tile_page, plan.tile_slot, plan.num_tiles, ws_o, ws_lse,
+                a, c, nb_max, batch.num_prefills, G, qk_scale, *scales,
+                BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
+                num_warps=cfg.warps, **platform_options)
         _merge_slots_kernel[(c, Hkv)](
             out, *out.stride(), plan.clean, ws_o, ws_lse, a, c, G,
             D=D, K=K, G_PAD=max(16, next_pow2(G)), num_warps=cfg.merge_warps, **platform_options)

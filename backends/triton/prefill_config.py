@@ -26,16 +26,19 @@ class PrefillAttentionConfig:
     """
 
     #: query rows of one tile (tokens x the G query heads of a KV head); a power of two >= G
-    rows: int = 128
-    #: keys per inner step of a tile (a divisor of the block size, >= 16): bounds registers
-    #: (H200: 1.02-1.03x over 128)
+    rows: int = 64
+    #: keys per inner step of a tile (a divisor of the block size, >= 16): bounds registers.
+    #: Only the one-tile-per-step kernel (``run_tiles = 0``) splits blocks; runs take whole blocks
     block_n: int = 64
-    warps: int = 8
-    #: persistent programs per multiprocessor, each walking its tiles as one software-pipelined
-    #: loop of ``stages`` stages: the next tile's loads overlap this one's math (H200: 1.10-1.15x
-    #: over one program per tile at TP1)
-    programs_per_sm: int = 1
-    stages: int = 2
+    warps: int = 4
+    #: persistent programs per multiprocessor, each walking its work as one software-pipelined
+    #: loop of ``stages`` stages (H200: two 4-warp programs of 64-row tiles 1.07-1.10x over one
+    #: 8-warp program of 128-row tiles at TP1)
+    programs_per_sm: int = 2
+    stages: int = 4
+    #: n = runs of up to n tiles of one segment: the block's K/V loaded once per run, the run's
+    #: tiles one pipelined loop; 0 = the previous kernel, one tile per loop step (K/V per tile)
+    run_tiles: int = 8
     #: warps of the merge (one program per token and KV head)
     merge_warps: int = 4
     #: prefill tokens planned and merged per pass: bounds the partial-output workspace

@@ -75,10 +75,17 @@ def test_block_grouped_prefill_at_m3_shapes(tp: int, context: int, correlated: b
     _check(p, case, buf, out, _run(p, case, buf, None))
 
 
-@pytest.mark.parametrize("cfg", [PrefillAttentionConfig(block_n=128)], ids=["bn128"])
-def test_block_grouped_prefill_tile_shapes(cfg: PrefillAttentionConfig) -> None:
-    """Another tile shape: 128-key steps."""
-    p, case, buf = _step(1, K32, True, seed=11)
+#: the one-tile-per-step kernel (the default before runs of tiles), with 64- and 128-key steps
+TILES = PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=2, run_tiles=0)
+
+
+@pytest.mark.parametrize("tp,cfg", [
+    (1, TILES), (1, replace(TILES, block_n=128)), (8, TILES), (1, PrefillAttentionConfig(run_tiles=16)),
+    (1, PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=5)),
+], ids=["tiles", "tiles_bn128", "tiles_tp8", "runs16", "runs_rows128"])
+def test_block_grouped_prefill_tile_shapes(tp: int, cfg: PrefillAttentionConfig) -> None:
+    """Other tile shapes: the one-tile-per-step kernel; longer runs; 128-row runs (8 warps)."""
+    p, case, buf = _step(tp, K32, True, seed=11)
     _check(p, case, buf, _run(p, case, buf, cfg), _run(p, case, buf, None))
 
 
