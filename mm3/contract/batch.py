@@ -29,6 +29,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mm3.contract.errors import InputError
+from mm3.contract.page_ids import check_page_ids
 
 __all__ = ["BatchMetadata"]
 
@@ -112,6 +113,23 @@ class BatchMetadata:
     @property
     def device(self) -> torch.device:
         return self.seq_lens.device
+
+    @property
+    def kind(self) -> str:
+        """What the step holds: ``"decode"``, ``"prefill"``, ``"mixed"`` or ``"empty"``, with
+        ``"speculative "`` in front when its decodes carry draft tokens (``decode_query_len > 1``).
+
+        Example:
+            >>> import torch
+            >>> BatchMetadata.build([2, 2, 9], [50, 40, 9], torch.zeros(3, 4, dtype=torch.int32),
+            ...                     block_size=16, num_decodes=2).kind
+            'speculative mixed'
+        """
+        if not self.num_requests:
+            return "empty"
+        kind = "mixed" if self.num_decodes and self.num_prefills else \
+            "decode" if self.num_decodes else "prefill"
+        return f"speculative {kind}" if self.num_decodes and self.decode_query_len > 1 else kind
 
     # -- construction ----------------------------------------------------------------
     @classmethod
@@ -208,19 +226,6 @@ class BatchMetadata:
                 raise InputError(
                     f"request {r}: seq_len {s} needs {need} blocks of {block_size} but block_table has "
                     f"only {max_blocks} columns; widen the block table")
-        if num_pages is not None:
-            bt_host = block_table.detach().to("cpu", torch.int64)
-            for r, s in enumerate(sl):
-                need = -(-s // block_size)
-                if need == 0:
-                    continue
-                row = bt_host[r, :need]
-                bad = ((row < 0) | (row >= num_pages)).nonzero()
-                if bad.numel():
-                    b = int(bad[0, 0])
-                    raise InputError(
-                        f"request {r}: block_table[{r}, {b}] = {int(row[b])} is not a page id in "
-                        f"[0, {num_pages}); the cache has {num_pages} pages")
 
         starts = [0]
         tok_req: list[int] = []
@@ -235,7 +240,7 @@ class BatchMetadata:
                 tok_pos.extend(range(s - q, s))
         i32 = dict(dtype=torch.int32, device=dev)
         ctx = [max(s - q, 0) if not (r < num_decodes and s == 0) else 0 for r, (q, s) in enumerate(zip(ql, sl))]
-        return cls(
+        batch = cls(
             num_decodes=num_decodes,
             decode_query_len=decode_query_len,
             query_lens=tuple(ql),
@@ -248,6 +253,9 @@ class BatchMetadata:
             token_to_request=torch.tensor(tok_req, **i32),
             token_positions=torch.tensor(tok_pos, **i32),
         )
+        if num_pages is not None:
+            check_page_ids(batch, num_pages)
+        return batch
 
     def to(self, device: Union[str, torch.device]) -> "BatchMetadata":
         """The same batch with its tensors on ``device``."""

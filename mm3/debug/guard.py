@@ -84,6 +84,7 @@ __all__ = [
     "guard_backend",
     "unguarded",
     "check_topk_allocation",
+    "capturing",
 ]
 
 GUARD_SENTINEL = -0x4D4D33
@@ -179,8 +180,8 @@ def check_topk_allocation(buf: Any, *, layout: str, num_tokens: int, num_heads: 
 
 # -- the wrapper -----------------------------------------------------------------------------------
 
-def _capturing(t: torch.Tensor) -> bool:
-    """True inside CUDA-graph capture, where the guard cannot synchronise."""
+def capturing(t: torch.Tensor) -> bool:
+    """True inside CUDA-graph capture, where the guard cannot synchronise (nor anything pay for it)."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
@@ -242,7 +243,7 @@ class GuardedBackend:
     def index_topk(self, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
                    params: SparseAttentionParams, out: TopkBuffer) -> None:
         """The wrapped indexer, with ``topk.*`` rules checked on rows ``[0, T)`` afterwards."""
-        if _capturing(out.storage):
+        if capturing(out.storage):
             return self.inner.index_topk(index_q, caches, batch, params, out)
         T = batch.num_tokens
         check_block_table(batch, caches)
@@ -282,7 +283,7 @@ class GuardedBackend:
                           batch: BatchMetadata, params: SparseAttentionParams,
                           out: torch.Tensor) -> None:
         """The wrapped attention, with ``attention.*`` rules checked afterwards."""
-        if _capturing(q):
+        if capturing(q):
             return self.inner.attention_forward(q, caches, topk, batch, params, out)
         caps = self.inner.capabilities
         if not caps.accepts_topk(topk.layout, topk.is_dense()):

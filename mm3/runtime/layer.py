@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -31,6 +31,8 @@ from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.runtime.config import Settings, default_settings
 from mm3.contract.errors import InputError
+from mm3.contract.page_ids import PageIdFlag, check_page_ids
+from mm3.debug.guard import capturing, guard_backend
 from mm3.contract.params import SparseAttentionParams
 from mm3.runtime.backend import Backend
 from mm3.runtime.registry import Registry, default_registry
@@ -45,13 +47,20 @@ DeviceLike = Union[str, torch.device]
 
 @dataclass
 class _Bound:
-    """One resolved choice: the backends, their bound calls and the persistent buffer."""
+    """One resolved choice: the backends, their bound calls and the persistent buffer.
+
+    ``indexer``/``attention`` are guarded unless ``check_contracts`` is
+    ``"never"``; ``fast`` holds the unguarded pair that steady-state steps use
+    in ``"first"`` mode, once ``checked`` holds the step's batch kind.
+    """
 
     selection: Selection
     indexer: Backend
     attention: Backend
     topk: TopkBuffer
     convert_to: Optional[str]  # layout the attention needs, when a per-step copy is required
+    fast: tuple[Backend, Backend]
+    checked: set[str] = field(default_factory=set)  # batch kinds already run through the guard
 
 
 class SparseAttention:
@@ -96,6 +105,7 @@ class SparseAttention:
                                              decode_query_len=max_decode_query_len, cuda_graph=cuda_graph)
         self._bound: dict[tuple[str, Optional[str]], _Bound] = {}
         self._lock = threading.Lock()
+        self._page_ids = PageIdFlag(self.device)
         self._resolve()  # select now so configuration errors surface at construction
 
     # -- selection -------------------------------------------------------------------
@@ -122,17 +132,16 @@ class SparseAttention:
     def _bind(self, backend: str, indexer_backend: Optional[str]) -> _Bound:
         sel = select(self.requirements, self.registry, backend=backend, indexer_backend=indexer_backend,
                      allow_fallback=self.settings.allow_fallback, device=self.device)
-        idx, att = sel.indexer, sel.attention
-        if self.settings.check_contracts:
-            from mm3.debug.guard import guard_backend  # debugging mode: every call checked
-
+        idx, att = fast = (sel.indexer, sel.attention)
+        if self.settings.check_contracts != "never":
             idx, att = guard_backend(idx), guard_backend(att)
         p = self.params
         # Backend.alloc_topk_buffer already checks type, layout and shape against the declaration.
         buf = idx.alloc_topk_buffer(self.max_num_tokens, p.num_index_heads, p.topk, self.device)
         # What runs is what the trace says: both come from the selection's verdict on this buffer.
         sel = sel.for_buffer(buf)
-        return _Bound(sel, idx, att, buf, att.capabilities.topk_layout if sel.converts_topk else None)
+        return _Bound(sel, idx, att, buf, att.capabilities.topk_layout if sel.converts_topk else None,
+                      fast if self.settings.check_contracts == "first" else (idx, att))
 
     @property
     def selection(self) -> Selection:
@@ -168,14 +177,44 @@ class SparseAttention:
         check_step_inputs(self.params, q, index_q, caches, batch, out, dtype=self.dtype,
                           index_dtype=self.index_dtype, device=self.device,
                           capacity=b.topk.num_tokens, max_decode_query_len=self.max_decode_query_len)
+        # "first": a batch kind this pair has not run yet goes through the guard (never while
+        # capturing a CUDA graph); "always" and "never" fixed the pair when it was bound.
+        graph = capturing(q)
+        kind = batch.kind
+        first = not graph and kind not in b.checked
+        self._check_page_ids(batch, caches, graph=graph, sync=first and b.indexer is not b.fast[0])
         T = batch.num_tokens
         if out is None:
             out = torch.empty_like(q)
         out_rows = out[:T]
         topk = b.topk.rows(0, T)
-        b.indexer.index_topk(index_q, caches, batch, self.params, topk)
-        b.attention.attention_forward(q, caches, self._for_attention(b, topk), batch, self.params, out_rows)
+        indexer, attention = (b.indexer, b.attention) if first else b.fast
+        indexer.index_topk(index_q, caches, batch, self.params, topk)
+        attention.attention_forward(q, caches, self._for_attention(b, topk), batch, self.params, out_rows)
+        if first and self.settings.check_contracts == "first":
+            b.checked.add(kind)
         return out_rows
+
+    def _check_page_ids(self, batch: BatchMetadata, caches: PagedKVCache, *, graph: bool,
+                        sync: bool) -> None:
+        """Every used block-table entry must be a page of ``caches`` (docs/errors.md §2.6).
+
+        A table in host memory, or any table on a guarded step (which synchronises anyway), is
+        checked at once; else it is checked on its device without a host sync, and an offence
+        is raised at the next step (or by :meth:`check_page_ids`).
+        """
+        if not graph:
+            self._page_ids.raise_pending()
+        if sync or batch.block_table.device.type == "cpu":
+            check_page_ids(batch, caches.num_pages)
+        else:
+            self._page_ids.record(batch, caches.num_pages, always=graph)
+
+    def check_page_ids(self) -> None:
+        """Wait for the device and raise :class:`~mm3.contract.errors.InputError` if a step of this
+        layer used a block-table entry that is not a page of its cache (the steps surface it
+        themselves one step later; call this after the last step you care about)."""
+        self._page_ids.check()
 
     __call__ = forward
 
