@@ -254,7 +254,7 @@ class BatchMetadata:
             token_positions=torch.tensor(tok_pos, **i32),
         )
         if num_pages is not None:
-            check_page_ids(batch, num_pages)
+            check_page_ids(batch, num_pages, hint=False)
         return batch
 
     def to(self, device: Union[str, torch.device]) -> "BatchMetadata":

@@ -85,19 +85,21 @@ def _bad_entries(batch: BatchMetadata, num_pages: int) -> tuple[torch.Tensor, to
     return (cols[None, :] < need[:, None]) & ((bt < 0) | (bt >= num_pages)), bt
 
 
-def _message(r: int, b: int, page: int, seq_len: int, block_size: int, num_pages: int) -> str:
+def _message(r: int, b: int, page: int, seq_len: int, block_size: int, num_pages: int,
+             hint: bool = True) -> str:
     blocks = -(-seq_len // block_size)
-    return (f"request {r}, block {b}: block_table[{r}, {b}] = {page} is not a page id in "
-            f"[0, {num_pages}) (seq_len {seq_len} uses {blocks} blocks); the cache has {num_pages} pages. "
-            f"Build the batch with BatchMetadata.build(..., num_pages=caches.num_pages) to catch "
-            f"this where the table is made")
+    msg = (f"request {r}, block {b}: block_table[{r}, {b}] = {page} is not a page id in "
+           f"[0, {num_pages}) (seq_len {seq_len} uses {blocks} blocks); the cache has {num_pages} pages")
+    return msg + (". Build the batch with BatchMetadata.build(..., num_pages=caches.num_pages) to "
+                  "catch this where the table is made" if hint else "")
 
 
-def check_page_ids(batch: BatchMetadata, num_pages: int) -> None:
+def check_page_ids(batch: BatchMetadata, num_pages: int, *, hint: bool = True) -> None:
     """Raise :class:`InputError` naming request, block and id when a used entry is not a page id.
 
     Once per block table (and its contents' version); one host read of the
-    result (free when the table lives in host memory).
+    result (free when the table lives in host memory). ``hint``: end the
+    message with the advice to pass ``num_pages`` to ``BatchMetadata.build``.
     """
     if batch.num_requests == 0 or batch.block_table.shape[1] == 0:
         return
@@ -107,8 +109,8 @@ def check_page_ids(batch: BatchMetadata, num_pages: int) -> None:
     bad, bt = _bad_entries(batch, num_pages)
     if bool(bad.any()):
         r, b = (int(v) for v in bad.nonzero()[0])
-        raise InputError(_message(r, b, int(bt[r, b]), int(batch.seq_lens[r]),
-                                                      batch.block_size, num_pages))
+        raise InputError(_message(r, b, int(bt[r, b]), int(batch.seq_lens[r]), batch.block_size,
+                                  num_pages, hint))
     _SEEN.add(key)
 
 
