@@ -2,13 +2,14 @@
 
 A backend that breaks the top-k contract must fail *here*, with a message
 naming it, not three kernels later with an illegal memory access or silently
-wrong tokens (which is how MiniMax-M3 failed in vLLM, docs/spec.md §5). With
-``Settings(check_contracts=True)`` / ``MM3_CHECK_CONTRACTS=1``,
+wrong tokens (which is how MiniMax-M3 failed in vLLM, docs/spec.md §5).
 :class:`~mm3.runtime.layer.SparseAttention` wraps its bound backends in
-:class:`GuardedBackend`; every call is then checked and a broken rule raises
+:class:`GuardedBackend` and, by default (``check_contracts="first"``), runs the
+first step of each kind of batch through them (``"always"``: every step); a
+checked call that breaks a rule raises
 :class:`~mm3.contract.errors.ContractViolation` naming the backend, the hook, the rule
-and the first offending row (head, token, the row's content). Off by default:
-the checks synchronise with the device once per call.
+and the first offending row (head, token, the row's content). A checked call
+synchronises with the device once.
 
 Rules (``ContractViolation.rule``; docs/errors.md has the full table):
 
@@ -194,7 +195,7 @@ class GuardedBackend:
     Failures raise :class:`~mm3.contract.errors.ContractViolation` (see :data:`RULES`),
     or :class:`~mm3.contract.errors.InputError` for a block table pointing outside the
     cache. :class:`~mm3.runtime.layer.SparseAttention` wraps its backends when
-    ``Settings.check_contracts`` is on; wrap one by hand with
+    ``Settings.check_contracts`` is not ``"never"``; wrap one by hand with
     :func:`guard_backend`.
 
     Args:
