@@ -1,6 +1,6 @@
 """The code in the docs runs, so it cannot rot.
 
-Every fenced code block of README.md, docs/plugins.md, docs/configuration.md
+Every fenced code block of README.md, docs/plugins.md, docs/configuration.md, docs/engines.md
 and docs/testing.md is handled by its info string (documented in
 docs/testing.md, "Code blocks in these docs"):
 
@@ -44,7 +44,7 @@ import pytest
 from plugin_fakes import backends_row, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/plugins.md", "docs/configuration.md", "docs/testing.md"]
+DOCS = ["README.md", "docs/plugins.md", "docs/configuration.md", "docs/testing.md", "docs/engines.md"]
 KNOWN_FLAGS = {"no-run", "pytest", "installed"}
 _FENCE = re.compile(r"^(?P<indent>[ ]{0,3})(?P<fence>`{3,})(?P<info>[^`]*)$")
 

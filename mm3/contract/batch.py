@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional, Sequence, Union
 
@@ -32,6 +32,10 @@ from mm3.contract.errors import InputError
 from mm3.contract.page_ids import check_page_ids
 
 __all__ = ["BatchMetadata"]
+
+#: host ints a batch caches (pre-set by :meth:`BatchMetadata.assemble`), carried by ``to()``
+_HOST_INTS = ("num_decode_tokens", "max_query_len", "max_seq_len", "max_prefill_query_len",
+              "max_prefill_context_len")
 
 IntSeq = Union[Sequence[int], torch.Tensor]
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -49,18 +53,66 @@ def _to_list(name: str, v: IntSeq) -> list[int]:
     return out
 
 
+def _check_lengths(ql: list[int], sl: list[int], num_decodes: int, decode_query_len: Optional[int],
+                   block_size: int, max_blocks: int) -> int:
+    """The rules of one step's per-request lengths (docs/spec.md §2); returns the decode query length."""
+    n = len(ql)
+    if not (0 <= num_decodes <= n):
+        raise InputError(f"num_decodes={num_decodes} must be in [0, {n}] (number of requests)")
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise InputError(f"block_size must be a positive int, got {block_size!r}")
+
+    for r, (q, s) in enumerate(zip(ql, sl)):
+        if q < 0 or s < 0:
+            raise InputError(f"request {r}: negative length (query_len={q}, seq_len={s})")
+        if s > _INT32_MAX:
+            raise InputError(f"request {r}: seq_len {s} does not fit int32 (max {_INT32_MAX})")
+    dec_q = sorted({q for q in ql[:num_decodes] if q > 0})
+    if len(dec_q) > 1:
+        raise InputError(
+            f"decode query lengths must be uniform (1, or 1 + draft tokens) or 0 for padding; "
+            f"got lengths {dec_q}; run speculative and plain decodes with the same length")
+    if decode_query_len is None:
+        decode_query_len = dec_q[0] if dec_q else 1
+    elif dec_q and dec_q[0] != decode_query_len:
+        raise InputError(f"decodes have query length {dec_q[0]} but decode_query_len={decode_query_len}")
+    if decode_query_len < 1:
+        raise InputError(f"decode_query_len must be >= 1, got {decode_query_len}")
+    for r in range(n):
+        q, s = ql[r], sl[r]
+        is_dec = r < num_decodes
+        if is_dec and s == 0:
+            continue  # padding decode
+        if not is_dec and q < 1:
+            raise InputError(f"prefill request {r} has query_len {q}; prefills need >= 1 token "
+                             f"(drop empty requests, or list them among the decodes as padding)")
+        if s < q:
+            raise InputError(f"request {r}: seq_len {s} < query_len {q}; seq_len counts the cache "
+                             f"tokens including this step's")
+
+    for r, s in enumerate(sl):
+        need = -(-s // block_size)
+        if need > max_blocks:
+            raise InputError(
+                f"request {r}: seq_len {s} needs {need} blocks of {block_size} but block_table has "
+                f"only {max_blocks} columns; widen the block table")
+    return decode_query_len
+
+
 @dataclass(frozen=True)
 class BatchMetadata:
     """Per-step batch description; all tensors int32 on ``device``.
 
-    Build it with :meth:`build`. Host-side copies (``query_lens``, ``seq_lens_host``)
-    are kept for validation and for kernels that size grids on the host.
+    Build it from per-request lengths with :meth:`build` (validated on the host),
+    or from device tensors an engine already holds with :meth:`from_device` (no
+    device-to-host copy). The host copies ``query_lens`` / ``seq_lens_host`` are
+    the lengths :meth:`build` was given; a batch from device tensors reads them
+    back from the tensors on first use (a device sync, so the decode path of
+    the GPU backends never asks for them).
     """
 
     num_decodes: int
     decode_query_len: int
-    query_lens: tuple[int, ...]
-    seq_lens_host: tuple[int, ...]
     block_size: int
     query_start_loc: torch.Tensor   # [R + 1]
     seq_lens: torch.Tensor          # [R]
@@ -68,21 +120,37 @@ class BatchMetadata:
     block_table: torch.Tensor       # [R, max_blocks]
     token_to_request: torch.Tensor  # [T]
     token_positions: torch.Tensor   # [T]; -1 marks a padding token
+    #: the per-request lengths :meth:`build` validated; ``None`` when built from device tensors
+    host_lens: Optional[tuple[tuple[int, ...], tuple[int, ...]]] = field(default=None, repr=False)
 
     # -- derived facts ---------------------------------------------------------
-    # Sums over the host tuples are cached: every layer, backend and check of a
-    # step asks for them, and the tuples never change (``update_`` keeps them).
+    # Host facts are cached: every layer, backend and check of a step asks for
+    # them. A batch from device tensors has the engine's host ints pre-set
+    # (:meth:`assemble`) and reads the per-request lengths back only on demand.
+    @cached_property
+    def query_lens(self) -> tuple[int, ...]:
+        """Per-request query lengths on the host (a device sync for a batch from device tensors)."""
+        if self.host_lens is not None:
+            return self.host_lens[0]
+        qsl = self.query_start_loc.tolist()
+        return tuple(b - a for a, b in zip(qsl[:-1], qsl[1:]))
+
+    @cached_property
+    def seq_lens_host(self) -> tuple[int, ...]:
+        """Per-request sequence lengths on the host (a device sync for a batch from device tensors)."""
+        return self.host_lens[1] if self.host_lens is not None else tuple(self.seq_lens.tolist())
+
     @property
     def num_requests(self) -> int:
-        return len(self.query_lens)
+        return self.seq_lens.shape[0]
 
     @property
     def num_prefills(self) -> int:
         return self.num_requests - self.num_decodes
 
-    @cached_property
+    @property
     def num_tokens(self) -> int:
-        return int(sum(self.query_lens))
+        return self.token_positions.shape[0]
 
     @cached_property
     def num_decode_tokens(self) -> int:
@@ -167,39 +235,6 @@ class BatchMetadata:
             num_decodes = nd
         if num_decodes is None:
             num_decodes = 0
-        if not (0 <= num_decodes <= n):
-            raise InputError(f"num_decodes={num_decodes} must be in [0, {n}] (number of requests)")
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise InputError(f"block_size must be a positive int, got {block_size!r}")
-
-        for r, (q, s) in enumerate(zip(ql, sl)):
-            if q < 0 or s < 0:
-                raise InputError(f"request {r}: negative length (query_len={q}, seq_len={s})")
-            if s > _INT32_MAX:
-                raise InputError(f"request {r}: seq_len {s} does not fit int32 (max {_INT32_MAX})")
-        dec_q = sorted({q for q in ql[:num_decodes] if q > 0})
-        if len(dec_q) > 1:
-            raise InputError(
-                f"decode query lengths must be uniform (1, or 1 + draft tokens) or 0 for padding; "
-                f"got lengths {dec_q}; run speculative and plain decodes with the same length")
-        if decode_query_len is None:
-            decode_query_len = dec_q[0] if dec_q else 1
-        elif dec_q and dec_q[0] != decode_query_len:
-            raise InputError(f"decodes have query length {dec_q[0]} but decode_query_len={decode_query_len}")
-        if decode_query_len < 1:
-            raise InputError(f"decode_query_len must be >= 1, got {decode_query_len}")
-        for r in range(n):
-            q, s = ql[r], sl[r]
-            is_dec = r < num_decodes
-            if is_dec and s == 0:
-                continue  # padding decode
-            if not is_dec and q < 1:
-                raise InputError(f"prefill request {r} has query_len {q}; prefills need >= 1 token "
-                                 f"(drop empty requests, or list them among the decodes as padding)")
-            if s < q:
-                raise InputError(f"request {r}: seq_len {s} < query_len {q}; seq_len counts the cache "
-                                 f"tokens including this step's")
-
         if not isinstance(block_table, torch.Tensor):
             try:  # no dtype here: a float list must be rejected below, not truncated
                 block_table = torch.as_tensor(block_table)
@@ -219,13 +254,8 @@ class BatchMetadata:
                 raise InputError(f"block_table holds {hi if hi > _INT32_MAX else lo}, which does not fit "
                                  f"the int32 page ids mm3 uses")
         dev = torch.device(device) if device is not None else block_table.device
-        max_blocks = block_table.shape[1]
-        for r, s in enumerate(sl):
-            need = -(-s // block_size)
-            if need > max_blocks:
-                raise InputError(
-                    f"request {r}: seq_len {s} needs {need} blocks of {block_size} but block_table has "
-                    f"only {max_blocks} columns; widen the block table")
+        decode_query_len = _check_lengths(ql, sl, num_decodes, decode_query_len, block_size,
+                                          block_table.shape[1])
 
         starts = [0]
         tok_req: list[int] = []
@@ -243,8 +273,7 @@ class BatchMetadata:
         batch = cls(
             num_decodes=num_decodes,
             decode_query_len=decode_query_len,
-            query_lens=tuple(ql),
-            seq_lens_host=tuple(sl),
+            host_lens=(tuple(ql), tuple(sl)),
             block_size=block_size,
             query_start_loc=torch.tensor(starts, **i32),
             seq_lens=torch.tensor(sl, **i32),
@@ -255,16 +284,142 @@ class BatchMetadata:
         )
         if num_pages is not None:
             check_page_ids(batch, num_pages, hint=False)
+        for name in _HOST_INTS:  # cached now: a compiled caller reads them without running Python
+            getattr(batch, name)
         return batch
+
+    @classmethod
+    def assemble(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
+                 block_table: torch.Tensor, token_to_request: torch.Tensor, token_positions: torch.Tensor, *,
+                 num_decodes: int, decode_query_len: int, num_decode_tokens: int, max_prefill_query_len: int,
+                 block_size: int, max_query_len: Optional[int] = None,
+                 max_seq_len: Optional[int] = None) -> "BatchMetadata":
+        """A batch from its tensors, as they are, and the host ints that describe them; no checks, no copy.
+
+        What :meth:`from_device` returns, and how mm3's custom ops rebuild a batch
+        from their arguments. ``max_prefill_query_len`` may be an upper bound (it
+        sizes prefill grids). Lengths not given are read back from the tensors
+        only when something asks for them.
+        """
+        batch = cls(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
+                    query_start_loc=query_start_loc, seq_lens=seq_lens, context_lens=context_lens,
+                    block_table=block_table, token_to_request=token_to_request,
+                    token_positions=token_positions)
+        known = dict(num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len,
+                     max_query_len=max_query_len, max_seq_len=max_seq_len)
+        batch.__dict__.update({k: v for k, v in known.items() if v is not None})  # the cached properties
+        return batch
+
+    @classmethod
+    def from_device(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, *,
+                    num_decodes: int, num_tokens: int, max_query_len: int, block_size: int,
+                    decode_query_len: int = 1, num_decode_tokens: Optional[int] = None,
+                    max_seq_len: Optional[int] = None) -> "BatchMetadata":
+        """The step's metadata from tensors an engine already holds, with no device-to-host copy.
+
+        ``query_start_loc`` ``[R + 1]``, ``seq_lens`` ``[R]`` and ``block_table``
+        ``[R, max_blocks]`` (int32, on the step's device) are used as they are;
+        the per-token tensors are derived from them on the device. The host ints
+        are the ones an engine's scheduler knows: decodes (first), tokens
+        (``query_start_loc[-1]``), the longest query (an upper bound is fine),
+        ``decode_query_len`` (1 + draft tokens) and ``num_decode_tokens``
+        (default ``num_decodes * decode_query_len``). Nothing is validated here
+        (that needs the data on the host): call :meth:`validate` once per shape
+        class, and :meth:`update_from_device_` to refill a captured batch.
+
+        Example:
+            >>> qsl = torch.tensor([0, 1, 2, 7], dtype=torch.int32)
+            >>> b = BatchMetadata.from_device(qsl, torch.tensor([300, 129, 5], dtype=torch.int32),
+            ...     torch.arange(12, dtype=torch.int32).reshape(3, 4), num_decodes=2, num_tokens=7,
+            ...     max_query_len=5, block_size=128)
+            >>> b.token_positions.tolist(), b.validate().num_decode_tokens
+            ([299, 128, 0, 1, 2, 3, 4], 2)
+        """
+        for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+                raise InputError(f"{name} must be an int32 tensor, got "
+                                 f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        R = seq_lens.shape[0]
+        if query_start_loc.shape != (R + 1,) or block_table.dim() != 2 or block_table.shape[0] != R:
+            raise InputError(f"shapes do not agree: query_start_loc {tuple(query_start_loc.shape)} must be "
+                             f"[R + 1], seq_lens {tuple(seq_lens.shape)} [R], block_table "
+                             f"{tuple(block_table.shape)} [R, max_blocks]")
+        if not 0 <= num_decodes <= R:
+            raise InputError(f"num_decodes={num_decodes} must be in [0, {R}] (number of requests)")
+        dev = seq_lens.device
+        z = torch.zeros(num_tokens, dtype=torch.int32, device=dev)
+        batch = cls.assemble(
+            query_start_loc, seq_lens, torch.zeros_like(seq_lens), block_table, z, torch.empty_like(z),
+            num_decodes=num_decodes, decode_query_len=decode_query_len,
+            num_decode_tokens=num_decodes * decode_query_len if num_decode_tokens is None else num_decode_tokens,
+            max_prefill_query_len=max_query_len if num_decodes < R else 0, block_size=block_size,
+            max_query_len=max_query_len, max_seq_len=max_seq_len)
+        batch._derive_tokens()
+        return batch
+
+    def _derive_tokens(self) -> None:
+        """Fill ``context_lens``, ``token_to_request`` and ``token_positions`` from the lengths, on the device."""
+        qsl, sl, nd = self.query_start_loc, self.seq_lens, self.num_decodes
+        ends = qsl[1:]
+        t = torch.arange(self.num_tokens, dtype=torch.int32, device=sl.device)
+        req = torch.searchsorted(ends, t, right=True).clamp_(max=max(sl.shape[0] - 1, 0)).to(torch.int32)
+        pad = (torch.arange(sl.shape[0], device=sl.device) < nd) & (sl == 0)  # padding decodes
+        ctx = (sl - (ends - qsl[:-1])).clamp_(min=0).masked_fill_(pad, 0)
+        pos = (sl[req] - (ends[req] - t)).masked_fill_(pad[req], -1) if sl.shape[0] else t
+        self.context_lens.copy_(ctx)
+        self.token_to_request.copy_(req)
+        self.token_positions.copy_(pos)
+
+    def update_from_device_(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            block_table: torch.Tensor) -> "BatchMetadata":
+        """Refill this batch (of :meth:`from_device`) in place from the engine's tensors of a new step.
+
+        For CUDA-graph replay: every tensor keeps its address, nothing is copied to
+        the host. The step must be of the same shape class (requests, tokens,
+        decodes, block-table width). Host lengths read back earlier are dropped.
+        """
+        for name, src in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                          ("block_table", block_table)):
+            dst = getattr(self, name)
+            if dst.shape != src.shape:
+                raise InputError(f"update_from_device_: {name} shape {tuple(src.shape)} != captured "
+                                 f"{tuple(dst.shape)}; build a new batch for a new shape class")
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        for k in ("query_lens", "seq_lens_host", "max_seq_len", "max_prefill_context_len"):
+            self.__dict__.pop(k, None)
+        self._derive_tokens()
+        return self
+
+    def validate(self) -> "BatchMetadata":
+        """Check the batch as :meth:`build` does, on host copies of its lengths (one device sync).
+
+        For a batch of :meth:`from_device`: run it once per shape class (say, when
+        capturing a graph), not every step. Raises :class:`InputError`; returns ``self``.
+        """
+        ql, sl = list(self.query_lens), list(self.seq_lens_host)
+        _check_lengths(ql, sl, self.num_decodes, self.decode_query_len if self.num_decodes else None,
+                       self.block_size, self.block_table.shape[1])
+        facts = {"num_tokens": sum(ql), "num_decode_tokens": sum(ql[:self.num_decodes])}
+        for name, want in facts.items():
+            if getattr(self, name) != want:
+                raise InputError(f"{name}={getattr(self, name)} but the lengths give {want}; pass the "
+                                 f"step's own counts to BatchMetadata.from_device")
+        for name, got in (("max_query_len", max(ql, default=0)),
+                          ("max_prefill_query_len", max(ql[self.num_decodes:], default=0))):
+            if self.__dict__.get(name, got) < got:
+                raise InputError(f"{name}={self.__dict__[name]} but a request has {got} query tokens")
+        return self
 
     def to(self, device: Union[str, torch.device]) -> "BatchMetadata":
         """The same batch with its tensors on ``device``."""
         fields = {f: getattr(self, f).to(device) for f in
                   ("query_start_loc", "seq_lens", "context_lens", "block_table",
                    "token_to_request", "token_positions")}
-        return BatchMetadata(num_decodes=self.num_decodes, decode_query_len=self.decode_query_len,
-                             query_lens=self.query_lens, seq_lens_host=self.seq_lens_host,
-                             block_size=self.block_size, **fields)
+        moved = BatchMetadata(num_decodes=self.num_decodes, decode_query_len=self.decode_query_len,
+                              host_lens=self.host_lens, block_size=self.block_size, **fields)
+        moved.__dict__.update({k: v for k, v in self.__dict__.items() if k in _HOST_INTS})
+        return moved
 
     def update_(self, other: "BatchMetadata") -> "BatchMetadata":
         """Copy ``other``'s tensors into this batch's tensors in place (for CUDA-graph replay).

@@ -35,6 +35,7 @@ from mm3.contract.page_ids import PageIdFlag, check_page_ids
 from mm3.debug.guard import capturing, guard_backend
 from mm3.contract.params import SparseAttentionParams
 from mm3.runtime.backend import Backend
+from mm3.runtime.ops import OpTarget, batch_args, run_attention, run_index_topk
 from mm3.runtime.registry import Registry, default_registry
 from mm3.runtime.scope import current_scope
 from mm3.runtime.selection import Selection, requirements_for, select
@@ -59,7 +60,8 @@ class _Bound:
     attention: Backend
     topk: TopkBuffer
     convert_to: Optional[str]  # layout the attention needs, when a per-step copy is required
-    fast: tuple[Backend, Backend]
+    target: OpTarget           # what torch.ops.mm3.* dispatch to for this choice
+    fast: OpTarget             # the unguarded pair's target ("first" mode's steady state), else target
     checked: set[str] = field(default_factory=set)  # batch kinds already run through the guard
 
 
@@ -140,13 +142,22 @@ class SparseAttention:
         buf = idx.alloc_topk_buffer(self.max_num_tokens, p.num_index_heads, p.topk, self.device)
         # What runs is what the trace says: both come from the selection's verdict on this buffer.
         sel = sel.for_buffer(buf)
-        return _Bound(sel, idx, att, buf, att.capabilities.topk_layout if sel.converts_topk else None,
-                      fast if self.settings.check_contracts == "first" else (idx, att))
+        convert_to = att.capabilities.topk_layout if sel.converts_topk else None
+        target = OpTarget(idx, att, p, buf.layout, convert_to or buf.layout)
+        fast_target = OpTarget(*fast, p, buf.layout, convert_to or buf.layout) \
+            if self.settings.check_contracts == "first" else target
+        return _Bound(sel, idx, att, buf, convert_to, target, fast_target)
 
     @property
     def selection(self) -> Selection:
         """The current choice (honours an active ``use_backend`` scope)."""
         return self._resolve().selection
+
+    @property
+    def op_target(self) -> OpTarget:
+        """What ``torch.ops.mm3.index_topk`` / ``attention`` dispatch to for the current choice
+        (pass its ``handle``; :mod:`mm3.runtime.ops`)."""
+        return self._resolve().target
 
     @property
     def topk_buffer(self) -> TopkBuffer:
@@ -177,23 +188,30 @@ class SparseAttention:
         check_step_inputs(self.params, q, index_q, caches, batch, out, dtype=self.dtype,
                           index_dtype=self.index_dtype, device=self.device,
                           capacity=b.topk.num_tokens, max_decode_query_len=self.max_decode_query_len)
+        T = batch.num_tokens
+        if out is None:
+            out = torch.empty_like(q)
+        if torch.compiler.is_compiling():  # one opaque node per op: nothing below is traced
+            # the guard and the page-id check need the host: compiled steps take the plain pair
+            args, c, handle = batch_args(batch), caches, b.fast.handle
+            torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, b.topk.storage, *args, handle)
+            topk = self._for_attention(b, b.topk.rows(0, T))
+            torch.ops.mm3.attention(q, c.k, c.v, c.index, topk.storage, *args, handle, out)
+            return out[:T]
         # "first": a batch kind this pair has not run yet goes through the guard (never while
         # capturing a CUDA graph); "always" and "never" fixed the pair when it was bound.
         graph = capturing(q)
         kind = batch.kind
         first = not graph and kind not in b.checked
-        self._check_page_ids(batch, caches, graph=graph, sync=first and b.indexer is not b.fast[0])
-        T = batch.num_tokens
-        if out is None:
-            out = torch.empty_like(q)
-        out_rows = out[:T]
-        topk = b.topk.rows(0, T)
-        indexer, attention = (b.indexer, b.attention) if first else b.fast
-        indexer.index_topk(index_q, caches, batch, self.params, topk)
-        attention.attention_forward(q, caches, self._for_attention(b, topk), batch, self.params, out_rows)
+        self._check_page_ids(batch, caches, graph=graph,
+                             sync=first and self.settings.check_contracts != "never")
+        target = b.target if first else b.fast
+        # eager: the same functions the ops run, without the dispatcher
+        run_index_topk(target, index_q, caches, batch, b.topk)
+        run_attention(target, q, caches, self._for_attention(b, b.topk.rows(0, T)), batch, out)
         if first and self.settings.check_contracts == "first":
             b.checked.add(kind)
-        return out_rows
+        return out[:T]
 
     def _check_page_ids(self, batch: BatchMetadata, caches: PagedKVCache, *, graph: bool,
                         sync: bool) -> None:
