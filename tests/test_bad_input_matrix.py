@@ -35,6 +35,7 @@ if __name__ == "__main__" and not torch.cuda.is_available():  # as tests/conftes
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, Settings, SparseAttentionParams,
                  TopkBuffer, hookimpl)
+from mm3.contract.page_ids import PageIdFlag
 from mm3.contract.errors import (BackendUnavailableError, ConfigError, ContractViolation, InputError, NoBackendError,
                         PluginError, UnknownBackendError)
 from mm3.debug import guard_backend
@@ -231,12 +232,23 @@ def _unusable_device() -> str:
     return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
 
 
-def _block_ids_outside_cache_guarded() -> Any:
+def _block_ids_outside_cache(mode: str, page: int) -> Callable[[], Any]:
+    def call() -> Any:
+        c = ctx()
+        bt = c.case.batch.block_table.clone()
+        bt[3, 1] = page if page < 0 else c.case.caches.num_pages + page    # the prefill's second block
+        layer = _layer(backend="cpu_ref", settings=Settings(check_contracts=mode))
+        return layer(c.case.q, c.case.index_q, c.case.caches, c.rebatch(block_table=bt))
+    return call
+
+
+def _page_id_flag() -> Any:
     c = ctx()
     bt = c.case.batch.block_table.clone()
-    bt[3, 1] = c.case.caches.num_pages + 5           # the prefill's second block
-    layer = _layer(backend="cpu_ref", settings=Settings(check_contracts=True))
-    return layer(c.case.q, c.case.index_q, c.case.caches, c.rebatch(block_table=bt))
+    bt[3, 1] = -7
+    flag = PageIdFlag(bt.device)
+    flag.record(c.rebatch(block_table=bt), c.case.caches.num_pages)       # on the device, no sync
+    flag.raise_pending()
 
 
 FORWARD = "SparseAttention.forward"
@@ -334,7 +346,15 @@ ROWS: list[Row] = [
             make_case(ctx().p, decodes=[40, 20], decode_query_len=2, dtype=F32, index_dtype=F32))),
     Row("block-ids-outside-cache-guarded", FORWARD + " (check_contracts)",
         "block-table entry past the cache, batch built without num_pages", InputError,
-        "is not a page id in [0, ", _block_ids_outside_cache_guarded),
+        "request 3, block 1: block_table[3, 1] = 18 is not a page id in [0, 13)",
+        _block_ids_outside_cache("always", 5)),
+    Row("block-id-negative-unguarded", FORWARD + ' (check_contracts="never")',
+        "negative block-table entry, batch built without num_pages", InputError,
+        "request 3, block 1: block_table[3, 1] = -3 is not a page id", _block_ids_outside_cache("never", -3)),
+    Row("block-id-device-flag", "PageIdFlag.raise_pending (GPU steps)",
+        "a bad entry recorded on the device by an earlier step", InputError,
+        "block_table[3, 1] = -7 is not a page id in [0, 13) (seq_len 30 uses 2 blocks); the cache has "
+        "13 pages. Build the batch with", _page_id_flag),
     # out
     Row("out-type", FORWARD, "out is not a tensor", InputError, "out must be a torch.Tensor",
         lambda: ctx().forward(out=[0.0])),
@@ -388,7 +408,7 @@ ROWS: list[Row] = [
         "request 0: seq_len 40 needs 3 blocks of 16 but block_table has only 2 columns",
         lambda: BatchMetadata.build([1], [40], _bt([0, 1]), block_size=16)),
     Row("block-id-outside-cache", BUILD, "block-table entry >= num_pages", InputError,
-        "request 0: block_table[0, 1] = 4 is not a page id in [0, 4)",
+        "request 0, block 1: block_table[0, 1] = 4 is not a page id in [0, 4)",
         lambda: BatchMetadata.build([1], [20], _bt([0, 4]), block_size=16, num_pages=4)),
     Row("block-id-negative", BUILD, "negative block-table entry a request uses", InputError,
         "block_table[0, 0] = -2 is not a page id",
@@ -516,8 +536,8 @@ ROWS: list[Row] = [
     # settings
     Row("settings-unknown-key", SETTINGS, "misspelled keyword", ConfigError,
         "unknown setting 'bakend': did you mean 'backend'?", _settings(bakend="cpu_ref")),
-    Row("settings-bad-bool", SETTINGS, "non-boolean check_contracts", ConfigError,
-        "check_contracts (from argument): Input should be a valid boolean",
+    Row("settings-bad-mode", SETTINGS, "check_contracts neither a mode nor a boolean", ConfigError,
+        "check_contracts (from argument): Input should be 'first', 'always' or 'never'",
         _settings(check_contracts="maybe")),
     Row("settings-bad-name", SETTINGS, "backend name that is not an identifier", ConfigError,
         "'cu-da' is not a backend name", _settings(backend="cu-da")),
@@ -535,7 +555,7 @@ ROWS: list[Row] = [
         "unknown key 'bakend' in file", _settings(files={"mm3.toml": 'bakend = "cpu_ref"\n'})),
     Row("file-bad-value", "Settings() / mm3.toml", "wrongly typed value", ConfigError,
         "mm3.toml): Input should be a valid boolean (got 3.5)",
-        _settings(files={"mm3.toml": "check_contracts = 3.5\n"})),
+        _settings(files={"mm3.toml": "allow_fallback = 3.5\n"})),
     Row("pyproject-unknown-key", "Settings() / pyproject.toml", "unknown key in [tool.mm3]", ConfigError,
         "unknown key 'bakend'", _settings(files={"pyproject.toml": '[tool.mm3]\nbakend = "x"\n'})),
     Row("pyproject-not-table", "Settings() / pyproject.toml", "[tool.mm3] is not a table", ConfigError,

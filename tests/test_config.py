@@ -38,7 +38,7 @@ def write(path: Path, text: str) -> Path:
 def test_defaults():
     s = Settings()
     assert (s.backend, s.indexer_backend, s.plugins, s.disable_plugins) == ("auto", None, None, [])
-    assert (s.no_plugin_autoload, s.check_contracts, s.allow_fallback, s.config) == (False, False, False, None)
+    assert (s.no_plugin_autoload, s.check_contracts, s.allow_fallback, s.config) == (False, "first", False, None)
     assert s.config_file is None
     assert [k for k, _, _ in explain_settings(s)] == FIELDS
     assert set(sources(s).values()) == {"default"}
@@ -63,7 +63,7 @@ def test_environment_with_comma_lists_and_booleans(monkeypatch):
     s = Settings()
     assert (s.backend, s.indexer_backend) == ("rocm", "cpu_ref")
     assert (s.plugins, s.disable_plugins) == (["cpu_ref", "rocm"], ["cuda"])
-    assert s.no_plugin_autoload and s.check_contracts and s.allow_fallback
+    assert s.no_plugin_autoload and s.check_contracts == "always" and s.allow_fallback
     src = sources(s)
     for name in FIELDS[:-1]:
         assert src[name] == f"env MM3_{name.upper()}"
@@ -73,14 +73,23 @@ def test_empty_env_values_mean_unset(monkeypatch):
     monkeypatch.setenv("MM3_BACKEND", "")
     monkeypatch.setenv("MM3_INDEXER_BACKEND", "")
     monkeypatch.setenv("MM3_PLUGINS", "")
+    monkeypatch.setenv("MM3_CHECK_CONTRACTS", "")
     s = Settings()
-    assert (s.backend, s.indexer_backend, s.plugins) == ("auto", None, None)
+    assert (s.backend, s.indexer_backend, s.plugins, s.check_contracts) == ("auto", None, None, "first")
+
+
+@pytest.mark.parametrize("value, mode", [("first", "first"), ("Always", "always"), ("never", "never"),
+                                         ("off", "never"), ("0", "never"), ("on", "always")])
+def test_check_contracts_modes_and_booleans(monkeypatch, value, mode):
+    monkeypatch.setenv("MM3_CHECK_CONTRACTS", value)
+    assert Settings().check_contracts == mode
+    assert Settings(check_contracts=mode == "always").check_contracts == ("always" if mode == "always" else "never")
 
 
 def test_mm3_toml_in_cwd(clean):
     f = write(clean / "mm3.toml", 'backend = "cuda"\ndisable_plugins = ["rocm"]\ncheck_contracts = true\n')
     s = Settings()
-    assert (s.backend, s.disable_plugins, s.check_contracts) == ("cuda", ["rocm"], True)
+    assert (s.backend, s.disable_plugins, s.check_contracts) == ("cuda", ["rocm"], "always")
     assert s.config_file == f
     assert sources(s)["backend"] == f"file {f}"
     assert sources(s)["allow_fallback"] == "default"
@@ -159,7 +168,7 @@ def test_explain_settings_accepts_kwargs_and_none(monkeypatch):
     monkeypatch.setenv("MM3_CHECK_CONTRACTS", "1")
     rows = dict((k, (v, s)) for k, v, s in explain_settings({"backend": "x"}))
     assert rows["backend"] == ("x", "argument")
-    assert rows["check_contracts"] == (True, "env MM3_CHECK_CONTRACTS")
+    assert rows["check_contracts"] == ("always", "env MM3_CHECK_CONTRACTS")
     assert dict((k, s) for k, _, s in explain_settings())["check_contracts"] == "env MM3_CHECK_CONTRACTS"
 
 

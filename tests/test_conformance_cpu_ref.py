@@ -204,3 +204,37 @@ def test_seed_varies_inputs_reproducibly() -> None:
     a, b, c = (plan_cases(CPU_REF, seed=s) for s in (0, 0, 1))
     assert [x.spec.seed for x in a] == [x.spec.seed for x in b]
     assert all(x.spec.seed != y.spec.seed for x, y in zip(a, c))
+
+
+def test_suite_catches_ties_broken_to_the_highest_id_and_says_where() -> None:
+    """docs/spec.md §3.5: exact ties go to the lowest block id; a plugin that keeps the highest
+    ones passes every tolerant case but fails each exact-tie case, with the tied scores shown."""
+    import torch
+
+    from mm3 import BackendCapabilities, hookimpl
+    from mm3.testing.oracle import oracle_block_scores
+
+    class HighestIdWins:
+        @hookimpl
+        def backend_capabilities(self) -> BackendCapabilities:
+            return BackendCapabilities(name="highest_id", ops={"index_topk"}, device_types={"cpu"},
+                                       topk_layout="head_major", max_decode_query_len=8)
+
+        @hookimpl
+        def index_topk(self, index_q, caches, batch, params, out) -> None:  # type: ignore[no-untyped-def]
+            hm = out.head_major()
+            hm.fill_(-1)
+            for t, S in enumerate(oracle_block_scores(index_q, caches, batch, params)):
+                nb = S.shape[1]
+                if nb:        # a stable descending sort of the reversed blocks: ties to the highest id
+                    order = nb - 1 - S.flip(-1).argsort(dim=-1, descending=True, stable=True)
+                    hm[:, t, :min(nb, params.topk)] = order[:, :params.topk].to(torch.int32)
+
+    plan = [c for c in plan_cases(_bind(HighestIdWins(), "highest_id"), **SUBSET)  # type: ignore[arg-type]
+            if "ties" in c.name or c.name.startswith(("indexer/nan_index_query", "indexer/mixed_h2"))]
+    results = [c.run() for c in plan]
+    failed = {r.name: r.message for r in results if r.failed}
+    assert len(results) == 7 and set(failed) == {r.name for r in results} - {"indexer/mixed_h2:bfloat16"}, failed
+    msg = failed["indexer/exact_ties_half_tied:bfloat16"]
+    assert "break the exact-tie rule" in msg and "instead of" in msg and "(score " in msg, msg
+    assert "score -1e+30" in failed["indexer/exact_ties_nan_pages:bfloat16"]

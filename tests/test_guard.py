@@ -345,17 +345,18 @@ def test_layer_wraps_backends_only_when_asked() -> None:
     assert guard_backend(on.indexer) is on.indexer                     # idempotent
 
 
-def test_guard_is_on_in_this_test_suite_and_off_by_default(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    # tests/conftest.py turns it on for the suite (unless the run overrides it on purpose) ...
+def test_guard_is_always_on_in_this_test_suite_and_first_by_default(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path) -> None:
+    # tests/conftest.py turns it on for every step of the suite (unless the run overrides it on purpose) ...
     value = os.environ.get("MM3_CHECK_CONTRACTS")
     assert value is not None, "tests/conftest.py no longer turns the contract guard on"
     if value != "1":
         pytest.skip(f"this run sets MM3_CHECK_CONTRACTS={value}")
-    assert Settings().check_contracts
-    # ... production default is off
+    assert Settings().check_contracts == "always"
+    # ... the default checks the first step of each kind of batch
     monkeypatch.delenv("MM3_CHECK_CONTRACTS")
     monkeypatch.chdir(tmp_path)
-    assert not Settings().check_contracts
+    assert Settings().check_contracts == "first"
 
 
 def test_block_ids_outside_the_cache_are_input_errors() -> None:
@@ -365,7 +366,7 @@ def test_block_ids_outside_the_cache_are_input_errors() -> None:
     b = case.batch
     bad = BatchMetadata.build(b.query_lens, b.seq_lens_host, bt, block_size=16, num_decodes=b.num_decodes)
     layer = _layer(cpu_ref, "cpu_ref", GUARD_ON, case)
-    with pytest.raises(InputError, match=r"request 4: block_table\[4, 1\] = \d+ is not a page id"):
+    with pytest.raises(InputError, match=r"request 4, block 1: block_table\[4, 1\] = \d+ is not a page id"):
         layer(case.q, case.index_q, case.caches, bad)
 
 

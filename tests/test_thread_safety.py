@@ -139,10 +139,11 @@ def _case() -> Any:
                      index_dtype="bfloat16", seed=1)
 
 
-@pytest.mark.parametrize("guard", [False, True], ids=["plain", "guarded"])
-def test_sparse_attention_built_and_run_from_32_threads(guard: bool) -> None:
+@pytest.mark.parametrize("mode", ["never", "first", "always"])
+def test_sparse_attention_built_and_run_from_32_threads(mode: str) -> None:
     case = _case()
-    settings = Settings(check_contracts=guard)
+    settings = Settings(check_contracts=mode)
+    guard = mode != "never"
 
     def build(reg: Registry) -> SparseAttention:
         return SparseAttention(case.params, dtype=torch.float32, index_dtype=torch.bfloat16, max_num_tokens=32,
@@ -163,6 +164,29 @@ def test_sparse_attention_built_and_run_from_32_threads(guard: bool) -> None:
         assert {r[2] for r in results} == {guard}
         for r in results:
             assert torch.equal(r[3], expected)     # mock delegates to cpu_ref: bitwise the same
+
+
+def test_threads_driving_their_own_layers_over_shared_backends_do_not_cross_talk() -> None:
+    """Each thread runs its own layer (default checks) on its own steps of every kind, all at once,
+    through one registry's backends; every output equals the same step run alone, bit for bit."""
+    from mm3.testing.factories import make_case
+
+    p = _case().params
+    kinds = [dict(decodes=[70, 40]), dict(decodes=[50, 90], decode_query_len=2), dict(prefills=[(9, 30)]),
+             dict(decodes=[33], prefills=[(5, 5), (7, 60)])]
+    steps = [[make_case(p, dtype="float32", index_dtype="bfloat16", seed=10 * i + j, **kinds[(i + j) % 4])
+              for j in range(3)] for i in range(8)]
+    reg = Registry([cpu_ref], entry_points=False)
+
+    def run(cases: list[Any]) -> list[torch.Tensor]:
+        layer = SparseAttention(p, dtype=torch.float32, index_dtype=torch.bfloat16, max_num_tokens=32,
+                                max_decode_query_len=2, registry=reg, settings=Settings(check_contracts="first"))
+        return [layer(c.q, c.index_q, c.caches, c.batch).clone() for c in cases]
+
+    alone = [run(cases) for cases in steps]
+    together = _race(lambda i: run(steps[i]), threads=len(steps))
+    for a, b in zip(alone, together):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_one_layer_under_different_scopes_in_threads() -> None:

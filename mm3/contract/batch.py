@@ -29,6 +29,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mm3.contract.errors import InputError
+from mm3.contract.page_ids import check_page_ids
 
 __all__ = ["BatchMetadata"]
 
@@ -181,6 +182,23 @@ class BatchMetadata:
     def device(self) -> torch.device:
         return self.seq_lens.device
 
+    @property
+    def kind(self) -> str:
+        """What the step holds: ``"decode"``, ``"prefill"``, ``"mixed"`` or ``"empty"``, with
+        ``"speculative "`` in front when its decodes carry draft tokens (``decode_query_len > 1``).
+
+        Example:
+            >>> import torch
+            >>> BatchMetadata.build([2, 2, 9], [50, 40, 9], torch.zeros(3, 4, dtype=torch.int32),
+            ...                     block_size=16, num_decodes=2).kind
+            'speculative mixed'
+        """
+        if not self.num_requests:
+            return "empty"
+        kind = "mixed" if self.num_decodes and self.num_prefills else \
+            "decode" if self.num_decodes else "prefill"
+        return f"speculative {kind}" if self.num_decodes and self.decode_query_len > 1 else kind
+
     # -- construction ----------------------------------------------------------------
     @classmethod
     def build(cls, query_lens: IntSeq, seq_lens: IntSeq, block_table: torch.Tensor, *,
@@ -238,19 +256,6 @@ class BatchMetadata:
         dev = torch.device(device) if device is not None else block_table.device
         decode_query_len = _check_lengths(ql, sl, num_decodes, decode_query_len, block_size,
                                           block_table.shape[1])
-        if num_pages is not None:
-            bt_host = block_table.detach().to("cpu", torch.int64)
-            for r, s in enumerate(sl):
-                need = -(-s // block_size)
-                if need == 0:
-                    continue
-                row = bt_host[r, :need]
-                bad = ((row < 0) | (row >= num_pages)).nonzero()
-                if bad.numel():
-                    b = int(bad[0, 0])
-                    raise InputError(
-                        f"request {r}: block_table[{r}, {b}] = {int(row[b])} is not a page id in "
-                        f"[0, {num_pages}); the cache has {num_pages} pages")
 
         starts = [0]
         tok_req: list[int] = []
@@ -277,6 +282,8 @@ class BatchMetadata:
             token_to_request=torch.tensor(tok_req, **i32),
             token_positions=torch.tensor(tok_pos, **i32),
         )
+        if num_pages is not None:
+            check_page_ids(batch, num_pages, hint=False)
         for name in _HOST_INTS:  # cached now: a compiled caller reads them without running Python
             getattr(batch, name)
         return batch

@@ -1,12 +1,13 @@
-"""Debugging aids: the opt-in contract guard and the checks it is made of.
+"""The contract guard (by default on the first step of each kind of batch) and its checks.
 
 * :mod:`.guard` - :class:`GuardedBackend`: every backend call checked against the contract;
 * :mod:`.topk_rows` - docs/spec.md §3's row format rules, vectorised over a step;
 * :mod:`.fences` - snapshots proving nothing outside a writable view changed;
 * :mod:`.inputs` - block-table entries and the finiteness of a row's inputs.
 
-Switch the guard on with ``MM3_CHECK_CONTRACTS=1`` (``Settings(check_contracts=True)``),
-or wrap one backend by hand with :func:`guard_backend`.
+``Settings.check_contracts`` (``MM3_CHECK_CONTRACTS``) says when a layer uses it:
+``"first"`` (default), ``"always"`` or ``"never"``; wrap one backend by hand with
+:func:`guard_backend`.
 """
 
 from mm3.debug.guard import (

@@ -2,13 +2,14 @@
 
 A backend that breaks the top-k contract must fail *here*, with a message
 naming it, not three kernels later with an illegal memory access or silently
-wrong tokens (which is how MiniMax-M3 failed in vLLM, docs/spec.md §5). With
-``Settings(check_contracts=True)`` / ``MM3_CHECK_CONTRACTS=1``,
+wrong tokens (which is how MiniMax-M3 failed in vLLM, docs/spec.md §5).
 :class:`~mm3.runtime.layer.SparseAttention` wraps its bound backends in
-:class:`GuardedBackend`; every call is then checked and a broken rule raises
+:class:`GuardedBackend` and, by default (``check_contracts="first"``), runs the
+first step of each kind of batch through them (``"always"``: every step); a
+checked call that breaks a rule raises
 :class:`~mm3.contract.errors.ContractViolation` naming the backend, the hook, the rule
-and the first offending row (head, token, the row's content). Off by default:
-the checks synchronise with the device once per call.
+and the first offending row (head, token, the row's content). A checked call
+synchronises with the device once.
 
 Rules (``ContractViolation.rule``; docs/errors.md has the full table):
 
@@ -84,6 +85,7 @@ __all__ = [
     "guard_backend",
     "unguarded",
     "check_topk_allocation",
+    "capturing",
 ]
 
 GUARD_SENTINEL = -0x4D4D33
@@ -179,8 +181,8 @@ def check_topk_allocation(buf: Any, *, layout: str, num_tokens: int, num_heads: 
 
 # -- the wrapper -----------------------------------------------------------------------------------
 
-def _capturing(t: torch.Tensor) -> bool:
-    """True inside CUDA-graph capture, where the guard cannot synchronise."""
+def capturing(t: torch.Tensor) -> bool:
+    """True inside CUDA-graph capture, where the guard cannot synchronise (nor anything pay for it)."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
@@ -193,7 +195,7 @@ class GuardedBackend:
     Failures raise :class:`~mm3.contract.errors.ContractViolation` (see :data:`RULES`),
     or :class:`~mm3.contract.errors.InputError` for a block table pointing outside the
     cache. :class:`~mm3.runtime.layer.SparseAttention` wraps its backends when
-    ``Settings.check_contracts`` is on; wrap one by hand with
+    ``Settings.check_contracts`` is not ``"never"``; wrap one by hand with
     :func:`guard_backend`.
 
     Args:
@@ -242,7 +244,7 @@ class GuardedBackend:
     def index_topk(self, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
                    params: SparseAttentionParams, out: TopkBuffer) -> None:
         """The wrapped indexer, with ``topk.*`` rules checked on rows ``[0, T)`` afterwards."""
-        if _capturing(out.storage):
+        if capturing(out.storage):
             return self.inner.index_topk(index_q, caches, batch, params, out)
         T = batch.num_tokens
         check_block_table(batch, caches)
@@ -282,7 +284,7 @@ class GuardedBackend:
                           batch: BatchMetadata, params: SparseAttentionParams,
                           out: torch.Tensor) -> None:
         """The wrapped attention, with ``attention.*`` rules checked afterwards."""
-        if _capturing(q):
+        if capturing(q):
             return self.inner.attention_forward(q, caches, topk, batch, params, out)
         caps = self.inner.capabilities
         if not caps.accepts_topk(topk.layout, topk.is_dense()):

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-from typing import Any
-
 import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache
-from mm3.contract.errors import InputError
+from mm3.contract.page_ids import check_page_ids
 from mm3.contract.params import SparseAttentionParams
 
 __all__ = ["check_block_table", "finite_inputs"]
@@ -20,67 +17,13 @@ __all__ = ["check_block_table", "finite_inputs"]
 _ATTRIBUTION_BUDGET = 1 << 24
 
 
-class _CheckedTables:
-    """The block tables already checked, so a step's indexer and attention check once.
-
-    A key holds the tensors themselves (so their ids cannot be reused while
-    cached) and their in-place version counters (``update_`` for a graph
-    replay bumps them, forcing a new check).
-    """
-
-    def __init__(self, size: int = 8) -> None:
-        self._size = size
-        self._keys: list[tuple[Any, ...]] = []
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def key(batch: BatchMetadata, caches: PagedKVCache) -> tuple[Any, ...]:
-        bt, sl = batch.block_table, batch.seq_lens
-        return (bt, bt._version, sl, sl._version, batch.block_size, caches.num_pages)
-
-    def seen(self, key: tuple[Any, ...]) -> bool:
-        with self._lock:
-            return any(len(k) == len(key) and all(a is b if isinstance(a, torch.Tensor) else a == b
-                                                   for a, b in zip(k, key)) for k in self._keys)
-
-    def add(self, key: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._keys = [key, *self._keys][: self._size]
-
-
-_CHECKED = _CheckedTables()
-
-
 def check_block_table(batch: BatchMetadata, caches: PagedKVCache) -> None:
-    """Raise :class:`InputError` when a request uses a block-table entry that is not a page id.
+    """Raise :class:`InputError` when a request uses a block-table entry that is not a page of ``caches``.
 
-    :meth:`BatchMetadata.build` checks this when given ``num_pages``; the guard
-    checks every batch it sees (once, however many hooks get it), because a
-    kernel would read out of bounds. One host sync.
+    :func:`mm3.contract.page_ids.check_page_ids` against the cache's page
+    count: once per block table, however many hooks get it. One host sync.
     """
-    if batch.num_requests == 0 or batch.block_table.shape[1] == 0:
-        return
-    key = _CheckedTables.key(batch, caches)
-    if _CHECKED.seen(key):
-        return
-    _check_block_table(batch, caches)
-    _CHECKED.add(key)
-
-
-def _check_block_table(batch: BatchMetadata, caches: PagedKVCache) -> None:
-    need = (batch.seq_lens.to(torch.int64) + batch.block_size - 1) // batch.block_size  # [R]
-    cols = torch.arange(batch.block_table.shape[1], device=batch.block_table.device)
-    used = cols[None, :] < need[:, None]
-    bt = batch.block_table.to(torch.int64)
-    bad = used & ((bt < 0) | (bt >= caches.num_pages))
-    if not bool(bad.any()):
-        return
-    r, b = (int(v) for v in bad.nonzero()[0])
-    raise InputError(
-        f"request {r}: block_table[{r}, {b}] = {int(bt[r, b])} is not a page id in [0, "
-        f"{caches.num_pages}) (seq_len {int(batch.seq_lens[r])} uses {int(need[r])} blocks); "
-        f"the cache has {caches.num_pages} pages. Build the batch with "
-        f"BatchMetadata.build(..., num_pages=caches.num_pages) to catch this early")
+    check_page_ids(batch, caches.num_pages)
 
 
 # -- non-finite output attribution (slow path) --------------------------------------------------

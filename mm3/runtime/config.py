@@ -49,9 +49,9 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Mapping, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
-from pydantic import PrivateAttr, ValidationError, field_validator
+from pydantic import PrivateAttr, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -235,7 +235,11 @@ class Settings(BaseSettings):
         disable_plugins: entry-point, distribution or backend names never to load.
         no_plugin_autoload: load third-party entry points only when named in ``plugins``
             (mm3's own built-ins still load).
-        check_contracts: wrap backends in the contract guard (slow; for debugging).
+        check_contracts: when the contract guard (:mod:`mm3.debug`) checks backend calls:
+            ``"first"`` (default) the first step of each kind of batch (decode, speculative
+            decode, prefill, mixed) per backend pair of a layer, then it steps aside;
+            ``"always"`` every step (synchronises per call: tests, debugging); ``"never"``.
+            Booleans are accepted: true means ``"always"``, false ``"never"``.
         allow_fallback: a named backend that cannot serve falls back to ``auto``.
         config: explicit config file path.
 
@@ -257,7 +261,7 @@ class Settings(BaseSettings):
     plugins: Annotated[Optional[list[str]], NoDecode] = None
     disable_plugins: Annotated[list[str], NoDecode] = []
     no_plugin_autoload: bool = False
-    check_contracts: bool = False
+    check_contracts: Literal["first", "always", "never"] = "first"
     allow_fallback: bool = False
     config: Optional[Path] = None
 
@@ -305,6 +309,17 @@ class Settings(BaseSettings):
             raise ValueError(f"{v!r} is not a backend name (letters, digits, underscore; "
                              f"or 'auto'); run `mm3 backends` for the installed names")
         return v
+
+    @field_validator("check_contracts", mode="before")
+    @classmethod
+    def _guard_mode(cls, v: Any) -> Any:
+        # A boolean (pydantic's: true/false, 1/0, yes/no, on/off) is "always"/"never"; empty is unset.
+        if isinstance(v, str) and v.strip().lower() in ("", "first", "always", "never"):
+            return v.strip().lower() or "first"
+        try:
+            return "always" if TypeAdapter(bool).validate_python(v) else "never"
+        except ValidationError:
+            return v
 
     @field_validator("plugins", mode="before")
     @classmethod

@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -31,6 +31,8 @@ from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.runtime.config import Settings, default_settings
 from mm3.contract.errors import InputError
+from mm3.contract.page_ids import PageIdFlag, check_page_ids
+from mm3.debug.guard import capturing, guard_backend
 from mm3.contract.params import SparseAttentionParams
 from mm3.runtime.backend import Backend
 from mm3.runtime.ops import OpTarget, batch_args, run_attention, run_index_topk
@@ -46,7 +48,12 @@ DeviceLike = Union[str, torch.device]
 
 @dataclass
 class _Bound:
-    """One resolved choice: the backends, their bound calls and the persistent buffer."""
+    """One resolved choice: the backends, their bound calls and the persistent buffer.
+
+    ``indexer``/``attention`` are guarded unless ``check_contracts`` is
+    ``"never"``; ``fast`` holds the unguarded pair that steady-state steps use
+    in ``"first"`` mode, once ``checked`` holds the step's batch kind.
+    """
 
     selection: Selection
     indexer: Backend
@@ -54,6 +61,8 @@ class _Bound:
     topk: TopkBuffer
     convert_to: Optional[str]  # layout the attention needs, when a per-step copy is required
     target: OpTarget           # what torch.ops.mm3.* dispatch to for this choice
+    fast: OpTarget             # the unguarded pair's target ("first" mode's steady state), else target
+    checked: set[str] = field(default_factory=set)  # batch kinds already run through the guard
 
 
 class SparseAttention:
@@ -106,6 +115,7 @@ class SparseAttention:
                                              kv_dtype=self.kv_dtype)
         self._bound: dict[tuple[str, Optional[str]], _Bound] = {}
         self._lock = threading.Lock()
+        self._page_ids = PageIdFlag(self.device)
         self._resolve()  # select now so configuration errors surface at construction
 
     # -- selection -------------------------------------------------------------------
@@ -132,10 +142,8 @@ class SparseAttention:
     def _bind(self, backend: str, indexer_backend: Optional[str]) -> _Bound:
         sel = select(self.requirements, self.registry, backend=backend, indexer_backend=indexer_backend,
                      allow_fallback=self.settings.allow_fallback, device=self.device)
-        idx, att = sel.indexer, sel.attention
-        if self.settings.check_contracts:
-            from mm3.debug.guard import guard_backend  # debugging mode: every call checked
-
+        idx, att = fast = (sel.indexer, sel.attention)
+        if self.settings.check_contracts != "never":
             idx, att = guard_backend(idx), guard_backend(att)
         p = self.params
         # Backend.alloc_topk_buffer already checks type, layout and shape against the declaration.
@@ -144,7 +152,9 @@ class SparseAttention:
         sel = sel.for_buffer(buf)
         convert_to = att.capabilities.topk_layout if sel.converts_topk else None
         target = OpTarget(idx, att, p, buf.layout, convert_to or buf.layout)
-        return _Bound(sel, idx, att, buf, convert_to, target)
+        fast_target = OpTarget(*fast, p, buf.layout, convert_to or buf.layout) \
+            if self.settings.check_contracts == "first" else target
+        return _Bound(sel, idx, att, buf, convert_to, target, fast_target)
 
     @property
     def selection(self) -> Selection:
@@ -190,15 +200,48 @@ class SparseAttention:
         if out is None:
             out = torch.empty_like(q)
         if torch.compiler.is_compiling():  # one opaque node per op: nothing below is traced
-            args, c, handle = batch_args(batch), caches, b.target.handle
+            # the guard and the page-id check need the host: compiled steps take the plain pair
+            args, c, handle = batch_args(batch), caches, b.fast.handle
             torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, b.topk.storage, *args, handle, c.k_scale,
                                      c.v_scale)
             topk = self._for_attention(b, b.topk.rows(0, T))
             torch.ops.mm3.attention(q, c.k, c.v, c.index, topk.storage, *args, handle, out, c.k_scale, c.v_scale)
-        else:  # eager: the same functions the ops run, without the dispatcher
-            run_index_topk(b.target, index_q, caches, batch, b.topk)
-            run_attention(b.target, q, caches, self._for_attention(b, b.topk.rows(0, T)), batch, out)
+            return out[:T]
+        # "first": a batch kind this pair has not run yet goes through the guard (never while
+        # capturing a CUDA graph); "always" and "never" fixed the pair when it was bound.
+        graph = capturing(q)
+        kind = batch.kind
+        first = not graph and kind not in b.checked
+        self._check_page_ids(batch, caches, graph=graph,
+                             sync=first and self.settings.check_contracts != "never")
+        target = b.target if first else b.fast
+        # eager: the same functions the ops run, without the dispatcher
+        run_index_topk(target, index_q, caches, batch, b.topk)
+        run_attention(target, q, caches, self._for_attention(b, b.topk.rows(0, T)), batch, out)
+        if first and self.settings.check_contracts == "first":
+            b.checked.add(kind)
         return out[:T]
+
+    def _check_page_ids(self, batch: BatchMetadata, caches: PagedKVCache, *, graph: bool,
+                        sync: bool) -> None:
+        """Every used block-table entry must be a page of ``caches`` (docs/errors.md §2.6).
+
+        A table in host memory, or any table on a guarded step (which synchronises anyway), is
+        checked at once; else it is checked on its device without a host sync, and an offence
+        is raised at the next step (or by :meth:`check_page_ids`).
+        """
+        if not graph:
+            self._page_ids.raise_pending()
+        if sync or batch.block_table.device.type == "cpu":
+            check_page_ids(batch, caches.num_pages)
+        else:
+            self._page_ids.record(batch, caches.num_pages, always=graph)
+
+    def check_page_ids(self) -> None:
+        """Wait for the device and raise :class:`~mm3.contract.errors.InputError` if a step of this
+        layer used a block-table entry that is not a page of its cache (the steps surface it
+        themselves one step later; call this after the last step you care about)."""
+        self._page_ids.check()
 
     __call__ = forward
 

@@ -8,8 +8,10 @@ entries), runs the backend on it and compares with the fp64 oracle:
   backend's own ``alloc_topk_buffer`` with spare rows filled with a sentinel,
   then check every row with :func:`~mm3.testing.oracle.check_topk` (format,
   forced blocks, tie-tolerant optimality) and that the spare rows are intact;
-  ``exact_ties`` gives every page the same index keys, so all full blocks tie
-  exactly, and requires the oracle's selection (lowest ids first) bit for bit;
+  the ``exact_ties*`` cases plant exact ties in the index keys (:data:`TIES`:
+  every page the same, one key everywhere, duplicated pages, ties across the
+  top-k boundary, NaN blocks), and they and ``nan_index_query`` require the
+  oracle's selection (lowest ids first) bit for bit;
 * **attention** cases give every backend the *same* selection (the oracle's,
   or the reference indexer's) and a NaN-poisoned output with spare rows, then
   compare with :func:`~mm3.testing.oracle.oracle_attention` under docs/spec.md §4's
@@ -74,8 +76,8 @@ class Step:
     empty: int = 0
     kv_layout: str = "NHD"
     nan_tokens: tuple[int, ...] = ()
-    tied_index_keys: bool = False   # every page holds page 0's index keys: full blocks tie exactly
-    kv_fp8: str = ""                # "head" / "tensor": K/V in float8_e4m3fn with per-head / per-tensor scales
+    ties: str = ""   # exact ties planted in the index keys (TIES); selections must equal the oracle's
+    kv_fp8: str = ""  # "head" / "tensor": K/V in float8_e4m3fn with per-head / per-tensor scales
 
     @property
     def kv_dtype(self) -> Optional[str]:
@@ -94,9 +96,44 @@ class Step:
                          seed=seed, kv_dtype=self.kv_dtype, kv_scale=self.kv_fp8 or "head")
         for t in self.nan_tokens:
             case.index_q[t, 0, 1] = float("nan")
-        if self.tied_index_keys:
-            case.caches.index.copy_(case.caches.index[:1].expand_as(case.caches.index))
+        if self.ties:
+            TIES[self.ties](case.caches.index)
         return case
+
+    @property
+    def exact(self) -> bool:
+        """Whether equal block scores are planted: the selection must be the oracle's, bit for bit."""
+        return bool(self.ties or self.nan_tokens)
+
+
+def _same_pages(index: torch.Tensor) -> None:
+    index.copy_(index[:1].expand_as(index))
+
+
+def _all_equal(index: torch.Tensor) -> None:
+    index.copy_(index[:1, :1].expand_as(index))
+
+
+def _duplicated_pages(index: torch.Tensor) -> None:
+    index[1::2].copy_(index[0::2][: index[1::2].shape[0]])
+
+
+def _half_tied(index: torch.Tensor) -> None:
+    index[0::2].copy_(index[:1].expand_as(index[0::2]))
+
+
+def _nan_pages(index: torch.Tensor) -> None:
+    index[index.shape[0] // 3:, 3, 0] = float("nan")     # one position poisons its block
+
+
+TIES: dict[str, Callable[[torch.Tensor], None]] = {
+    "same_pages": _same_pages,              # every page holds page 0's keys: all full blocks tie
+    "all_equal": _all_equal,                # one key everywhere: every block, partial ones too, ties
+    "duplicated_pages": _duplicated_pages,  # odd pages copy the even ones: blocks tie in pairs
+    "half_tied": _half_tied,                # even pages tie, odd ones do not: ties across the top-k boundary
+    "nan_pages": _nan_pages,                # a NaN key in 2/3 of the pages: those blocks rank last, tie
+}
+"""docs/spec.md §3.4-3.5's exact ties, planted in a step's index cache (in place)."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +258,7 @@ def indexer_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any]:
         case.index_q, case.caches, case.batch, case.params, sel))
     check_spare_rows(full, 0, T, "index_topk")
     check_selection(case, sel, details)
-    if spec.step.tied_index_keys:
+    if spec.step.exact:
         check_exact_selection(case, sel)
     return details
 
@@ -311,7 +348,9 @@ INDEXER_STEPS: dict[str, Step] = {
     "init1_local2": Step(H=2, init=1, local=2, decodes=(150, 40, 20), prefills=((25, 25), (17, 120))),
     "short_contexts": Step(H=2, K=6, decodes=(1, 17, 50), prefills=((5, 5), (10, 60))),
     "nan_index_query": Step(H=2, init=1, decodes=(120, 90), prefills=((10, 100),), nan_tokens=(1, 5)),
-    "exact_ties": Step(H=2, decodes=(150, 70, 20), prefills=((25, 25), (17, 120)), tied_index_keys=True),
+    "exact_ties": Step(H=2, decodes=(150, 70, 20), prefills=((25, 25), (17, 120)), ties="same_pages"),
+    **{f"exact_ties_{name}": Step(H=2, decodes=(150, 70, 20), prefills=((6, 120),), ties=name)
+       for name in TIES if name != "same_pages"},
     "hnd_kv_cache": replace(MIXED_H2, kv_layout="HND"),
 }
 

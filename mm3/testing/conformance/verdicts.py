@@ -67,18 +67,30 @@ def check_selection(case: Case, sel: TopkBuffer, details: dict[str, Any]) -> Non
 
 
 def check_exact_selection(case: Case, sel: TopkBuffer) -> None:
-    """Every row selects the oracle's blocks (exact ties: the lowest ids), in any order."""
+    """Every row selects the oracle's blocks (exact ties: the lowest ids), in any order.
+
+    The message shows the first differing row: the blocks selected instead of
+    the oracle's, with the fp64 scores that tie (NaN scores rank as ``-1e30``).
+    """
     T = case.batch.num_tokens
     got = sel.head_major()[:, :T].to("cpu").sort(dim=-1).values
     want = oracle_topk_cached(case).head_major().sort(dim=-1).values
     bad = (got != want).any(dim=-1).nonzero()
     if bad.numel():
         h, t = int(bad[0, 0]), int(bad[0, 1])
+        g = {x for x in got[h, t].tolist() if x >= 0}
+        w = {x for x in want[h, t].tolist() if x >= 0}
+        S = oracle_scores_cached(case)[t][h]
+
+        def scored(ids: set[int]) -> str:
+            return ", ".join(f"{b} (score {float(S[b]):.6g})" if 0 <= b < S.numel() else f"{b} (not visible)"
+                             for b in sorted(ids))
         raise CaseFailure(
             f"{bad.shape[0]} top-k rows break the exact-tie rule of docs/spec.md §3.5 (equal block "
-            f"scores go to the lowest block id); first: head {h}, token {t} selected "
-            f"{sorted(x for x in got[h, t].tolist() if x >= 0)}, expected "
-            f"{sorted(x for x in want[h, t].tolist() if x >= 0)}", {"tie_rows": int(bad.shape[0])})
+            f"scores go to the lowest block id; a NaN score ranks as -1e30); first: head {h}, token {t} "
+            f"(request {int(case.batch.token_to_request[t])}, position {int(case.batch.token_positions[t])}) "
+            f"selected {sorted(g)}, the oracle {sorted(w)}: it took block(s) {scored(g - w)} instead of "
+            f"{scored(w - g)}", {"tie_rows": int(bad.shape[0])})
 
 
 def poisoned_out(case: Case, spare: int = 3) -> torch.Tensor:

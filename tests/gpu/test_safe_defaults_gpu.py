@@ -1,0 +1,90 @@
+"""Safe defaults on the GPU (docs/errors.md §2.1, §2.6): bad page ids raise on the cuda backend.
+
+* the first step of a kind runs guarded and raises at once, naming request, block and id;
+* in steady state the check runs on the device without a sync and raises at the next step
+  (or at ``SparseAttention.check_page_ids()``), and the layer stays usable;
+* under CUDA-graph capture the check is captured: a replay with a bad id in the refreshed
+  table raises at ``check_page_ids()``; capture itself never runs the guard.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mm3 import BatchMetadata, Settings, SparseAttentionParams
+from mm3.contract.errors import InputError
+from mm3.debug import GuardedBackend
+from mm3.runtime.layer import SparseAttention
+from mm3.testing.factories import Case, make_case
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _params() -> SparseAttentionParams:
+    return SparseAttentionParams(num_heads=8, num_kv_heads=1, head_dim=128, num_index_heads=1,
+                                 index_head_dim=128, block_size=128, topk=16)
+
+
+def _case(seed: int = 0) -> Case:
+    return make_case(_params(), decodes=[3000, 1700, 900, 5000], device="cuda", seed=seed)
+
+
+def _bad(case: Case, page: int) -> BatchMetadata:
+    b = case.batch
+    bt = b.block_table.clone()
+    bt[1, 2] = page
+    return BatchMetadata.build(b.query_lens, b.seq_lens_host, bt, block_size=b.block_size,
+                               num_decodes=b.num_decodes)
+
+
+def _layer(cuda_graph: bool = False) -> SparseAttention:
+    return SparseAttention(_params(), device="cuda", max_num_tokens=64, backend="cuda",
+                           settings=Settings(check_contracts="first", backend="cuda"), cuda_graph=cuda_graph)
+
+
+@pytest.mark.parametrize("page", [-1, 1 << 20])
+def test_bad_page_id_on_the_first_step_raises_at_once(page: int) -> None:
+    layer, case = _layer(), _case()
+    with pytest.raises(InputError, match=rf"request 1, block 2: block_table\[1, 2\] = {page} is not a page id"):
+        layer(case.q, case.index_q, case.caches, _bad(case, page))
+
+
+@pytest.mark.parametrize("page", [-3, 1 << 20])
+def test_bad_page_id_in_steady_state_raises_at_the_next_step(page: int) -> None:
+    layer, case = _layer(), _case()
+    layer(case.q, case.index_q, case.caches, case.batch)                  # "decode" checked
+    layer(case.q, case.index_q, case.caches, _bad(case, page))            # device flag, no sync
+    torch.cuda.synchronize()
+    with pytest.raises(InputError, match=rf"block_table\[1, 2\] = {page} .*found on the device"):
+        layer(case.q, case.index_q, case.caches, case.batch)
+    good = layer(case.q, case.index_q, case.caches, case.batch)            # usable again
+    assert torch.isfinite(good).all()
+    layer.check_page_ids()                                                 # nothing pending
+
+
+def test_graph_capture_skips_the_guard_and_replays_check_page_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer, case = _layer(cuda_graph=True), _case()
+    layer(case.q, case.index_q, case.caches, case.batch)                  # eager warm-up, guarded
+    guarded: list[int] = []
+    real = GuardedBackend.index_topk
+    monkeypatch.setattr(GuardedBackend, "index_topk", lambda self, *a: guarded.append(1) or real(self, *a))
+    b = case.batch
+    static = BatchMetadata.build(b.query_lens, b.seq_lens_host, b.block_table.clone(), block_size=b.block_size,
+                                 num_decodes=b.num_decodes)
+    out = torch.empty_like(case.q)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(case.q, case.index_q, case.caches, static, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(case.q, case.index_q, case.caches, static, out=out)
+    assert guarded == []
+    graph.replay()
+    layer.check_page_ids()                                                 # a good table: nothing
+    static.update_(_bad(case, 1 << 20))
+    graph.replay()
+    with pytest.raises(InputError, match=r"block_table\[1, 2\] = 1048576"):
+        layer.check_page_ids()
