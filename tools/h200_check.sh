@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call that checks and measures the whole tree on an H200 (about 9.5 minutes):
+#   source tools/device_env.sh && bash tools/h200_check.sh
+# Phase 1 (correctness, in parallel: none of it is timed): the GPU test suite, the
+# soak, the engine loop. Phase 2 (timings, one at a time on a quiet GPU): the fp8-K/V
+# and prefill bench rows, the first-step cost, the host overhead. Each part has its
+# own time cap so one slow part cannot starve the others; logs go to $OUT.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+cap() { local s=$1; shift; timeout "$s" "$@"; echo "[exit $? after cap ${s}s] $*"; }
+
+cap 380 python3 -m pytest tests/gpu -q -x -p no:cacheprovider --durations=25 > "$OUT/gpu_tests.txt" 2>&1 &
+cap 200 python3 -m mm3_benchmarks.soak --device cuda --backend cuda --steps 10000 --budget-s 170 \
+    > "$OUT/soak.txt" 2>&1 &
+cap 150 python3 examples/engine_loop.py --device cuda > "$OUT/engine_loop.txt" 2>&1 &
+wait
+tail -4 "$OUT/gpu_tests.txt"; tail -6 "$OUT/soak.txt"; tail -3 "$OUT/engine_loop.txt"
+
+{
+  cap 110 python3 -m mm3.cli bench --out "$OUT/b" --max-priority 0 --peers "" --budget-s 80 \
+      --only "decode TP1 b(64|1) ctx64K q1|prefill TP1 8K new ctx(0|32K) sel-random"
+  cap 45 python3 -m mm3_benchmarks.first_step_cost --device cuda --backend cuda --decodes 64 \
+      --context 65536 --prefills 0
+  cap 40 python3 benchmarks/host_overhead.py --device cuda --tp 8 --batch 1 --context 4096
+} > "$OUT/timings.txt" 2>&1
+grep -v "^\[ *[0-9]*/" "$OUT/timings.txt" | tail -60
