@@ -24,4 +24,5 @@ tail -4 "$OUT/gpu_tests.txt"; tail -6 "$OUT/soak.txt"; tail -3 "$OUT/engine_loop
       --context 65536 --prefills 0
   cap 40 python3 benchmarks/host_overhead.py --device cuda --tp 8 --batch 1 --context 4096
 } > "$OUT/timings.txt" 2>&1
+rm -f "$OUT"/b/*.png  # at most 8 files come back from the device
 grep -v "^\[ *[0-9]*/" "$OUT/timings.txt" | tail -60
