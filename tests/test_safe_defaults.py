@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from plugin_fakes import subprocess_env
 
 import mm3.runtime.layer as layer_module
@@ -253,3 +254,23 @@ def test_device_flag_keeps_the_first_offence_and_reports_it_once() -> None:
     flag.record(again, pages)                                       # seen: skipped, verdict kept
     with pytest.raises(InputError, match=r"block_table\[1, 0\] = -4"):
         flag.check()
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fails on any read of a tensor value by the host (``item``, ``int(t)``, ``t[idx_tensor]``...)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("a tensor value was read on the host: a device sync, refused in CUDA graphs")
+        return func(*args, **(kwargs or {}))
+
+
+def test_device_flag_records_without_reading_a_value_on_the_host() -> None:
+    """What a GPU step and a CUDA-graph capture run: no host read (on the GPU it would sync)."""
+    case = _case("mixed")
+    pages = case.caches.num_pages
+    flag = PageIdFlag("cpu")
+    with _NoHostReads():
+        flag.record(_with_page(case, 1, 0, pages + 3), pages, always=True)
+    with pytest.raises(InputError, match=rf"block_table\[1, 0\] = {pages + 3}"):
+        flag.raise_pending()

@@ -159,7 +159,11 @@ class PageIdFlag:
         first = torch.where(bad.flatten(), torch.arange(n, device=bt.device), n).amin()   # n: none
         at = first.clamp(max=n - 1)
         r = at // M
-        new = torch.stack([r, at % M, bt.flatten()[at], batch.seq_lens.to(torch.int64)[r],
+        # index_select, not t[at]: a 0-d index tensor would be read on the host (a sync, and an
+        # error while a CUDA graph is being captured)
+        page = bt.flatten().index_select(0, at.view(1))[0]
+        seq_len = batch.seq_lens.to(torch.int64).index_select(0, r.view(1))[0]
+        new = torch.stack([r, at % M, page.to(torch.int64), seq_len,
                            torch.full_like(r, num_pages), torch.full_like(r, batch.block_size)])
         with self._lock:
             keep = (self._dev[0] >= 0) | (first >= n)        # an earlier offence, or none now
