@@ -370,7 +370,6 @@ def test_launch_heuristics_follow_their_measured_rules() -> None:
     assert cfg.use_pdl(1, 4) and cfg.use_pdl(8, 4) and not cfg.use_pdl(64, 4)
 
 
-
 # --- a bad page id reads a page of the cache, never memory outside it (docs/errors.md §2.6) ---------------
 
 #: pages of poison on either side of the caches; more than the bad ids below reach past either end
@@ -417,6 +416,9 @@ def _bad_page_run(index_topk, attention_forward, layout: str) -> None:
     for name, batch in (("good", good), ("bad", bad)):
         sel[name] = TopkBuffer.allocate(T, p.num_kv_heads, K, layout, fill=SENTINEL)
         index_topk(index_q, caches, batch, p, sel[name])
+    good_sel = sel["good"].head_major()[0]
+    # the premise: the bad blocks are not chosen, so a read outside the cache (which would choose them) shows
+    assert not (good_sel[0] == 4).any() and not (good_sel[1:] == 5).any()
     assert torch.equal(sel["bad"].head_major(), sel["good"].head_major()), (
         "a bad page id changed the selection: the indexer read index keys outside the cache")
 
