@@ -50,7 +50,8 @@ def test_plan_puts_every_pair_in_one_tile() -> None:
     sel[:, :, 1] = sel[:, :, 0]                                           # repeats
     Tc = T - nd
     max_tiles = H * Tc * K // M + H * R * nb_max
-    plan = plan_pairs(sel, batch, nd, Tc, nb_max=nb_max, tokens_per_tile=M, max_tiles=max_tiles)
+    plan = plan_pairs(sel, batch, nd, Tc, nb_max=nb_max, tokens_per_tile=M, max_tiles=max_tiles,
+                      num_pages=table.numel())
     n = int(plan.num_tiles)
     assert 0 < n <= max_tiles
     pos, req = batch.token_positions[nd:], batch.token_to_request[nd:] - nd

@@ -20,6 +20,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import InputError
 from mm3.contract.params import SparseAttentionParams
@@ -368,3 +369,87 @@ def test_launch_heuristics_follow_their_measured_rules() -> None:
     # PDL only for small grids
     assert cfg.use_pdl(1, 4) and cfg.use_pdl(8, 4) and not cfg.use_pdl(64, 4)
 
+
+# --- a bad page id reads a page of the cache, never memory outside it (docs/errors.md §2.6) ---------------
+
+#: pages of poison on either side of the caches; more than the bad ids below reach past either end
+_POISON_PAGES = 1024
+
+
+def _inside_poison(values: torch.Tensor, poison: float) -> torch.Tensor:
+    """``values`` as a view of a larger buffer holding ``poison`` in ``_POISON_PAGES`` pages on each
+    side, so a kernel that addresses a page outside the cache reads ``poison`` (the interpreter, like
+    a GPU, does not bounds-check raw pointers: this is how such a read shows)."""
+    n = values.shape[0]
+    buf = torch.full((n + 2 * _POISON_PAGES, *values.shape[1:]), poison, dtype=values.dtype)
+    view = buf[_POISON_PAGES:_POISON_PAGES + n]
+    view.copy_(values)
+    return view
+
+
+def _bad_page_run(index_topk, attention_forward, layout: str) -> None:
+    """One decode (6 blocks) and one prefill (7 blocks) whose tables hold ``num_pages + 1000`` and
+    ``-1000`` (built without ``num_pages``, so nothing refuses them before the kernels).
+
+    Every index key in the cache is 0, so every real page scores exactly 0 and the selection is the
+    forced last block plus the lowest ids; the bad blocks (second to last) are then not chosen. Keys
+    outside the cache are 1 against all-positive index queries: a read there scores above every real
+    block and changes the selection. K/V outside the cache are NaN: an attention read there makes its
+    output NaN.
+    """
+    p = _params(1, 2, d=16, di=16)
+    query_lens, seq_lens = [1, 4], [96, 100]
+    case = make_case(p, decodes=seq_lens[:1], prefills=[(query_lens[1], seq_lens[1])], dtype="float32",
+                     index_dtype="float32", seed=3)
+    c, P, B, T, K = case.caches, case.caches.num_pages, p.block_size, case.batch.num_tokens, p.topk
+    caches = PagedKVCache(_inside_poison(c.k, float("nan")), _inside_poison(c.v, float("nan")),
+                          _inside_poison(torch.zeros_like(c.index), 1.0))
+    bad_table = case.batch.block_table.clone()
+    bad_table[0, 4] = P + 1000
+    bad_table[1, 5] = -1000
+    good, bad = (BatchMetadata.build(query_lens, seq_lens, table, block_size=B, num_decodes=1)
+                 for table in (case.batch.block_table, bad_table))
+    index_q = case.index_q.abs() + 0.5
+
+    # the indexer: a bad id scores as the real page it is clamped to (0), so the selection is the good one's
+    sel = {}
+    for name, batch in (("good", good), ("bad", bad)):
+        sel[name] = TopkBuffer.allocate(T, p.num_kv_heads, K, layout, fill=SENTINEL)
+        index_topk(index_q, caches, batch, p, sel[name])
+    good_sel = sel["good"].head_major()[0]
+    # the premise: the bad blocks are not chosen, so a read outside the cache (which would choose them) shows
+    assert not (good_sel[0] == 4).any() and not (good_sel[1:] == 5).any()
+    assert torch.equal(sel["bad"].head_major(), sel["good"].head_major()), (
+        "a bad page id changed the selection: the indexer read index keys outside the cache")
+
+    # the attention, on a selection that holds the bad blocks: each token's K highest visible blocks
+    nb = bad.token_positions.long() // B + 1
+    top = (nb[:, None] - 1 - torch.arange(K)[None, :]).to(torch.int32)          # [T, K], every id >= 0
+    assert (top[0] == 4).any() and (top[1:] == 5).any(dim=1).all(), "each token must select its bad block"
+    chosen = TopkBuffer.allocate(T, p.num_kv_heads, K, layout)
+    chosen.head_major().copy_(top[None])
+    out = torch.full_like(case.q, float("nan"))
+    attention_forward(case.q, caches, chosen, bad, p, out)
+    assert torch.isfinite(out).all(), "the attention read K/V outside the cache (NaN came in)"
+
+
+@pytest.mark.parametrize("backend", sorted(PLUGINS))
+def test_bad_page_id_never_reads_outside_the_cache(backend: str) -> None:
+    """issue 15: the plugins' hooks (the paths they launch) with page ids outside ``[0, num_pages)``."""
+    plugin = PLUGINS[backend]
+    _bad_page_run(plugin.index_topk, plugin.attention_forward, plugin.PLATFORM.topk_layout)
+
+
+@pytest.mark.parametrize("path", ["legacy", "alternatives"])
+def test_bad_page_id_never_reads_outside_the_cache_on_other_paths(path: str) -> None:
+    """The same on the kernels the plugins' default configs do not launch (branching and grid decode
+    attention, token-tile prefill attention with and without the union walk, both prefill indexers)."""
+    from dataclasses import replace
+    from functools import partial
+
+    from mm3_backends.triton import attention, indexer
+    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+
+    cfg = replace(INTERPRETER_CONFIG, **KERNEL_PATHS[path])
+    _bad_page_run(partial(indexer.index_topk, cfg=cfg), partial(attention.attention_forward, cfg=cfg),
+                  "head_major")

@@ -48,7 +48,8 @@ from mm3.contract import SparseAttentionParams
 from .launch import LaunchConfig, next_pow2
 from .tiles import load_rows, store_rows, token_rows
 from .tl_utils import (
-    decode_launch_options, dot_config, kv_scale, kv_scale_args, launch_options, pdl_enabled, pdl_prologue,
+    decode_launch_options, dot_config, kv_scale, kv_scale_args, launch_options, load_page, pdl_enabled,
+    pdl_prologue,
 )
 
 __all__ = ["attention_forward"]
@@ -112,7 +113,7 @@ def _attend_block_masked(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_v
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
-    bt_ptr, s_bt_r, s_bt_b, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
+    bt_ptr, s_bt_r, s_bt_b, num_pages, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
@@ -150,7 +151,7 @@ def _decode_attention_kernel(
                 blk = tl.load(sel_row + i * s_sel_k, mask=i < K, other=-1)
                 repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
                 use = (blk >= 0) & (blk < nb) & (repeated == 0)
-                page = tl.load(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b).to(tl.int64)
+                page = load_page(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b, num_pages)
                 m_i, l_i, acc = _attend_block_masked(
                     q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                     s_kb, s_kd, s_vb, s_vd, row_ok & use, pos_rows, blk, use, qk_scale, B, BN, D,
@@ -160,7 +161,7 @@ def _decode_attention_kernel(
                 blk = tl.load(sel_row + i * s_sel_k, mask=i < K, other=-1)
                 repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
                 if (blk >= 0) & (blk < nb) & (repeated == 0):
-                    page = tl.load(bt_ptr + r * s_bt_r + blk * s_bt_b).to(tl.int64)
+                    page = load_page(bt_ptr + r * s_bt_r + blk * s_bt_b, num_pages)
                     m_i, l_i, acc = _attend_block(
                         q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                         s_kb, s_kd, s_vb, s_vd, row_ok, pos_rows, blk, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
@@ -177,7 +178,7 @@ def _decode_attention_kernel(
 @triton.jit
 def _decode_attention_flat_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
-    bt_ptr, s_bt_r, s_bt_b, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
+    bt_ptr, s_bt_r, s_bt_b, num_pages, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h, num_items, IPP, qk_scale,
     ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
@@ -226,7 +227,7 @@ def _decode_attention_flat_kernel(
         repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
         # pos < 0 is a padding token: nothing is attended (and pos // B would truncate towards 0)
         use = (pos >= 0) & (blk >= 0) & (blk <= pos // B) & (repeated == 0)
-        page = tl.load(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b, mask=use, other=0).to(tl.int64)
+        page = load_page(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b, num_pages, mask=use)
         q = load_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
         # an unusable slot's K/V loads are masked off: zeros, never a stale page's NaNs (0 * NaN
         # would poison the accumulator even though its rows are masked out of the softmax)
@@ -305,7 +306,7 @@ def _merge_row_kernel(
 @triton.jit
 def _prefill_attention_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
-    bt_ptr, s_bt_r, s_bt_b, qsl_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
+    bt_ptr, s_bt_r, s_bt_b, num_pages, qsl_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od, G, first_request, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -338,7 +339,7 @@ def _prefill_attention_kernel(
                 first = tl.max(((sel == b) & (slot_of < i)).to(tl.int32)) == 0
                 if (b >= 0) & first:
                     member = tl.max((sel == b).to(tl.int32), axis=1) > 0
-                    page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
+                    page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
                     m_i, l_i, acc = _attend_block(
                         q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                         s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
@@ -346,7 +347,7 @@ def _prefill_attention_kernel(
             for b in tl.range(0, nb_max):
                 member = tl.max((sel == b).to(tl.int32), axis=1) > 0
                 if tl.max(member.to(tl.int32), axis=0) > 0:
-                    page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
+                    page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
                     m_i, l_i, acc = _attend_block(
                         q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                         s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
@@ -370,7 +371,8 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     opts = launch_options(cfg)
     common = dict(B=B, BN=min(B, cfg.attention_block_n), D=D, K=K, K_PAD=next_pow2(K),
                   DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, KV_SCALED=kv_scaled)
-    tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()))
+    # the page count bounds every page id the kernels read (tl_utils.load_page)
+    tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()), caches.num_pages)
 
     npf = batch.num_prefills
     td = batch.num_decode_tokens

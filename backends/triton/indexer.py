@@ -41,7 +41,7 @@ from mm3.contract import SparseAttentionParams
 
 from .launch import LaunchConfig, next_pow2
 from .tiles import load_rows, token_rows
-from .tl_utils import decode_launch_options, dot_config, launch_options, pdl_enabled, pdl_prologue
+from .tl_utils import decode_launch_options, dot_config, launch_options, load_page, pdl_enabled, pdl_prologue
 
 __all__ = ["index_topk"]
 
@@ -124,7 +124,7 @@ def _index_query_rows(iq_ptr, tok, hh, s_t, s_h, s_d, row_ok, DI: tl.constexpr, 
 
 @triton.jit
 def _decode_score_kernel(
-    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b,
+    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages,
     qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
     BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_A: tl.constexpr = False,
@@ -142,7 +142,7 @@ def _decode_score_kernel(
             q = tl.trans(q)
         rows = tl.arange(0, ROWS)
         for b in tl.range(b0, tl.minimum(b0 + BPS, nb_req)):
-            page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
+            page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
             smax = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
                                      ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A, NAN_IN_MAX)
             tl.store(ws_ptr + r * s_ws_r + rows * s_ws_row + b, smax, mask=row_ok)
@@ -216,7 +216,7 @@ def _decode_topk_kernel(
 
 @triton.jit
 def _prefill_index_kernel(
-    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b,
+    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages,
     qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
@@ -234,7 +234,7 @@ def _prefill_index_kernel(
         best_i = tl.where(slots < K, -1, -2) + tl.zeros([ROWS, K_PAD], tl.int32)
         best_v = tl.full([ROWS, K_PAD], float("inf"), tl.float32)
         for b in tl.range(0, nb_max):
-            page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
+            page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
             sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
                                    ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, False, NAN_IN_MAX)
             sb = tl.where(b < INIT, FORCED_INIT, sb)
@@ -259,7 +259,7 @@ def _prefill_index_kernel(
 
 @triton.jit
 def _prefill_index_chunked_kernel(
-    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b,
+    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages,
     qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
@@ -283,7 +283,7 @@ def _prefill_index_chunked_kernel(
             chunk = tl.full([ROWS, CH], -9223372036854775807 - 1, tl.int64)
             for j in tl.range(0, tl.minimum(CH, nb_max - c0)):
                 b = c0 + j
-                page = tl.load(bt_ptr + r * s_bt_r + b * s_bt_b).to(tl.int64)
+                page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
                 sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
                                        ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A, NAN_IN_MAX)
                 sb = tl.where(b < INIT, FORCED_INIT, sb)
@@ -338,7 +338,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         pdl = pdl_enabled(cfg, batch.num_decode_tokens, params.num_kv_heads)
         ws = torch.empty((nd, rows, width), dtype=torch.float32, device=ik.device)
         _decode_score_kernel[(nd, triton.cdiv(width, bps))](
-            index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(),
+            index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages,
             batch.query_start_loc, batch.token_positions, ws, ws.stride(0), ws.stride(1), H,
             ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.index_keys_as_a,
             BN=min(B, cfg.index_block_n), PDL=pdl, **common,
@@ -364,7 +364,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
             k_pad = sort_width(K)
             extra = dict(CH=max(cfg.prefill_index_chunk, k_pad), KEYS_A=cfg.index_keys_as_a)
         kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m))](
-            index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(),
+            index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages,
             batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd,
             ROWS=rows, M=m, K=K, K_PAD=k_pad,
             INIT=params.init_blocks, LOCAL=params.local_blocks, BN=min(B, cfg.prefill_index_block_n),

@@ -47,7 +47,7 @@ from .attention import _attend_block
 from .launch import next_pow2
 from .prefill_config import PrefillAttentionConfig
 from .tiles import load_rows, store_rows
-from .tl_utils import kv_scale, kv_scale_args
+from .tl_utils import kv_scale, kv_scale_args, load_page
 
 __all__ = ["PairPlan", "plan_pairs", "prefill_attention_forward"]
 
@@ -95,7 +95,7 @@ def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, w
 
 
 @triton.jit
-def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, req_ptr, clean_ptr, within_ptr, count_ptr, tile_base_ptr,
+def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, within_ptr, count_ptr, tile_base_ptr,
                        tile_seg_ptr, tile_page_ptr, tile_slot_ptr, tile_pairs_ptr, tok0, Tc, first_request, num_req,
                        nb_max, K: tl.constexpr, K_PAD: tl.constexpr, M: tl.constexpr):
     """Row ``(h, t)``: each valid pair into its tile (segment's first tile + place // M); the pair
@@ -114,17 +114,20 @@ def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, req_ptr, clean_ptr, within_ptr, c
     opens = ok & (within % M == 0)
     tl.store(tile_seg_ptr + tile, seg, mask=opens)
     tl.store(tile_pairs_ptr + tile, tl.minimum(tl.load(count_ptr + seg, mask=opens, other=0) - within, M), mask=opens)
-    page = tl.load(bt_ptr + (first_request + r) * s_bt_r + ids * s_bt_b, mask=opens, other=0)
+    # clamped here, so the tile/run kernels' pages (read from the plan) are pages of the cache
+    page = load_page(bt_ptr + (first_request + r) * s_bt_r + ids * s_bt_b, num_pages, mask=opens)
     tl.store(tile_page_ptr + tile, page, mask=opens)
 
 
 def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens: int, *, nb_max: int,
-               tokens_per_tile: int, max_tiles: int) -> PairPlan:
+               tokens_per_tile: int, max_tiles: int, num_pages: int) -> PairPlan:
     """Group the pairs of prefill tokens ``tok0 .. tok0 + num_tokens - 1`` by (KV head, request, block).
 
     ``sel_hm``: the step's selection ``[H, T, K]`` (any strides); ``nb_max``:
     more than any valid block id; ``max_tiles``: an upper bound of the tile
-    count (sizes the launch grid without a host sync). Two launches and a
+    count (sizes the launch grid without a host sync); ``num_pages``: the
+    cache's page count, into which every page id is clamped (``tile_page``
+    only ever names a page of the cache). Two launches and a
     prefix sum over the segments, no sort: a segment's pairs take their
     places by an atomic counter, in any order (a row's result does not depend
     on which rows share its tile). Everything the tile kernel needs is laid
@@ -146,8 +149,9 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     tile_slot = torch.full((max_tiles * M,), -1, device=dev, dtype=torch.int32)
     tile_pairs = torch.empty(max_tiles, device=dev, dtype=torch.int32)
     bt = batch.block_table
-    _pair_place_kernel[rows](bt, *bt.stride(), batch.token_to_request, clean, within, count, tile_base, tile_seg,
-                             tile_page, tile_slot, tile_pairs, tok0, Tc, nd, R, nb_max, K=K, K_PAD=next_pow2(K), M=M)
+    _pair_place_kernel[rows](bt, *bt.stride(), num_pages, batch.token_to_request, clean, within, count, tile_base,
+                             tile_seg, tile_page, tile_slot, tile_pairs, tok0, Tc, nd, R, nb_max, K=K,
+                             K_PAD=next_pow2(K), M=M)
     return PairPlan(clean, tile_seg, tile_page, tile_slot, tile_pairs, tiles.sum(dtype=torch.int32).view(1))
 
 
@@ -329,7 +333,8 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         pairs = Hkv * c * K
         per = m * max(1, cfg.run_tiles)
         max_tiles = min(pairs, pairs // per + Hkv * nb_sum)
-        plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=per, max_tiles=max_tiles)
+        plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=per, max_tiles=max_tiles,
+                          num_pages=caches.num_pages)
         ws_o = torch.empty((pairs, G, D), dtype=q.dtype, device=q.device)
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
         programs = max(1, min(max_tiles, target_programs // 2 * cfg.programs_per_sm))

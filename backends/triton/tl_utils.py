@@ -1,4 +1,4 @@
-"""Small host-side helpers shared by the kernel launchers (dtype choices, platform options)."""
+"""Small helpers shared by the kernels and their launchers (dtype choices, platform options, page loads)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import triton.language as tl
 from .launch import LaunchConfig
 
 __all__ = ["dot_config", "launch_options", "decode_launch_options", "interpreting", "pdl_enabled", "pdl_prologue",
-           "TL_DTYPES", "kv_scale_args", "kv_scale"]
+           "TL_DTYPES", "kv_scale_args", "kv_scale", "load_page"]
 
 try:  # programmatic dependent launch (Hopper+): Triton >= 3.4 has these
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
@@ -125,3 +125,23 @@ def kv_scale(scale_ptr, h, s_scale, KV_SCALED: tl.constexpr):
     else:
         s = 1.0
     return s
+
+
+@triton.jit
+def load_page(entry_ptr, num_pages, mask=None):
+    """The block-table entry at ``entry_ptr`` clamped into ``[0, num_pages)`` (int64, for page offsets).
+
+    Every kernel takes its page ids through here, so a page id is only ever used
+    as an address after this clamp. A bad id (negative, or past the cache) then
+    reads a real page of the cache, whose values are wrong but whose address is
+    valid, instead of memory outside it: an illegal access would poison the
+    whole CUDA context. The bad id itself is reported by the layer's device-side
+    check at the next step (mm3/contract/page_ids.py, docs/errors.md §2.6). Cost:
+    two integer ops on a value already loaded. ``mask`` as for ``tl.load``;
+    masked-off lanes give page 0.
+    """
+    if mask is None:
+        page = tl.load(entry_ptr)
+    else:
+        page = tl.load(entry_ptr, mask=mask, other=0)
+    return tl.maximum(tl.minimum(page, num_pages - 1), 0).to(tl.int64)

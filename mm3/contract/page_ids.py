@@ -1,8 +1,10 @@
 """Every block-table entry a step uses must be a page of the cache (docs/errors.md §2.6).
 
-A page id past the cache or below zero makes a kernel read memory that is not
-the cache: finite, wrong output, or a fault. ``BatchMetadata.build(...,
-num_pages=...)`` catches it when the batch is built; when the caller did not
+A page id past the cache or below zero names no page. The built-in kernels
+clamp it into the cache and read a real page (wrong output; the Triton
+kernels' ``load_page``); a backend that does not may read memory outside the
+cache (a fault). Either way the step is wrong, so it must be reported.
+``BatchMetadata.build(..., num_pages=...)`` catches it when the batch is built; when the caller did not
 pass ``num_pages`` (the README example does not), the layer checks each new
 block table against the cache it is used with:
 
