@@ -22,27 +22,49 @@ pytestmark = [
 ]
 
 
-# The interpreter is slow on 2 cores: each plugin takes one attention dtype and one index
-# dtype, and between them they cover fp16 + fp32 attention and fp16 + fp8 index caches
-# in both top-k layouts (cuda writes token-major, rocm head-major). The planted-tie cases
-# (docs/spec.md §3.5) run on the GPU for both; here the two plugins, which share the indexer
-# kernel, split them. rocm takes the NaN one: the interpreter turns an fp8 e4m3fn NaN
-# (0x7f) into 480.0, so a NaN key in cuda's fp8 index cache would not be a NaN here.
-ONLY_ON_GPU = {"cuda": ("exact_ties_half_tied", "exact_ties_nan_pages"),
-               "rocm": ("exact_ties_all_equal", "exact_ties_duplicated_pages")}
+# Each plugin takes one attention dtype and one index dtype; between them they cover fp16 +
+# fp32 attention and fp16 + fp8 index caches in both top-k layouts (cuda writes token-major,
+# rocm head-major). One test per case, so a parallel run (pytest-xdist) spreads them and a
+# failure names its case. One case is left to the GPU: the interpreter turns an fp8 e4m3fn
+# NaN (0x7f) into 480.0, so a NaN key in cuda's fp8 index cache is not a NaN here.
+RUNS = {"cuda": ("float16", "float8_e4m3fn"), "rocm": ("float32", "float16")}
+ONLY_ON_GPU = {"cuda": ("exact_ties_nan_pages",), "rocm": ()}
 
 
-@pytest.mark.parametrize("backend,dtype,index_dtype", [("cuda", "float16", "float8_e4m3fn"),
-                                                       ("rocm", "float32", "float16")])
-def test_conformance_quick_under_interpreter(backend: str, dtype: str, index_dtype: str) -> None:
-    from mm3.testing.conformance import ConformanceReport, plan_cases
+def _registry() -> Registry:
+    return Registry(plugins=[cuda_plugin, rocm_plugin, cpu_ref], entry_points=False)
 
-    reg = Registry(plugins=[cuda_plugin, rocm_plugin, cpu_ref], entry_points=False)
-    plan = plan_cases(reg.get(backend), device="cpu", quick=True, dtypes=[dtype], index_dtypes=[index_dtype])
-    left_out = [c for c in plan if c.name.split("/")[-1].split(":")[0] in ONLY_ON_GPU[backend]]
-    assert len(left_out) == 2, [c.name for c in plan]
-    report = ConformanceReport(backend, "cpu", [c.run() for c in plan if c not in left_out])
-    assert report.results, "the suite planned no case"
-    assert report.passed, report.format()
+
+def _plan(backend: str, registry: Registry) -> list:
+    from mm3.testing.conformance import plan_cases
+
+    dtype, index_dtype = RUNS[backend]
+    plan = plan_cases(registry.get(backend), device="cpu", quick=True, dtypes=[dtype], index_dtypes=[index_dtype])
+    return [c for c in plan if c.name.split("/")[-1].split(":")[0] not in ONLY_ON_GPU[backend]]
+
+
+# Planning builds no input and runs no kernel: cheap enough for collection.
+CASES = [(backend, case.name) for backend in RUNS for case in _plan(backend, _registry())]
+
+
+def test_every_plugin_has_cases_and_the_gpu_only_ones_exist() -> None:
+    from mm3.testing.conformance import plan_cases
+
+    for backend, left_out in ONLY_ON_GPU.items():
+        dtype, index_dtype = RUNS[backend]
+        names = {c.name.split("/")[-1].split(":")[0]
+                 for c in plan_cases(_registry().get(backend), device="cpu", quick=True, dtypes=[dtype],
+                                     index_dtypes=[index_dtype])}
+        assert set(left_out) <= names, f"{backend}: {sorted(set(left_out) - names)} are not cases any more"
+        assert any(b == backend for b, _ in CASES)
+
+
+@pytest.mark.parametrize("backend,case", CASES, ids=[f"{b}-{c}" for b, c in CASES])
+def test_conformance_case_under_interpreter(backend: str, case: str) -> None:
+    from mm3.testing.conformance import ConformanceReport
+
+    planned = [c for c in _plan(backend, _registry()) if c.name == case]
+    assert len(planned) == 1, f"{case!r} is planned {len(planned)} times"
+    report = ConformanceReport(backend, "cpu", [planned[0].run()])
     # nothing may be skipped: every case is inside what the plugin declares
-    assert all(r.passed for r in report.results), report.format()
+    assert report.passed and all(r.passed for r in report.results), report.format()
