@@ -107,7 +107,7 @@ def test_a_raising_hook_is_named_and_the_next_step_is_right(mode: str, hook: str
         assert (layer.topk_buffer.head_major()[:, T:half] == GARBAGE).all()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["first", "never"])   # guarded and plain ("always" guards as "first" here)
 @pytest.mark.parametrize("hook", HOOKS)
 def test_nothing_of_a_failed_step_reaches_the_next_ones_through_a_converted_copy(mode: str, hook: str) -> None:
     """The attention needs a dense token-major copy of the head-major buffer: made afresh each step, from
@@ -177,7 +177,8 @@ def test_unwritten_rows_are_caught_on_guarded_steps_even_when_they_hold_the_righ
         _run(layer, case, out)
     assert (info.value.backend, info.value.hook, info.value.rule) == ("boom", hook, rule)  # type: ignore[attr-defined]
     boom.fault = None
-    _assert_right(layer, _big(), _run(layer, _big()))
+    other = _small(seed=3)
+    _assert_right(layer, other, _run(layer, other))
 
 
 @pytest.mark.parametrize("fault, hook, rule", [("no_write", "index_topk", "topk.unwritten"),
