@@ -285,10 +285,12 @@ def test_attention_input_layout_rule_blames_the_caller() -> None:
     assert _max_err(out, case) < 1e-5
 
 
-def test_backend_exceptions_pass_through_unchanged() -> None:
+def test_backend_exceptions_surface_naming_backend_and_hook() -> None:
+    """The guard adds nothing to a backend's exception: the bound backend names it (tests/test_faults_mid_step.py)."""
     case = _mixed(H=2)
-    with pytest.raises(MockFault):
+    with pytest.raises(PluginError, match="backend 'boom' .* failed in index_topk: .*MockFault") as info:
         _run_faulty(MockBackend("boom", fault="raise"), "boom", GUARD_ON, case)
+    assert isinstance(info.value.__cause__, MockFault)
 
 
 # -- allocation checks, directly -------------------------------------------------------------------

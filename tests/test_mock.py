@@ -10,7 +10,7 @@ from mm3 import SparseAttentionParams, TopkBuffer
 from mm3.contract.errors import InputError, PluginError, UnknownBackendError
 from mm3.runtime.registry import Registry
 from mm3.testing.factories import make_case
-from mm3.testing.mock import FAULTS, Call, MockBackend, MockFault
+from mm3.testing.mock import GARBAGE, FAULTS, Call, MockBackend, MockFault
 from mm3.testing.oracle import check_topk, oracle_attention
 
 
@@ -132,11 +132,27 @@ def test_delegate_that_needs_its_own_layout_gets_it() -> None:
 def test_fault_raise() -> None:
     be = _bind(MockBackend("boom", fault="raise"))
     case = _case()
-    buf = be.alloc_topk_buffer(case.batch.num_tokens, 2, 4, "cpu")
-    with pytest.raises(MockFault, match="index_topk"):
+    T = case.batch.num_tokens
+    buf = be.alloc_topk_buffer(T, 2, 4, "cpu").fill_(-1)
+    out = torch.zeros_like(case.q)
+    with pytest.raises(PluginError, match="failed in index_topk") as info:      # the bound backend names it
         be.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
-    with pytest.raises(MockFault, match="attention_forward"):
-        be.attention_forward(case.q, case.caches, buf, case.batch, case.params, torch.empty_like(case.q))
+    assert isinstance(info.value.__cause__, MockFault)
+    with pytest.raises(PluginError, match="failed in attention_forward"):
+        be.attention_forward(case.q, case.caches, buf, case.batch, case.params, out)
+    half = (T + 1) // 2                                              # each wrote half its rows, then raised
+    assert (buf.head_major()[:, :half] == GARBAGE).all() and (buf.head_major()[:, half:] == -1).all()
+    assert (out[:half] == GARBAGE).all() and (out[half:] == 0).all()
+
+
+def test_fault_no_write() -> None:
+    be = _bind(MockBackend("lazy", fault="no_write"))
+    case = _case()
+    buf = be.alloc_topk_buffer(case.batch.num_tokens, 2, 4, "cpu").fill_(7)
+    out = torch.full_like(case.q, 3.0)
+    be.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
+    be.attention_forward(case.q, case.caches, buf, case.batch, case.params, out)
+    assert (buf.storage == 7).all() and (out == 3.0).all()
 
 
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
@@ -202,7 +218,7 @@ def test_fault_nan_output() -> None:
 
 
 def test_every_fault_is_covered() -> None:
-    assert set(FAULTS) == {"raise", "wrong_layout", "out_of_range", "write_past_rows", "nan_output"}
+    assert set(FAULTS) == {"raise", "no_write", "wrong_layout", "out_of_range", "write_past_rows", "nan_output"}
 
 
 def test_registry_rejects_nothing_about_the_mock() -> None:

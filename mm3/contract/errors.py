@@ -50,7 +50,11 @@ class NoBackendError(MM3Error, RuntimeError):
 
 
 class PluginError(MM3Error, RuntimeError):
-    """A plugin is malformed (bad hook, invalid capabilities, duplicate name)."""
+    """A plugin is malformed (bad hook, invalid capabilities, duplicate name), or a hook of it raised.
+
+    Raised from a hook's own exception (``__cause__``), with ``backend`` and ``hook``
+    attributes then (docs/errors.md §6).
+    """
 
 
 class ContractViolation(MM3Error, RuntimeError):

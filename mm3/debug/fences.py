@@ -6,9 +6,12 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["Fence", "locate", "false_flag"]
+__all__ = ["Fence", "locate", "false_flag", "mark_unwritten", "still_marked"]
 
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# A NaN with a payload no arithmetic produces (computed NaNs are the canonical quiet NaN), per dtype.
+_MARK_BITS = {torch.float32: 0x7FC04D33, torch.float16: 0x7E4D, torch.bfloat16: 0x7FCD}
 
 
 def false_flag(device: torch.device) -> torch.Tensor:
@@ -57,6 +60,33 @@ class Fence:
         assert diff is not None
         e = int(diff.nonzero()[0, 0])
         return e, int(self.before[e]), int(self.flat[e])  # type: ignore[index]
+
+
+def mark_unwritten(t: torch.Tensor) -> bool:
+    """Fill the float view ``t`` with a marked NaN before a call that must overwrite all of it.
+
+    Returns False (and fills nothing) for a dtype without a mark. Afterwards
+    :func:`still_marked` tells the elements that were not written: no computed
+    value has these bits.
+
+    Example:
+        >>> out = torch.zeros(3, 2)
+        >>> mark_unwritten(out[:2])
+        True
+        >>> out[0] = 1.0                 # a backend that writes row 0 only
+        >>> still_marked(out[:2]).any(-1).tolist(), out[2].tolist()
+        ([False, True], [0.0, 0.0])
+    """
+    bits = _MARK_BITS.get(t.dtype)
+    if bits is None or not t.numel():
+        return False
+    t.view(_SAME_SIZE_INT[t.element_size()]).fill_(bits)   # positive NaNs: the bits fit the signed int
+    return True
+
+
+def still_marked(t: torch.Tensor) -> torch.Tensor:
+    """Bool mask of the elements of ``t`` that still hold :func:`mark_unwritten`'s marked NaN."""
+    return t.view(_SAME_SIZE_INT[t.element_size()]) == _MARK_BITS[t.dtype]
 
 
 def locate(offset: int, base_offset: int, strides: Sequence[int], names: Sequence[str],

@@ -18,6 +18,8 @@ Rules (``ContractViolation.rule``; docs/errors.md has the full table):
                                 of the asked ``[H, T, K]`` on the asked device
 ``alloc.layout``                its label is the declared ``topk_layout`` (that its *memory*
                                 is in that order, :class:`TopkBuffer` itself enforces)
+``topk.unwritten``              every slot of the step's rows was written (the guard fills
+                                them with :data:`GUARD_SENTINEL` before the call)
 ``topk.padding``                padding tokens' rows are all ``-1``
 ``topk.range``                  every id is ``-1`` or a visible block in ``[0, nb)``
 ``topk.prefix``                 exactly ``min(K, nb)`` ids as a prefix, then ``-1``
@@ -29,6 +31,8 @@ Rules (``ContractViolation.rule``; docs/errors.md has the full table):
 ``attention.topk_written``      ``attention_forward`` did not write the top-k buffer
 ``attention.out_past_T``        it wrote nothing outside ``out[:T]``
 ``attention.out_replaced``      ``out`` kept its shape, dtype, device and storage
+``attention.unwritten``         every element of ``out[:T]`` was written (the guard fills it
+                                with a marked NaN before the call)
 ``attention.padding``           padding tokens' outputs are exactly zero
 ``attention.nonfinite``         outputs are finite wherever the row's inputs (its ``q`` row
                                 and the K/V of its selected blocks up to its position) are
@@ -43,7 +47,10 @@ code per row, a byte-exact snapshot of the storage around the writable
 rows) and the host synchronises once per call, to read a few flags; the
 slow path that finds and describes the first offending row only runs when a
 rule is broken. A freshly allocated top-k buffer is filled with
-:data:`GUARD_SENTINEL` so a stray write past ``T`` always changes a value.
+:data:`GUARD_SENTINEL` so a stray write past ``T`` always changes a value,
+and before each checked call the rows the call must write are filled too
+(the step's top-k rows with the sentinel, ``out[:T]`` with a marked NaN), so
+a backend that returns without writing them is caught whatever they held.
 Under CUDA-graph capture the guard steps aside (it cannot synchronise there).
 
 The guard's own cost per step is measured by ``benchmarks/guard_overhead.py``
@@ -74,9 +81,9 @@ from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import ContractViolation
 from mm3.contract.params import SparseAttentionParams
-from mm3.debug.fences import Fence, false_flag, locate
+from mm3.debug.fences import Fence, false_flag, locate, mark_unwritten, still_marked
 from mm3.debug.inputs import check_block_table, finite_inputs
-from mm3.debug.topk_rows import describe_row, row_codes
+from mm3.debug.topk_rows import GUARD_SENTINEL, describe_row, row_codes
 
 __all__ = [
     "GUARD_SENTINEL",
@@ -88,15 +95,13 @@ __all__ = [
     "capturing",
 ]
 
-GUARD_SENTINEL = -0x4D4D33
-"""Fill value of top-k buffers allocated through the guard (not a valid id, not ``-1``)."""
-
 RULES: dict[str, str] = {
     "alloc.type": "alloc_topk_buffer must return an mm3.TopkBuffer",
     "alloc.dtype": "the top-k buffer must be int32",
     "alloc.device": "the top-k buffer must live on the requested device",
     "alloc.shape": "the top-k buffer must be [H, T, K] as requested",
     "alloc.layout": "the top-k buffer's layout label must be the declared topk_layout",
+    "topk.unwritten": "index_topk writes every slot of the step's rows [0, T)",
     "topk.padding": "a padding token's row must be all -1",
     "topk.range": "every id must be -1 or a visible block in [0, nb)",
     "topk.prefix": "a row holds exactly min(K, nb) ids as a prefix, then -1",
@@ -107,6 +112,7 @@ RULES: dict[str, str] = {
     "attention.topk_written": "attention_forward must not write the top-k buffer",
     "attention.out_past_T": "attention_forward writes only out[:T]",
     "attention.out_replaced": "attention_forward writes into out in place (same shape/dtype/storage)",
+    "attention.unwritten": "attention_forward writes every element of out[:T]",
     "attention.padding": "a padding token's output must be zeros",
     "attention.nonfinite": "outputs are finite where the row's inputs are finite",
 }
@@ -250,6 +256,7 @@ class GuardedBackend:
         check_block_table(batch, caches)
         step = out.rows(0, T)
         fence = Fence(out.storage, step.storage)
+        step.fill_(GUARD_SENTINEL)   # what the call leaves unwritten breaks topk.unwritten
         self.inner.index_topk(index_q, caches, batch, params, out)
 
         hm = step.head_major()
@@ -299,6 +306,7 @@ class GuardedBackend:
         shape, dtype, ptr = tuple(out.shape), out.dtype, out.data_ptr()
         out_fence = Fence(out, out[:T])
         topk_fence = Fence(topk.storage, None)
+        marked = mark_unwritten(out[:T])   # what the call leaves unwritten breaks attention.unwritten
         self.inner.attention_forward(q, caches, topk, batch, params, out)
 
         if (tuple(out.shape), out.dtype, out.data_ptr()) != (shape, dtype, ptr):
@@ -314,9 +322,11 @@ class GuardedBackend:
         pad_rows = (pad & (rows != 0).flatten(1).any(-1)) if T else None
         pad_bad = pad_rows.any() if pad_rows is not None else false_flag(out.device)
         nonfinite = (~torch.isfinite(rows)).any() if (self.check_finite and T) else false_flag(out.device)
+        unwritten = still_marked(rows).flatten(1).any(-1) if marked else None
         flags = torch.stack([out_fence.changed().to(out.device), topk_fence.changed().to(out.device),
+                             unwritten.any() if unwritten is not None else false_flag(out.device),
                              pad_bad, nonfinite])
-        out_past, topk_written, padding, nonfin = flags.tolist()        # the one host sync
+        out_past, topk_written, not_written, padding, nonfin = flags.tolist()   # the one host sync
         hook = "attention_forward"
         if out_past:
             e, before, after = out_fence.first_change()
@@ -334,6 +344,17 @@ class GuardedBackend:
             raise _violation(self.inner, hook, "attention.topk_written",
                              f"{where} of the top-k buffer changed from {before} to {after}",
                              fix="the attention only reads the top-k buffer")
+        if not_written:
+            assert unwritten is not None
+            t = int(unwritten.nonzero()[0, 0])
+            n = int(unwritten.sum())
+            raise _violation(self.inner, hook, "attention.unwritten",
+                             f"token {t} (request {int(batch.token_to_request[t])}, position "
+                             f"{int(batch.token_positions[t])}) of out[:{T}] still holds the marked NaN "
+                             f"the guard filled it with before the call: it was not written"
+                             + (f"; {n} of {T} tokens" if n > 1 else ""), token=t,
+                             fix="write every row of out[:T], zeros for padding tokens (out is not "
+                                 "zeroed for you)")
         if padding:
             assert pad_rows is not None
             t = int(pad_rows.nonzero()[0, 0])

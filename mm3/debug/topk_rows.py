@@ -15,12 +15,17 @@ from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import TopkBuffer
 from mm3.contract.params import SparseAttentionParams
 
-__all__ = ["ROW_RULES", "TopkRowViolation", "find_topk_violation", "row_codes", "describe_row"]
+__all__ = ["GUARD_SENTINEL", "ROW_RULES", "TopkRowViolation", "find_topk_violation", "row_codes",
+           "describe_row"]
+
+GUARD_SENTINEL = -0x4D4D33
+"""What the guard fills top-k rows with before they are written (not a valid id, not ``-1``)."""
 
 # Rule codes of the per-row check, in the order a row is judged: the first
 # broken rule is the one reported (a row with an id out of range usually also
-# looks like a bad prefix; the range message is the more useful one).
-ROW_RULES = ("topk.padding", "topk.range", "topk.prefix", "topk.unique", "topk.forced")
+# looks like a bad prefix; the range message is the more useful one, and a row
+# still holding the sentinel was simply not written).
+ROW_RULES = ("topk.unwritten", "topk.padding", "topk.range", "topk.prefix", "topk.unique", "topk.forced")
 
 
 @dataclass(frozen=True)
@@ -66,10 +71,11 @@ def row_codes(hm: torch.Tensor, positions: torch.Tensor, params: SparseAttention
     n_forced = a + nb - torch.maximum(a, c)
     is_forced = in_range & ((x < a[None, :, None]) | (x >= c[None, :, None]))
     forced_bad = row_real & (is_forced.sum(-1) != n_forced[None, :])
+    unwritten = (x == GUARD_SENTINEL).any(-1)
 
     codes = torch.zeros(x.shape[:2], dtype=torch.int8, device=x.device)
     # Lowest-priority rule first, so the earliest rule in ROW_RULES wins.
-    for i, bad in reversed(list(enumerate((pad_bad, range_bad, prefix_bad, unique_bad, forced_bad)))):
+    for i, bad in reversed(list(enumerate((unwritten, pad_bad, range_bad, prefix_bad, unique_bad, forced_bad)))):
         codes = torch.where(bad, torch.full_like(codes, i + 1), codes)
     return codes
 
@@ -85,7 +91,11 @@ def describe_row(codes: torch.Tensor, hm: torch.Tensor, batch: BatchMetadata,
     r = int(batch.token_to_request[t])
     kind = "decode" if r < batch.num_decodes else "prefill"
     K = params.topk
-    if p < 0:
+    if rule == "topk.unwritten":
+        slots = [k for k, v in enumerate(row) if v == GUARD_SENTINEL]
+        detail = (f"head {h}, token {t} (request {r}, position {p}): slot(s) {slots} still hold "
+                  f"{GUARD_SENTINEL}, the guard's fill before the call: row {row} was not written")
+    elif p < 0:
         where = f"token {t} (padding slot of decode request {r})"
         detail = f"head {h}, {where}: row {row} should be all -1"
     else:

@@ -18,10 +18,10 @@ import torch
 from mm3.contract.buffers import TopkBuffer
 from mm3.contract.capabilities import BackendCapabilities, Probe
 from mm3.contract.checks import check_attention_args, check_declared, check_index_args, check_topk_accepted
-from mm3.contract.errors import BackendUnavailableError, InputError, PluginError
+from mm3.contract.errors import BackendUnavailableError, InputError, MM3Error, PluginError
 from mm3.contract.hookspecs import Op
 
-from mm3.runtime.discovery import PluginSource, call_hookimpl
+from mm3.runtime.discovery import PluginSource, call_hookimpl, exc_line
 
 if TYPE_CHECKING:
     import pluggy
@@ -136,10 +136,11 @@ class Backend:
             return TopkBuffer.allocate(num_tokens, num_heads, topk,
                                        layout=self.capabilities.topk_layout, device=dev)
         try:
-            buf = call_hookimpl(fn, num_tokens=num_tokens, num_heads=num_heads, topk=topk, device=dev)
+            buf = self._call("alloc_topk_buffer", fn, num_tokens=num_tokens, num_heads=num_heads, topk=topk,
+                             device=dev)
         except InputError as e:  # e.g. a TopkBuffer whose memory contradicts its label
             raise PluginError(f"backend {self.name!r} ({self.source}): alloc_topk_buffer built an invalid "
-                              f"top-k buffer: {e}") from e
+                              f"top-k buffer: {e.__cause__ or e}") from e
         if not isinstance(buf, TopkBuffer):
             raise PluginError(
                 f"backend {self.name!r} ({self.source}): alloc_topk_buffer returned "
@@ -172,7 +173,7 @@ class Backend:
         fn = self._op(Op.INDEX_TOPK)
         check_index_args(self._where[Op.INDEX_TOPK], index_q, caches, batch, params, out)
         self._check_declared(Op.INDEX_TOPK, index_q.dtype, caches, batch, params, out)
-        call_hookimpl(fn, index_q=index_q, caches=caches, batch=batch, params=params, out=out)
+        self._call(Op.INDEX_TOPK.hook, fn, index_q=index_q, caches=caches, batch=batch, params=params, out=out)
 
     def attention_forward(self, q: "torch.Tensor", caches: "PagedKVCache", topk: TopkBuffer,
                           batch: "BatchMetadata", params: "SparseAttentionParams",
@@ -181,7 +182,33 @@ class Backend:
         fn = self._op(Op.ATTENTION)
         check_attention_args(self._where[Op.ATTENTION], q, caches, topk, batch, params, out)
         self._check_declared(Op.ATTENTION, q.dtype, caches, batch, params, topk)
-        call_hookimpl(fn, q=q, caches=caches, topk=topk, batch=batch, params=params, out=out)
+        self._call(Op.ATTENTION.hook, fn, q=q, caches=caches, topk=topk, batch=batch, params=params, out=out)
+
+    def _call(self, hook: str, fn: "pluggy.HookImpl", **kwargs: Any) -> Any:
+        """The plugin's ``hook``; what it raises names this backend and the hook (docs/errors.md §6).
+
+        An mm3 error keeps its class (an ``InputError`` stays one) and gains a ``"name.hook: "``
+        prefix unless its message names both already; running out of memory keeps its class and
+        gains a note (engines catch it to shrink the step); anything else becomes a
+        :class:`PluginError` raised from it. Either way the exception carries ``backend`` and
+        ``hook`` attributes.
+        """
+        try:
+            return call_hookimpl(fn, **kwargs)
+        except MM3Error as e:
+            if self.name in str(e) and hook in str(e):
+                raise _named(e, self.name, hook)
+            named = type(e)(f"{self.name}.{hook}: {e}")
+            named.__dict__.update(e.__dict__)
+            raise _named(named, self.name, hook) from e
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            _note(e, f"raised by backend {self.name!r} ({self.source}) in {hook}")
+            raise
+        except Exception as e:
+            raise _named(PluginError(
+                f"backend {self.name!r} ({self.source}) failed in {hook}: {exc_line(e)}. The step has no "
+                f"result; its rows of the top-k buffer and of out are undefined until the next step "
+                f"rewrites them (the layer stays usable)"), self.name, hook) from e
 
     def _check_declared(self, op: Op, dtype: "torch.dtype", caches: "PagedKVCache", batch: "BatchMetadata",
                         params: "SparseAttentionParams", topk: TopkBuffer) -> None:
@@ -200,3 +227,17 @@ class Backend:
         return (f"Backend({c.name!r}, priority={c.priority}, ops={sorted(c.ops)}, "
                 f"topk_layout={c.topk_layout!r}, source={self.source!s})")
 
+
+
+def _named(exc: MM3Error, backend: str, hook: str) -> MM3Error:
+    """``exc`` with the ``backend`` and ``hook`` attributes a :class:`~mm3.ContractViolation` has too."""
+    exc.backend = backend  # type: ignore[attr-defined]
+    exc.hook = hook  # type: ignore[attr-defined]
+    return exc
+
+
+def _note(exc: BaseException, note: str) -> None:
+    """Add a note to ``exc`` (shown under its traceback); Python 3.10 has no notes, so nothing there."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)

@@ -8,7 +8,10 @@ importing mm3 never imports a backend) and can inject one fault:
 ==================  ====================================================================
 ``fault``           what happens
 ==================  ====================================================================
-``"raise"``         ``index_topk`` / ``attention_forward`` raise :class:`MockFault`
+``"raise"``         ``index_topk`` / ``attention_forward`` fail half-way: they write
+                    :data:`GARBAGE` into the first half of their step's rows (top-k ids,
+                    or outputs), then raise :class:`MockFault`
+``"no_write"``      ``index_topk`` / ``attention_forward`` return without writing anything
 ``"wrong_layout"``  vLLM's bug: ``alloc_topk_buffer`` wraps storage of the *other* layout
                     in a buffer labelled with the declared one, and ``index_topk`` writes
                     like a raw-pointer kernel that assumes a dense buffer in the declared
@@ -48,10 +51,13 @@ from mm3.contract.errors import InputError, UnknownBackendError
 from mm3.contract.hookspecs import hookimpl
 from mm3.contract.params import SparseAttentionParams
 
-__all__ = ["MockBackend", "MockFault", "Call", "Fault", "FAULTS"]
+__all__ = ["MockBackend", "MockFault", "Call", "Fault", "FAULTS", "GARBAGE"]
 
-Fault = Literal["raise", "wrong_layout", "out_of_range", "write_past_rows", "nan_output"]
+Fault = Literal["raise", "no_write", "wrong_layout", "out_of_range", "write_past_rows", "nan_output"]
 FAULTS: tuple[str, ...] = get_args(Fault)
+
+GARBAGE = 12345
+"""What ``fault="raise"`` leaves in the rows it wrote before raising (as an id, or as an output value)."""
 
 _DEFAULT_CAPABILITIES: dict[str, Any] = dict(
     ops=frozenset({"index_topk", "attention"}),
@@ -198,10 +204,10 @@ class MockBackend:
     def index_topk(self, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
                    params: SparseAttentionParams, out: TopkBuffer) -> None:
         self._record("index_topk", index_q=index_q, caches=caches, batch=batch, params=params, out=out)
-        if self.fault == "raise":
-            raise MockFault(f"mock backend {self.capabilities.name!r}: injected fault in index_topk")
-        need = self._for_delegate(out)
         T = batch.num_tokens
+        if self._faulted("index_topk", out.head_major()[:, : (T + 1) // 2]):
+            return
+        need = self._for_delegate(out)
         if self.fault == "wrong_layout" or need is not None:
             scratch = TopkBuffer.allocate(T, out.num_heads, out.topk, need or out.layout, out.device)
             self.resolve_delegate().index_topk(index_q, caches, batch, params, scratch)  # type: ignore[attr-defined]
@@ -220,6 +226,13 @@ class MockBackend:
             for full in self.allocated:
                 if _same_memory(full.storage, out.storage) and full.num_tokens > T:
                     full.head_major()[:, T:] = 0
+
+    def _faulted(self, hook: str, first_half: torch.Tensor) -> bool:
+        """Inject ``"raise"`` (write :data:`GARBAGE` into ``first_half``, raise) or ``"no_write"`` (True)."""
+        if self.fault == "raise":
+            first_half.fill_(GARBAGE)
+            raise MockFault(f"mock backend {self.capabilities.name!r}: injected fault in {hook}")
+        return self.fault == "no_write"
 
     @staticmethod
     def _write_as_dense(src: TopkBuffer, out: TopkBuffer, layout: str) -> None:
@@ -240,8 +253,8 @@ class MockBackend:
                           out: torch.Tensor) -> None:
         self._record("attention_forward", q=q, caches=caches, topk=topk, batch=batch, params=params,
                      out=out)
-        if self.fault == "raise":
-            raise MockFault(f"mock backend {self.capabilities.name!r}: injected fault in attention_forward")
+        if self._faulted("attention_forward", out[: (batch.num_tokens + 1) // 2]):
+            return
         need = self._for_delegate(topk)
         if need is not None:
             topk = topk.to_layout(need)
