@@ -21,3 +21,18 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # SparseAttention; production keeps it off (the default). Tests that need the
 # default clear MM3_* variables themselves.
 os.environ.setdefault("MM3_CHECK_CONTRACTS", "1")
+
+# The Triton plugins' names as test parameters: such a test runs the kernels, through the
+# interpreter when there is no GPU.
+TRITON_PLUGINS = {"cuda", "rocm"}
+
+
+def pytest_collection_modifyitems(items):  # type: ignore[no-untyped-def]
+    """Mark ``interpreter`` every test parametrized with a Triton plugin (``backend="cuda"``, a
+    ``cuda->rocm`` pair...), so ``-m "not interpreter"`` is the quick subset README promises."""
+    import pytest
+
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if any(isinstance(v, str) and v in TRITON_PLUGINS for v in params.values()):
+            item.add_marker(pytest.mark.interpreter)

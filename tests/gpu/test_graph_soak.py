@@ -237,6 +237,7 @@ def test_graph_replays_equal_eager(case: str, backend: str, guard: bool, rocm_al
              replay_plus_eager_ms=f"{1e3 * run.seconds / run.replays:.2f}")
 
 
+@pytest.mark.interpreter
 def test_graph_harness_smoke_on_cpu() -> None:
     """The same harness, without capture, on the interpreted cuda plugin: replays via update_ stay exact."""
     if os.environ.get("TRITON_INTERPRET") != "1":
