@@ -1,8 +1,8 @@
 """Launch-configuration variants of the ``cuda`` plugin, timed side by side with the default.
 
 A variant is the ``cuda`` plugin's hooks rebuilt (``make_hookimpls``) with some
-:class:`LaunchConfig` fields overridden, so one run measures the current
-kernels and candidate changes on the same inputs, each checked against the
+:class:`LaunchConfig` fields overridden (``override``: a dict per config group),
+so one run measures the current kernels and candidate changes on the same inputs, each checked against the
 reference first. ``mm3 bench --variants att3,sort`` (or ``ALL``).
 
 This module imports a backend on purpose: it is benchmark code, never loaded by
@@ -21,52 +21,56 @@ from mm3_backends.triton.prefill_config import PrefillAttentionConfig
 __all__ = ["VARIANTS", "VariantBackend", "make_variants"]
 
 #: the session-1 values of the fields added in session 2, so v0-v2 keep meaning what they timed
-_SESSION1 = dict(decode_attention_flat=False, decode_attention_warps=8, decode_attention_stages=2,
-                 index_fp8_as_f16=False, index_nan_in_max=False, attention_block_n=64, pdl=False,
-                 prefill_attention=None)
+_SESSION1 = dict(decode_attention=dict(warps=8, stages=2, block_n=64), prefill_attention=None,
+                 numerics=dict(fp8_as_f16=False, nan_in_max=False))
+_SESSION1_ALGO = dict(decode_attention_flat=False, pdl=False)
+#: the indexer and token-tile sizes of version 1 (NOTES.md)
+_V1_SIZES = dict(decode_index=dict(block_n=64, programs_factor=1, min_blocks=4),
+                 prefill_index=dict(block_n=64), prefill_tiles=dict(rows=64))
 
-#: name -> (LaunchConfig overrides, step kinds it changes)
+#: name -> (``override`` arguments of the LaunchConfig, step kinds it changes)
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # the kernels as they were before the tuning of issue 4 (the "before" of every ratio)
-    "v0": (dict(_SESSION1, decode_attention_branchless=False, decode_attention_programs_factor=1, topk_sort=False,
-                prefill_index_chunk=0, prefill_index_rows=64, index_block_n=64, prefill_index_block_n=64,
-                decode_index_programs_factor=1, decode_index_min_blocks=4, merge_per_row=False,
-                prefill_attention_rows=64), ("decode", "prefill")),
+    "v0": (dict(_SESSION1, decode_attention=dict(_SESSION1["decode_attention"], programs_factor=1),
+                algorithms=dict(_SESSION1_ALGO, decode_attention_branchless=False, topk_sort=False,
+                                merge_per_row=False),
+                decode_index=dict(_V1_SIZES["decode_index"]), prefill_index=dict(rows=64, block_n=64, chunk=0),
+                prefill_tiles=dict(rows=64)), ("decode", "prefill")),
     # the defaults after the first sweep (NOTES.md, version 1)
-    "v1": (dict(_SESSION1, index_block_n=64, prefill_index_block_n=64, decode_index_programs_factor=1,
-                decode_index_min_blocks=4, merge_per_row=False, prefill_attention_rows=64), ("decode", "prefill")),
+    "v1": (dict(_SESSION1, **_V1_SIZES, algorithms=dict(_SESSION1_ALGO, merge_per_row=False)),
+           ("decode", "prefill")),
     # the defaults session 1 ended with (version 2)
-    "v2": (dict(_SESSION1, prefill_index_block_n=128), ("decode", "prefill")),
+    "v2": (dict(_SESSION1, algorithms=_SESSION1_ALGO, prefill_index=dict(block_n=128)), ("decode", "prefill")),
     # candidates
-    "mrow": (dict(merge_per_row=True), ("decode",)),
-    "nomrow": (dict(merge_per_row=False), ("decode",)),
-    "idxf4": (dict(decode_index_programs_factor=4), ("decode",)),
-    "att4w": (dict(decode_attention_warps=4), ("decode",)),
-    "keysA": (dict(index_keys_as_a=True), ("decode",)),
-    "union": (dict(prefill_attention_union=True), ("prefill",)),
-    "arow64": (dict(prefill_attention_rows=64), ("prefill",)),
-    "arow16u": (dict(prefill_attention_rows=16, prefill_attention_union=True), ("prefill",)),
+    "mrow": (dict(algorithms=dict(merge_per_row=True)), ("decode",)),
+    "nomrow": (dict(algorithms=dict(merge_per_row=False)), ("decode",)),
+    "idxf4": (dict(decode_index=dict(programs_factor=4)), ("decode",)),
+    "att4w": (dict(decode_attention=dict(warps=4)), ("decode",)),
+    "keysA": (dict(algorithms=dict(index_keys_as_a=True)), ("decode",)),
+    "union": (dict(algorithms=dict(prefill_attention_union=True)), ("prefill",)),
+    "arow64": (dict(prefill_tiles=dict(rows=64)), ("prefill",)),
+    "arow16u": (dict(prefill_tiles=dict(rows=16), algorithms=dict(prefill_attention_union=True)), ("prefill",)),
     # session 2, sweep 4: around the persistent decode attention (defaults since sweep 3)
-    "fs2": (dict(decode_attention_stages=2), ("decode",)),
-    "fs4": (dict(decode_attention_stages=4), ("decode",)),
-    "fbn64": (dict(attention_block_n=64), ("decode",)),
-    "fbn32": (dict(attention_block_n=32), ("decode",)),
-    "fps3": (dict(decode_attention_flat_programs_per_sm=3), ("decode",)),
-    "pdl": (dict(pdl=True), ("decode",)),
-    "nopdl": (dict(pdl=False), ("decode",)),
+    "fs2": (dict(decode_attention=dict(stages=2)), ("decode",)),
+    "fs4": (dict(decode_attention=dict(stages=4)), ("decode",)),
+    "fbn64": (dict(decode_attention=dict(block_n=64)), ("decode",)),
+    "fbn32": (dict(decode_attention=dict(block_n=32)), ("decode",)),
+    "fps3": (dict(decode_attention=dict(flat_programs_per_sm=3)), ("decode",)),
+    "pdl": (dict(algorithms=dict(pdl=True)), ("decode",)),
+    "nopdl": (dict(algorithms=dict(pdl=False)), ("decode",)),
     # session 2, last run: the fp8 decode indexer (84% of copy)
-    "iw8": (dict(decode_index_warps=8), ("decode",)),
-    "ibn64": (dict(index_block_n=64), ("decode",)),
-    "if1": (dict(decode_index_programs_factor=1), ("decode",)),
+    "iw8": (dict(decode_index=dict(warps=8)), ("decode",)),
+    "ibn64": (dict(decode_index=dict(block_n=64)), ("decode",)),
+    "if1": (dict(decode_index=dict(programs_factor=1)), ("decode",)),
     # prefill
-    "pabn32": (dict(prefill_attention_block_n=32), ("prefill",)),
-    "pch64": (dict(prefill_index_chunk=64), ("prefill",)),
+    "pabn32": (dict(prefill_tiles=dict(block_n=32)), ("prefill",)),
+    "pch64": (dict(prefill_index=dict(chunk=64)), ("prefill",)),
     # issue 13: the token-tile prefill attention (the rocm plugin's path) beside the block-grouped
     # kernel; the latter with 128-key steps (0.97-0.98x on the H200, NOTES.md)
     "tiles": (dict(prefill_attention=None), ("prefill",)),
     "pbn128": (dict(prefill_attention=PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=2,
                                                               run_tiles=0, block_n=128)), ("prefill",)),
-    "prow256": (dict(prefill_index_rows=256, prefill_index_block_n=32), ("prefill",)),
+    "prow256": (dict(prefill_index=dict(rows=256, block_n=32)), ("prefill",)),
     # issue 13, session 4: the default before runs of tiles (one 8-warp program per SM, one
     # 128-row tile per loop step, K/V per tile); runs of 16 tiles
     "grp3": (dict(prefill_attention=PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=2,
@@ -80,12 +84,13 @@ class VariantBackend:
 
     def __init__(self, name: str, overrides: dict[str, Any], kinds: tuple[str, ...]) -> None:
         from mm3_backends.cuda.plugin import PLATFORM
+        from mm3_backends.triton.launch import override
         from mm3_backends.triton.plugin_factory import make_hookimpls
 
         self.name = f"cuda[{name}]"
         self.kinds = kinds
         self.overrides = overrides
-        self._hooks = make_hookimpls(replace(PLATFORM, launch=replace(PLATFORM.launch, **overrides)))
+        self._hooks = make_hookimpls(replace(PLATFORM, launch=override(PLATFORM.launch, **overrides)))
         self.index_topk = self._hooks.index_topk
         self.attention_forward = self._hooks.attention_forward
 

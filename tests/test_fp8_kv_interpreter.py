@@ -13,14 +13,13 @@ bf16 arithmetic is wrong, so bf16 runs on the GPU (tests/gpu).
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-
 import pytest
 import torch
 
 from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import make_case
 from mm3.testing.oracle import oracle_attention, oracle_topk
+from mm3_backends.triton.launch import override
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -37,10 +36,10 @@ def _configs() -> dict[str, object]:
 
     return {
         "persistent_decode+block_grouped_prefill": base,
-        "grid_decode+token_tile_prefill": replace(base, decode_attention_flat=False, prefill_attention=None),
-        "branching_decode+union_prefill": replace(base, decode_attention_flat=False,
-                                                  decode_attention_branchless=False, prefill_attention=None,
-                                                  prefill_attention_union=True),
+        "grid_decode+token_tile_prefill": override(base, algorithms=dict(decode_attention_flat=False),
+                                                   prefill_attention=None),
+        "branching_decode+union_prefill": override(base, prefill_attention=None, algorithms=dict(
+            decode_attention_flat=False, decode_attention_branchless=False, prefill_attention_union=True)),
     }
 
 

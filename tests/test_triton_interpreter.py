@@ -30,7 +30,7 @@ from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention, oracle_topk
 from mm3_backends.cuda import plugin as cuda_plugin
 from mm3_backends.rocm import plugin as rocm_plugin
-from mm3_backends.triton.launch import LaunchConfig
+from mm3_backends.triton.launch import override
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -153,8 +153,8 @@ def test_forced_splits_and_merge() -> None:
     """Many context splits in the decode indexer and 4 flash-decoding splits with the LSE merge."""
     from mm3_backends.triton import attention, indexer
 
-    cfg = LaunchConfig(target_programs=64, decode_index_min_blocks=1, decode_index_max_blocks=2,
-                       prefill_index_rows=16, prefill_attention_rows=16, decode_attention_programs_factor=1)
+    cfg = override(cuda_plugin.NVIDIA_LAUNCH, target_programs=64, decode_index=dict(min_blocks=1, max_blocks=2),
+                   prefill_index=dict(rows=16), prefill_tiles=dict(rows=16), decode_attention=dict(programs_factor=1))
     p = _params(2, 2, d=32)
     case = make_case(p, decodes=[150, 61, 33], prefills=[(5, 40), (4, 4)], decode_query_len=2,
                      padding_decodes=1, dtype="float16", index_dtype="float16", seed=21)
@@ -283,34 +283,33 @@ def test_rocm_probe_on_non_rocm_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 # the pre-tuning paths ("legacy") and each opt-in alternative, against the fp64 oracle.
 KERNEL_PATHS = {
     # prefill_attention=None: the token-tile prefill kernel (the rocm plugin's path)
-    "legacy": dict(decode_attention_branchless=False, decode_attention_programs_factor=1, topk_sort=False,
-                   prefill_index_chunk=0, decode_attention_flat=False, index_nan_in_max=False,
-                   prefill_attention=None),
+    "legacy": dict(algorithms=dict(decode_attention_branchless=False, topk_sort=False, decode_attention_flat=False),
+                   decode_attention=dict(programs_factor=1), prefill_index=dict(chunk=0),
+                   numerics=dict(nan_in_max=False), prefill_attention=None),
     "defaults": {},
-    "alternatives": dict(merge_per_row=True, index_keys_as_a=True, prefill_attention_union=True,
-                         decode_attention_flat=False, decode_attention_programs_factor=8,
-                         decode_attention_stages=3, decode_index_programs_factor=4, prefill_index_chunk=16,
-                         prefill_attention=None),
+    "alternatives": dict(algorithms=dict(merge_per_row=True, index_keys_as_a=True, prefill_attention_union=True,
+                                         decode_attention_flat=False),
+                         decode_attention=dict(programs_factor=8, stages=3), decode_index=dict(programs_factor=4),
+                         prefill_index=dict(chunk=16), prefill_attention=None),
     # persistent decode attention (items straddling programs, several splits), NaN-carrying max,
     # deeper indexer pipeline, prefill key tiles of their own size
-    "flat_attention": dict(decode_attention_flat=True, decode_attention_flat_programs_per_sm=2,
-                           target_programs=64, index_nan_in_max=True, decode_index_stages=3,
-                           prefill_index_block_n=16, index_keys_as_a=True),
-    "flat_attention_one_split": dict(decode_attention_flat=True, decode_attention_programs_factor=1,
-                                     decode_attention_flat_programs_per_sm=1, index_nan_in_max=True,
-                                     target_programs=3),
+    "flat_attention": dict(algorithms=dict(decode_attention_flat=True, index_keys_as_a=True),
+                           decode_attention=dict(flat_programs_per_sm=2), target_programs=64,
+                           numerics=dict(nan_in_max=True), decode_index=dict(num_stages=3),
+                           prefill_index=dict(block_n=16)),
+    "flat_attention_one_split": dict(algorithms=dict(decode_attention_flat=True),
+                                     decode_attention=dict(programs_factor=1, flat_programs_per_sm=1),
+                                     numerics=dict(nan_in_max=True), target_programs=3),
 }
 
 
 @pytest.mark.parametrize("path", sorted(KERNEL_PATHS))
 def test_every_kernel_path_against_the_oracle(path: str) -> None:
     """Spec decode, padding, and a prefill long enough that the chunked top-K merges several chunks."""
-    from dataclasses import replace
-
     from mm3_backends.triton import attention, indexer
     from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
 
-    cfg = replace(INTERPRETER_CONFIG, **KERNEL_PATHS[path])
+    cfg = override(INTERPRETER_CONFIG, **KERNEL_PATHS[path])
     p = _params(2, 2, d=32, init_blocks=1)
     case = make_case(p, decodes=[150, 17, 61], prefills=[(24, 700), (5, 5)], decode_query_len=3,
                      padding_decodes=1, dtype="float16", index_dtype="float8_e4m3fn", seed=31)
@@ -335,8 +334,6 @@ def test_fp8_cache_dotted_in_fp16_keeps_extreme_rows() -> None:
     power-of-two scaling works. Only bf16 -> fp32 conversions touch bf16 here, which
     the interpreter computes correctly.
     """
-    from dataclasses import replace
-
     from mm3_backends.triton import indexer
     from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
 
@@ -348,7 +345,7 @@ def test_fp8_cache_dotted_in_fp16_keeps_extreme_rows() -> None:
     index_q = (case.index_q.float().reshape(-1, p.index_head_dim) * scales[rows, None])
     index_q = index_q.reshape(case.index_q.shape).to(torch.bfloat16)
     T = case.batch.num_tokens
-    cfg = replace(INTERPRETER_CONFIG, index_fp8_as_f16=True, index_nan_in_max=True)
+    cfg = override(INTERPRETER_CONFIG, numerics=dict(fp8_as_f16=True, nan_in_max=True))
     for layout in ("token_major", "head_major"):
         buf = TopkBuffer.allocate(T + 2, p.num_kv_heads, p.topk, layout, fill=SENTINEL)
         step = buf.rows(0, T)
@@ -359,7 +356,7 @@ def test_fp8_cache_dotted_in_fp16_keeps_extreme_rows() -> None:
 
 def test_launch_heuristics_follow_their_measured_rules() -> None:
     """The shape-only rules the H200 sweeps chose (BENCHMARKS.md), on an H200-sized config."""
-    cfg = LaunchConfig().for_device_sms(132)
+    cfg = cuda_plugin.NVIDIA_LAUNCH.for_device_sms(132)
     # persistent attention: the fewest splits that give each of the 264 programs an item
     assert cfg.decode_attention_splits(num_tokens=64, num_kv_heads=4, topk=16) == 1
     assert cfg.decode_attention_splits(num_tokens=8, num_kv_heads=4, topk=16) == 8
@@ -444,12 +441,11 @@ def test_bad_page_id_never_reads_outside_the_cache(backend: str) -> None:
 def test_bad_page_id_never_reads_outside_the_cache_on_other_paths(path: str) -> None:
     """The same on the kernels the plugins' default configs do not launch (branching and grid decode
     attention, token-tile prefill attention with and without the union walk, both prefill indexers)."""
-    from dataclasses import replace
     from functools import partial
 
     from mm3_backends.triton import attention, indexer
     from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
 
-    cfg = replace(INTERPRETER_CONFIG, **KERNEL_PATHS[path])
+    cfg = override(INTERPRETER_CONFIG, **KERNEL_PATHS[path])
     _bad_page_run(partial(indexer.index_topk, cfg=cfg), partial(attention.attention_forward, cfg=cfg),
                   "head_major")

@@ -2,15 +2,21 @@
 
 * :mod:`.indexer` - decode and prefill indexers (docs/spec.md §3);
 * :mod:`.attention` - decode (flash-decoding) and prefill block-sparse attention (docs/spec.md §4);
-* :mod:`.launch` - per-platform launch configurations and shape-only grid heuristics;
+* :mod:`.launch` - :class:`LaunchConfig` (groups the configs below) and the shape-only grid heuristics;
+* :mod:`.kernel_configs`, :mod:`.prefill_config` - tile sizes, warps and stages per kernel family;
+* :mod:`.algorithms` - which kernel variants run, and the indexer numerics;
+* :mod:`.interpreter_config` - the launch config under Triton's CPU interpreter (tests);
 * :mod:`.checks` - what the plugins check themselves (device, index query dtype);
 * :mod:`.plugin_factory` - builds a plugin's hooks from a :class:`TritonPlatform`.
+
+No module here knows a platform: each plugin (``backends/cuda``, ``backends/rocm``)
+owns its launch config (``tuning.py``) and says which launch options apply.
 
 Importing this package does not import Triton: the kernel modules load on
 first use, after ``TRITON_INTERPRET`` has had its chance to be set.
 """
 
-from .launch import LaunchConfig
+from .launch import LaunchConfig, override
 from .plugin_factory import TritonPlatform, make_hookimpls
 
-__all__ = ["LaunchConfig", "TritonPlatform", "make_hookimpls"]
+__all__ = ["LaunchConfig", "override", "TritonPlatform", "make_hookimpls"]

@@ -22,7 +22,7 @@ folded in; accumulation is fp32; ``P`` is rounded to V's dtype for the second
     visible blocks once; a block is loaded only if at least one row selected it,
     and then serves every row that did (rows that did not are masked), so
     neighbouring tokens that share blocks share the loads and the tensor-core
-    tiles. With ``LaunchConfig.prefill_attention`` set (the NVIDIA default) the
+    tiles. With ``LaunchConfig.prefill_attention`` set (the cuda plugin's config) the
     prefill tokens go to :mod:`.prefill_attention` instead, which groups the
     step's (token, block) pairs by block.
 
@@ -369,7 +369,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     scales, kv_scaled = kv_scale_args(caches, q)
     sh, st, sk = topk.strides()
     opts = launch_options(cfg)
-    common = dict(B=B, BN=min(B, cfg.attention_block_n), D=D, K=K, K_PAD=next_pow2(K),
+    common = dict(B=B, BN=min(B, cfg.decode_attention.block_n), D=D, K=K, K_PAD=next_pow2(K),
                   DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, KV_SCALED=kv_scaled)
     # the page count bounds every page id the kernels read (tl_utils.load_page)
     tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()), caches.num_pages)
@@ -389,21 +389,22 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
             ws_acc = torch.empty((td, Hkv, splits, g_pad, D), dtype=torch.float32, device=q.device)
         else:  # never touched: the single-split kernel writes the output directly
             ws_m = ws_l = ws_acc = out
-        if cfg.decode_attention_flat:
+        dac = cfg.decode_attention
+        if cfg.algorithms.decode_attention_flat:
             items = td * Hkv * splits
             ipp = cfg.decode_attention_flat_items_per_program(items)
             _decode_attention_flat_kernel[(-(-items // ipp),)](
                 *tensors, batch.token_to_request, batch.token_positions,
                 topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv, items, ipp, qk_scale, *scales,
-                G_PAD=g_pad, SPLITS=splits, KPS=kps, STAGES=cfg.decode_attention_stages, PDL=pdl,
-                **common, num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **dopts)
+                G_PAD=g_pad, SPLITS=splits, KPS=kps, STAGES=dac.stages, PDL=pdl,
+                **common, num_warps=dac.warps, num_stages=dac.num_stages, **dopts)
         else:
             _decode_attention_kernel[(td, Hkv, splits)](
                 *tensors, batch.token_to_request, batch.token_positions,
                 topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, qk_scale, *scales,
-                G_PAD=g_pad, SPLITS=splits, KPS=kps, BRANCHLESS=cfg.decode_attention_branchless,
-                STAGES=cfg.decode_attention_stages, PDL=pdl, **common,
-                num_warps=cfg.decode_attention_warps, num_stages=cfg.num_stages, **dopts)
+                G_PAD=g_pad, SPLITS=splits, KPS=kps, BRANCHLESS=cfg.algorithms.decode_attention_branchless,
+                STAGES=dac.stages, PDL=pdl, **common,
+                num_warps=dac.warps, num_stages=dac.num_stages, **dopts)
         if splits > 1:
             if cfg.use_merge_per_row(td, Hkv):
                 _merge_row_kernel[(td, Hkv, G)](
@@ -413,7 +414,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
                 _merge_kernel[(td, Hkv)](
                     out, *out.stride(), ws_m, ws_l, ws_acc, G,
                     D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), PDL=pdl,
-                    num_warps=cfg.decode_attention_warps, **dopts)
+                    num_warps=dac.warps, **dopts)
 
     if npf > 0 and cfg.prefill_attention is not None:
         from .prefill_attention import prefill_attention_forward  # imports this module's helpers
@@ -422,11 +423,12 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
                                   dot_dtype=dot_dtype, dot_prec=dot_prec, platform_options=opts,
                                   target_programs=cfg.target_programs)
     elif npf > 0:
-        rows = max(cfg.prefill_attention_rows, next_pow2(G), 16)
+        tiles = cfg.prefill_tiles
+        rows = max(tiles.rows, next_pow2(G), 16)
         m = rows // G
-        common["BN"] = min(B, cfg.prefill_attention_block_n)
+        common["BN"] = min(B, tiles.block_n)
         _prefill_attention_kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m), Hkv)](
             *tensors, batch.query_start_loc, batch.token_positions,
             topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale, *scales,
-            ROWS=rows, M=m, UNION=cfg.prefill_attention_union, **common,
-            num_warps=cfg.prefill_attention_warps, num_stages=cfg.num_stages, **opts)
+            ROWS=rows, M=m, UNION=cfg.algorithms.prefill_attention_union, **common,
+            num_warps=tiles.warps, num_stages=tiles.num_stages, **opts)

@@ -321,52 +321,54 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     ik = caches.index
     bt = batch.block_table
     dot_dtype, dot_prec = dot_config(index_q.dtype, ik.dtype)
-    scale_q = cfg.index_fp8_as_f16 and index_q.dtype == torch.bfloat16 and ik.dtype == torch.float8_e4m3fn
+    scale_q = cfg.numerics.fp8_as_f16 and index_q.dtype == torch.bfloat16 and ik.dtype == torch.float8_e4m3fn
     if scale_q:
         dot_dtype = tl.float16
     sh, st, sk = out.strides()
     opts = launch_options(cfg)
     common = dict(B=B, DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, SCALE_Q=scale_q,
-                  NAN_IN_MAX=cfg.index_nan_in_max)
+                  NAN_IN_MAX=cfg.numerics.nan_in_max)
 
     nd = batch.num_decodes
     if nd > 0 and batch.num_decode_tokens > 0:
         Q = batch.decode_query_len
         rows = Q * H
         width = bt.shape[1]
+        dic = cfg.decode_index
         bps = cfg.decode_index_blocks_per_split(nd, width)
         pdl = pdl_enabled(cfg, batch.num_decode_tokens, params.num_kv_heads)
         ws = torch.empty((nd, rows, width), dtype=torch.float32, device=ik.device)
         _decode_score_kernel[(nd, triton.cdiv(width, bps))](
             index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages,
             batch.query_start_loc, batch.token_positions, ws, ws.stride(0), ws.stride(1), H,
-            ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.index_keys_as_a,
-            BN=min(B, cfg.index_block_n), PDL=pdl, **common,
-            num_warps=cfg.decode_index_warps, num_stages=cfg.decode_index_stages or cfg.num_stages,
+            ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.algorithms.index_keys_as_a,
+            BN=min(B, dic.block_n), PDL=pdl, **common,
+            num_warps=dic.warps, num_stages=dic.num_stages,
             **decode_launch_options(cfg, pdl))
-        k_pad = sort_width(K) if cfg.topk_sort else next_pow2(K)
+        k_pad = sort_width(K) if cfg.algorithms.topk_sort else next_pow2(K)
         _decode_topk_kernel[(nd, rows)](
             ws, ws.stride(0), ws.stride(1), batch.query_start_loc, batch.token_positions,
             out.storage, sh, st, sk, H,
             B=B, K=K, K_PAD=k_pad, NB_PAD=max(next_pow2(width), k_pad),
-            INIT=params.init_blocks, LOCAL=params.local_blocks, SORT=cfg.topk_sort, PDL=pdl,
-            num_warps=cfg.topk_warps, **decode_launch_options(cfg, pdl))
+            INIT=params.init_blocks, LOCAL=params.local_blocks, SORT=cfg.algorithms.topk_sort, PDL=pdl,
+            num_warps=dic.topk_warps, **decode_launch_options(cfg, pdl))
 
     npf = batch.num_prefills
     if npf > 0:
-        rows = max(cfg.prefill_index_rows, next_pow2(H), 16)
+        pic = cfg.prefill_index
+        rows = max(pic.rows, next_pow2(H), 16)
         m = rows // H
         extra = {}
         kernel = _prefill_index_kernel
         k_pad = next_pow2(K)
-        if cfg.prefill_index_chunk:
+        if pic.chunk:
             kernel = _prefill_index_chunked_kernel
             k_pad = sort_width(K)
-            extra = dict(CH=max(cfg.prefill_index_chunk, k_pad), KEYS_A=cfg.index_keys_as_a)
+            extra = dict(CH=max(pic.chunk, k_pad), KEYS_A=cfg.algorithms.index_keys_as_a)
         kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m))](
             index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages,
             batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd,
             ROWS=rows, M=m, K=K, K_PAD=k_pad,
-            INIT=params.init_blocks, LOCAL=params.local_blocks, BN=min(B, cfg.prefill_index_block_n),
+            INIT=params.init_blocks, LOCAL=params.local_blocks, BN=min(B, pic.block_n),
             **common, **extra,
-            num_warps=cfg.prefill_index_warps, num_stages=cfg.num_stages, **opts)
+            num_warps=pic.warps, num_stages=pic.num_stages, **opts)

@@ -2,7 +2,7 @@
 
 The ``cuda`` and ``rocm`` plugins run the same kernels; they differ in their
 capabilities (name, top-k layout), their probe (which platform they accept)
-and their launch configuration. Each plugin module is therefore a
+and their launch configuration, which each plugin owns; nothing here knows a platform. Each plugin module is therefore a
 :class:`TritonPlatform` plus one line that binds the hooks this factory returns::
 
     (backend_capabilities, backend_probe, alloc_topk_buffer,
@@ -27,8 +27,8 @@ from mm3.contract import BackendCapabilities, KVCacheLayout, Probe, TopkLayout
 from mm3.contract import hookimpl
 from mm3.contract import MINIMAX_M3_MAX_DECODE_QUERY_LEN
 
+from .interpreter_config import INTERPRETER_CONFIG
 from .launch import LaunchConfig
-from .prefill_config import PrefillAttentionConfig
 
 if TYPE_CHECKING:
     from mm3.contract import BatchMetadata
@@ -40,13 +40,6 @@ __all__ = ["TritonPlatform", "TritonHooks", "make_hookimpls", "triton_missing", 
 
 #: head dims, index head dims and block sizes the kernels tile (powers of two >= 16)
 SUPPORTED_TILE_SIZES = frozenset({16, 32, 64, 128, 256})
-
-#: launch sizes under the interpreter: few programs (each is simulated in Python),
-#: but more than one split so the flash-decoding merge runs in CI too
-INTERPRETER_CONFIG = LaunchConfig(target_programs=8, decode_index_min_blocks=1,
-                                  prefill_index_rows=32, prefill_attention_rows=32,
-                                  index_block_n=16, attention_block_n=16,
-                                  prefill_attention=PrefillAttentionConfig(rows=32, block_n=16))
 
 
 def triton_missing() -> str:
@@ -92,6 +85,8 @@ class TritonPlatform:
 
     ``platform_check()`` answers for a GPU device: ``(problem, note)``; a non-empty
     problem makes the probe say no with it, else the note is the probe's reason.
+    ``native()`` says whether the running PyTorch is this platform's build; when it
+    is not (a test-only override), the kernels launch with ``launch.portable()``.
     """
 
     name: str
@@ -99,6 +94,7 @@ class TritonPlatform:
     topk_layout: TopkLayout
     platform_check: Callable[[], tuple[str, str]]
     launch: LaunchConfig
+    native: Callable[[], bool]
     priority: int = 100
     kv_cache_layout: KVCacheLayout = "NHD"
     max_decode_query_len: int = MINIMAX_M3_MAX_DECODE_QUERY_LEN
@@ -148,7 +144,7 @@ class TritonPlatform:
         if device.type != "cuda" or _interpreter_on():
             return INTERPRETER_CONFIG
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return _sized_config(self.launch, index)
+        return _sized_config(self.launch if self.native() else self.launch.portable(), index)
 
 
 @functools.lru_cache(maxsize=None)

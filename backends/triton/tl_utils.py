@@ -1,8 +1,11 @@
-"""Small helpers shared by the kernels and their launchers (dtype choices, platform options, page loads)."""
+"""Small helpers shared by the kernels and their launchers (dtype choices, launch options, page loads).
+
+Nothing here asks which GPU vendor runs: the options come from the plugin's
+:class:`LaunchConfig` (see :meth:`LaunchConfig.portable`).
+"""
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
@@ -50,24 +53,14 @@ def dot_config(a: torch.dtype, b: torch.dtype) -> tuple[Any, str]:
     return tl.float32, "ieee"
 
 
-@functools.lru_cache(maxsize=None)
-def _active_backend() -> str:
-    if interpreting():
-        return "interpreter"
-    try:
-        return triton.runtime.driver.active.get_current_target().backend
-    except Exception:  # no driver at all: options are never used then
-        return "unknown"
-
-
 def pdl_enabled(cfg: LaunchConfig, num_tokens: int, num_kv_heads: int) -> bool:
     """Whether this step's decode kernels launch with programmatic dependent launch.
 
-    :meth:`LaunchConfig.use_pdl` decides; only on NVIDIA with a Triton that has
-    the grid-dependency instructions, never under the interpreter.
+    :meth:`LaunchConfig.use_pdl` decides (the plugins turn it off where the GPU has no
+    PDL); only with a Triton that has the grid-dependency instructions, never under
+    the interpreter, which has none.
     """
-    return (_gdc_wait is not None and _active_backend() == "cuda"
-            and cfg.use_pdl(num_tokens, num_kv_heads))
+    return _gdc_wait is not None and not interpreting() and cfg.use_pdl(num_tokens, num_kv_heads)
 
 
 @triton.jit
@@ -81,15 +74,12 @@ def pdl_prologue(PDL: tl.constexpr):
 
 
 def launch_options(cfg: LaunchConfig) -> dict[str, Any]:
-    """The config's platform-only launch options, when the active Triton backend is that platform.
+    """The config's extra launch options; none under the interpreter, which takes no GPU options.
 
-    AMD options such as ``waves_per_eu`` are rejected by the NVIDIA backend,
-    so the ROCm plugin running on an NVIDIA GPU (test-only override) or under
-    the interpreter launches without them.
+    The plugin passes only options its GPU accepts (``LaunchConfig.portable``
+    drops AMD's ``waves_per_eu`` for the rocm plugin's test-only run on NVIDIA).
     """
-    if cfg.platform_launch_options and _active_backend() == "hip":
-        return dict(cfg.platform_launch_options)
-    return {}
+    return {} if interpreting() else dict(cfg.launch_options)
 
 
 def decode_launch_options(cfg: LaunchConfig, pdl: bool) -> dict[str, Any]:

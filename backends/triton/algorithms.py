@@ -1,0 +1,54 @@
+"""Which variant of each kernel runs, and the indexer's numerics: choices, not tile sizes.
+
+Grouped by :class:`.launch.LaunchConfig` beside the per-kernel tile configs
+(:mod:`.kernel_configs`); each platform plugin states all of them, since a
+variant proven on one vendor's GPUs may not have run on the other's.
+
+Example:
+    >>> IndexerNumerics(fp8_as_f16=True, nan_in_max=True).fp8_as_f16
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["Algorithms", "IndexerNumerics"]
+
+
+@dataclass(frozen=True)
+class Algorithms:
+    """Kernel variant switches (``None``: decided per step by a shape rule of ``LaunchConfig``)."""
+
+    #: persistent decode attention: each program walks a run of (token, KV head, split) items as one
+    #: pipelined loop; False = one program per (token, KV head, split)
+    decode_attention_flat: bool
+    #: (grid kernel) masked loads instead of a data-dependent branch, so the next block's page, K
+    #: and V loads can be in flight
+    decode_attention_branchless: bool
+    #: flash-decoding merge with one program per (token, query head) instead of per KV head;
+    #: None = when the per-KV-head grid is small (``LaunchConfig.use_merge_per_row``)
+    merge_per_row: Optional[bool]
+    #: decode top-k by one bitonic ``tl.topk`` over packed (score, id) keys instead of K arg-max rounds
+    topk_sort: bool
+    #: indexer dots as ``keys @ q^T`` (keys are the register operand): an fp8 key tile is widened
+    #: in registers and feeds the tensor cores without a shared-memory round trip
+    index_keys_as_a: bool
+    #: (token-tile prefill attention) visit only the union of the tile's selected blocks instead
+    #: of scanning every visible block for members
+    prefill_attention_union: bool
+    #: programmatic dependent launch of the decode kernels (NVIDIA Hopper+): each launch overlaps
+    #: the previous kernel's run; None = small grids only (``LaunchConfig.use_pdl``)
+    pdl: Optional[bool]
+
+
+@dataclass(frozen=True)
+class IndexerNumerics:
+    """How the indexers compute their scores."""
+
+    #: bf16 index queries against an fp8 cache: dot in fp16 (queries scaled per row by a power of
+    #: two) instead of bf16, because e4m3 -> fp16 is one native conversion
+    fp8_as_f16: bool
+    #: carry NaN scores through the block max (one row reduction instead of two)
+    nan_in_max: bool

@@ -1,0 +1,82 @@
+"""Tile sizes, warps and pipelining depths of each Triton kernel family but the block-grouped prefill attention.
+
+One frozen dataclass per family, grouped by :class:`.launch.LaunchConfig`;
+:class:`.prefill_config.PrefillAttentionConfig` is the fifth. No field has a
+default: each platform plugin (``backends/cuda``, ``backends/rocm``) states
+every value it launches with, so no platform inherits another's tuning.
+``num_stages`` is Triton's software-pipelining option of the launch;
+``stages`` (decode attention) is the kernel's own pipelined loop depth.
+
+Example:
+    >>> DecodeIndexConfig(min_blocks=1, max_blocks=128, warps=4, topk_warps=4, programs_factor=2,
+    ...                   block_n=128, num_stages=2).block_n
+    128
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DecodeIndexConfig", "PrefillIndexConfig", "DecodeAttentionConfig", "TokenTileAttentionConfig"]
+
+
+@dataclass(frozen=True)
+class DecodeIndexConfig:
+    """The decode indexer: a score kernel (one program scores a run of blocks of one request
+    for all its rows) and a top-k kernel over each row's block scores."""
+
+    #: blocks one score program takes at least / at most (rounded to a power of two)
+    min_blocks: int
+    max_blocks: int
+    warps: int
+    #: warps of the top-k kernel
+    topk_warps: int
+    #: score programs are sized for ``target_programs * programs_factor``
+    programs_factor: int
+    #: keys per inner tile (a divisor of the block size, >= 16): bounds registers
+    block_n: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class PrefillIndexConfig:
+    """The prefill indexer: a tile holds ``rows`` = tokens x index heads."""
+
+    rows: int
+    warps: int
+    #: keys per inner tile (its tiles hold many rows, so it wants fewer keys than the decode one)
+    block_n: int
+    #: 0 = running top-K updated per block; n = packed-key top-K merged every n blocks
+    #: (a power of two >= topk)
+    chunk: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """Decode attention (all query heads of a KV group in one tile, split over the selected
+    blocks) and its flash-decoding merge, which launches with the same warps."""
+
+    warps: int
+    max_splits: int
+    #: depth of the kernel's own pipelined loop over a split's blocks
+    stages: int
+    num_stages: int
+    #: (grid kernel) splits are sized for ``target_programs * programs_factor`` programs
+    programs_factor: int
+    #: (persistent kernel) programs per multiprocessor; ``target_programs`` is two per SM
+    flat_programs_per_sm: int
+    #: keys per inner tile
+    block_n: int
+
+
+@dataclass(frozen=True)
+class TokenTileAttentionConfig:
+    """The token-tile prefill attention (used when ``LaunchConfig.prefill_attention`` is None):
+    a tile holds ``rows`` = tokens x the query heads of one KV group."""
+
+    rows: int
+    warps: int
+    #: keys per inner tile (register pressure of its many-row tiles)
+    block_n: int
+    num_stages: int
