@@ -21,6 +21,8 @@ EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "examples" / "third_party_ba
 MODULES = [
     "mm3_backends.cpu_ref.plugin", "mm3_backends.cpu_ref.indexer", "mm3_backends.cpu_ref.attention",
     "mm3_backends.cuda.plugin", "mm3_backends.rocm.plugin", "mm3_backends.triton.launch",
+    "mm3_backends.triton.kernel_configs", "mm3_backends.triton.algorithms", "mm3_backends.cuda.tuning",
+    "mm3_backends.rocm.tuning",
     "mm3_benchmarks.counts", "mm3_benchmarks.inputs", "mm3_benchmarks.peers", "mm3_benchmarks.timing",
     "mm3_sdpa_sparse", "mm3_sdpa_sparse.plugin", "mm3_sdpa_sparse.attention",
 ]
