@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 cap() { local s=$1; shift; timeout "$s" "$@"; echo "[exit $? after cap ${s}s] $*"; }
 
-cap 380 python3 -m pytest tests/gpu -q -x -p no:cacheprovider --durations=25 > "$OUT/gpu_tests.txt" 2>&1 &
+cap 380 python3 -m pytest tests/gpu -q -n 4 -p no:cacheprovider --durations=25 > "$OUT/gpu_tests.txt" 2>&1 &
 cap 200 python3 -m mm3_benchmarks.soak --device cuda --backend cuda --steps 10000 --budget-s 170 \
     > "$OUT/soak.txt" 2>&1 &
 cap 150 python3 examples/engine_loop.py --device cuda > "$OUT/engine_loop.txt" 2>&1 &
