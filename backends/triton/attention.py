@@ -63,7 +63,13 @@ def _softmax_update(q, keys, vals, row_mask, key_pos, pos, m_i, l_i, acc, qk_sca
     """One online-softmax step (base 2, scale folded in) over a tile of keys at positions ``key_pos``."""
     s = tl.dot(q, tl.trans(keys), input_precision=DOT_PREC) * qk_scale
     visible = row_mask[:, None] & (key_pos[None, :] <= pos[:, None])
-    s = tl.where(visible, s, float("-inf"))
+    return online_softmax_step(tl.where(visible, s, float("-inf")), vals, m_i, l_i, acc, DOT_DTYPE, DOT_PREC)
+
+
+@triton.jit
+def online_softmax_step(s, vals, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Fold one tile of base-2 logits ``s`` (``-inf`` where a key is not visible) and its values
+    into the running maximum ``m_i``, sum ``l_i`` and unnormalised output ``acc``."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # rows with nothing visible so far keep m = -inf; shift by 0 there to avoid inf - inf
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -43,7 +43,7 @@ from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.params import SparseAttentionParams
 
-from .attention import _attend_block
+from .attention import _attend_block, online_softmax_step
 from .launch import next_pow2
 from .prefill_config import PrefillAttentionConfig
 from .tiles import load_rows, store_rows
@@ -211,13 +211,7 @@ def _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, B: tl.constexpr, D: tl.con
 def _run_step(q, keys_t, vals, visible, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
     """One online-softmax step (base 2, scale folded in) over keys given as K^T."""
     s = tl.where(visible, tl.dot(q, keys_t, input_precision=DOT_PREC) * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
-    return m_new, l_i, acc
+    return online_softmax_step(s, vals, m_i, l_i, acc, DOT_DTYPE, DOT_PREC)
 
 
 @triton.jit
