@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -66,3 +68,13 @@ def backends_row(table: str, name: str) -> Optional[list[str]]:
         if cells and cells[0] == name and len(cells) >= 8:
             return cells
     return None
+
+
+def pip_install_into(src: Path, target: Path) -> None:
+    """``pip install`` the project at ``src`` into the folder ``target`` (offline, no dependencies):
+    a plugin installed the way a user's would be, importable by adding ``target`` to the path."""
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--disable-pip-version-check", "--target", str(target), str(src)],
+        capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"pip install of {src} failed:\n{r.stdout}\n{r.stderr}"

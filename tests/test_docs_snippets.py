@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-from plugin_fakes import backends_row, subprocess_env
+from plugin_fakes import backends_row, pip_install_into, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", "docs/plugins.md", "docs/configuration.md", "docs/testing.md", "docs/engines.md"]
@@ -316,9 +316,7 @@ def test_plugin_guide_rename_table_turns_the_example_into_a_new_backend(tmp_path
         assert "sdpa_sparse" not in text.lower().replace("test_sdpa_sparse", ""), f"{path}: an old name survives"
 
     site = tmp_path / "site"
-    r = subprocess.run([*_PIP_INSTALL_OFFLINE, "--target", str(site), str(copy)], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    pip_install_into(copy, site)
     listed = _mm3(["backends", "--device", "cpu"], tmp_path, site)
     new_name, new_dist = renames["torch_sdpa_sparse"], renames["mm3-sdpa-sparse"]
     row = backends_row(listed.stdout, new_name)

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from plugin_fakes import subprocess_env
+from plugin_fakes import pip_install_into, subprocess_env
 
 import mm3.runtime.layer as layer_module
 import mm3_backends.cpu_ref.plugin as cpu_ref
@@ -110,11 +110,7 @@ def reshape_bug_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (src / "pyproject.toml").write_text(PYPROJECT)
     (src / "mm3_reshape_bug.py").write_text(PLUGIN)
     target = root / "site"
-    r = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--disable-pip-version-check", "--target", str(target), str(src)],
-        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"pip install failed:\n{r.stdout}\n{r.stderr}"
+    pip_install_into(src, target)
     shutil.rmtree(src)                      # only the installed copy remains importable
     return target
 

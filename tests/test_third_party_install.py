@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from plugin_fakes import backends_row as _row
-from plugin_fakes import subprocess_env
+from plugin_fakes import pip_install_into, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "third_party_backend"
@@ -42,11 +42,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = root / "src"
     shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     target = root / "site"
-    r = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--disable-pip-version-check", "--target", str(target), str(src)],
-        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"pip install of the example failed:\n{r.stdout}\n{r.stderr}"
+    pip_install_into(src, target)
     assert (target / f"{DIST.replace('-', '_')}-{VERSION}.dist-info").is_dir()
     return target
 
