@@ -5,28 +5,37 @@
 # soak, the engine loop. Phase 2 (timings, one at a time on a quiet GPU): the fp8-K/V
 # and prefill bench rows, the first-step cost, the host overhead. Each part has its
 # own time cap so one slow part cannot starve the others; logs go to $OUT.
-# PHASES="1" or "2" runs one phase only (a full soak needs most of a call by itself:
-# about 10,000 steps in 340 s next to the GPU tests).
+# Knobs (environment):
+#   PHASES="1" or "2"    one phase only (a full soak needs most of a call by itself:
+#                        about 10,000 steps in 340 s next to the GPU tests)
+#   SOAK_BUDGET=170      seconds of soak (0: no soak); TESTS_CAP=380; TESTS="tests/gpu"
+#   BENCH_ONLY, BENCH_VARIANTS, BENCH_BUDGET=80, BENCH_CAP=110: the bench rows and the
+#                        launch-config variants timed beside the defaults (benchmarks/variants.py)
 set -u
 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
 PHASES=${PHASES:-"1 2"}
 SOAK_BUDGET=${SOAK_BUDGET:-170}
-mkdir -p "$OUT"
+TESTS=${TESTS:-tests/gpu}
+BENCH_ONLY=${BENCH_ONLY:-"decode TP1 b(64|1) ctx64K q1|prefill TP1 8K new ctx(0|32K) sel-random"}
+BENCH_VARIANTS=${BENCH_VARIANTS:-""}
 cap() { local s=$1; shift; timeout "$s" "$@"; echo "[exit $? after cap ${s}s] $*"; }
 
 if [[ $PHASES == *1* ]]; then
-cap ${TESTS_CAP:-380} python3 -m pytest tests/gpu -q -n 4 -p no:cacheprovider --durations=25 > "$OUT/gpu_tests.txt" 2>&1 &
+cap ${TESTS_CAP:-380} python3 -m pytest $TESTS -q -n 4 -p no:cacheprovider --durations=25 > "$OUT/gpu_tests.txt" 2>&1 &
+if (( SOAK_BUDGET > 0 )); then
 cap $((SOAK_BUDGET + 30)) python3 -m mm3_benchmarks.soak --device cuda --backend cuda --steps 10000 --budget-s "$SOAK_BUDGET" \
     > "$OUT/soak.txt" 2>&1 &
 cap 150 python3 examples/engine_loop.py --device cuda > "$OUT/engine_loop.txt" 2>&1 &
+fi
 wait
-tail -4 "$OUT/gpu_tests.txt"; tail -6 "$OUT/soak.txt"; tail -3 "$OUT/engine_loop.txt"
+tail -4 "$OUT/gpu_tests.txt"; tail -6 "$OUT/soak.txt" 2>/dev/null; tail -3 "$OUT/engine_loop.txt" 2>/dev/null
 fi
 [[ $PHASES == *2* ]] || exit 0
 
 {
-  cap 110 python3 -m mm3.cli bench --out "$OUT/b" --max-priority 0 --peers "" --budget-s 80 \
-      --only "decode TP1 b(64|1) ctx64K q1|prefill TP1 8K new ctx(0|32K) sel-random"
+  cap ${BENCH_CAP:-110} python3 -m mm3.cli bench --out "$OUT/b" --max-priority 0 --peers "" \
+      --budget-s ${BENCH_BUDGET:-80} --only "$BENCH_ONLY" ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"}
   cap 45 python3 -m mm3_benchmarks.first_step_cost --device cuda --backend cuda --decodes 64 \
       --context 65536 --prefills 0
   cap 40 python3 benchmarks/host_overhead.py --device cuda --tp 8 --batch 1 --context 4096
