@@ -9,7 +9,7 @@
 #   PHASES="1" or "2"    one phase only (a full soak needs most of a call by itself:
 #                        about 10,000 steps in 340 s next to the GPU tests)
 #   SOAK_BUDGET=170      seconds of soak (0: no soak); TESTS_CAP=380; TESTS="tests/gpu"
-#   BENCH_ONLY, BENCH_VARIANTS, BENCH_BUDGET=80, BENCH_CAP=110: the bench rows and the
+#   BENCH_ONLY, BENCH_VARIANTS, BENCH_PRIORITY=0, BENCH_BUDGET=80, BENCH_CAP=110: the bench rows and the
 #                        launch-config variants timed beside the defaults (benchmarks/variants.py)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -34,7 +34,7 @@ fi
 [[ $PHASES == *2* ]] || exit 0
 
 {
-  cap ${BENCH_CAP:-110} python3 -m mm3.cli bench --out "$OUT/b" --max-priority 0 --peers "" \
+  cap ${BENCH_CAP:-110} python3 -m mm3.cli bench --out "$OUT/b" --max-priority ${BENCH_PRIORITY:-0} --variant-priority ${BENCH_PRIORITY:-0} --peers "" \
       --budget-s ${BENCH_BUDGET:-80} --only "$BENCH_ONLY" ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"}
   cap 45 python3 -m mm3_benchmarks.first_step_cost --device cuda --backend cuda --decodes 64 \
       --context 65536 --prefills 0
