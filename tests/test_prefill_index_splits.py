@@ -39,6 +39,7 @@ def _config(max_splits: int):  # noqa: ANN202 - a LaunchConfig
 def _select(case, p: SparseAttentionParams, max_splits: int, layout: str) -> TopkBuffer:  # noqa: ANN001
     from mm3_backends.triton import indexer
 
+    T = case.batch.num_tokens
     buf = TopkBuffer.allocate(T + 2, p.num_kv_heads, p.topk, layout, fill=SENTINEL)
     indexer.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, T), _config(max_splits))
     assert (buf.head_major()[:, T:] == SENTINEL).all(), "rows past the step were written"
