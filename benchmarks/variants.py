@@ -76,6 +76,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "grp3": (dict(prefill_attention=PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=2,
                                                             run_tiles=0)), ("prefill",)),
     "run16": (dict(prefill_attention=PrefillAttentionConfig(run_tiles=16)), ("prefill",)),
+    # session 5: the prefill indexer without (pis1) / with at most 2 (pis2) context splits per tile
+    "pis1": (dict(prefill_index=dict(max_splits=1)), ("prefill",)),
+    "pis2": (dict(prefill_index=dict(max_splits=2)), ("prefill",)),
 }
 
 

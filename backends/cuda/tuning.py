@@ -24,7 +24,7 @@ NVIDIA_LAUNCH = LaunchConfig(
     decode_index=DecodeIndexConfig(min_blocks=1, max_blocks=128, warps=4, topk_warps=4, programs_factor=2,
                                    block_n=128, num_stages=2),
     # 128-row tiles hold many rows, so 64-key inner tiles; top-K merged every 32 blocks
-    prefill_index=PrefillIndexConfig(rows=128, warps=8, block_n=64, chunk=32, num_stages=2),
+    prefill_index=PrefillIndexConfig(rows=128, warps=8, block_n=64, chunk=32, num_stages=2, max_splits=8),
     # 4 warps: two persistent programs per SM (H200: 80 vs 95 us at TP1 b64 64K); a whole
     # 128-key block per inner tile (1.03-1.08x over 64)
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,

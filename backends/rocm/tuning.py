@@ -25,7 +25,7 @@ AMD_LAUNCH = LaunchConfig(
     target_programs=608, warp_size=64,
     decode_index=DecodeIndexConfig(min_blocks=4, max_blocks=128, warps=2, topk_warps=2, programs_factor=1,
                                    block_n=64, num_stages=1),
-    prefill_index=PrefillIndexConfig(rows=64, warps=4, block_n=64, chunk=32, num_stages=1),
+    prefill_index=PrefillIndexConfig(rows=64, warps=4, block_n=64, chunk=32, num_stages=1, max_splits=1),
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=2, num_stages=1, programs_factor=8,
                                            flat_programs_per_sm=2, block_n=64),
     prefill_attention=None,

@@ -261,27 +261,37 @@ def _prefill_index_kernel(
 def _prefill_index_chunked_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages,
     qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
+    ws_ptr, s_ws_s, s_ws_t, first_token,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, CH: tl.constexpr, KEYS_A: tl.constexpr = False,
-    SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False,
+    SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, SPLITS: tl.constexpr = 1,
 ):
     """Same contract as :func:`_prefill_index_kernel`; the running top-K is kept as packed keys and
     updated once per ``CH`` blocks (one bitonic top-k of the chunk, one of the merge) instead of
-    a dozen row reductions per block. Still no score matrix in memory."""
+    a dozen row reductions per block. Still no score matrix in memory.
+
+    With ``SPLITS > 1`` (grid axis 2) a program takes one of ``SPLITS`` equal ranges of its
+    tile's visible blocks and writes its top-``K_PAD`` packed keys to ``ws[split, token -
+    first_token, head, :]`` (an empty range writes "unavailable" keys) for
+    :func:`_prefill_index_merge_kernel`; packed keys make the merged result exactly the
+    single-pass one, ties included."""
     r = first_request + tl.program_id(0)
     tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H,
                                                       ROWS, M, B)
     if tl.max(row_in.to(tl.int32), axis=0) > 0:
         nb_max = tl.max(nb_row, axis=0)
+        span = tl.cdiv(nb_max, SPLITS)
+        lo = tl.program_id(2) * span
+        hi = tl.minimum(lo + span, nb_max)
         q, row_scale = _index_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
         if KEYS_A:
             q = tl.trans(q)
         cols = tl.arange(0, CH)[None, :]
         best = tl.full([ROWS, K_PAD], -9223372036854775807 - 1, tl.int64)
-        for c0 in tl.range(0, nb_max, CH):
+        for c0 in tl.range(lo, hi, CH):
             chunk = tl.full([ROWS, CH], -9223372036854775807 - 1, tl.int64)
-            for j in tl.range(0, tl.minimum(CH, nb_max - c0)):
+            for j in tl.range(0, tl.minimum(CH, hi - c0)):
                 b = c0 + j
                 page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
                 sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
@@ -293,8 +303,30 @@ def _prefill_index_chunked_kernel(
             both = tl.reshape(tl.join(best, tl.topk(chunk, K_PAD)), [ROWS, 2 * K_PAD])
             best = tl.topk(both, K_PAD)
         slots = tl.arange(0, K_PAD)[None, :]
-        tl.store(out_ptr + hh[:, None] * s_out_h + tok[:, None] * s_out_t + slots * s_out_k,
-                 _unpack_ids(best, 1 << 30), mask=row_in[:, None] & (slots < K))
+        if SPLITS == 1:
+            tl.store(out_ptr + hh[:, None] * s_out_h + tok[:, None] * s_out_t + slots * s_out_k,
+                     _unpack_ids(best, 1 << 30), mask=row_in[:, None] & (slots < K))
+        else:
+            row = (tok - first_token) * H + hh
+            tl.store(ws_ptr + tl.program_id(2) * s_ws_s + row[:, None] * s_ws_t + slots, best,
+                     mask=row_in[:, None])
+
+
+@triton.jit
+def _prefill_index_merge_kernel(ws_ptr, s_ws_s, s_ws_t, out_ptr, s_out_h, s_out_t, s_out_k, H, num_rows,
+                                first_token, R: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                                SPLITS: tl.constexpr):
+    """Top-``K`` of the splits' packed keys for ``R`` (token, index head) rows of the prefill tokens."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    ok = rows < num_rows
+    cand = tl.arange(0, SPLITS * K_PAD)
+    keys = tl.load(ws_ptr + (cand // K_PAD)[None, :] * s_ws_s + rows[:, None] * s_ws_t + (cand % K_PAD)[None, :],
+                   mask=ok[:, None], other=-9223372036854775807 - 1)
+    best = tl.topk(keys, K_PAD)
+    slots = tl.arange(0, K_PAD)[None, :]
+    tok = first_token + rows // H
+    tl.store(out_ptr + (rows % H)[:, None] * s_out_h + tok[:, None] * s_out_t + slots * s_out_k,
+             _unpack_ids(best, 1 << 30), mask=ok[:, None] & (slots < K))
 
 
 def sort_width(k: int) -> int:
@@ -361,14 +393,28 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         extra = {}
         kernel = _prefill_index_kernel
         k_pad = next_pow2(K)
+        tiles = triton.cdiv(batch.max_prefill_query_len, m)
+        splits = 1
         if pic.chunk:
             kernel = _prefill_index_chunked_kernel
             k_pad = sort_width(K)
-            extra = dict(CH=max(pic.chunk, k_pad), KEYS_A=cfg.algorithms.index_keys_as_a)
-        kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m))](
+            splits = cfg.prefill_index_splits(npf * tiles, bt.shape[1])
+            t0, n_rows = batch.num_decode_tokens, batch.num_prefill_tokens * H
+            ws = out.storage if splits == 1 else \
+                torch.empty((splits, n_rows, k_pad), dtype=torch.int64, device=ik.device)
+            extra = dict(CH=max(pic.chunk, k_pad), KEYS_A=cfg.algorithms.index_keys_as_a, SPLITS=splits)
+            extra_args = (ws, ws.stride(0), ws.stride(1) if splits > 1 else 0, t0)
+        else:
+            extra_args = ()
+        kernel[(npf, tiles, splits)](
             index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages,
-            batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd,
+            batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd, *extra_args,
             ROWS=rows, M=m, K=K, K_PAD=k_pad,
             INIT=params.init_blocks, LOCAL=params.local_blocks, BN=min(B, pic.block_n),
             **common, **extra,
             num_warps=pic.warps, num_stages=pic.num_stages, **opts)
+        if splits > 1:
+            r_merge = 16
+            _prefill_index_merge_kernel[(triton.cdiv(n_rows, r_merge),)](
+                ws, ws.stride(0), ws.stride(1), out.storage, sh, st, sk, H, n_rows, t0,
+                R=r_merge, K=K, K_PAD=k_pad, SPLITS=splits, num_warps=4, **opts)

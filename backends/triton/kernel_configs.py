@@ -50,6 +50,10 @@ class PrefillIndexConfig:
     #: (a power of two >= topk)
     chunk: int
     num_stages: int
+    #: most programs one token tile's visible blocks are split over when the tiles alone do not
+    #: fill the device (each split keeps its own top-K, a small kernel merges them; chunked
+    #: kernel only). 1 = never split
+    max_splits: int
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,30 @@ class LaunchConfig:
         per_split = min(max(per_split, idx.min_blocks), idx.max_blocks)
         return next_pow2(per_split)
 
+    def prefill_index_splits(self, num_tiles: int, table_width: int) -> int:
+        """Programs each prefill-indexer token tile is split over (a power of two; 1 = no merge pass).
+
+        Shapes only: with fewer tiles than ``target_programs`` (TP8 has one index
+        head, so an 8K chunk is 64 tiles of 128 tokens on a 132-SM GPU) the tiles'
+        visible blocks are split until the grid fills, but into no more splits than
+        the block table has chunks (``prefill_index.chunk`` blocks each).
+
+        Example:
+            >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
+            >>> cfg = override(NVIDIA_LAUNCH, target_programs=264, prefill_index=dict(max_splits=8))
+            >>> cfg.prefill_index_splits(num_tiles=64, table_width=320), cfg.prefill_index_splits(256, 320)
+            (4, 2)
+            >>> cfg.prefill_index_splits(num_tiles=64, table_width=64)
+            2
+        """
+        pic = self.prefill_index
+        if pic.max_splits <= 1 or not pic.chunk or num_tiles >= self.target_programs:
+            return 1
+        wanted = -(-self.target_programs // max(1, num_tiles))
+        by_width = max(1, -(-table_width // pic.chunk))
+        splits = min(wanted, pic.max_splits, by_width)
+        return 1 << (splits.bit_length() - 1)  # rounded down to a power of two: one bitonic merge
+
     def use_merge_per_row(self, num_tokens: int, num_kv_heads: int) -> bool:
         """Per-row merge when the (token, KV head) grid fills under a quarter of the device.
 

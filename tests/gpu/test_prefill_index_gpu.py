@@ -1,0 +1,57 @@
+"""The prefill indexer with split token tiles on a real GPU at M3 shapes (skipped without CUDA).
+
+The cuda plugin splits each token tile's visible blocks over several programs
+when the tiles do not fill the GPU (TP8: 64 tiles for an 8K chunk). The merged
+selection must equal the single-pass kernel's bit for bit (packed keys order
+ties by block id), on the benchmark's shapes, with random and all-equal scores,
+bf16 and fp8 index caches; and the step's rows outside the prefill stay
+untouched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mm3.contract.buffers import TopkBuffer
+from mm3.contract.params import SparseAttentionParams
+from mm3_backends.cuda import plugin as cuda_plugin
+from mm3_backends.triton import indexer
+from mm3_backends.triton.launch import override
+
+from gpu_reference import build_case
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SENTINEL = -7
+
+
+def _select(case, p: SparseAttentionParams, cfg) -> torch.Tensor:  # noqa: ANN001
+    T = case.batch.num_tokens
+    buf = TopkBuffer.allocate(T + 3, p.num_kv_heads, p.topk, "token_major", device=case.q.device, fill=SENTINEL)
+    indexer.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, T), cfg)
+    torch.cuda.synchronize()
+    assert (buf.head_major()[:, T:] == SENTINEL).all(), "rows past the step were written"
+    return buf.rows(0, T).head_major().clone()
+
+
+@pytest.mark.parametrize("tp, context, index_dtype, ties", [
+    (8, 32768, torch.bfloat16, False), (8, 0, torch.bfloat16, False), (8, 32768, torch.float8_e4m3fn, False),
+    (8, 4096, torch.bfloat16, True), (1, 32768, torch.bfloat16, False)])
+def test_split_prefill_index_equals_single_pass(tp: int, context: int, index_dtype: torch.dtype, ties: bool) -> None:
+    p = SparseAttentionParams.minimax_m3(tp_size=tp)
+    case = build_case(p, decodes=[3000, 700], prefills=[(8192, context + 8192), (300, 5000)],
+                      index_dtype=index_dtype, seed=11 + tp + context)
+    if ties:
+        idx = case.caches.index
+        idx.copy_(idx[:1, :1].expand_as(idx))
+    base = cuda_plugin.PLATFORM.launch_config(torch.device("cuda"))
+    cfg = override(base, prefill_index=dict(max_splits=8))
+    tiles = 2 * -(-8192 // (base.prefill_index.rows // p.num_index_heads))  # the grid: requests x tiles
+    splits = cfg.prefill_index_splits(tiles, case.batch.block_table.shape[1])
+    if tp == 8:
+        assert splits > 1, "TP8's 8K chunk should split (64 tiles on a 132-SM GPU)"
+    single = _select(case, p, override(base, prefill_index=dict(max_splits=1)))
+    split = _select(case, p, cfg)
+    assert torch.equal(split, single)
