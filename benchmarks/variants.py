@@ -79,6 +79,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # session 5: the prefill indexer without (pis1) / with at most 2 (pis2) context splits per tile
     "pis1": (dict(prefill_index=dict(max_splits=1)), ("prefill",)),
     "pis2": (dict(prefill_index=dict(max_splits=2)), ("prefill",)),
+    # 64-row indexer tiles of 4 warps: two programs per SM overlap one's MMA with the other's
+    # epilogue (what two programs per SM did for the prefill attention)
+    "pi64w4": (dict(prefill_index=dict(rows=64, warps=4)), ("prefill",)),
 }
 
 
