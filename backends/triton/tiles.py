@@ -54,22 +54,25 @@ def load_query_rows(ptr, tok, head, s_t, s_h, s_d, row_ok, D: tl.constexpr, DOT_
                     SCALE_Q: tl.constexpr):
     """The ``[ROWS, D]`` query tile as ``DOT_DTYPE`` and the per-row fp32 factor that undoes its scaling.
 
-    With ``SCALE_Q`` (bf16 queries dotted in fp16) each row is multiplied by the
+    With ``SCALE_Q`` (bf16 rows dotted in fp16) each row is multiplied by the
     power of two that puts its largest magnitude in ``[2^14, 2^15)``: exact for
     every element above 2^-28 of its row's maximum (bf16 has fewer mantissa
     bits than fp16; smaller ones become fp16 subnormals, off by at most 2^-39
-    of the row's maximum), and no bf16 value can overflow fp16's range. The caller multiplies the dot's result by
-    ``undo`` (a max commutes with it; a softmax takes it in its score scale).
-    Without it: :func:`load_rows` and ones.
+    of the row's maximum), and no bf16 value can overflow fp16's range. The
+    caller multiplies the dot's result by ``undo`` (a max commutes with it; a
+    softmax takes it in its score scale). Without it: :func:`load_rows` and ones.
     """
     if SCALE_Q:
-        q = load_rows(ptr, tok, head, s_t, s_h, s_d, row_ok, D, tl.float32)
-        amax = tl.max(tl.abs(q), axis=1)
-        expo = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        tl.static_assert(ptr.dtype.element_ty == tl.bfloat16, "SCALE_Q scales bf16 rows")
+        q = load_rows(ptr, tok, head, s_t, s_h, s_d, row_ok, D, tl.bfloat16)
+        # the largest magnitude's exponent from the bits (|x| orders like its bits): no fp32 copy
+        # of the tile stays live across the row reduction (the persistent decode kernel spilled)
+        mag = q.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+        expo = (tl.max(mag, axis=1) >> 7) - 127
         shift = tl.minimum(tl.maximum(14 - expo, -125), 125)
         scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
         undo = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-        return (q * scale[:, None]).to(DOT_DTYPE), undo
+        return (q.to(tl.float32) * scale[:, None]).to(DOT_DTYPE), undo
     else:
         q = load_rows(ptr, tok, head, s_t, s_h, s_d, row_ok, D, DOT_DTYPE)
         return q, tl.full([q.shape[0]], 1.0, tl.float32)
