@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mm3_backends.cuda.tuning import NVIDIA_LAUNCH
 from mm3_backends.triton.prefill_config import PrefillAttentionConfig
 
 __all__ = ["VARIANTS", "VariantBackend", "make_variants"]
@@ -24,6 +25,8 @@ __all__ = ["VARIANTS", "VariantBackend", "make_variants"]
 _SESSION1 = dict(decode_attention=dict(warps=8, stages=2, block_n=64), prefill_attention=None,
                  numerics=dict(fp8_as_f16=False, nan_in_max=False))
 _SESSION1_ALGO = dict(decode_attention_flat=False, pdl=False)
+#: issue 17: the decode attention's tiles on fp8 K/V (the default: 8 warps, one program per SM)
+_FP8_TILES = NVIDIA_LAUNCH.decode_attention_fp8 or NVIDIA_LAUNCH.decode_attention
 #: the indexer and token-tile sizes of version 1 (NOTES.md)
 _V1_SIZES = dict(decode_index=dict(block_n=64, programs_factor=1, min_blocks=4),
                  prefill_index=dict(block_n=64), prefill_tiles=dict(rows=64))
@@ -82,6 +85,17 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # 64-row indexer tiles of 4 warps: two programs per SM overlap one's MMA with the other's
     # epilogue (what two programs per SM did for the prefill attention)
     "pi64w4": (dict(prefill_index=dict(rows=64, warps=4)), ("prefill",)),
+    # issue 17 (NOTES.md, predictions first): fp8 K/V. The old path (K/V widened to bf16, the bf16
+    # tiles); the fp16 dots with the bf16 tiles (4 warps, 2 per SM, spills); the default with 4
+    # stages; 4 warps, 2 per SM, 64-key inner tiles, 2 stages (no spill); the default's 8-warp
+    # programs sized 2 per SM (two waves of one-item programs). None touches bf16 K/V, so the
+    # bf16 rows show the run's noise.
+    "kvbf16": (dict(numerics=dict(kv_fp8_as_f16=False), decode_attention_fp8=None), ("decode", "prefill")),
+    "kvf16t": (dict(decode_attention_fp8=None), ("decode",)),
+    "kv8s4": (dict(decode_attention_fp8=replace(_FP8_TILES, stages=4)), ("decode",)),
+    "kv8bn64": (dict(decode_attention_fp8=replace(NVIDIA_LAUNCH.decode_attention, block_n=64, stages=2)),
+                ("decode",)),
+    "kv8f2": (dict(decode_attention_fp8=replace(_FP8_TILES, flat_programs_per_sm=2)), ("decode",)),
 }
 
 

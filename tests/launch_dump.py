@@ -26,6 +26,8 @@ _CASES = (
     ("spec3_mixed", dict(h=1, g=8, d=64, di=64, block=16, topk=8),
      dict(decodes=[300, 90], prefills=[(40, 400), (3, 3)], decode_query_len=3, dtype="float16",
           index_dtype="float16")),
+    ("decode64_fp8kv", dict(h=4, g=16, d=128, di=128, block=64, topk=16),
+     dict(decodes=[700] * 64, dtype="bfloat16", index_dtype="float8_e4m3fn", kv_dtype="float8_e4m3fn")),
     ("prefill_fp8kv", dict(h=2, g=4, d=32, di=32, block=32, topk=4),
      dict(prefills=[(50, 500)], dtype="bfloat16", index_dtype="float8_e4m3fn", kv_dtype="float8_e4m3fn")),
 )

@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from mm3_backends.triton.algorithms import Algorithms, IndexerNumerics
+from mm3_backends.triton.algorithms import Algorithms, Numerics
 from mm3_backends.triton.kernel_configs import (DecodeAttentionConfig, DecodeIndexConfig, PrefillIndexConfig,
                                                 TokenTileAttentionConfig)
 from mm3_backends.triton.launch import LaunchConfig
@@ -29,9 +29,15 @@ NVIDIA_LAUNCH = LaunchConfig(
     # 128-key block per inner tile (1.03-1.08x over 64)
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
                                            flat_programs_per_sm=2, block_n=128),
+    # fp8 K/V (bf16 queries, fp16 dots): the 4-warp tiles above compile to 255 registers and 176 B of
+    # spills on sm_90 (aot_check); 8 warps take 190 and no spill, so one program fills an SM's
+    # registers: one per SM. Chosen before measurement (issue 17; benchmarks/NOTES.md, variants kv*)
+    decode_attention_fp8=DecodeAttentionConfig(warps=8, max_splits=16, stages=3, num_stages=2, programs_factor=8,
+                                               flat_programs_per_sm=1, block_n=128),
     # block-grouped prefill attention (H200, TP1, 8K chunk: 1.03-1.36x over the token tiles)
     prefill_attention=PrefillAttentionConfig(),
     prefill_tiles=TokenTileAttentionConfig(rows=128, warps=8, block_n=64, num_stages=2),
     algorithms=Algorithms(decode_attention_flat=True, decode_attention_branchless=True, merge_per_row=None,
                           topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=None),
-    numerics=IndexerNumerics(fp8_as_f16=True, nan_in_max=True))
+    # kv_fp8_as_f16: as the fp8 indexer's fp16 dots (220 -> 149 us), not yet measured for the attention
+    numerics=Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True))

@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from mm3_backends.triton.algorithms import Algorithms, IndexerNumerics
+from mm3_backends.triton.algorithms import Algorithms, Numerics
 from mm3_backends.triton.kernel_configs import (DecodeAttentionConfig, DecodeIndexConfig, PrefillIndexConfig,
                                                 TokenTileAttentionConfig)
 from mm3_backends.triton.launch import LaunchConfig
@@ -28,9 +28,10 @@ AMD_LAUNCH = LaunchConfig(
     prefill_index=PrefillIndexConfig(rows=64, warps=4, block_n=64, chunk=32, num_stages=1, max_splits=1),
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=2, num_stages=1, programs_factor=8,
                                            flat_programs_per_sm=2, block_n=64),
+    decode_attention_fp8=None,
     prefill_attention=None,
     prefill_tiles=TokenTileAttentionConfig(rows=64, warps=4, block_n=64, num_stages=1),
     algorithms=Algorithms(decode_attention_flat=False, decode_attention_branchless=True, merge_per_row=None,
                           topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=False),
-    numerics=IndexerNumerics(fp8_as_f16=False, nan_in_max=False),
+    numerics=Numerics(fp8_as_f16=False, nan_in_max=False, kv_fp8_as_f16=False),
     launch_options=(("waves_per_eu", 2),))

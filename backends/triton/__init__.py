@@ -4,7 +4,7 @@
 * :mod:`.attention` - decode (flash-decoding) and prefill block-sparse attention (docs/spec.md §4);
 * :mod:`.launch` - :class:`LaunchConfig` (groups the configs below) and the shape-only grid heuristics;
 * :mod:`.kernel_configs`, :mod:`.prefill_config` - tile sizes, warps and stages per kernel family;
-* :mod:`.algorithms` - which kernel variants run, and the indexer numerics;
+* :mod:`.algorithms` - which kernel variants run, and the kernels' numerics;
 * :mod:`.interpreter_config` - the launch config under Triton's CPU interpreter (tests);
 * :mod:`.checks` - what the plugins check themselves (device, index query dtype);
 * :mod:`.plugin_factory` - builds a plugin's hooks from a :class:`TritonPlatform`.

@@ -1,11 +1,11 @@
-"""Which variant of each kernel runs, and the indexer's numerics: choices, not tile sizes.
+"""Which variant of each kernel runs, and the kernels' numerics: choices, not tile sizes.
 
 Grouped by :class:`.launch.LaunchConfig` beside the per-kernel tile configs
 (:mod:`.kernel_configs`); each platform plugin states all of them, since a
 variant proven on one vendor's GPUs may not have run on the other's.
 
 Example:
-    >>> IndexerNumerics(fp8_as_f16=True, nan_in_max=True).fp8_as_f16
+    >>> Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True).kv_fp8_as_f16
     True
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Algorithms", "IndexerNumerics"]
+__all__ = ["Algorithms", "Numerics"]
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,15 @@ class Algorithms:
 
 
 @dataclass(frozen=True)
-class IndexerNumerics:
-    """How the indexers compute their scores."""
+class Numerics:
+    """How the indexers compute their scores and the attention kernels their dots."""
 
     #: bf16 index queries against an fp8 cache: dot in fp16 (queries scaled per row by a power of
     #: two) instead of bf16, because e4m3 -> fp16 is one native conversion
     fp8_as_f16: bool
     #: carry NaN scores through the block max (one row reduction instead of two)
     nan_in_max: bool
+    #: bf16 queries against an fp8 K/V cache: both attention dots in fp16 (K and V widened
+    #: e4m3 -> fp16 exactly, query rows scaled per row by a power of two whose inverse joins the
+    #: score scale, P in fp16) instead of widening K/V to bf16; every attention kernel
+    kv_fp8_as_f16: bool

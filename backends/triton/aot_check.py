@@ -107,7 +107,7 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
             setattr(m, n, _Recorder(k, f"{label}:{n}", sink))
         # PDL off, as the compile check always ran: its launches are proven on the GPU (tests/gpu)
         cfg = override(plugin_spec.launch.for_device_sms(132), algorithms=dict(pdl=False))
-        # (tp, dtype, index dtype, decode query len, decodes); fp32 (tests only) is left out:
+        # (tp, dtype, index dtype, decode query len, decodes, prefills[, K/V dtype]); fp32 (tests only) is left out:
         # its ieee dots take ten times longer to compile
         m3 = SparseAttentionParams.minimax_m3
         # the smallest shapes the fuzzer draws: top-1 (a one-wide sort), 16-token blocks,
@@ -117,11 +117,13 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
         variants = [
             (m3(tp_size=1), torch.bfloat16, torch.bfloat16, 1, [300] * 64, [(5, 260)]),
             (m3(tp_size=8), torch.float16, torch.float8_e4m3fn, 4, [300] * 8, [(5, 260)]),
+            # fp8 K/V with bf16 queries: the fp16 dots with scaled query rows (numerics.kv_fp8_as_f16)
+            (m3(tp_size=1), torch.bfloat16, torch.float8_e4m3fn, 1, [300] * 64, [(5, 260)], "float8_e4m3fn"),
             (tiny, torch.bfloat16, torch.bfloat16, 1, [1], [(1, 1)]),
         ]
-        for p, dtype, idt, dq, decodes, prefills in variants:
+        for p, dtype, idt, dq, decodes, prefills, *kv in variants:
             case = make_case(p, decodes=decodes, prefills=prefills, decode_query_len=dq,
-                             dtype=dtype, index_dtype=idt, seed=0)
+                             dtype=dtype, index_dtype=idt, seed=0, kv_dtype=kv[0] if kv else None)
             T = case.batch.num_tokens
             topk = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, plugin_spec.topk_layout)
             indexer.index_topk(case.index_q, case.caches, case.batch, p, topk, cfg)

@@ -3,8 +3,8 @@
 All kernels address ``q``, ``out``, the paged K/V caches (NHD or HND, any
 strides), the block table and the top-k buffer (head- or token-major, through
 its ``(h, t, k)`` strides) without copies. Softmax is base-2 with the scale
-folded in; accumulation is fp32; ``P`` is rounded to V's dtype for the second
-``tl.dot`` as in flash attention.
+folded in; accumulation is fp32; ``P`` is rounded to the dot dtype for the
+second ``tl.dot`` as in flash attention.
 
 ``_decode_attention_kernel`` grid ``(decode tokens, KV heads, splits)``
     Flash-decoding: one program takes one token, one KV head with *all* ``G``
@@ -29,7 +29,10 @@ folded in; accumulation is fp32; ``P`` is rounded to V's dtype for the second
 Scaled fp8 K/V caches (docs/spec.md §1) are loaded as fp8 (half the bytes) and
 widened to the dot dtype; the K scale of the program's KV head is folded into
 ``qk_scale`` and the V scale multiplies the accumulator once before it is
-stored (:func:`.tl_utils.kv_scale`).
+stored (:func:`.tl_utils.kv_scale`). With bf16 queries and
+``numerics.kv_fp8_as_f16`` the dot dtype is fp16 (``SCALE_Q``: e4m3 -> fp16 is
+one native conversion; each query row is scaled by a power of two into fp16's
+range and the inverse joins its score scale, :func:`.tiles.score_scale`).
 
 Rows and slots that hold no valid block (``-1``, ids ``>= nb``, repeated ids)
 contribute nothing; a token with no visible key (padding) outputs zeros.
@@ -46,7 +49,7 @@ from mm3.contract import PagedKVCache, TopkBuffer
 from mm3.contract import SparseAttentionParams
 
 from .launch import LaunchConfig, next_pow2
-from .tiles import load_rows, store_rows, token_rows
+from .tiles import load_query_rows, score_scale, store_rows, token_rows
 from .tl_utils import (
     decode_launch_options, dot_config, kv_scale, kv_scale_args, launch_options, load_page, pdl_enabled,
     pdl_prologue,
@@ -125,6 +128,7 @@ def _decode_attention_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BRANCHLESS: tl.constexpr = False,
     STAGES: tl.constexpr = 2, PDL: tl.constexpr = False, KV_SCALED: tl.constexpr = False,
+    SCALE_Q: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     t = tl.program_id(0)
@@ -143,7 +147,8 @@ def _decode_attention_kernel(
     toks = tl.full([G_PAD], 0, tl.int32) + t
     if pos >= 0:
         nb = pos // B + 1
-        q = load_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
+        q, undo = load_query_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
+        qk = score_scale(qk_scale, undo, SCALE_Q)
         pos_rows = tl.full([G_PAD], 0, tl.int32) + pos
         slots = tl.arange(0, K_PAD)
         sel_row = sel_ptr + h * s_sel_h + t * s_sel_t
@@ -160,7 +165,7 @@ def _decode_attention_kernel(
                 page = load_page(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b, num_pages)
                 m_i, l_i, acc = _attend_block_masked(
                     q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                    s_kb, s_kd, s_vb, s_vd, row_ok & use, pos_rows, blk, use, qk_scale, B, BN, D,
+                    s_kb, s_kd, s_vb, s_vd, row_ok & use, pos_rows, blk, use, qk, B, BN, D,
                     DOT_DTYPE, DOT_PREC)
         else:
             for i in tl.range(sp * KPS, sp * KPS + KPS):
@@ -170,7 +175,7 @@ def _decode_attention_kernel(
                     page = load_page(bt_ptr + r * s_bt_r + blk * s_bt_b, num_pages)
                     m_i, l_i, acc = _attend_block(
                         q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                        s_kb, s_kd, s_vb, s_vd, row_ok, pos_rows, blk, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
+                        s_kb, s_kd, s_vb, s_vd, row_ok, pos_rows, blk, qk, B, BN, D, DOT_DTYPE, DOT_PREC)
     acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
     if SPLITS == 1:
         store_rows(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
@@ -190,7 +195,7 @@ def _decode_attention_flat_kernel(
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 3, PDL: tl.constexpr = False,
-    KV_SCALED: tl.constexpr = False,
+    KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False,
 ):
     """:func:`_decode_attention_kernel`'s work, persistent: grid ``(programs,)``.
 
@@ -234,13 +239,14 @@ def _decode_attention_flat_kernel(
         # pos < 0 is a padding token: nothing is attended (and pos // B would truncate towards 0)
         use = (pos >= 0) & (blk >= 0) & (blk <= pos // B) & (repeated == 0)
         page = load_page(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b, num_pages, mask=use)
-        q = load_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
+        q, undo = load_query_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
         # an unusable slot's K/V loads are masked off: zeros, never a stale page's NaNs (0 * NaN
         # would poison the accumulator even though its rows are masked out of the softmax)
         m_i, l_i, acc = _attend_block_masked(
             q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
             s_kb, s_kd, s_vb, s_vd, row_ok & use, zero_rows + pos, blk, use,
-            qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED), B, BN, D, DOT_DTYPE, DOT_PREC)
+            score_scale(qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED), undo, SCALE_Q), B, BN, D,
+            DOT_DTYPE, DOT_PREC)
         last = row_ok & ((zero_rows + j) == KPS - 1)
         acc_out = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
         if SPLITS == 1:
@@ -316,7 +322,7 @@ def _prefill_attention_kernel(
     out_ptr, s_ot, s_oh, s_od, G, first_request, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    UNION: tl.constexpr = False, KV_SCALED: tl.constexpr = False,
+    UNION: tl.constexpr = False, KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False,
 ):
     r = first_request + tl.program_id(0)
     h = tl.program_id(2)
@@ -326,7 +332,8 @@ def _prefill_attention_kernel(
     if tl.max(row_in.to(tl.int32), axis=0) > 0:
         nb_max = tl.max(nb_row, axis=0)
         qh = h * G + gi
-        q = load_rows(q_ptr, tok, qh, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
+        q, undo = load_query_rows(q_ptr, tok, qh, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
+        qk = score_scale(qk_scale, undo, SCALE_Q)
         slots = tl.arange(0, K_PAD)
         sel = tl.load(sel_ptr + h * s_sel_h + tok[:, None] * s_sel_t + slots[None, :] * s_sel_k,
                       mask=row_ok[:, None] & (slots < K)[None, :], other=-1)
@@ -348,7 +355,7 @@ def _prefill_attention_kernel(
                     page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
                     m_i, l_i, acc = _attend_block(
                         q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                        s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
+                        s_kb, s_kd, s_vb, s_vd, member, pos, b, qk, B, BN, D, DOT_DTYPE, DOT_PREC)
         else:
             for b in tl.range(0, nb_max):
                 member = tl.max((sel == b).to(tl.int32), axis=1) > 0
@@ -356,7 +363,7 @@ def _prefill_attention_kernel(
                     page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
                     m_i, l_i, acc = _attend_block(
                         q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                        s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
+                        s_kb, s_kd, s_vb, s_vd, member, pos, b, qk, B, BN, D, DOT_DTYPE, DOT_PREC)
         acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
         store_rows(out_ptr, tok, qh, s_ot, s_oh, s_od, acc, l_i, row_in, D)
 
@@ -370,13 +377,15 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     """
     Hkv, G, K, B, D = params.num_kv_heads, params.gqa_group, params.topk, params.block_size, params.head_dim
     k, v, bt = caches.k, caches.v, batch.block_table
-    dot_dtype, dot_prec = dot_config(q.dtype, k.dtype)
+    dot_dtype, dot_prec, scale_q = dot_config(q.dtype, k.dtype, cfg.numerics.kv_fp8_as_f16)
+    fp8_kv = k.dtype == torch.float8_e4m3fn
+    dac = cfg.decode_attention_for(fp8_kv)
     qk_scale = params.softmax_scale * LOG2E
     scales, kv_scaled = kv_scale_args(caches, q)
     sh, st, sk = topk.strides()
     opts = launch_options(cfg)
-    common = dict(B=B, BN=min(B, cfg.decode_attention.block_n), D=D, K=K, K_PAD=next_pow2(K),
-                  DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, KV_SCALED=kv_scaled)
+    common = dict(B=B, BN=min(B, dac.block_n), D=D, K=K, K_PAD=next_pow2(K),
+                  DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, KV_SCALED=kv_scaled, SCALE_Q=scale_q)
     # the page count bounds every page id the kernels read (tl_utils.load_page)
     tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()), caches.num_pages)
 
@@ -385,7 +394,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     if td > 0:
         pdl = pdl_enabled(cfg, td, Hkv)
         dopts = decode_launch_options(cfg, pdl)
-        splits = cfg.decode_attention_splits(td, Hkv, K)
+        splits = cfg.decode_attention_splits(td, Hkv, K, fp8_kv)
         kps = -(-K // splits)
         splits = -(-K // kps)
         g_pad = max(16, next_pow2(G))
@@ -395,10 +404,9 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
             ws_acc = torch.empty((td, Hkv, splits, g_pad, D), dtype=torch.float32, device=q.device)
         else:  # never touched: the single-split kernel writes the output directly
             ws_m = ws_l = ws_acc = out
-        dac = cfg.decode_attention
         if cfg.algorithms.decode_attention_flat:
             items = td * Hkv * splits
-            ipp = cfg.decode_attention_flat_items_per_program(items)
+            ipp = cfg.decode_attention_flat_items_per_program(items, fp8_kv)
             _decode_attention_flat_kernel[(-(-items // ipp),)](
                 *tensors, batch.token_to_request, batch.token_positions,
                 topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv, items, ipp, qk_scale, *scales,
@@ -426,7 +434,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         from .prefill_attention import prefill_attention_forward  # imports this module's helpers
 
         prefill_attention_forward(q, caches, topk, batch, params, out, cfg.prefill_attention, qk_scale=qk_scale,
-                                  dot_dtype=dot_dtype, dot_prec=dot_prec, platform_options=opts,
+                                  dot_dtype=dot_dtype, dot_prec=dot_prec, scale_q=scale_q, platform_options=opts,
                                   target_programs=cfg.target_programs)
     elif npf > 0:
         tiles = cfg.prefill_tiles

@@ -40,7 +40,7 @@ from mm3.contract import PagedKVCache, TopkBuffer
 from mm3.contract import SparseAttentionParams
 
 from .launch import LaunchConfig, next_pow2
-from .tiles import load_rows, token_rows
+from .tiles import load_query_rows, token_rows
 from .tl_utils import decode_launch_options, dot_config, launch_options, load_page, pdl_enabled, pdl_prologue
 
 __all__ = ["index_topk"]
@@ -68,7 +68,7 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
     ``keys @ q^T``: the key tile is the register operand, so a widened fp8
     tile goes to the tensor cores without a shared-memory round trip.
     ``row_scale`` (fp32, ``[ROWS]``, positive) undoes a per-row scaling of
-    ``q`` (see :func:`_index_query_rows`); the max commutes with it.
+    ``q`` (see :func:`.tiles.load_query_rows`); the max commutes with it.
     With ``NAN_IN_MAX`` a NaN score is carried by the max itself (one row
     reduction per key tile instead of two).
     """
@@ -100,29 +100,6 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
 
 
 @triton.jit
-def _index_query_rows(iq_ptr, tok, hh, s_t, s_h, s_d, row_ok, DI: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                      SCALE_Q: tl.constexpr):
-    """The tile's index-query rows as ``DOT_DTYPE`` and the per-row factor that undoes their scaling.
-
-    With ``SCALE_Q`` (bf16 queries against an fp8 cache, dotted in fp16 because
-    e4m3 -> fp16 is one native conversion while e4m3 -> bf16 is several) each
-    row is multiplied by a power of two that puts its largest magnitude in
-    ``[2^14, 2^15)``: exact, and no bf16 value can overflow fp16's range.
-    """
-    if SCALE_Q:
-        q = load_rows(iq_ptr, tok, hh, s_t, s_h, s_d, row_ok, DI, tl.float32)
-        amax = tl.max(tl.abs(q), axis=1)
-        expo = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        shift = tl.minimum(tl.maximum(14 - expo, -125), 125)
-        scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
-        undo = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-        return (q * scale[:, None]).to(DOT_DTYPE), undo
-    else:
-        q = load_rows(iq_ptr, tok, hh, s_t, s_h, s_d, row_ok, DI, DOT_DTYPE)
-        return q, tl.full([q.shape[0]], 1.0, tl.float32)
-
-
-@triton.jit
 def _decode_score_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages,
     qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H,
@@ -137,7 +114,7 @@ def _decode_score_kernel(
     tok, hh, row_in, pos, row_ok, nb = token_rows(qsl_ptr, pos_ptr, r, 0, H, ROWS, Q, B)
     nb_req = tl.max(nb, axis=0)
     if b0 < nb_req:
-        q, row_scale = _index_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
+        q, row_scale = load_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
         if KEYS_A:
             q = tl.trans(q)
         rows = tl.arange(0, ROWS)
@@ -228,7 +205,7 @@ def _prefill_index_kernel(
                                                       ROWS, M, B)
     if tl.max(row_in.to(tl.int32), axis=0) > 0:
         nb_max = tl.max(nb_row, axis=0)
-        q, row_scale = _index_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
+        q, row_scale = load_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
         slots = tl.arange(0, K_PAD)[None, :]
         # Running top-K per row. Slot ids: -1 = empty, -2 = padding slot (>= K, never used).
         best_i = tl.where(slots < K, -1, -2) + tl.zeros([ROWS, K_PAD], tl.int32)
@@ -284,7 +261,7 @@ def _prefill_index_chunked_kernel(
         span = tl.cdiv(nb_max, SPLITS)
         lo = tl.program_id(2) * span
         hi = tl.minimum(lo + span, nb_max)
-        q, row_scale = _index_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
+        q, row_scale = load_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
         if KEYS_A:
             q = tl.trans(q)
         cols = tl.arange(0, CH)[None, :]
@@ -352,10 +329,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     Di = params.index_head_dim
     ik = caches.index
     bt = batch.block_table
-    dot_dtype, dot_prec = dot_config(index_q.dtype, ik.dtype)
-    scale_q = cfg.numerics.fp8_as_f16 and index_q.dtype == torch.bfloat16 and ik.dtype == torch.float8_e4m3fn
-    if scale_q:
-        dot_dtype = tl.float16
+    dot_dtype, dot_prec, scale_q = dot_config(index_q.dtype, ik.dtype, cfg.numerics.fp8_as_f16)
     sh, st, sk = out.strides()
     opts = launch_options(cfg)
     common = dict(B=B, DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, SCALE_Q=scale_q,

@@ -8,7 +8,7 @@ the interpreter runs the kernel variants the H200 runs.
 
 from __future__ import annotations
 
-from .algorithms import Algorithms, IndexerNumerics
+from .algorithms import Algorithms, Numerics
 from .kernel_configs import DecodeAttentionConfig, DecodeIndexConfig, PrefillIndexConfig, TokenTileAttentionConfig
 from .launch import LaunchConfig
 from .prefill_config import PrefillAttentionConfig
@@ -22,8 +22,9 @@ INTERPRETER_CONFIG = LaunchConfig(
     prefill_index=PrefillIndexConfig(rows=32, warps=8, block_n=64, chunk=32, num_stages=2, max_splits=4),
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
                                            flat_programs_per_sm=2, block_n=16),
+    decode_attention_fp8=None,
     prefill_attention=PrefillAttentionConfig(rows=32, block_n=16),
     prefill_tiles=TokenTileAttentionConfig(rows=32, warps=8, block_n=64, num_stages=2),
     algorithms=Algorithms(decode_attention_flat=True, decode_attention_branchless=True, merge_per_row=None,
                           topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=None),
-    numerics=IndexerNumerics(fp8_as_f16=True, nan_in_max=True))
+    numerics=Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True))

@@ -2,7 +2,7 @@
 
 A :class:`LaunchConfig` groups one tile config per kernel family
 (:mod:`.kernel_configs`, :mod:`.prefill_config`), the choice of kernel
-variants and the indexer numerics (:mod:`.algorithms`). Its values belong to
+variants and the kernels' numerics (:mod:`.algorithms`). Its values belong to
 the platform plugins (``backends/cuda``, ``backends/rocm``): nothing here
 knows a platform. Plain Python: no Triton import, no GPU query at import time.
 
@@ -22,6 +22,9 @@ Example:
     16
     >>> override(cfg, decode_attention=dict(warps=8)).decode_attention.warps
     8
+    >>> fp8 = override(cfg, decode_attention_fp8=replace(cfg.decode_attention, flat_programs_per_sm=4))
+    >>> fp8.decode_attention_splits(num_tokens=64, num_kv_heads=4, topk=16, fp8_kv=True)
+    2
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from .algorithms import Algorithms, IndexerNumerics
+from .algorithms import Algorithms, Numerics
 from .kernel_configs import DecodeAttentionConfig, DecodeIndexConfig, PrefillIndexConfig, TokenTileAttentionConfig
 from .prefill_config import PrefillAttentionConfig
 
@@ -58,12 +61,15 @@ class LaunchConfig:
     decode_index: DecodeIndexConfig
     prefill_index: PrefillIndexConfig
     decode_attention: DecodeAttentionConfig
+    #: decode attention on an fp8 K/V cache (half the bytes per block, so other tile and grid
+    #: choices may win); None = ``decode_attention``
+    decode_attention_fp8: Optional[DecodeAttentionConfig]
     #: prefill attention grouped by selected block (:mod:`.prefill_attention`): each block is read
     #: once per tile of the tokens that chose it. None = the token-tile kernel (``prefill_tiles``)
     prefill_attention: Optional[PrefillAttentionConfig]
     prefill_tiles: TokenTileAttentionConfig
     algorithms: Algorithms
-    numerics: IndexerNumerics
+    numerics: Numerics
     #: extra Triton launch options of every kernel (e.g. AMD's ``waves_per_eu``); the plugin
     #: drops them where they do not apply (:meth:`portable`)
     launch_options: tuple[tuple[str, Any], ...] = ()
@@ -129,12 +135,18 @@ class LaunchConfig:
         """The (token, KV head) grid fills under a quarter of the device."""
         return 4 * num_tokens * num_kv_heads <= self.target_programs
 
-    def _flat_programs(self) -> int:
-        return max(1, self.target_programs // 2) * self.decode_attention.flat_programs_per_sm
+    def decode_attention_for(self, fp8_kv: bool) -> DecodeAttentionConfig:
+        """The decode attention's config for a bf16/fp16/fp32 (``fp8_kv=False``) or an fp8 K/V cache."""
+        if fp8_kv and self.decode_attention_fp8 is not None:
+            return self.decode_attention_fp8
+        return self.decode_attention
 
-    def decode_attention_flat_items_per_program(self, items: int) -> int:
+    def _flat_programs(self, fp8_kv: bool) -> int:
+        return max(1, self.target_programs // 2) * self.decode_attention_for(fp8_kv).flat_programs_per_sm
+
+    def decode_attention_flat_items_per_program(self, items: int, fp8_kv: bool = False) -> int:
         """Work items (token, KV head, split) one persistent decode-attention program walks."""
-        return -(-items // self._flat_programs())
+        return -(-items // self._flat_programs(fp8_kv))
 
     def use_pdl(self, num_tokens: int, num_kv_heads: int) -> bool:
         """Programmatic dependent launch for this decode step (``algorithms.pdl``; None = small grids only).
@@ -146,18 +158,19 @@ class LaunchConfig:
             return self.algorithms.pdl
         return self._small_grid(num_tokens, num_kv_heads)
 
-    def decode_attention_splits(self, num_tokens: int, num_kv_heads: int, topk: int) -> int:
+    def decode_attention_splits(self, num_tokens: int, num_kv_heads: int, topk: int, fp8_kv: bool = False) -> int:
         """Flash-decoding splits over the selected blocks (1 = no merge pass).
 
         Persistent kernel: the fewest splits that still give each program an item
         (rounded down: a few idle program slots cost less than a merge pass).
         """
+        dac = self.decode_attention_for(fp8_kv)
         if self.algorithms.decode_attention_flat:
             pairs = max(1, num_tokens * num_kv_heads)
-            return max(1, min(self._flat_programs() // pairs, topk, self.decode_attention.max_splits))
+            return max(1, min(self._flat_programs(fp8_kv) // pairs, topk, dac.max_splits))
         programs = max(1, num_tokens * num_kv_heads)
-        splits = -(-self.target_programs * self.decode_attention.programs_factor // programs)
-        return max(1, min(splits, topk, self.decode_attention.max_splits))
+        splits = -(-self.target_programs * dac.programs_factor // programs)
+        return max(1, min(splits, topk, dac.max_splits))
 
 
 def override(cfg: LaunchConfig, **changes: Any) -> LaunchConfig:

@@ -46,7 +46,7 @@ from mm3.contract.params import SparseAttentionParams
 from .attention import _attend_block, online_softmax_step
 from .launch import next_pow2
 from .prefill_config import PrefillAttentionConfig
-from .tiles import load_rows, store_rows
+from .tiles import load_query_rows, score_scale, store_rows
 from .tl_utils import kv_scale, kv_scale_args, load_page
 
 __all__ = ["PairPlan", "plan_pairs", "prefill_attention_forward"]
@@ -162,7 +162,7 @@ def _block_tile_kernel(
     tok0, Tc, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
     M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 1,
-    KV_SCALED: tl.constexpr = False,
+    KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False,
 ):
     """Tiles ``program_id, program_id + programs, ...`` as one software-pipelined loop: the next
     tile's pairs, query rows and K/V are loaded while this one's math runs."""
@@ -179,14 +179,14 @@ def _block_tile_kernel(
         pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
         b = seg % nb_max
         h = seg // nb_max // num_req
-        q = load_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
+        q, undo = load_query_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-            s_kb, s_kd, s_vb, s_vd, row_ok, pos, b, qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED),
-            B, BN, D, DOT_DTYPE, DOT_PREC)
+            s_kb, s_kd, s_vb, s_vd, row_ok, pos, b,
+            score_scale(qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED), undo, SCALE_Q), B, BN, D, DOT_DTYPE, DOT_PREC)
         acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)  # fp8 K/V: the K scale is in the logits' factor
         # a valid pair's block holds key b * B <= pos, so l > 0 in every stored row
         l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -221,6 +221,7 @@ def _block_run_kernel(
     tok0, Tc, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr, RUN: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 4, KV_SCALED: tl.constexpr = False,
+    SCALE_Q: tl.constexpr = False,
 ):
     """Runs ``program_id, program_id + programs, ...``; a run is up to ``RUN`` tiles of one segment.
 
@@ -251,12 +252,12 @@ def _block_run_kernel(
             row_ok = slot >= 0
             tok = tok0 + (slot // K) % Tc
             pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
-            q = load_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
+            q, undo = load_query_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
             m_i = tl.full([ROWS], float("-inf"), tl.float32)
             l_i = tl.zeros([ROWS], tl.float32)
             acc = tl.zeros([ROWS, D], tl.float32)
             m_i, l_i, acc = _run_step(q, keys_t, vals, row_ok[:, None] & (key_pos[None, :] <= pos[:, None]),
-                                      m_i, l_i, acc, run_qk_scale, DOT_DTYPE, DOT_PREC)
+                                      m_i, l_i, acc, score_scale(run_qk_scale, undo, SCALE_Q), DOT_DTYPE, DOT_PREC)
             # a valid pair's block holds key b * B <= pos, so l > 0 in every stored row
             l_safe = tl.where(l_i > 0, l_i, 1.0)
             part = slot * G + gi
@@ -302,11 +303,12 @@ def _blocks(seq_len: int, block_size: int) -> int:
 
 def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
                               params: SparseAttentionParams, out: torch.Tensor, cfg: PrefillAttentionConfig,
-                              *, qk_scale: float, dot_dtype: object, dot_prec: str, platform_options: dict,
-                              target_programs: int) -> None:
+                              *, qk_scale: float, dot_dtype: object, dot_prec: str, scale_q: bool,
+                              platform_options: dict, target_programs: int) -> None:
     """Attention of every prefill token of the step (rows after the decode tokens) into ``out``.
 
-    ``target_programs``: two per multiprocessor (sizes the persistent grid).
+    ``dot_dtype``, ``dot_prec``, ``scale_q``: :func:`.tl_utils.dot_config`'s choice for the
+    step's queries and K/V; ``target_programs``: two per multiprocessor (sizes the persistent grid).
     """
     Hkv, G, K, B, D = params.num_kv_heads, params.gqa_group, params.topk, params.block_size, params.head_dim
     td, T, nd = batch.num_decode_tokens, batch.num_tokens, batch.num_decodes
@@ -321,7 +323,7 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
     k, v = caches.k, caches.v
     scales, kv_scaled = kv_scale_args(caches, q)
     sel = topk.head_major()
-    common = dict(B=B, D=D, K=K, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec)
+    common = dict(B=B, D=D, K=K, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, SCALE_Q=scale_q)
     for a in range(td, T, cfg.max_tokens_per_pass):
         c = min(cfg.max_tokens_per_pass, T - a)
         pairs = Hkv * c * K
@@ -329,7 +331,7 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         max_tiles = min(pairs, pairs // per + Hkv * nb_sum)
         plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=per, max_tiles=max_tiles,
                           num_pages=caches.num_pages)
-        ws_o = torch.empty((pairs, G, D), dtype=q.dtype, device=q.device)
+        ws_o = torch.empty((pairs, G, D), dtype=out.dtype, device=q.device)  # partial outputs, as out
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
         programs = max(1, min(max_tiles, target_programs // 2 * cfg.programs_per_sm))
         if cfg.run_tiles:

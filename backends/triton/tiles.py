@@ -4,6 +4,10 @@ A tile's rows are ``(token, sub)`` pairs, ``ROWS = M * GROUP`` padded to a power
 ``M`` consecutive query tokens of one request times ``GROUP`` heads (index heads
 in the indexer, the query heads of one KV group in the attention). Positions
 come from ``batch.token_positions`` (``-1`` marks a padding token).
+
+Query rows are loaded by :func:`load_query_rows`, which can scale each row by a
+power of two for a dot in fp16 (bf16 queries against an fp8 cache: e4m3 ->
+fp16 is one native conversion per two values on sm_89+, e4m3 -> bf16 several).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["token_rows", "load_rows", "store_rows"]
+__all__ = ["token_rows", "load_rows", "load_query_rows", "score_scale", "store_rows"]
 
 
 @triton.jit
@@ -43,6 +47,46 @@ def load_rows(ptr, tok, head, s_t, s_h, s_d, row_ok, D: tl.constexpr, DTYPE: tl.
     tile = tl.load(ptr + tok[:, None] * s_t + head[:, None] * s_h + offs_d[None, :] * s_d,
                    mask=row_ok[:, None], other=0.0)
     return tile.to(DTYPE)
+
+
+@triton.jit
+def load_query_rows(ptr, tok, head, s_t, s_h, s_d, row_ok, D: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    SCALE_Q: tl.constexpr):
+    """The ``[ROWS, D]`` query tile as ``DOT_DTYPE`` and the per-row fp32 factor that undoes its scaling.
+
+    With ``SCALE_Q`` (bf16 rows dotted in fp16) each row is multiplied by the
+    power of two that puts its largest magnitude in ``[2^14, 2^15)``: exact for
+    every element above 2^-28 of its row's maximum (bf16 has fewer mantissa
+    bits than fp16; smaller ones become fp16 subnormals, off by at most 2^-39
+    of the row's maximum), and no bf16 value can overflow fp16's range. The
+    caller multiplies the dot's result by ``undo`` (a max commutes with it; a
+    softmax takes it in its score scale). Without it: :func:`load_rows` and ones.
+    """
+    if SCALE_Q:
+        tl.static_assert(ptr.dtype.element_ty == tl.bfloat16, "SCALE_Q scales bf16 rows")
+        q = load_rows(ptr, tok, head, s_t, s_h, s_d, row_ok, D, tl.bfloat16)
+        # the largest magnitude's exponent from the bits (|x| orders like its bits): no fp32 copy
+        # of the tile stays live across the row reduction (the persistent decode kernel spilled)
+        mag = q.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+        expo = (tl.max(mag, axis=1) >> 7) - 127
+        shift = tl.minimum(tl.maximum(14 - expo, -125), 125)
+        scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+        undo = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+        return (q.to(tl.float32) * scale[:, None]).to(DOT_DTYPE), undo
+    else:
+        q = load_rows(ptr, tok, head, s_t, s_h, s_d, row_ok, D, DOT_DTYPE)
+        return q, tl.full([q.shape[0]], 1.0, tl.float32)
+
+
+@triton.jit
+def score_scale(qk_scale, undo, SCALE_Q: tl.constexpr):
+    """The factor from a dot of query rows to logits: ``qk_scale``, times each row's ``undo``
+    (from :func:`load_query_rows`, as a ``[ROWS, 1]`` column) when the rows were scaled."""
+    if SCALE_Q:
+        f = qk_scale * undo[:, None]
+    else:
+        f = qk_scale
+    return f
 
 
 @triton.jit

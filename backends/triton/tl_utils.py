@@ -36,21 +36,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def dot_config(a: torch.dtype, b: torch.dtype) -> tuple[Any, str]:
-    """``(operand dtype, input_precision)`` for a ``tl.dot`` of an ``a`` tile with a ``b`` tile.
+def dot_config(a: torch.dtype, b: torch.dtype, fp8_as_f16: bool = False) -> tuple[Any, str, bool]:
+    """``(operand dtype, input_precision, SCALE_Q)`` for a ``tl.dot`` of an ``a`` tile with a ``b`` tile.
 
-    Same 16-bit dtype: native tensor-core dot. An fp8 ``b`` (the index cache)
-    with a 16-bit ``a``: ``b`` is widened exactly to ``a``'s dtype. Anything
-    else (fp32, or two different 16-bit types) goes through fp32 with
-    ``ieee`` precision, because tf32 would round scores to about 1e-3, the
-    size of the selection tolerance itself.
+    Same 16-bit dtype: native tensor-core dot. An fp8 ``b`` (an index or K/V
+    cache) with a 16-bit ``a``: ``b`` is widened exactly to ``a``'s dtype; with
+    ``fp8_as_f16`` a bf16 ``a`` is dotted in fp16 instead, because e4m3 -> fp16
+    is one native conversion per two values on sm_89+ and e4m3 -> bf16 several,
+    and its rows are then scaled into fp16's range (``SCALE_Q``:
+    :func:`.tiles.load_query_rows`). Anything else (fp32, or two different
+    16-bit types) goes through fp32 with ``ieee`` precision, because tf32 would
+    round scores to about 1e-3, the size of the selection tolerance itself.
+
+    Example:
+        >>> dot_config(torch.bfloat16, torch.float8_e4m3fn, fp8_as_f16=True)[1:]
+        ('tf32', True)
     """
     if a == b and a in (torch.float16, torch.bfloat16):
-        return TL_DTYPES[a], "tf32"
+        return TL_DTYPES[a], "tf32", False
     if b == torch.float8_e4m3fn and a in (torch.float16, torch.bfloat16):
-        return TL_DTYPES[a], "tf32"
+        if fp8_as_f16 and a == torch.bfloat16:
+            return tl.float16, "tf32", True
+        return TL_DTYPES[a], "tf32", False
     # (an fp8 K/V cache with scales: the same; its scales are applied outside the dots, see kv_scale)
-    return tl.float32, "ieee"
+    return tl.float32, "ieee", False
 
 
 def pdl_enabled(cfg: LaunchConfig, num_tokens: int, num_kv_heads: int) -> bool:
