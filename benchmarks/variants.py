@@ -76,6 +76,11 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "grp3": (dict(prefill_attention=PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=2,
                                                             run_tiles=0)), ("prefill",)),
     "run16": (dict(prefill_attention=PrefillAttentionConfig(run_tiles=16)), ("prefill",)),
+    # issue 13, session 5: no merge kernel (the run that stores a row's last partial merges the row);
+    # fp32 partials (twice the workspace bytes: how much those bytes cost); both
+    "pfuse": (dict(prefill_attention=dict(fused_merge=True)), ("prefill",)),
+    "pws32": (dict(prefill_attention=dict(partials_fp32=True)), ("prefill",)),
+    "pfuse32": (dict(prefill_attention=dict(fused_merge=True, partials_fp32=True)), ("prefill",)),
 }
 
 
