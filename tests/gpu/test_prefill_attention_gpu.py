@@ -63,11 +63,14 @@ def _run(p, case, buf, prefill: PrefillAttentionConfig | None) -> torch.Tensor:
 
 
 def _poison_free_memory() -> None:
-    """Fill most free device memory with NaN and give it back to PyTorch's cache, so the kernels'
-    workspaces (``torch.empty``) are carved from NaN, not from an earlier run's partials."""
+    """Make the next workspaces (``torch.empty``) come out of NaN-filled memory, not out of an earlier
+    run's partials: the allocator's cached blocks go back to the driver first (the best fit would
+    otherwise be the last run's workspace), then one NaN block (at most 8 GB, half the free memory:
+    other test workers share the GPU) is the only cached one."""
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
-    junk = torch.full((int(free * 0.7) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    junk = torch.full((min(free // 2, 8 << 30) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
     del junk
 
 
@@ -120,6 +123,7 @@ def test_fused_merge_at_m3_shapes(tp: int, context: int, correlated: bool) -> No
     for _ in range(3):
         _poison_free_memory()
         _check(p, case, buf, _run(p, case, buf, FUSED), incumbent)
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("cfg", [PrefillAttentionConfig(max_tokens_per_pass=3000),
@@ -139,6 +143,7 @@ def test_block_grouped_prefill_messy_selection_and_small_passes(cfg: PrefillAtte
     view[1, empty] = -1
     _poison_free_memory()
     out = _run(p, case, buf, cfg)
+    torch.cuda.empty_cache()
     G = p.gqa_group
     assert (out[empty, G:2 * G] == 0).all(), "a row that selects nothing must be zeros"
     _check(p, case, buf, out, _run(p, case, buf, None))
