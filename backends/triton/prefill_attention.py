@@ -107,9 +107,9 @@ def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, w
         n = tl.sum(ok.to(tl.int32), axis=0)
         tl.store(left_ptr + h * Tc + tc, n)
         heads = tl.arange(0, G_PAD)
-        none = tl.zeros([G_PAD], tl.float32)
+        zero_sum = tl.zeros([G_PAD], tl.float32)  # store_rows writes zeros where the sum is 0
         store_rows(out_ptr, heads * 0 + t, h * G + heads, s_ot, s_oh, s_od, tl.zeros([G_PAD, D], tl.float32),
-                   none, (heads < G) & (heads * 0 + n == 0), D)
+                   zero_sum, (heads < G) & (heads * 0 + n == 0), D)
 
 
 @triton.jit
