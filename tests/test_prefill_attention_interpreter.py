@@ -7,8 +7,10 @@
 * the kernels through Triton's interpreter (fp32 / fp16, tiny shapes) against
   the fp64 oracle: pipelined and not, several tiles per program, a
   GQA group that is not a power of two, passes smaller than the step, a
-  messy selection, a mixed batch with decodes before the prefills; and the
-  token-tile kernel it replaces on NVIDIA (the rocm plugin's path).
+  messy selection (including a row that selects nothing), a mixed batch
+  with decodes before the prefills, both page layouts; the fused merge
+  (runs merge the rows they finish) and fp32 partials; and the token-tile
+  kernel it replaces on NVIDIA (the rocm plugin's path).
 """
 
 from __future__ import annotations
@@ -97,24 +99,37 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.interpreter
 @interp
-@pytest.mark.parametrize("dtype,cfg,block", [
-    ("float32", PrefillAttentionConfig(rows=16, block_n=16, programs_per_sm=3, stages=1, run_tiles=0), 16),
-    ("float16", PrefillAttentionConfig(rows=32, block_n=16, stages=2, max_tokens_per_pass=11, run_tiles=0), 16),
-    ("float16", None, 16),
-    ("float32", PrefillAttentionConfig(rows=16, run_tiles=2, stages=1, programs_per_sm=3), 16),
-    ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11), 32),
-], ids=["tiles_unpipelined_fp32", "tiles_passes_fp16", "token_tiles_fp16", "runs_fp32", "runs_passes_fp16"])
-def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionConfig | None, block: int) -> None:
+@pytest.mark.parametrize("dtype,cfg,block,layout", [
+    ("float32", PrefillAttentionConfig(rows=16, block_n=16, programs_per_sm=3, stages=1, run_tiles=0), 16, "NHD"),
+    ("float16", PrefillAttentionConfig(rows=32, block_n=16, stages=2, max_tokens_per_pass=11, run_tiles=0), 16,
+     "NHD"),
+    ("float16", None, 16, "NHD"),
+    ("float32", PrefillAttentionConfig(rows=16, run_tiles=2, stages=1, programs_per_sm=3), 16, "NHD"),
+    ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11), 32, "HND"),
+    ("float32", PrefillAttentionConfig(rows=16, run_tiles=2, stages=1, programs_per_sm=3, fused_merge=True), 16,
+     "HND"),
+    ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11, fused_merge=True), 32, "NHD"),
+    ("float16", PrefillAttentionConfig(rows=32, run_tiles=1, fused_merge=True, partials_fp32=True), 16, "HND"),
+], ids=["tiles_unpipelined_fp32", "tiles_passes_fp16", "token_tiles_fp16", "runs_fp32", "runs_passes_fp16",
+        "fused_merge_fp32", "fused_merge_passes_fp16", "fused_merge_fp32_partials_fp16"])
+def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionConfig | None, block: int,
+                                              layout: str) -> None:
     """A mixed step (2 decodes + padding, 3 prefills, G = 3) with a messy selection.
 
     ``None``: the token-tile kernel the rocm plugin keeps (the interpreter config takes the
     block-grouped path for both plugins, so this is where the other one runs in CI). ``runs``: runs of
-    several tiles per block (one K/V load per run, the default); ``tiles``: one tile per loop step."""
+    several tiles per block (one K/V load per run, the default); ``tiles``: one tile per loop step;
+    ``fused_merge``: no merge kernel, each row merged by the run that stores its last partial; one
+    prefill row that selects nothing must come out as zeros (the fused merge writes it in the plan)."""
     p = _params(3, block)
     case = make_case(p, decodes=[70, 33], prefills=[(20, 130), (3, 3), (17, 60)], padding_decodes=1,
-                     dtype=dtype, index_dtype=dtype, seed=9)
+                     dtype=dtype, index_dtype=dtype, kv_layout=layout, seed=9)
     sel = oracle_topk(case.index_q, case.caches, case.batch, p)
     view = sel.head_major()
     nb = (case.batch.token_positions.clamp(min=0) // p.block_size + 1).to(torch.int32)
     view[1, :, 3] = torch.where(view[1, :, 3] >= 0, view[1, :, 0], nb + 1)   # a repeat, or an id past nb
-    _assert_close(_forward(case, sel, cfg), oracle_attention(case.q, case.caches, sel, case.batch, p))
+    empty = case.batch.num_decode_tokens + 5
+    view[0, empty] = -1                                                      # a row that selects nothing
+    ref = oracle_attention(case.q, case.caches, sel, case.batch, p)
+    assert (ref[empty, :3] == 0).all() and ref[empty, 3:].abs().sum() > 0
+    _assert_close(_forward(case, sel, cfg), ref)
