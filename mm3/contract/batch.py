@@ -199,6 +199,14 @@ class BatchMetadata:
             "decode" if self.num_decodes else "prefill"
         return f"speculative {kind}" if self.num_decodes and self.decode_query_len > 1 else kind
 
+    @cached_property
+    def shape_class(self) -> tuple[object, ...]:
+        """What a step's argument checks read of this batch, once per batch (:mod:`mm3.runtime.step`);
+        shapes only, so :meth:`update_` and :meth:`update_from_device_` (same shapes) keep it."""
+        return (self.kind, self.num_tokens, self.num_requests, self.num_decodes, self.decode_query_len,
+                self.block_size, self.seq_lens.device, self.block_table.device, self.query_start_loc.device,
+                self.token_positions.device)
+
     # -- construction ----------------------------------------------------------------
     @classmethod
     def build(cls, query_lens: IntSeq, seq_lens: IntSeq, block_table: torch.Tensor, *,
@@ -301,13 +309,13 @@ class BatchMetadata:
         sizes prefill grids). Lengths not given are read back from the tensors
         only when something asks for them.
         """
-        batch = cls(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
-                    query_start_loc=query_start_loc, seq_lens=seq_lens, context_lens=context_lens,
-                    block_table=block_table, token_to_request=token_to_request,
-                    token_positions=token_positions)
-        known = dict(num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len,
-                     max_query_len=max_query_len, max_seq_len=max_seq_len)
-        batch.__dict__.update({k: v for k, v in known.items() if v is not None})  # the cached properties
+        batch = cls.__new__(cls)  # the fields set directly: the custom ops assemble a batch per call
+        batch.__dict__.update(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
+                              query_start_loc=query_start_loc, seq_lens=seq_lens, context_lens=context_lens,
+                              block_table=block_table, token_to_request=token_to_request, host_lens=None,
+                              token_positions=token_positions, num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len)
+        batch.__dict__.update({k: v for k, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len))
+                               if v is not None})  # the cached properties
         return batch
 
     @classmethod
