@@ -184,8 +184,8 @@ class TopkBuffer:
 
     def strides(self) -> tuple[int, int, int]:
         """Element strides of the logical ``(h, t, k)`` axes, for kernels."""
-        sh, st, sk = self.head_major().stride()
-        return sh, st, sk
+        s = self._data.stride()   # the storage is [H, T, K] (head_major) or [T, H, K]
+        return (s[0], s[1], s[2]) if self._layout == "head_major" else (s[1], s[0], s[2])
 
     def rows(self, start: int, stop: int) -> "TopkBuffer":
         """Tokens ``[start, stop)`` as a buffer sharing this storage."""
