@@ -41,18 +41,23 @@ __all__ = ["FastLauncher", "launch", "MAX_CLASSES"]
 MAX_CLASSES = 1024
 
 
+def _installed(hook: Any) -> bool:
+    # Triton >= 3.8 holds a chain of hooks (empty: nothing installed), older ones a callable or None
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _hooks_installed() -> bool:
     """A launch enter/exit hook (a profiler) needs Triton's launch metadata: take its path then."""
     try:
         from triton import knobs
 
         rt = knobs.runtime
-        return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+        return _installed(rt.launch_enter_hook) or _installed(rt.launch_exit_hook)
     except (ImportError, AttributeError):  # Triton < 3.4 keeps them on CompiledKernel
         from triton.compiler import CompiledKernel
 
-        return getattr(CompiledKernel, "launch_enter_hook", None) is not None or \
-            getattr(CompiledKernel, "launch_exit_hook", None) is not None
+        return _installed(getattr(CompiledKernel, "launch_enter_hook", None)) or \
+            _installed(getattr(CompiledKernel, "launch_exit_hook", None))
 
 
 def _arg_class(a: Any) -> Any:
