@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from mm3.contract.batch import BatchMetadata
+from mm3.contract.batch import READ_BACK, BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import InputError
 from mm3.contract.page_ids import PageIdFlag, check_page_ids
@@ -111,7 +111,7 @@ class OpTarget:
     accepted: set[Any] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self._wrapped: dict[Any, tuple[tuple[Any, ...], tuple[int, ...], Any]] = {}
+        self._wrapped: dict[Any, tuple[tuple[int, ...], tuple[int, ...], Any, tuple[Any, ...]]] = {}
         if self.plain is None:
             self.plain = (self.indexer, self.attention)
         # a pair that is not guarded may skip the checks of a class it ran already
@@ -141,21 +141,28 @@ class OpTarget:
         return self._wrap((layout, num_tokens), (storage,), (), lambda t: TopkBuffer(t, layout).rows(0, num_tokens))
 
     def batch(self, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> BatchMetadata:
-        """``BatchMetadata.assemble`` of the custom ops' batch arguments (the 6 tensors, then the 5 ints),
-        its :attr:`~mm3.BatchMetadata.shape_class` known at once while they are the same tensors and ints."""
-        nd, dql, ndt, mpq, bs = ints
-        batch = BatchMetadata.assemble(*tensors, num_decodes=nd, decode_query_len=dql, num_decode_tokens=ndt,
-                                       max_prefill_query_len=mpq, block_size=bs)
-        batch.__dict__["shape_class"] = self._wrap("batch", tensors, ints, lambda *_: batch.shape_class)
+        """``BatchMetadata.assemble`` of the custom ops' batch arguments (the 6 tensors, then the 5 ints).
+
+        While they are the same tensors and ints, the same batch comes back with
+        the host facts it had read from the tensors' contents dropped (an engine
+        refills them in place), so what it knows of their shapes stays known.
+        """
+        batch = self._wrap("batch", tensors, ints, lambda *t: BatchMetadata.assemble(
+            *t, num_decodes=ints[0], decode_query_len=ints[1], num_decode_tokens=ints[2],
+            max_prefill_query_len=ints[3], block_size=ints[4]))
+        known = batch.__dict__
+        for name in (*READ_BACK, "max_query_len"):   # the ops are given no max_query_len
+            known.pop(name, None)
         return batch
 
     def _wrap(self, slot: Any, tensors: tuple[Any, ...], ints: tuple[int, ...], make: Any) -> Any:
         """What ``make(*tensors)`` made last for ``slot``, if these are the same tensors (and equal ints)."""
         last = self._wrapped.get(slot)
-        if last is not None and last[1] == ints and all(a is b for a, b in zip(last[0], tensors)):
+        ids = tuple(map(id, tensors))
+        if last is not None and last[1] == ints and last[0] == ids:   # last[3] holds them: ids stay theirs
             return last[2]
         made = make(*tensors)
-        self._wrapped[slot] = (tensors, ints, made)
+        self._wrapped[slot] = (ids, ints, made, tensors)
         return made
 
     # -- the policy ---------------------------------------------------------------------------
