@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from operator import itemgetter
 from typing import Any, Optional
 
 import torch
@@ -60,13 +61,6 @@ def _hooks_installed() -> bool:
             _installed(getattr(CompiledKernel, "launch_exit_hook", None))
 
 
-def _arg_class(a: Any) -> Any:
-    """What Triton specializes a runtime argument on (a superset: the int itself)."""
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() & 15)
-    return (type(a), a) if isinstance(a, (int, bool)) else type(a)
-
-
 class _Kernel:
     """One JIT function's kept binaries, by call class."""
 
@@ -76,6 +70,21 @@ class _Kernel:
         self.defaults = {p.name: p.default for p in fn.params if _has_default(p)}
         self.binaries: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
         self.disabled = not hasattr(fn, "device_caches")  # an InterpretedFunction has none
+        self.split: Optional[tuple[Any, Any]] = None
+
+    def arg_class(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """What Triton specializes the runtime arguments on (a superset): every non-tensor
+        argument's value, each tensor's dtype and 16-byte alignment. Tensors sit at the same
+        positions in every call of a kernel (found on the first); else AttributeError."""
+        if self.split is None:
+            at_t = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            at_o = [i for i in range(len(args)) if i not in at_t]
+            # itemgetter of one index returns the item, not a 1-tuple: pad with a constant position
+            self.split = (itemgetter(*at_t, *at_t[:1]), itemgetter(*at_o, *at_t[:1]) if at_o else None)
+        get_t, get_o = self.split
+        ts = get_t(args)
+        return (get_o(args)[:-1] if get_o is not None else (), tuple([t.dtype for t in ts]),
+                tuple([t.data_ptr() & 15 for t in ts]), len(args))
 
     def tail(self, n_args: int, kwargs: dict[str, Any]) -> Optional[tuple[Any, ...]]:
         """The values of parameters ``n_args..`` (constexprs) in order, or None if one is not known."""
@@ -129,7 +138,14 @@ class FastLauncher:
         from triton.runtime.driver import driver
 
         dev = driver.active.get_current_device()
-        key = (dev, tuple(map(_arg_class, args)), tuple(kwargs.items()), tuple(options.items()))
+        try:
+            key = (dev, k.arg_class(args), tuple(kwargs.items()), tuple(options.items()))
+        except (AttributeError, TypeError, IndexError):   # not the argument layout of its first call
+            key = None
+        if key is None:
+            self._counts["disabled"] += 1
+            fn[grid](*args, **kwargs, **options)
+            return
         kept = k.binaries.get(key)
         if kept is None:
             compiled = fn[grid](*args, **kwargs, **options)
