@@ -76,6 +76,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "grp3": (dict(prefill_attention=PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=2,
                                                             run_tiles=0)), ("prefill",)),
     "run16": (dict(prefill_attention=PrefillAttentionConfig(run_tiles=16)), ("prefill",)),
+    # issue 16: compiled decode kernels launched directly (host time; the GPU time must not change)
+    "fastlaunch": (dict(algorithms=dict(fast_launch=True)), ("decode",)),
 }
 
 

@@ -33,5 +33,6 @@ NVIDIA_LAUNCH = LaunchConfig(
     prefill_attention=PrefillAttentionConfig(),
     prefill_tiles=TokenTileAttentionConfig(rows=128, warps=8, block_n=64, num_stages=2),
     algorithms=Algorithms(decode_attention_flat=True, decode_attention_branchless=True, merge_per_row=None,
-                          topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=None),
+                          topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=None,
+                          fast_launch=False),
     numerics=IndexerNumerics(fp8_as_f16=True, nan_in_max=True))

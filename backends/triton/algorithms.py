@@ -42,8 +42,8 @@ class Algorithms:
     #: the previous kernel's run; None = small grids only (``LaunchConfig.use_pdl``)
     pdl: Optional[bool]
     #: launch each kernel's compiled binary directly after the first launch of its call class,
-    #: without Triton's per-call argument binding (:mod:`.fast_launch`); off until measured on a GPU
-    fast_launch: bool = False
+    #: without Triton's per-call argument binding (:mod:`.fast_launch`; decode launches)
+    fast_launch: bool
 
 
 @dataclass(frozen=True)
