@@ -16,9 +16,21 @@ script measures an older checkout for the "before" column):
   a compiled graph takes, called eagerly);
 * ``backends``: the two bound ``Backend`` calls (mm3's checks, then the plugin);
 * ``plugin hooks``: the two hook functions, no checks (the kernels' own launch code);
-* ``graph replay``: the step captured in a ``torch.cuda.CUDAGraph`` and replayed (GPU only).
+* ``graph replay``: the step captured in a ``torch.cuda.CUDAGraph`` and replayed (GPU only);
+* ``layer, fast launch`` / ``plugin hooks, fast launch`` (``cuda`` backend, when the plugin has
+  ``Algorithms.fast_launch``): the same with the compiled kernels launched directly.
 
 Run it in the new and the old checkout on the same machine and compare side by side.
+
+``--stub`` measures mm3's own host code on any machine (CPU tensors, no kernel
+runs): a backend whose hooks do nothing after their first (guarded) step, so
+``layer``, ``ops`` and ``backends`` time only mm3's Python; and the Triton
+plugin's launch code (``attention_forward`` + ``index_topk``) with every
+kernel launch replaced by a no-op (in this process only), so it times the
+plugin's Python without Triton's own launch. Minimum of ``repeat`` runs (a
+shared CI machine is noisy)::
+
+    python benchmarks/host_overhead.py --stub --tp 8 --batch 1 --context 4096
 """
 
 from __future__ import annotations
@@ -49,6 +61,22 @@ def _time(fn: Callable[[], object], iters: int, repeat: int, sync: Callable[[], 
         sync()
         runs.append((time.perf_counter() - t0) / iters * 1e6)
     return statistics.median(runs)
+
+
+def _fast_launch_registry() -> Optional[mm3.Registry]:
+    """A registry whose ``cuda`` backend launches compiled kernels directly (None: this plugin cannot)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from mm3_backends.cuda.plugin import PLATFORM
+    from mm3_backends.triton.algorithms import Algorithms
+    from mm3_backends.triton.launch import override
+    from mm3_backends.triton.plugin_factory import make_hookimpls
+
+    if "fast_launch" not in getattr(Algorithms, "__dataclass_fields__", {}):
+        return None
+    hooks = make_hookimpls(replace(PLATFORM, launch=override(PLATFORM.launch, algorithms=dict(fast_launch=True))))
+    return mm3.Registry([SimpleNamespace(**hooks._asdict())], entry_points=False)
 
 
 def measure_host_overhead(device: str = "cuda", backend: Optional[str] = None, tp: int = 8, batch: int = 1,
@@ -91,6 +119,18 @@ def measure_host_overhead(device: str = "cuda", backend: Optional[str] = None, t
         idx_hook(index_q=iq, caches=c, batch=b, params=p, out=topk)
         att_hook(q=q, caches=c, topk=topk, batch=b, params=p, out=out[:T])
     rows["plugin hooks"] = hooks
+    reg = _fast_launch_registry() if name == "cuda" else None
+    if reg is not None:
+        fast_layer = mm3.SparseAttention(p, device=device, max_num_tokens=max(64, batch), backend="cuda",
+                                         registry=reg)
+        rows["layer, fast launch"] = lambda: fast_layer(q, iq, c, b, out)
+        fsel = fast_layer.selection
+        f_idx, f_att = fsel.indexer.plugin.index_topk, fsel.attention.plugin.attention_forward  # type: ignore[attr-defined]
+
+        def fast_hooks() -> None:
+            f_idx(index_q=iq, caches=c, batch=b, params=p, out=topk)
+            f_att(q=q, caches=c, topk=topk, batch=b, params=p, out=out[:T])
+        rows["plugin hooks, fast launch"] = fast_hooks
     result = {k: _time(fn, iters, repeat, sync) for k, fn in rows.items()}
     if device.startswith("cuda"):
         stream = torch.cuda.Stream()
@@ -106,6 +146,113 @@ def measure_host_overhead(device: str = "cuda", backend: Optional[str] = None, t
     return result
 
 
+class _StubPlugin:
+    """A backend that computes (through ``cpu_ref``) only while ``real``: after the guarded first
+    step, its hooks return at once, so a step times mm3's own Python."""
+
+    real = True
+
+    def __init__(self) -> None:
+        self._ref = mm3.default_registry().get("cpu_ref").plugin
+
+    @mm3.hookimpl
+    def backend_capabilities(self) -> mm3.BackendCapabilities:
+        return mm3.BackendCapabilities(name="stub", ops={"index_topk", "attention"}, device_types={"cpu"},
+                                       topk_layout="head_major", max_decode_query_len=8,
+                                       kv_cache_dtypes={"bfloat16", "float16", "float32"})
+
+    @mm3.hookimpl
+    def index_topk(self, index_q: torch.Tensor, caches: object, batch: object, params: object, out: object) -> None:
+        if self.real:
+            self._ref.index_topk(index_q=index_q, caches=caches, batch=batch, params=params, out=out)
+
+    @mm3.hookimpl
+    def attention_forward(self, q: torch.Tensor, caches: object, topk: object, batch: object, params: object,
+                          out: torch.Tensor) -> None:
+        if self.real:
+            self._ref.attention_forward(q=q, caches=caches, topk=topk, batch=batch, params=params, out=out)
+
+
+def _min_time(fn: Callable[[], object], iters: int, repeat: int) -> float:
+    for _ in range(20):
+        fn()
+    runs = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        runs.append((time.perf_counter() - t0) / iters * 1e6)
+    return min(runs)
+
+
+def measure_stub_overhead(tp: int = 8, batch: int = 1, context: int = 4096, iters: int = 2000,
+                          repeat: int = 7) -> dict[str, float]:
+    """Microseconds per forward of mm3's own host code and of the Triton plugin's launch code, on the
+    CPU, no kernel running (``--stub`` in the module docstring); NaN where this checkout cannot."""
+    torch.set_num_threads(1)
+    p = mm3.SparseAttentionParams.minimax_m3(tp_size=tp)
+    stub = _StubPlugin()
+    layer = mm3.SparseAttention(p, max_num_tokens=max(64, batch), backend="stub",
+                                registry=mm3.Registry([stub], entry_points=False))
+    case = make_case(p, decodes=[context] * batch, seed=0)
+    q, iq, c, b = case.q, case.index_q, case.caches, case.batch
+    out = torch.empty_like(q)
+    T = b.num_tokens
+    rows: dict[str, Callable[[], object]] = {"layer": lambda: layer(q, iq, c, b, out)}
+    if hasattr(layer, "op_target"):
+        from mm3.runtime.ops import batch_args
+
+        args, h, st = batch_args(b), layer.op_target.handle, layer.topk_buffer.storage
+
+        def ops() -> None:
+            torch.ops.mm3.index_topk(iq, c.k, c.v, c.index, st, *args, h)
+            torch.ops.mm3.attention(q, c.k, c.v, c.index, st, *args, h, out)
+        rows["ops"] = ops
+    sel, topk = layer.selection, layer.topk_buffer.rows(0, T)
+
+    def backends() -> None:
+        sel.indexer.index_topk(iq, c, b, p, topk)
+        sel.attention.attention_forward(q, c, topk, b, p, out[:T])
+    rows["backends"] = backends
+    result: dict[str, float] = {}
+    for k, fn in rows.items():
+        try:
+            fn()                      # the guarded first step of the kind: computed for real
+            stub.real = False
+            result[k] = _min_time(fn, iters, repeat)
+        except mm3.MM3Error:          # e.g. ops guarded on every call (the guard sees the empty hooks)
+            result[k] = float("nan")
+        stub.real = True
+    result.update(_triton_launch_code(p, case, iters, repeat))
+    return result
+
+
+def _triton_launch_code(p: mm3.SparseAttentionParams, case: object, iters: int, repeat: int) -> dict[str, float]:
+    """The cuda plugin's ``attention_forward`` + ``index_topk`` launch code with no-op launches."""
+    try:
+        from triton.runtime.jit import JITFunction
+
+        from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
+        from mm3_backends.triton import attention, indexer
+    except ImportError:
+        return {}
+    cfg = NVIDIA_LAUNCH.for_device_sms(132)   # an H200
+    c, b = case.caches, case.batch  # type: ignore[attr-defined]
+    q, iq = case.q, case.index_q  # type: ignore[attr-defined]
+    topk = mm3.TopkBuffer.allocate(b.num_tokens, p.num_kv_heads, p.topk, layout="token_major")
+    out = torch.empty_like(q)
+
+    def step() -> None:
+        indexer.index_topk(iq, c, b, p, topk, cfg)
+        attention.attention_forward(q, c, topk, b, p, out, cfg)
+    saved = JITFunction.__getitem__
+    JITFunction.__getitem__ = lambda self, grid: (lambda *a, **k: None)  # type: ignore[method-assign]
+    try:
+        return {"triton launch code": _min_time(step, iters, repeat)}
+    finally:
+        JITFunction.__getitem__ = saved  # type: ignore[method-assign]
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description="host time per SparseAttention forward (us)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -116,12 +263,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--stub", action="store_true", help="mm3's and the Triton plugin's host code alone, on the CPU")
     a = ap.parse_args(argv)
-    res = measure_host_overhead(a.device, a.backend, a.tp, a.batch, a.context, a.iters, a.repeat)
+    if a.stub:
+        res = measure_stub_overhead(a.tp, a.batch, a.context, max(a.iters, 2000), max(a.repeat, 7))
+    else:
+        res = measure_host_overhead(a.device, a.backend, a.tp, a.batch, a.context, a.iters, a.repeat)
     if a.json:
         print(json.dumps(res))
         return
-    print(f"host us per forward, TP{a.tp} decode batch {a.batch} / {a.context}, {a.device}:")
+    where = "stub hooks, no kernels, cpu" if a.stub else a.device
+    print(f"host us per forward, TP{a.tp} decode batch {a.batch} / {a.context}, {where}:")
     for k, v in res.items():
         print(f"  {k:22s} {v:9.1f}")
 

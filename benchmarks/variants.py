@@ -101,6 +101,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "pfuse": (dict(prefill_attention=dict(fused_merge=True)), ("prefill",)),
     "pws32": (dict(prefill_attention=dict(partials_fp32=True)), ("prefill",)),
     "pfuse32": (dict(prefill_attention=dict(fused_merge=True, partials_fp32=True)), ("prefill",)),
+    # issue 16: compiled decode kernels launched directly (host time; the GPU time must not change)
+    "fastlaunch": (dict(algorithms=dict(fast_launch=True)), ("decode",)),
 }
 
 

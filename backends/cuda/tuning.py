@@ -38,6 +38,7 @@ NVIDIA_LAUNCH = LaunchConfig(
     prefill_attention=PrefillAttentionConfig(),
     prefill_tiles=TokenTileAttentionConfig(rows=128, warps=8, block_n=64, num_stages=2),
     algorithms=Algorithms(decode_attention_flat=True, decode_attention_branchless=True, merge_per_row=None,
-                          topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=None),
+                          topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=None,
+                          fast_launch=False),
     # kv_fp8_as_f16: as the fp8 indexer's fp16 dots (220 -> 149 us), not yet measured for the attention
     numerics=Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True))

@@ -41,6 +41,9 @@ class Algorithms:
     #: programmatic dependent launch of the decode kernels (NVIDIA Hopper+): each launch overlaps
     #: the previous kernel's run; None = small grids only (``LaunchConfig.use_pdl``)
     pdl: Optional[bool]
+    #: launch each kernel's compiled binary directly after the first launch of its call class,
+    #: without Triton's per-call argument binding (:mod:`.fast_launch`; decode launches)
+    fast_launch: bool
 
 
 @dataclass(frozen=True)

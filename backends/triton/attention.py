@@ -48,12 +48,11 @@ from mm3.contract import BatchMetadata
 from mm3.contract import PagedKVCache, TopkBuffer
 from mm3.contract import SparseAttentionParams
 
+from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
+from .plans import decode_attention_plan
 from .tiles import load_query_rows, score_scale, store_rows, token_rows
-from .tl_utils import (
-    decode_launch_options, dot_config, kv_scale, kv_scale_args, launch_options, load_page, pdl_enabled,
-    pdl_prologue,
-)
+from .tl_utils import dot_config, kv_scale, kv_scale_args, launch_options, load_page, pdl_prologue
 
 __all__ = ["attention_forward"]
 
@@ -377,66 +376,48 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     """
     Hkv, G, K, B, D = params.num_kv_heads, params.gqa_group, params.topk, params.block_size, params.head_dim
     k, v, bt = caches.k, caches.v, batch.block_table
-    dot_dtype, dot_prec, scale_q = dot_config(q.dtype, k.dtype, cfg.numerics.kv_fp8_as_f16)
-    fp8_kv = k.dtype == torch.float8_e4m3fn
-    dac = cfg.decode_attention_for(fp8_kv)
     qk_scale = params.softmax_scale * LOG2E
     scales, kv_scaled = kv_scale_args(caches, q)
     sh, st, sk = topk.strides()
-    opts = launch_options(cfg)
-    common = dict(B=B, BN=min(B, dac.block_n), D=D, K=K, K_PAD=next_pow2(K),
-                  DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, KV_SCALED=kv_scaled, SCALE_Q=scale_q)
     # the page count bounds every page id the kernels read (tl_utils.load_page)
     tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()), caches.num_pages)
 
     npf = batch.num_prefills
     td = batch.num_decode_tokens
     if td > 0:
-        pdl = pdl_enabled(cfg, td, Hkv)
-        dopts = decode_launch_options(cfg, pdl)
-        splits = cfg.decode_attention_splits(td, Hkv, K, fp8_kv)
-        kps = -(-K // splits)
-        splits = -(-K // kps)
-        g_pad = max(16, next_pow2(G))
+        plan = decode_attention_plan(cfg, td, Hkv, G, K, B, D, q.dtype, k.dtype, kv_scaled)
+        fast = cfg.algorithms.fast_launch
+        splits, g_pad = plan.splits, plan.g_pad
         if splits > 1:
             ws_m = torch.empty((td, Hkv, splits, g_pad), dtype=torch.float32, device=q.device)
             ws_l = torch.empty_like(ws_m)
             ws_acc = torch.empty((td, Hkv, splits, g_pad, D), dtype=torch.float32, device=q.device)
         else:  # never touched: the single-split kernel writes the output directly
             ws_m = ws_l = ws_acc = out
-        if cfg.algorithms.decode_attention_flat:
-            items = td * Hkv * splits
-            ipp = cfg.decode_attention_flat_items_per_program(items, fp8_kv)
-            _decode_attention_flat_kernel[(-(-items // ipp),)](
-                *tensors, batch.token_to_request, batch.token_positions,
-                topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv, items, ipp, qk_scale, *scales,
-                G_PAD=g_pad, SPLITS=splits, KPS=kps, STAGES=dac.stages, PDL=pdl,
-                **common, num_warps=dac.warps, num_stages=dac.num_stages, **dopts)
-        else:
-            _decode_attention_kernel[(td, Hkv, splits)](
-                *tensors, batch.token_to_request, batch.token_positions,
-                topk.storage, sh, st, sk, out, *out.stride(), ws_m, ws_l, ws_acc, G, qk_scale, *scales,
-                G_PAD=g_pad, SPLITS=splits, KPS=kps, BRANCHLESS=cfg.algorithms.decode_attention_branchless,
-                STAGES=dac.stages, PDL=pdl, **common,
-                num_warps=dac.warps, num_stages=dac.num_stages, **dopts)
-        if splits > 1:
-            if cfg.use_merge_per_row(td, Hkv):
-                _merge_row_kernel[(td, Hkv, G)](
-                    out, *out.stride(), ws_m, ws_l, ws_acc, G, Hkv,
-                    D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), PDL=pdl, num_warps=4, **dopts)
-            else:
-                _merge_kernel[(td, Hkv)](
-                    out, *out.stride(), ws_m, ws_l, ws_acc, G,
-                    D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), PDL=pdl,
-                    num_warps=dac.warps, **dopts)
+        so = out.stride()
+        head = (*tensors, batch.token_to_request, batch.token_positions, topk.storage, sh, st, sk, out, *so,
+                ws_m, ws_l, ws_acc, G)
+        tail = (Hkv, *plan.flat_ints, qk_scale, *scales) if plan.flat_ints else (qk_scale, *scales)
+        launch(globals()[plan.kernel], plan.grid, head + tail, plan.constexprs, plan.options, fast)
+        if plan.merge:
+            extra = (Hkv,) if plan.merge == "_merge_row_kernel" else ()
+            launch(globals()[plan.merge], plan.merge_grid, (out, *so, ws_m, ws_l, ws_acc, G, *extra),
+                   plan.merge_constexprs, plan.merge_options, fast)
 
-    if npf > 0 and cfg.prefill_attention is not None:
+    if npf == 0:
+        return
+    # prefill: launch parameters from host lengths, derived per step (a step's prefills vary)
+    dot_dtype, dot_prec, scale_q = dot_config(q.dtype, k.dtype, cfg.numerics.kv_fp8_as_f16)
+    opts = launch_options(cfg)
+    common = dict(B=B, D=D, K=K, K_PAD=next_pow2(K),
+                  DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, KV_SCALED=kv_scaled, SCALE_Q=scale_q)
+    if cfg.prefill_attention is not None:
         from .prefill_attention import prefill_attention_forward  # imports this module's helpers
 
         prefill_attention_forward(q, caches, topk, batch, params, out, cfg.prefill_attention, qk_scale=qk_scale,
                                   dot_dtype=dot_dtype, dot_prec=dot_prec, scale_q=scale_q, platform_options=opts,
                                   target_programs=cfg.target_programs)
-    elif npf > 0:
+    else:
         tiles = cfg.prefill_tiles
         rows = max(tiles.rows, next_pow2(G), 16)
         m = rows // G

@@ -39,9 +39,11 @@ from mm3.contract import BatchMetadata
 from mm3.contract import PagedKVCache, TopkBuffer
 from mm3.contract import SparseAttentionParams
 
+from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
+from .plans import decode_index_plan
 from .tiles import load_query_rows, token_rows
-from .tl_utils import decode_launch_options, dot_config, launch_options, load_page, pdl_enabled, pdl_prologue
+from .tl_utils import dot_config, launch_options, load_page, pdl_prologue
 
 __all__ = ["index_topk"]
 
@@ -329,38 +331,30 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     Di = params.index_head_dim
     ik = caches.index
     bt = batch.block_table
-    dot_dtype, dot_prec, scale_q = dot_config(index_q.dtype, ik.dtype, cfg.numerics.fp8_as_f16)
     sh, st, sk = out.strides()
-    opts = launch_options(cfg)
-    common = dict(B=B, DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, SCALE_Q=scale_q,
-                  NAN_IN_MAX=cfg.numerics.nan_in_max)
 
     nd = batch.num_decodes
     if nd > 0 and batch.num_decode_tokens > 0:
-        Q = batch.decode_query_len
-        rows = Q * H
         width = bt.shape[1]
-        dic = cfg.decode_index
-        bps = cfg.decode_index_blocks_per_split(nd, width)
-        pdl = pdl_enabled(cfg, batch.num_decode_tokens, params.num_kv_heads)
-        ws = torch.empty((nd, rows, width), dtype=torch.float32, device=ik.device)
-        _decode_score_kernel[(nd, triton.cdiv(width, bps))](
-            index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages,
-            batch.query_start_loc, batch.token_positions, ws, ws.stride(0), ws.stride(1), H,
-            ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.algorithms.index_keys_as_a,
-            BN=min(B, dic.block_n), PDL=pdl, **common,
-            num_warps=dic.warps, num_stages=dic.num_stages,
-            **decode_launch_options(cfg, pdl))
-        k_pad = sort_width(K) if cfg.algorithms.topk_sort else next_pow2(K)
-        _decode_topk_kernel[(nd, rows)](
-            ws, ws.stride(0), ws.stride(1), batch.query_start_loc, batch.token_positions,
-            out.storage, sh, st, sk, H,
-            B=B, K=K, K_PAD=k_pad, NB_PAD=max(next_pow2(width), k_pad),
-            INIT=params.init_blocks, LOCAL=params.local_blocks, SORT=cfg.algorithms.topk_sort, PDL=pdl,
-            num_warps=dic.topk_warps, **decode_launch_options(cfg, pdl))
+        plan = decode_index_plan(cfg, nd, batch.decode_query_len, H, params.num_kv_heads, batch.num_decode_tokens,
+                                 width, K, B, Di, params.init_blocks, params.local_blocks, index_q.dtype, ik.dtype,
+                                 sort_width)
+        fast = cfg.algorithms.fast_launch
+        ws = torch.empty((nd, plan.rows, width), dtype=torch.float32, device=ik.device)
+        qsl, pos = batch.query_start_loc, batch.token_positions
+        launch(_decode_score_kernel, plan.score_grid,
+               (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, qsl, pos, ws,
+                ws.stride(0), ws.stride(1), H), plan.score_constexprs, plan.score_options, fast)
+        launch(_decode_topk_kernel, plan.topk_grid,
+               (ws, ws.stride(0), ws.stride(1), qsl, pos, out.storage, sh, st, sk, H),
+               plan.topk_constexprs, plan.topk_options, fast)
 
     npf = batch.num_prefills
     if npf > 0:
+        dot_dtype, dot_prec, scale_q = dot_config(index_q.dtype, ik.dtype, cfg.numerics.fp8_as_f16)
+        opts = launch_options(cfg)
+        common = dict(B=B, DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
+                      SCALE_Q=scale_q, NAN_IN_MAX=cfg.numerics.nan_in_max)
         pic = cfg.prefill_index
         rows = max(pic.rows, next_pow2(H), 16)
         m = rows // H

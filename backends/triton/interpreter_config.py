@@ -26,5 +26,6 @@ INTERPRETER_CONFIG = LaunchConfig(
     prefill_attention=PrefillAttentionConfig(rows=32, block_n=16),
     prefill_tiles=TokenTileAttentionConfig(rows=32, warps=8, block_n=64, num_stages=2),
     algorithms=Algorithms(decode_attention_flat=True, decode_attention_branchless=True, merge_per_row=None,
-                          topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=None),
+                          topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=None,
+                          fast_launch=False),
     numerics=Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True))

@@ -144,7 +144,16 @@ class TritonPlatform:
         if device.type != "cuda" or _interpreter_on():
             return INTERPRETER_CONFIG
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return _sized_config(self.launch if self.native() else self.launch.portable(), index)
+        native = self.native()
+        # every step asks: a dict lookup by the config's identity, not a hash of the whole config
+        key = (id(self.launch), index, native)
+        hit = _SIZED.get(key)
+        if hit is None or hit[0] is not self.launch:
+            hit = _SIZED[key] = (self.launch, _sized_config(self.launch if native else self.launch.portable(), index))
+        return hit[1]
+
+
+_SIZED: dict[tuple[int, int, bool], tuple[LaunchConfig, LaunchConfig]] = {}
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,6 +36,9 @@ __all__ = ["BatchMetadata"]
 #: host ints a batch caches (pre-set by :meth:`BatchMetadata.assemble`), carried by ``to()``
 _HOST_INTS = ("num_decode_tokens", "max_query_len", "max_seq_len", "max_prefill_query_len",
               "max_prefill_context_len")
+_TENSORS = ("query_start_loc", "seq_lens", "context_lens", "block_table", "token_to_request", "token_positions")
+#: host facts read back from the tensors' contents (dropped when the contents change in place)
+READ_BACK = ("query_lens", "seq_lens_host", "max_seq_len", "max_prefill_context_len")
 
 IntSeq = Union[Sequence[int], torch.Tensor]
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -199,6 +202,14 @@ class BatchMetadata:
             "decode" if self.num_decodes else "prefill"
         return f"speculative {kind}" if self.num_decodes and self.decode_query_len > 1 else kind
 
+    @cached_property
+    def shape_class(self) -> tuple[object, ...]:
+        """What a step's argument checks read of this batch, once per batch (:mod:`mm3.runtime.step`);
+        shapes only, so :meth:`update_` and :meth:`update_from_device_` (same shapes) keep it."""
+        return (self.kind, self.num_tokens, self.num_requests, self.num_decodes, self.decode_query_len,
+                self.block_size, self.seq_lens.device, self.block_table.device, self.query_start_loc.device,
+                self.token_positions.device)
+
     # -- construction ----------------------------------------------------------------
     @classmethod
     def build(cls, query_lens: IntSeq, seq_lens: IntSeq, block_table: torch.Tensor, *,
@@ -301,13 +312,13 @@ class BatchMetadata:
         sizes prefill grids). Lengths not given are read back from the tensors
         only when something asks for them.
         """
-        batch = cls(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
-                    query_start_loc=query_start_loc, seq_lens=seq_lens, context_lens=context_lens,
-                    block_table=block_table, token_to_request=token_to_request,
-                    token_positions=token_positions)
-        known = dict(num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len,
-                     max_query_len=max_query_len, max_seq_len=max_seq_len)
-        batch.__dict__.update({k: v for k, v in known.items() if v is not None})  # the cached properties
+        batch = cls.__new__(cls)  # the fields set directly: the custom ops assemble a batch per call
+        batch.__dict__.update(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
+                              query_start_loc=query_start_loc, seq_lens=seq_lens, context_lens=context_lens,
+                              block_table=block_table, token_to_request=token_to_request, host_lens=None,
+                              token_positions=token_positions, num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len)
+        batch.__dict__.update({k: v for k, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len))
+                               if v is not None})  # the cached properties
         return batch
 
     @classmethod
@@ -386,7 +397,7 @@ class BatchMetadata:
                                  f"{tuple(dst.shape)}; build a new batch for a new shape class")
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
-        for k in ("query_lens", "seq_lens_host", "max_seq_len", "max_prefill_context_len"):
+        for k in READ_BACK:
             self.__dict__.pop(k, None)
         self._derive_tokens()
         return self
@@ -413,9 +424,7 @@ class BatchMetadata:
 
     def to(self, device: Union[str, torch.device]) -> "BatchMetadata":
         """The same batch with its tensors on ``device``."""
-        fields = {f: getattr(self, f).to(device) for f in
-                  ("query_start_loc", "seq_lens", "context_lens", "block_table",
-                   "token_to_request", "token_positions")}
+        fields = {f: getattr(self, f).to(device) for f in _TENSORS}
         moved = BatchMetadata(num_decodes=self.num_decodes, decode_query_len=self.decode_query_len,
                               host_lens=self.host_lens, block_size=self.block_size, **fields)
         moved.__dict__.update({k: v for k, v in self.__dict__.items() if k in _HOST_INTS})
@@ -428,8 +437,7 @@ class BatchMetadata:
         lengths of ``self`` are *not* changed, so only use this where kernels size their
         grids from shapes alone (the decode path).
         """
-        for f in ("query_start_loc", "seq_lens", "context_lens", "block_table",
-                  "token_to_request", "token_positions"):
+        for f in _TENSORS:
             dst, src = getattr(self, f), getattr(other, f)
             if dst.shape != src.shape:
                 raise InputError(f"update_: {f} shape {tuple(src.shape)} != captured {tuple(dst.shape)}")

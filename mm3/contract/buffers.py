@@ -20,7 +20,8 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Union, cast, get_args
+from functools import cached_property
+from typing import Any, Literal, Optional, Union, cast, get_args
 
 import torch
 
@@ -183,8 +184,8 @@ class TopkBuffer:
 
     def strides(self) -> tuple[int, int, int]:
         """Element strides of the logical ``(h, t, k)`` axes, for kernels."""
-        sh, st, sk = self.head_major().stride()
-        return sh, st, sk
+        s = self._data.stride()   # the storage is [H, T, K] (head_major) or [T, H, K]
+        return (s[0], s[1], s[2]) if self._layout == "head_major" else (s[1], s[0], s[2])
 
     def rows(self, start: int, stop: int) -> "TopkBuffer":
         """Tokens ``[start, stop)`` as a buffer sharing this storage."""
@@ -369,6 +370,16 @@ class PagedKVCache:
     @property
     def device(self) -> torch.device:
         return self.k.device
+
+    @cached_property
+    def shape_class(self) -> tuple[Any, ...]:
+        """What a step's argument checks read of this cache, computed once per cache object.
+
+        Shapes, dtypes, device, scaled or not: a step whose call was checked with
+        a cache of this class skips the checks (:mod:`mm3.runtime.step`). The
+        cache's tensors must therefore not be resized in place (build a new cache).
+        """
+        return (self.k.shape, self.k.dtype, self.k.device, self.index.shape, self.index.dtype, self.kv_scaled)
 
     @property
     def kv_layout(self) -> KVCacheLayout:

@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -50,29 +50,31 @@ __all__ = ["check_page_ids", "PageIdFlag"]
 class _Seen:
     """The block tables already checked, so a step's layers and hooks check each once.
 
-    A key holds the tensors themselves (so their ids cannot be reused while
-    cached) and their in-place version counters (``update_`` for a graph
-    replay bumps them, forcing a new check).
+    Keyed by the tables' ids and in-place version counters (``update_`` for a
+    graph replay bumps them, forcing a new check); an entry holds the tensors
+    themselves, so their ids cannot be reused while it is remembered. One dict
+    lookup per step and layer.
     """
 
     def __init__(self, size: int = 8) -> None:
         self._size = size
-        self._keys: list[tuple[Any, ...]] = []
+        self._keys: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     @staticmethod
     def key(batch: BatchMetadata, num_pages: int) -> tuple[Any, ...]:
         bt, sl = batch.block_table, batch.seq_lens
-        return (bt, bt._version, sl, sl._version, batch.block_size, num_pages)
+        return (id(bt), bt._version, id(sl), sl._version, batch.block_size, num_pages), (bt, sl)
 
     def seen(self, key: tuple[Any, ...]) -> bool:
-        with self._lock:
-            return any(len(k) == len(key) and all(a is b if isinstance(a, torch.Tensor) else a == b
-                                                   for a, b in zip(k, key)) for k in self._keys)
+        held = self._keys.get(key[0])
+        return held is not None and held[0] is key[1][0] and held[1] is key[1][1]
 
     def add(self, key: tuple[Any, ...]) -> None:
         with self._lock:
-            self._keys = [key, *self._keys][: self._size]
+            self._keys[key[0]] = key[1]
+            while len(self._keys) > self._size:
+                del self._keys[next(iter(self._keys))]
 
 
 _SEEN = _Seen()        # checked on the host: known good
@@ -144,6 +146,12 @@ class PageIdFlag:
             except RuntimeError:
                 pass
         self._lock = threading.Lock()
+        # raise_pending reads the host copy only while a recorded check may still report: from a
+        # record until its copy has landed (an event says so), or for ever once a CUDA graph
+        # captured one (each replay records again, with no Python run)
+        self._armed = False
+        self._sticky = False
+        self._landed: Optional[Any] = None
 
     def record(self, batch: BatchMetadata, num_pages: int, *, always: bool = False) -> None:
         """Check ``batch``'s used entries against ``num_pages`` on the device; no host sync.
@@ -171,13 +179,24 @@ class PageIdFlag:
             keep = (self._dev[0] >= 0) | (first >= n)        # an earlier offence, or none now
             self._dev.copy_(torch.where(keep, self._dev, new))
             self._host.copy_(self._dev, non_blocking=True)
+            self._armed = True
+            self._sticky = self._sticky or always
+            self._landed = None
+            if self.device.type == "cuda" and not always:
+                self._landed = torch.cuda.Event()
+                self._landed.record()
 
     def raise_pending(self) -> None:
         """Raise :class:`InputError` if a recorded step used a bad entry (reads host memory only)."""
+        if not self._armed:
+            return
         with self._lock:
+            landed = self._landed is None or self._landed.query()   # before the read: then it is final
             r, b, page, seq_len, num_pages, block_size = (int(v) for v in self._host.tolist())
             if r < 0:
+                self._armed = self._sticky or not landed
                 return
+            self._armed = self._sticky
             self._dev.fill_(self._NONE)
             self._host.fill_(self._NONE)
         raise InputError(_message(r, b, page, seq_len, block_size, num_pages)
@@ -188,4 +207,5 @@ class PageIdFlag:
         """Wait for the device, then :meth:`raise_pending`."""
         with self._lock:
             self._host.copy_(self._dev)
+            self._armed = True
         self.raise_pending()

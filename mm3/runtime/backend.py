@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 
 __all__ = ["Backend", "DeviceLike"]
 
+#: the arguments of each op's hookspec, in order (docs/plugins.md)
+_SPEC_ARGS: dict[Op, tuple[str, ...]] = {
+    Op.INDEX_TOPK: ("index_q", "caches", "batch", "params", "out"),
+    Op.ATTENTION: ("q", "caches", "topk", "batch", "params", "out"),
+}
+
 DeviceLike = Union[str, torch.device]
 
 
@@ -68,6 +74,10 @@ class Backend:
         self._probe_cache: dict[str, Probe] = {}
         self._ops = {op: impls[op.hook] for op in Op if op in capabilities.ops and op.hook in impls}
         self._where = {op: f"{capabilities.name}.{op.hook}" for op in Op}
+        # the hook functions as positional calls (pluggy lets a hookimpl name any subset of its
+        # spec's arguments, in any order: those are called by name)
+        self._index_fn = self._positional(Op.INDEX_TOPK)
+        self._attention_fn = self._positional(Op.ATTENTION)
         self._within_limits: set[tuple[Any, ...]] = set()
 
     # -- facts ------------------------------------------------------------------
@@ -158,6 +168,14 @@ class Backend:
                 f"[H={num_heads}, T={num_tokens}, K={topk}]")
         return buf
 
+    def _positional(self, op: Op) -> Any:
+        fn = self._ops.get(op)
+        if fn is None:
+            return lambda *args: self._op(op)       # raises BackendUnavailableError
+        if tuple(fn.argnames) == _SPEC_ARGS[op]:
+            return fn.function
+        return lambda *args: call_hookimpl(fn, **dict(zip(_SPEC_ARGS[op], args)))
+
     def _op(self, op: Op) -> "pluggy.HookImpl":
         fn = self._ops.get(op)
         if fn is None:
@@ -184,8 +202,38 @@ class Backend:
         self._check_declared(Op.ATTENTION, q.dtype, caches, batch, params, topk)
         self._call(Op.ATTENTION.hook, fn, q=q, caches=caches, topk=topk, batch=batch, params=params, out=out)
 
+    def index_topk_unchecked(self, index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
+                             params: "SparseAttentionParams", out: TopkBuffer) -> None:
+        """The plugin's ``index_topk`` hook without mm3's argument checks (see :meth:`attention_forward_unchecked`)."""
+        try:
+            self._index_fn(index_q, caches, batch, params, out)
+        except Exception as e:
+            self._reraise(e, Op.INDEX_TOPK.hook)
+
+    def attention_forward_unchecked(self, q: "torch.Tensor", caches: "PagedKVCache", topk: TopkBuffer,
+                                    batch: "BatchMetadata", params: "SparseAttentionParams",
+                                    out: "torch.Tensor") -> None:
+        """The plugin's ``attention_forward`` hook without mm3's argument checks.
+
+        For a caller that ran the checked call (:meth:`attention_forward`) on this
+        call's shape class already (:class:`~mm3.runtime.step.OpTarget`): the
+        checks read shapes, dtypes and devices only, so they would pass again.
+        What the hook raises is named as in the checked call.
+        """
+        try:
+            self._attention_fn(q, caches, topk, batch, params, out)
+        except Exception as e:
+            self._reraise(e, Op.ATTENTION.hook)
+
     def _call(self, hook: str, fn: "pluggy.HookImpl", **kwargs: Any) -> Any:
-        """The plugin's ``hook``; what it raises names this backend and the hook (docs/errors.md §6).
+        """The plugin's ``hook``; what it raises is named by :meth:`_reraise`."""
+        try:
+            return call_hookimpl(fn, **kwargs)
+        except Exception as e:
+            self._reraise(e, hook)
+
+    def _reraise(self, e: Exception, hook: str) -> None:
+        """Raise what the plugin's ``hook`` raised, naming this backend and the hook (docs/errors.md §6).
 
         An mm3 error keeps its class (an ``InputError`` stays one) and gains a ``"name.hook: "``
         prefix unless its message names both already; running out of memory keeps its class and
@@ -193,22 +241,19 @@ class Backend:
         :class:`PluginError` raised from it. Either way the exception carries ``backend`` and
         ``hook`` attributes.
         """
-        try:
-            return call_hookimpl(fn, **kwargs)
-        except MM3Error as e:
+        if isinstance(e, MM3Error):
             if self.name in str(e) and hook in str(e):
                 raise _named(e, self.name, hook)
             named = type(e)(f"{self.name}.{hook}: {e}")
             named.__dict__.update(e.__dict__)
             raise _named(named, self.name, hook) from e
-        except (torch.OutOfMemoryError, MemoryError) as e:
+        if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
             _note(e, f"raised by backend {self.name!r} ({self.source}) in {hook}")
-            raise
-        except Exception as e:
-            raise _named(PluginError(
-                f"backend {self.name!r} ({self.source}) failed in {hook}: {exc_line(e)}. The step has no "
-                f"result; its rows of the top-k buffer and of out are undefined until the next step "
-                f"rewrites them (the layer stays usable)"), self.name, hook) from e
+            raise e
+        raise _named(PluginError(
+            f"backend {self.name!r} ({self.source}) failed in {hook}: {exc_line(e)}. The step has no "
+            f"result; its rows of the top-k buffer and of out are undefined until the next step "
+            f"rewrites them (the layer stays usable)"), self.name, hook) from e
 
     def _check_declared(self, op: Op, dtype: "torch.dtype", caches: "PagedKVCache", batch: "BatchMetadata",
                         params: "SparseAttentionParams", topk: TopkBuffer) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -31,11 +31,12 @@ from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.runtime.config import Settings, default_settings
 from mm3.contract.errors import InputError
-from mm3.contract.page_ids import PageIdFlag, check_page_ids
+from mm3.contract.page_ids import PageIdFlag
 from mm3.debug.guard import capturing, guard_backend
 from mm3.contract.params import SparseAttentionParams
 from mm3.runtime.backend import Backend
-from mm3.runtime.ops import OpTarget, batch_args, run_attention, run_index_topk
+from mm3.runtime.ops import batch_args
+from mm3.runtime.step import MAX_CLASSES, OpTarget
 from mm3.runtime.registry import Registry, default_registry
 from mm3.runtime.scope import current_scope
 from mm3.runtime.selection import Selection, requirements_for, select
@@ -51,8 +52,9 @@ class _Bound:
     """One resolved choice: the backends, their bound calls and the persistent buffer.
 
     ``indexer``/``attention`` are guarded unless ``check_contracts`` is
-    ``"never"``; ``fast`` holds the unguarded pair that steady-state steps use
-    in ``"first"`` mode, once ``checked`` holds the step's batch kind.
+    ``"never"``; ``target`` runs a step on them or on the unguarded pair by the
+    guard's policy (:mod:`mm3.runtime.step`); ``fast`` is the unguarded pair
+    with no policy (what compiled steps run).
     """
 
     selection: Selection
@@ -61,8 +63,22 @@ class _Bound:
     topk: TopkBuffer
     convert_to: Optional[str]  # layout the attention needs, when a per-step copy is required
     target: OpTarget           # what torch.ops.mm3.* dispatch to for this choice
-    fast: OpTarget             # the unguarded pair's target ("first" mode's steady state), else target
-    checked: set[str] = field(default_factory=set)  # batch kinds already run through the guard
+    fast: OpTarget             # the unguarded pair, no policy, no page-id check
+    #: layer-level shape classes whose inputs passed every check of the step
+    inputs_ok: set[Any] = field(default_factory=set)
+    _rows: dict[int, TopkBuffer] = field(default_factory=dict)
+
+    @property
+    def checked(self) -> set[str]:
+        """Batch kinds already run through the guard (``"first"`` mode)."""
+        return self.target.checked
+
+    def rows(self, T: int) -> TopkBuffer:
+        """``topk.rows(0, T)``, built once per token count."""
+        got = self._rows.get(T)
+        if got is None:
+            got = self._rows[T] = self.topk.rows(0, T)
+        return got
 
 
 class SparseAttention:
@@ -151,10 +167,10 @@ class SparseAttention:
         # What runs is what the trace says: both come from the selection's verdict on this buffer.
         sel = sel.for_buffer(buf)
         convert_to = att.capabilities.topk_layout if sel.converts_topk else None
-        target = OpTarget(idx, att, p, buf.layout, convert_to or buf.layout)
-        fast_target = OpTarget(*fast, p, buf.layout, convert_to or buf.layout) \
-            if self.settings.check_contracts == "first" else target
-        return _Bound(sel, idx, att, buf, convert_to, target, fast_target)
+        mode = self.settings.check_contracts
+        target = OpTarget(idx, att, p, buf.layout, convert_to or buf.layout, plain=fast if mode == "first" else None,
+                          mode=mode, page_ids=self._page_ids)
+        return _Bound(sel, idx, att, buf, convert_to, target, OpTarget(*fast, p, buf.layout, convert_to or buf.layout))
 
     @property
     def selection(self) -> Selection:
@@ -193,13 +209,10 @@ class SparseAttention:
         ``out`` (optional) may have more rows than the step; only ``[0, T)`` is written.
         """
         b = self._resolve()
-        check_step_inputs(self.params, q, index_q, caches, batch, out, dtype=self.dtype,
-                          index_dtype=self.index_dtype, kv_dtype=self.kv_dtype, device=self.device,
-                          capacity=b.topk.num_tokens, max_decode_query_len=self.max_decode_query_len)
-        T = batch.num_tokens
-        if out is None:
-            out = torch.empty_like(q)
         if torch.compiler.is_compiling():  # one opaque node per op: nothing below is traced
+            self._check_inputs(b, q, index_q, caches, batch, out)
+            T = batch.num_tokens
+            out = torch.empty_like(q) if out is None else out
             # the guard and the page-id check need the host: compiled steps take the plain pair
             args, c, handle = batch_args(batch), caches, b.fast.handle
             torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, b.topk.storage, *args, handle, c.k_scale,
@@ -207,35 +220,38 @@ class SparseAttention:
             topk = self._for_attention(b, b.topk.rows(0, T))
             torch.ops.mm3.attention(q, c.k, c.v, c.index, topk.storage, *args, handle, out, c.k_scale, c.v_scale)
             return out[:T]
-        # "first": a batch kind this pair has not run yet goes through the guard (never while
-        # capturing a CUDA graph); "always" and "never" fixed the pair when it was bound.
+        # Every check of a step reads shapes, dtypes and devices only: a step of a class that
+        # passed them all (these inputs, and the backends' own) skips them.
+        try:
+            key: Any = (caches.shape_class, batch.shape_class, q.shape, q.dtype, q.device, index_q.shape,
+                        index_q.dtype, index_q.device, None if out is None else
+                        (out.shape, out.stride(), out.dtype, out.device))
+        except AttributeError:   # not a cache, a batch or tensors: the checks say which
+            key = None
+        trusted = key is not None and key in b.inputs_ok
+        if not trusted:
+            self._check_inputs(b, q, index_q, caches, batch, out)
+        T = batch.num_tokens
+        if out is None:
+            out = torch.empty_like(q)
+        o = out if out.shape[0] == T else out[:T]
+        # the guard's policy ("first": a batch kind's first step is guarded, never while a CUDA
+        # graph is captured) and the page-id check are the target's, as for the custom ops
         graph = capturing(q)
-        kind = batch.kind
-        first = not graph and kind not in b.checked
-        self._check_page_ids(batch, caches, graph=graph,
-                             sync=first and self.settings.check_contracts != "never")
-        target = b.target if first else b.fast
-        # eager: the same functions the ops run, without the dispatcher
-        run_index_topk(target, index_q, caches, batch, b.topk)
-        run_attention(target, q, caches, self._for_attention(b, b.topk.rows(0, T)), batch, out)
-        if first and self.settings.check_contracts == "first":
-            b.checked.add(kind)
-        return out[:T]
+        topk = b.rows(T)
+        b.target.run_index_topk(index_q, caches, batch, topk, graph=graph, trusted=trusted)
+        b.target.run_attention(q, caches, self._for_attention(b, topk), batch, o, graph=graph, trusted=trusted)
+        if not trusted and key is not None:
+            if len(b.inputs_ok) >= MAX_CLASSES:
+                b.inputs_ok.clear()
+            b.inputs_ok.add(key)
+        return o
 
-    def _check_page_ids(self, batch: BatchMetadata, caches: PagedKVCache, *, graph: bool,
-                        sync: bool) -> None:
-        """Every used block-table entry must be a page of ``caches`` (docs/errors.md §2.6).
-
-        A table in host memory, or any table on a guarded step (which synchronises anyway), is
-        checked at once; else it is checked on its device without a host sync, and an offence
-        is raised at the next step (or by :meth:`check_page_ids`).
-        """
-        if not graph:
-            self._page_ids.raise_pending()
-        if sync or batch.block_table.device.type == "cpu":
-            check_page_ids(batch, caches.num_pages)
-        else:
-            self._page_ids.record(batch, caches.num_pages, always=graph)
+    def _check_inputs(self, b: _Bound, q: torch.Tensor, index_q: torch.Tensor, caches: PagedKVCache,
+                      batch: BatchMetadata, out: Optional[torch.Tensor]) -> None:
+        check_step_inputs(self.params, q, index_q, caches, batch, out, dtype=self.dtype,
+                          index_dtype=self.index_dtype, kv_dtype=self.kv_dtype, device=self.device,
+                          capacity=b.topk.num_tokens, max_decode_query_len=self.max_decode_query_len)
 
     def check_page_ids(self) -> None:
         """Wait for the device and raise :class:`~mm3.contract.errors.InputError` if a step of this

@@ -32,57 +32,15 @@ Example:
 
 from __future__ import annotations
 
-import itertools
-import threading
-import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
-from mm3.contract.errors import InputError
-
-if TYPE_CHECKING:
-    from mm3.contract.params import SparseAttentionParams
-    from mm3.runtime.backend import Backend
+from mm3.runtime.step import OpTarget
 
 __all__ = ["OpTarget", "batch_args", "batch_from_args", "run_index_topk", "run_attention"]
-
-_TARGETS: "weakref.WeakValueDictionary[int, OpTarget]" = weakref.WeakValueDictionary()
-_NEXT = itertools.count(1)
-_LOCK = threading.Lock()
-
-
-@dataclass(eq=False)
-class OpTarget:
-    """What a custom op dispatches to: the bound backends, the params, the top-k layouts.
-
-    Registered under :attr:`handle` when built; the op looks it up by that int.
-    It lives as long as its owner (the layer) holds it.
-    """
-
-    indexer: "Backend"
-    attention: "Backend"
-    params: "SparseAttentionParams"
-    topk_layout: str             # the layout of the buffer the indexer writes
-    attention_topk_layout: str   # the layout of the buffer the attention reads
-    handle: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        with _LOCK:
-            self.handle = next(_NEXT)
-            _TARGETS[self.handle] = self
-
-    @staticmethod
-    def lookup(handle: int) -> "OpTarget":
-        target = _TARGETS.get(handle)
-        if target is None:
-            raise InputError(f"mm3 op handle {handle} names no live layer; pass layer.op_target.handle of a "
-                             f"SparseAttention that is still alive")
-        return target
-
 
 #: the flattened metadata of a step: 6 tensors, then 5 host ints (the shape class)
 BatchArgs = tuple[Union[torch.Tensor, int], ...]
@@ -111,20 +69,37 @@ def batch_from_args(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, conte
                                   max_prefill_query_len=max_prefill_query_len, block_size=block_size)
 
 
+def _graph(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def run_index_topk(target: OpTarget, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
                    topk: TopkBuffer) -> None:
     """The indexer of one step into ``topk.rows(0, T)`` (what ``torch.ops.mm3.index_topk`` runs)."""
-    target.indexer.index_topk(index_q, caches, batch, target.params, topk.rows(0, batch.num_tokens))
+    target.run_index_topk(index_q, caches, batch, topk, graph=_graph(index_q))
 
 
 def run_attention(target: OpTarget, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
                   batch: BatchMetadata, out: torch.Tensor) -> None:
     """The attention of one step into ``out[:T]`` (what ``torch.ops.mm3.attention`` runs)."""
-    T = batch.num_tokens
-    target.attention.attention_forward(q, caches, topk.rows(0, T), batch, target.params, out[:T])
+    target.run_attention(q, caches, topk, batch, out, graph=_graph(q))
 
 
-@torch.library.custom_op("mm3::index_topk", mutates_args=("topk",))
+# Defined with torch.library.Library rather than the custom_op decorator: the decorator's eager
+# call runs several Python layers (autograd, ADInplaceOrView, a dynamo-disable wrapper) that cost
+# about 25 us per call on the CPU (benchmarks/NOTES.md, "Issue 16: host overhead"); a
+# CompositeExplicitAutograd kernel is one dispatcher hop. The fake kernels and the schemas'
+# mutations are what torch.compile needs, as before.
+_LIB = torch.library.Library("mm3", "DEF")
+_BATCH = ("Tensor query_start_loc, Tensor seq_lens, Tensor context_lens, Tensor block_table, "
+          "Tensor token_to_request, Tensor token_positions, int num_decodes, int decode_query_len, "
+          "int num_decode_tokens, int max_prefill_query_len, int block_size, int handle")
+_CACHES = "Tensor k, Tensor v, Tensor index"
+_SCALES = "Tensor? k_scale=None, Tensor? v_scale=None"
+_LIB.define(f"index_topk(Tensor index_q, {_CACHES}, Tensor(a!) topk, {_BATCH}, {_SCALES}) -> ()")
+_LIB.define(f"attention(Tensor q, {_CACHES}, Tensor topk, {_BATCH}, Tensor(a!) out, {_SCALES}) -> ()")
+
+
 def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
                topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                context_lens: torch.Tensor, block_table: torch.Tensor, token_to_request: torch.Tensor,
@@ -133,20 +108,12 @@ def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
                k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """The indexer of the bound backend ``handle``: writes rows ``[0, T)`` of the top-k storage ``topk``."""
     target = OpTarget.lookup(handle)
-    batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
-                            token_positions, num_decodes, decode_query_len, num_decode_tokens,
-                            max_prefill_query_len, block_size)
-    run_index_topk(target, index_q, PagedKVCache.rewrap(k, v, index, k_scale, v_scale), batch, TopkBuffer(topk, target.topk_layout))
+    batch = target.batch((query_start_loc, seq_lens, context_lens, block_table, token_to_request, token_positions),
+                         (num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len, block_size))
+    run_index_topk(target, index_q, target.caches(k, v, index, k_scale, v_scale), batch,
+                   target.topk_rows(topk, target.topk_layout, batch.num_tokens))
 
 
-@index_topk.register_fake
-def _(index_q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table,  # type: ignore[no-untyped-def]
-      token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
-      max_prefill_query_len, block_size, handle, k_scale=None, v_scale=None) -> None:
-    return None
-
-
-@torch.library.custom_op("mm3::attention", mutates_args=("out",))
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, topk: torch.Tensor,
               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
               block_table: torch.Tensor, token_to_request: torch.Tensor, token_positions: torch.Tensor,
@@ -155,14 +122,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Te
               k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """The attention of the bound backend ``handle``: reads the top-k storage, writes ``out[:T]``."""
     target = OpTarget.lookup(handle)
-    batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
-                            token_positions, num_decodes, decode_query_len, num_decode_tokens,
-                            max_prefill_query_len, block_size)
-    run_attention(target, q, PagedKVCache.rewrap(k, v, index, k_scale, v_scale), TopkBuffer(topk, target.attention_topk_layout),
-                  batch, out)
+    batch = target.batch((query_start_loc, seq_lens, context_lens, block_table, token_to_request, token_positions),
+                         (num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len, block_size))
+    run_attention(target, q, target.caches(k, v, index, k_scale, v_scale),
+                  target.topk_rows(topk, target.attention_topk_layout, batch.num_tokens), batch, out)
 
 
-@attention.register_fake
+_LIB.impl("index_topk", index_topk, "CompositeExplicitAutograd")
+_LIB.impl("attention", attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mm3::index_topk", lib=_LIB)
+def _(index_q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table,  # type: ignore[no-untyped-def]
+      token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
+      max_prefill_query_len, block_size, handle, k_scale=None, v_scale=None) -> None:
+    return None
+
+
+@torch.library.register_fake("mm3::attention", lib=_LIB)
 def _(q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table,  # type: ignore[no-untyped-def]
       token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
       max_prefill_query_len, block_size, handle, out, k_scale=None, v_scale=None) -> None:

@@ -1,0 +1,147 @@
+"""The decode launches of a shape class, derived once: grids, splits, constexprs and launch options.
+
+A decode step's launch parameters depend on shapes, dtypes and the plugin's
+:class:`LaunchConfig` only (never on lengths or positions: that is what lets
+the decode path be captured in a CUDA graph), so they are the same every step
+of a shape class. :func:`decode_attention_plan` and :func:`decode_index_plan`
+derive them on the first step of a class and return the same plan after;
+a launcher adds the step's tensors and strides.
+
+Plans are keyed by the config object's identity (each plugin sizes its config
+once per device, ``TritonPlatform.launch_config``) and held with it, so a key
+cannot outlive its config.
+
+Example:
+    >>> import torch
+    >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
+    >>> cfg = NVIDIA_LAUNCH.for_device_sms(132)
+    >>> a = decode_attention_plan(cfg, 1, 1, 8, 16, 128, 128, torch.bfloat16, torch.bfloat16, False)
+    >>> a is decode_attention_plan(cfg, 1, 1, 8, 16, 128, 128, torch.bfloat16, torch.bfloat16, False)
+    True
+    >>> a.splits, a.kernel
+    (16, '_decode_attention_flat_kernel')
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from .launch import LaunchConfig, next_pow2
+from .tl_utils import decode_launch_options, dot_config, pdl_enabled
+
+__all__ = ["DecodeAttentionPlan", "DecodeIndexPlan", "decode_attention_plan", "decode_index_plan", "MAX_PLANS"]
+
+#: plans kept before the memory starts over (a handful of decode shape classes per model)
+MAX_PLANS = 1024
+
+_PLANS: dict[Any, tuple[LaunchConfig, Any]] = {}
+_LOCK = threading.Lock()
+
+
+def _cached(cfg: LaunchConfig, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    full = (id(cfg), *key)
+    hit = _PLANS.get(full)
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    plan = make()
+    with _LOCK:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[full] = (cfg, plan)
+    return plan
+
+
+class DecodeAttentionPlan(NamedTuple):
+    """The decode attention's launches for one shape class (``kernel`` names a module-level kernel)."""
+
+    kernel: str                    # "_decode_attention_flat_kernel" or "_decode_attention_kernel"
+    grid: tuple[int, ...]
+    flat_ints: tuple[int, ...]     # (items, items per program) of the flat kernel, else ()
+    splits: int
+    g_pad: int
+    constexprs: dict[str, Any]
+    options: dict[str, Any]
+    merge: str                     # "" (one split), "_merge_row_kernel" or "_merge_kernel"
+    merge_grid: tuple[int, ...]
+    merge_constexprs: dict[str, Any]
+    merge_options: dict[str, Any]
+
+
+def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, B: int, D: int,
+                          q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_scaled: bool) -> DecodeAttentionPlan:
+    """The launches of ``td`` decode tokens' attention (see :func:`.attention.attention_forward`)."""
+    def make() -> DecodeAttentionPlan:
+        dot_dtype, dot_prec, scale_q = dot_config(q_dtype, kv_dtype, cfg.numerics.kv_fp8_as_f16)
+        fp8_kv = kv_dtype == torch.float8_e4m3fn
+        pdl = pdl_enabled(cfg, td, Hkv)
+        dopts = decode_launch_options(cfg, pdl)
+        splits = cfg.decode_attention_splits(td, Hkv, K, fp8_kv)
+        kps = -(-K // splits)
+        splits = -(-K // kps)
+        g_pad = max(16, next_pow2(G))
+        dac = cfg.decode_attention_for(fp8_kv)
+        const = dict(G_PAD=g_pad, SPLITS=splits, KPS=kps, STAGES=dac.stages, PDL=pdl, B=B,
+                     BN=min(B, dac.block_n), D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype,
+                     DOT_PREC=dot_prec, KV_SCALED=kv_scaled, SCALE_Q=scale_q)
+        opts = dict(num_warps=dac.warps, num_stages=dac.num_stages, **dopts)
+        if cfg.algorithms.decode_attention_flat:
+            items = td * Hkv * splits
+            ipp = cfg.decode_attention_flat_items_per_program(items, fp8_kv)
+            kernel, grid, flat = "_decode_attention_flat_kernel", (-(-items // ipp),), (items, ipp)
+        else:
+            kernel, grid, flat = "_decode_attention_kernel", (td, Hkv, splits), ()
+            const["BRANCHLESS"] = cfg.algorithms.decode_attention_branchless
+        merge, mgrid, mconst, mopts = "", (), {}, {}
+        if splits > 1:
+            mconst = dict(D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), PDL=pdl)
+            if cfg.use_merge_per_row(td, Hkv):
+                merge, mgrid, mopts = "_merge_row_kernel", (td, Hkv, G), dict(num_warps=4, **dopts)
+            else:
+                merge, mgrid, mopts = "_merge_kernel", (td, Hkv), dict(num_warps=dac.warps, **dopts)
+        return DecodeAttentionPlan(kernel, grid, flat, splits, g_pad, const, opts, merge, mgrid, mconst, mopts)
+
+    return _cached(cfg, ("attention", td, Hkv, G, K, B, D, q_dtype, kv_dtype, kv_scaled), make)
+
+
+class DecodeIndexPlan(NamedTuple):
+    """The decode indexer's two launches (scores, then top-k) for one shape class."""
+
+    score_grid: tuple[int, ...]
+    score_constexprs: dict[str, Any]
+    score_options: dict[str, Any]
+    topk_grid: tuple[int, ...]
+    topk_constexprs: dict[str, Any]
+    topk_options: dict[str, Any]
+    rows: int                        # query rows per request: decode_query_len x index heads
+
+
+def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_decode_tokens: int, width: int,
+                      K: int, B: int, Di: int, init: int, local: int, q_dtype: torch.dtype,
+                      index_dtype: torch.dtype, sort_width: Callable[[int], int]) -> DecodeIndexPlan:
+    """The launches of ``nd`` decode requests' indexer (see :func:`.indexer.index_topk`)."""
+    def make() -> DecodeIndexPlan:
+        dot_dtype, dot_prec, scale_q = dot_config(q_dtype, index_dtype, cfg.numerics.fp8_as_f16)
+        common = dict(B=B, DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
+                      SCALE_Q=scale_q, NAN_IN_MAX=cfg.numerics.nan_in_max)
+        rows = Q * H
+        dic = cfg.decode_index
+        bps = cfg.decode_index_blocks_per_split(nd, width)
+        pdl = pdl_enabled(cfg, num_decode_tokens, Hkv)
+        dopts = decode_launch_options(cfg, pdl)
+        k_pad = sort_width(K) if cfg.algorithms.topk_sort else next_pow2(K)
+        return DecodeIndexPlan(
+            (nd, -(-width // bps)),
+            dict(ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.algorithms.index_keys_as_a,
+                 BN=min(B, dic.block_n), PDL=pdl, **common),
+            dict(num_warps=dic.warps, num_stages=dic.num_stages, **dopts),
+            (nd, rows),
+            dict(B=B, K=K, K_PAD=k_pad, NB_PAD=max(next_pow2(width), k_pad), INIT=init, LOCAL=local,
+                 SORT=cfg.algorithms.topk_sort, PDL=pdl),
+            dict(num_warps=dic.topk_warps, **dopts),
+            rows)
+
+    return _cached(cfg, ("index", nd, Q, H, Hkv, num_decode_tokens, width, K, B, Di, init, local, q_dtype,
+                         index_dtype), make)

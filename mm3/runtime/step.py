@@ -1,0 +1,238 @@
+"""One step on a bound backend pair, with the host work it needs done once, not every step.
+
+An :class:`OpTarget` is what a :class:`~mm3.SparseAttention` layer and the
+custom ops (:mod:`mm3.runtime.ops`) run a step on. It owns the per-step
+decisions, so the eager layer and an eagerly called ``torch.ops.mm3.*`` make
+the same ones:
+
+* **which pair runs** (``Settings.check_contracts``): ``"first"`` runs the
+  first step of each batch kind through the contract guard (never while a CUDA
+  graph is captured), then the plain pair; ``"always"`` guards every step;
+  ``"never"`` none;
+* **page ids** (docs/errors.md §2.6): every block table is checked against the
+  cache once per table and version (:mod:`mm3.contract.page_ids`);
+* **argument checks, once per shape class**: the bound backend checks shapes,
+  dtypes and devices (:mod:`mm3.contract.checks`); those depend only on the
+  *shape class* of a call (:func:`call_class`), so a plain call of a class
+  already checked goes straight to the plugin's hook
+  (``Backend.index_topk_unchecked`` / ``attention_forward_unchecked``).
+
+Example:
+    >>> import torch, mm3
+    >>> from mm3.testing.factories import make_case
+    >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16,
+    ...     num_index_heads=2, index_head_dim=16, block_size=16, topk=4)
+    >>> layer = mm3.SparseAttention(p, dtype=torch.float32, max_num_tokens=16, backend="cpu_ref",
+    ...                             settings=mm3.Settings(check_contracts="first"))
+    >>> case = make_case(p, decodes=[40], prefills=[(5, 20)], dtype="float32")
+    >>> target, c, b = layer.op_target, case.caches, case.batch
+    >>> out = torch.zeros_like(case.q)
+    >>> for _ in range(2):     # a guarded first step of its kind, then a plain one
+    ...     target.run_index_topk(case.index_q, c, b, layer.topk_buffer, graph=False)
+    ...     target.run_attention(case.q, c, layer.topk_buffer, b, out, graph=False)
+    >>> sorted(target.checked), len(target.accepted)
+    (['mixed'], 2)
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from mm3.contract.batch import READ_BACK, BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.errors import InputError
+from mm3.contract.page_ids import PageIdFlag, check_page_ids
+
+if TYPE_CHECKING:
+    from mm3.contract.params import SparseAttentionParams
+    from mm3.runtime.backend import Backend
+
+__all__ = ["OpTarget", "call_class", "MAX_CLASSES"]
+
+_TARGETS: "weakref.WeakValueDictionary[int, OpTarget]" = weakref.WeakValueDictionary()
+_NEXT = itertools.count(1)
+_LOCK = threading.Lock()
+
+#: shape classes remembered per target before the memory starts over (prefill steps of every
+#: token count are each a class; the checks of a forgotten class simply run again)
+MAX_CLASSES = 4096
+
+
+def call_class(x: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata, topk: TopkBuffer,
+               out: Optional[torch.Tensor] = None) -> tuple[Any, ...]:
+    """The shape class of one hook call: everything its argument checks read, and nothing else.
+
+    ``x`` is ``index_q`` or ``q``. Shapes, dtypes and devices of the per-call
+    tensors, the top-k buffer's layout and strides, ``out``'s strides (its rows
+    must not overlap); the cache's and batch's facts come from their cached
+    :attr:`~mm3.PagedKVCache.shape_class` / :attr:`~mm3.BatchMetadata.shape_class`.
+    Raises ``AttributeError`` for arguments of the wrong type (the checks then name them).
+    """
+    s = topk.storage
+    return (x.shape, x.dtype, x.device, caches.shape_class, batch.shape_class, topk.layout, s.shape, s.stride(),
+            s.device, None if out is None else (out.shape, out.stride(), out.dtype, out.device))
+
+
+@dataclass(eq=False)
+class OpTarget:
+    """What a step runs on: the bound backends, the guard's policy, the page-id flag, the checked classes.
+
+    Registered under :attr:`handle` when built; ``torch.ops.mm3.*`` look it up by
+    that int. It lives as long as its owner (the layer) holds it.
+
+    Args:
+        indexer, attention: the pair of a checked step (guarded unless ``mode`` is ``"never"``).
+        params: the layer's parameters.
+        topk_layout / attention_topk_layout: the layouts of the buffer the indexer writes and
+            the attention reads.
+        plain: the unguarded pair of ``"first"`` mode's later steps (default: the pair above).
+        mode: ``check_contracts`` (``"first"``, ``"always"``, ``"never"``), or ``"plain"``:
+            no policy and no page-id check (what a compiled graph's ops run, host-free).
+        page_ids: the owner's device-side page-id flag (``None``: no page-id checks).
+    """
+
+    indexer: "Backend"
+    attention: "Backend"
+    params: "SparseAttentionParams"
+    topk_layout: str             # the layout of the buffer the indexer writes
+    attention_topk_layout: str   # the layout of the buffer the attention reads
+    plain: Optional[tuple["Backend", "Backend"]] = None
+    mode: str = "plain"
+    page_ids: Optional[PageIdFlag] = None
+    handle: int = field(init=False)
+    #: batch kinds whose step passed the guard ("first" mode)
+    checked: set[str] = field(default_factory=set)
+    #: shape classes (:func:`call_class`, per op) whose argument checks passed
+    accepted: set[Any] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._wrapped: dict[Any, tuple[tuple[int, ...], tuple[int, ...], Any, tuple[Any, ...]]] = {}
+        if self.plain is None:
+            self.plain = (self.indexer, self.attention)
+        # a pair that is not guarded may skip the checks of a class it ran already
+        self._trusting = self.mode in ("never", "plain") or self.plain[0] is not self.indexer
+        with _LOCK:
+            self.handle = next(_NEXT)
+            _TARGETS[self.handle] = self
+
+    @staticmethod
+    def lookup(handle: int) -> "OpTarget":
+        target = _TARGETS.get(handle)
+        if target is None:
+            raise InputError(f"mm3 op handle {handle} names no live layer; pass layer.op_target.handle of a "
+                             f"SparseAttention that is still alive")
+        return target
+
+    # -- the custom ops' arguments -------------------------------------------------------------
+    def caches(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
+               v_scale: Optional[torch.Tensor] = None) -> PagedKVCache:
+        """:meth:`PagedKVCache.rewrap` of these tensors: the same object while they are the same
+        tensors (the last one is kept, with its tensors, until other tensors come)."""
+        return self._wrap("caches", (k, v, index, k_scale, v_scale), (), PagedKVCache.rewrap)
+
+    def topk_rows(self, storage: torch.Tensor, layout: str, num_tokens: int) -> TopkBuffer:
+        """``TopkBuffer(storage, layout).rows(0, num_tokens)``, built (and checked) once while
+        ``storage`` is the same tensor."""
+        return self._wrap((layout, num_tokens), (storage,), (), lambda t: TopkBuffer(t, layout).rows(0, num_tokens))
+
+    def batch(self, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> BatchMetadata:
+        """``BatchMetadata.assemble`` of the custom ops' batch arguments (the 6 tensors, then the 5 ints).
+
+        While they are the same tensors and ints, the same batch comes back with
+        the host facts it had read from the tensors' contents dropped (an engine
+        refills them in place), so what it knows of their shapes stays known.
+        """
+        batch = self._wrap("batch", tensors, ints, lambda *t: BatchMetadata.assemble(
+            *t, num_decodes=ints[0], decode_query_len=ints[1], num_decode_tokens=ints[2],
+            max_prefill_query_len=ints[3], block_size=ints[4]))
+        known = batch.__dict__
+        for name in (*READ_BACK, "max_query_len"):   # the ops are given no max_query_len
+            known.pop(name, None)
+        return batch
+
+    def _wrap(self, slot: Any, tensors: tuple[Any, ...], ints: tuple[int, ...], make: Any) -> Any:
+        """What ``make(*tensors)`` made last for ``slot``, if these are the same tensors (and equal ints)."""
+        last = self._wrapped.get(slot)
+        ids = tuple(map(id, tensors))
+        if last is not None and last[1] == ints and last[0] == ids:   # last[3] holds them: ids stay theirs
+            return last[2]
+        made = make(*tensors)
+        self._wrapped[slot] = (ids, ints, made, tensors)
+        return made
+
+    # -- the policy ---------------------------------------------------------------------------
+    def _first(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool) -> bool:
+        """Whether this call runs the checked pair; checks the page ids on the way."""
+        if self.mode == "plain":
+            return False
+        first = not graph and batch.shape_class[0] not in self.checked
+        flag = self.page_ids
+        if flag is not None:
+            if not graph:
+                flag.raise_pending()
+            if (first and self.mode != "never") or batch.block_table.device.type == "cpu":
+                check_page_ids(batch, caches.num_pages)       # synchronises: guarded steps do anyway
+            else:
+                flag.record(batch, caches.num_pages, always=graph)
+        return first and self.mode != "never"
+
+    def _remember(self, key: Any) -> None:
+        if len(self.accepted) >= MAX_CLASSES:
+            self.accepted.clear()
+        self.accepted.add(key)
+
+    # -- the two ops --------------------------------------------------------------------------
+    def run_index_topk(self, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata, topk: TopkBuffer,
+                   *, graph: bool, trusted: bool = False) -> None:
+        """The indexer into ``topk.rows(0, T)``; ``trusted``: the caller checked this call's class already."""
+        rows = topk if topk.num_tokens == batch.num_tokens else topk.rows(0, batch.num_tokens)
+        if self._first(batch, caches, graph):
+            self.indexer.index_topk(index_q, caches, batch, self.params, rows)
+            return
+        be = self.plain[0]  # type: ignore[index]
+        key = None
+        if self._trusting and not trusted:
+            try:
+                key = ("index_topk", call_class(index_q, caches, batch, rows))
+            except AttributeError:
+                pass
+            trusted = key in self.accepted
+        if trusted:
+            be.index_topk_unchecked(index_q, caches, batch, self.params, rows)
+            return
+        be.index_topk(index_q, caches, batch, self.params, rows)
+        if key is not None:
+            self._remember(key)
+
+    def run_attention(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
+                  out: torch.Tensor, *, graph: bool, trusted: bool = False) -> None:
+        """The attention of rows ``[0, T)`` of ``topk`` into ``out[:T]``; a guarded step that
+        passes marks its batch kind checked (``"first"`` mode)."""
+        T = batch.num_tokens
+        rows = topk if topk.num_tokens == T else topk.rows(0, T)
+        o = out if out.shape[0] == T else out[:T]
+        if self._first(batch, caches, graph):
+            self.attention.attention_forward(q, caches, rows, batch, self.params, o)
+            if self.mode == "first":
+                self.checked.add(batch.shape_class[0])
+            return
+        be = self.plain[1]  # type: ignore[index]
+        key = None
+        if self._trusting and not trusted:
+            try:
+                key = ("attention", call_class(q, caches, batch, rows, o))
+            except AttributeError:
+                pass
+            trusted = key in self.accepted
+        if trusted:
+            be.attention_forward_unchecked(q, caches, rows, batch, self.params, o)
+            return
+        be.attention_forward(q, caches, rows, batch, self.params, o)
+        if key is not None:
+            self._remember(key)

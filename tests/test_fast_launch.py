@@ -1,0 +1,140 @@
+"""The fast launch path's bookkeeping, on the CPU, with a stand-in for a JIT function and its binary.
+
+What a GPU must show (the direct launch writes what Triton's launch writes, bit
+for bit, also under CUDA-graph capture) is tests/gpu/test_fast_launch_gpu.py;
+here: which launches go direct, with which arguments in which order, and
+every fallback.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mm3_backends.triton import fast_launch as fl  # noqa: E402
+
+
+class _Param:
+    def __init__(self, name: str, default: Any, constexpr: bool) -> None:
+        self.name, self.default, self.is_constexpr = name, default, constexpr
+
+
+class _Binary:
+    """A compiled kernel: records direct launches; its source signature says Triton >= 3.3."""
+
+    def __init__(self, names: list[str], calls: list, raise_on_run: bool = False) -> None:
+        self.src = type("Src", (), {"signature": {n: "x" for n in names}})()
+        self.function, self.packed_metadata = object(), object()
+        self._calls, self._raise = calls, raise_on_run
+
+    def run(self, g0: int, g1: int, g2: int, stream: int, function: Any, meta: Any, launch_meta: Any,
+            enter: Any, exit_: Any, *args: Any) -> None:
+        if self._raise:
+            raise TypeError("another calling convention")
+        self._calls.append(("direct", (g0, g1, g2), args))
+
+
+class _Jit:
+    """A JIT function ``k(x_ptr, n, s, BLOCK: constexpr, FLAG: constexpr = True)``."""
+
+    arg_names = ["x_ptr", "n", "s", "BLOCK", "FLAG"]
+    device_caches: dict = {}
+
+    def __init__(self, raise_on_run: bool = False, old_triton: bool = False) -> None:
+        e = inspect.Parameter.empty
+        self.params = [_Param("x_ptr", e, False), _Param("n", e, False), _Param("s", e, False),
+                       _Param("BLOCK", e, True), _Param("FLAG", True, True)]
+        self.calls: list = []
+        self._raise, self._old = raise_on_run, old_triton
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> _Binary:
+            self.calls.append(("triton", tuple(grid), args, kwargs))
+            names = self.arg_names[:3] if self._old else self.arg_names
+            return _Binary(names, self.calls, self._raise)
+        return launch
+
+
+@pytest.fixture(autouse=True)
+def _driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.runtime.driver import driver
+
+    active = type("Active", (), {"get_current_device": staticmethod(lambda: 0),
+                                 "get_current_stream": staticmethod(lambda d: 1234)})()
+    monkeypatch.setattr(driver, "_active", active)   # what driver.active returns
+
+
+def test_the_first_launch_of_a_class_is_tritons_then_direct_with_the_constexprs_appended() -> None:
+    fast, k, x = fl.FastLauncher(), _Jit(), torch.zeros(8)
+    for grid in ((3,), (5, 2)):
+        fast(k, grid, (x, 7, 16), {"BLOCK": 32}, {"num_warps": 4})
+    assert k.calls[0] == ("triton", (3,), (x, 7, 16), {"BLOCK": 32, "num_warps": 4})
+    # the default of FLAG is filled in, in parameter order; the grid is the call's own
+    assert k.calls[1] == ("direct", (5, 2, 1), (x, 7, 16, 32, True))
+    assert fast.stats() == {"direct": 1, "triton": 1, "disabled": 0}
+
+
+@pytest.mark.parametrize("change", ["int", "alignment", "dtype", "constexpr", "option"])
+def test_anything_triton_specializes_on_makes_a_new_class(change: str) -> None:
+    fast, k = fl.FastLauncher(), _Jit()
+    x = torch.zeros(64)
+    args, const, opts = (x, 7, 16), {"BLOCK": 32}, {"num_warps": 4}
+    fast(k, (1,), args, const, opts)
+    if change == "int":
+        args = (x, 1, 16)                      # 1 is specialized by Triton
+    elif change == "alignment":
+        args = (x[1:], 7, 16)                  # 4 bytes off a 16-byte boundary
+    elif change == "dtype":
+        args = (x.half(), 7, 16)
+    elif change == "constexpr":
+        const = {"BLOCK": 64}
+    else:
+        opts = {"num_warps": 8}
+    fast(k, (1,), args, const, opts)
+    assert [c[0] for c in k.calls] == ["triton", "triton"]
+
+
+def test_a_launcher_that_raises_falls_back_to_triton_for_good() -> None:
+    fast, k, x = fl.FastLauncher(), _Jit(raise_on_run=True), torch.zeros(8)
+    for _ in range(3):
+        fast(k, (1,), (x, 7, 16), {"BLOCK": 32}, {})
+    assert [c[0] for c in k.calls] == ["triton"] * 3
+    assert fast.stats() == {"direct": 0, "triton": 1, "disabled": 2}
+
+
+def test_an_old_triton_whose_launcher_drops_constexprs_keeps_tritons_path() -> None:
+    fast, k, x = fl.FastLauncher(), _Jit(old_triton=True), torch.zeros(8)
+    for _ in range(2):
+        fast(k, (1,), (x, 7, 16), {"BLOCK": 32}, {})
+    assert [c[0] for c in k.calls] == ["triton", "triton"]
+
+
+class _Interpreted(_Jit):
+    """As Triton's InterpretedFunction: no per-device caches of binaries."""
+
+    device_caches = property(lambda self: (_ for _ in ()).throw(AttributeError("device_caches")))
+
+
+def test_an_interpreted_kernel_and_an_installed_launch_hook_take_tritons_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fast, x = fl.FastLauncher(), torch.zeros(8)
+    interp = _Interpreted()
+    for _ in range(2):
+        fast(interp, (1,), (x, 7, 16), {"BLOCK": 32}, {})
+    hooked = _Jit()
+    monkeypatch.setattr(fl, "_hooks_installed", lambda: True)
+    for _ in range(2):
+        fast(hooked, (1,), (x, 7, 16), {"BLOCK": 32}, {})
+    assert [c[0] for c in interp.calls + hooked.calls] == ["triton"] * 4
+    assert fast.stats()["direct"] == 0
+
+
+def test_launch_without_fast_is_the_plain_triton_call() -> None:
+    k, x = _Jit(), torch.zeros(8)
+    fl.launch(k, (2,), (x, 7, 16), {"BLOCK": 32}, {"num_warps": 4}, fast=False)
+    assert k.calls == [("triton", (2,), (x, 7, 16), {"BLOCK": 32, "num_warps": 4})]
