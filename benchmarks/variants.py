@@ -25,8 +25,6 @@ __all__ = ["VARIANTS", "VariantBackend", "make_variants"]
 _SESSION1 = dict(decode_attention=dict(warps=8, stages=2, block_n=64), prefill_attention=None,
                  numerics=dict(fp8_as_f16=False, nan_in_max=False))
 _SESSION1_ALGO = dict(decode_attention_flat=False, pdl=False)
-#: issue 17: the decode attention's tiles on fp8 K/V (the default: 8 warps, one program per SM)
-_FP8_TILES = NVIDIA_LAUNCH.decode_attention_fp8 or NVIDIA_LAUNCH.decode_attention
 #: the indexer and token-tile sizes of version 1 (NOTES.md)
 _V1_SIZES = dict(decode_index=dict(block_n=64, programs_factor=1, min_blocks=4),
                  prefill_index=dict(block_n=64), prefill_tiles=dict(rows=64))
@@ -79,30 +77,25 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "grp3": (dict(prefill_attention=PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=2,
                                                             run_tiles=0)), ("prefill",)),
     "run16": (dict(prefill_attention=PrefillAttentionConfig(run_tiles=16)), ("prefill",)),
-    # session 5: the prefill indexer without (pis1) / with at most 2 (pis2) context splits per tile
+    # session 5: the prefill indexer without context splits (pis1); the session-4 indexer
+    # (128-row tiles of 8 warps, no splits)
     "pis1": (dict(prefill_index=dict(max_splits=1)), ("prefill",)),
-    "pis2": (dict(prefill_index=dict(max_splits=2)), ("prefill",)),
-    # 64-row indexer tiles of 4 warps: two programs per SM overlap one's MMA with the other's
-    # epilogue (what two programs per SM did for the prefill attention)
-    "pi64w4": (dict(prefill_index=dict(rows=64, warps=4)), ("prefill",)),
-    # issue 17 (NOTES.md, predictions first): fp8 K/V. The old path (K/V widened to bf16, the bf16
-    # tiles); the fp16 dots with the bf16 tiles (4 warps, 2 per SM, spills); the default with 4
-    # stages; 4 warps, 2 per SM, 64-key inner tiles, 2 stages (no spill); the default's 8-warp
-    # programs sized 2 per SM (two waves of one-item programs). None touches bf16 K/V, so the
-    # bf16 rows show the run's noise.
+    "pi128": (dict(prefill_index=dict(rows=128, warps=8, max_splits=1)), ("prefill",)),
+    # issue 16: decode kernels launched through Triton's own launcher (the GPU time must not change)
+    "slowlaunch": (dict(algorithms=dict(fast_launch=False)), ("decode",)),
+    # issue 17 (NOTES.md §6): fp8 K/V. The old path (K/V widened to bf16); the fp16 dots with
+    # 8-warp tiles one per SM (the first default, 0.68x) and with 4-warp 64-key tiles (0.94x).
+    # None touches bf16 K/V, so the bf16 rows show the run's noise.
     "kvbf16": (dict(numerics=dict(kv_fp8_as_f16=False), decode_attention_fp8=None), ("decode", "prefill")),
-    "kvf16t": (dict(decode_attention_fp8=None), ("decode",)),
-    "kv8s4": (dict(decode_attention_fp8=replace(_FP8_TILES, stages=4)), ("decode",)),
+    "kv8w8": (dict(decode_attention_fp8=replace(NVIDIA_LAUNCH.decode_attention, warps=8, flat_programs_per_sm=1)),
+              ("decode",)),
     "kv8bn64": (dict(decode_attention_fp8=replace(NVIDIA_LAUNCH.decode_attention, block_n=64, stages=2)),
                 ("decode",)),
-    "kv8f2": (dict(decode_attention_fp8=replace(_FP8_TILES, flat_programs_per_sm=2)), ("decode",)),
     # issue 13, session 5: no merge kernel (the run that stores a row's last partial merges the row);
     # fp32 partials (twice the workspace bytes: how much those bytes cost); both
     "pfuse": (dict(prefill_attention=dict(fused_merge=True)), ("prefill",)),
     "pws32": (dict(prefill_attention=dict(partials_fp32=True)), ("prefill",)),
     "pfuse32": (dict(prefill_attention=dict(fused_merge=True, partials_fp32=True)), ("prefill",)),
-    # issue 16: compiled decode kernels launched directly (host time; the GPU time must not change)
-    "fastlaunch": (dict(algorithms=dict(fast_launch=True)), ("decode",)),
 }
 
 

@@ -33,7 +33,7 @@ def _config(max_splits: int):  # noqa: ANN202 - a LaunchConfig
     from mm3_backends.triton.launch import override
     from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
 
-    return override(INTERPRETER_CONFIG, target_programs=256, prefill_index=dict(chunk=8, max_splits=max_splits))
+    return override(INTERPRETER_CONFIG, target_programs=256, prefill_index=dict(chunk=4, max_splits=max_splits))
 
 
 def _select(case, p: SparseAttentionParams, max_splits: int, layout: str) -> TopkBuffer:  # noqa: ANN001

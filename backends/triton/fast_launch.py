@@ -66,10 +66,12 @@ class _Kernel:
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
-        self.names: list[str] = list(fn.arg_names)
-        self.defaults = {p.name: p.default for p in fn.params if _has_default(p)}
+        self.names: list[str] = list(getattr(fn, "arg_names", ()))
+        self.defaults = {p.name: p.default for p in getattr(fn, "params", ()) if _has_default(p)}
         self.binaries: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
-        self.disabled = not hasattr(fn, "device_caches")  # an InterpretedFunction has none
+        # an InterpretedFunction has no device caches; anything else that is not a JIT function
+        # (a wrapper, a test's recorder) is launched as it asks to be
+        self.disabled = not (hasattr(fn, "device_caches") and self.names)
         self.split: Optional[tuple[Any, Any]] = None
 
     def arg_class(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
