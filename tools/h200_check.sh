@@ -8,7 +8,7 @@
 # Knobs (environment):
 #   PHASES="1" or "2"    one phase only (a full soak needs most of a call by itself:
 #                        about 10,000 steps in 340 s next to the GPU tests)
-#   SOAK_BUDGET=170      seconds of soak (0: no soak); TESTS_CAP=380; TESTS="tests/gpu"
+#   SOAK_BUDGET=170      seconds of soak (0: no soak); TESTS_CAP=380; TESTS="tests/gpu"; FIRST_STEP_CAP=45
 #   BENCH_ONLY, BENCH_VARIANTS, BENCH_PRIORITY=0, BENCH_BUDGET=80, BENCH_CAP=110: the bench rows and the
 #                        launch-config variants timed beside the defaults (benchmarks/variants.py)
 set -u
@@ -26,8 +26,8 @@ cap ${TESTS_CAP:-380} python3 -m pytest $TESTS -q -n 4 -p no:cacheprovider --dur
 if (( SOAK_BUDGET > 0 )); then
 cap $((SOAK_BUDGET + 30)) python3 -m mm3_benchmarks.soak --device cuda --backend cuda --steps 10000 --budget-s "$SOAK_BUDGET" \
     > "$OUT/soak.txt" 2>&1 &
-cap 150 python3 examples/engine_loop.py --device cuda > "$OUT/engine_loop.txt" 2>&1 &
 fi
+cap 150 python3 examples/engine_loop.py --device cuda > "$OUT/engine_loop.txt" 2>&1 &
 wait
 tail -4 "$OUT/gpu_tests.txt"; tail -6 "$OUT/soak.txt" 2>/dev/null; tail -3 "$OUT/engine_loop.txt" 2>/dev/null
 fi
@@ -36,7 +36,7 @@ fi
 {
   cap ${BENCH_CAP:-110} python3 -m mm3.cli bench --out "$OUT/b" --max-priority ${BENCH_PRIORITY:-0} --variant-priority ${BENCH_PRIORITY:-0} --peers "" \
       --budget-s ${BENCH_BUDGET:-80} --only "$BENCH_ONLY" ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"}
-  cap 45 python3 -m mm3_benchmarks.first_step_cost --device cuda --backend cuda --decodes 64 \
+  cap ${FIRST_STEP_CAP:-45} python3 -m mm3_benchmarks.first_step_cost --device cuda --backend cuda --decodes 64 \
       --context 65536 --prefills 0
   cap 40 python3 benchmarks/host_overhead.py --device cuda --tp 8 --batch 1 --context 4096
 } > "$OUT/timings.txt" 2>&1
