@@ -109,6 +109,30 @@ def test_compiled_model_has_no_graph_break_and_matches_eager() -> None:
     assert mm3_ops == ["mm3.index_topk", "mm3.attention"] * 2, calls
 
 
+def test_steps_of_other_shape_classes_do_not_recompile_every_time() -> None:
+    """The ops take the batch's host ints as SymInt: after the first change dynamo makes them
+    dynamic instead of compiling again for every new number of decodes or prefill length (an
+    ``int`` schema recompiled on each; 8 recompiles is dynamo's limit, where fullgraph fails)."""
+    torch._dynamo.reset()
+    layer = _layer()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(layer.forward, fullgraph=True, backend=backend)
+    shapes = [([70], [(5, 30)]), ([70, 40], [(9, 30)]), ([20, 40, 33], [(3, 3)]), ([40], [(12, 50), (4, 4)]),
+              ([17, 70, 40, 33], [(7, 60)]), ([33, 20], [(11, 11)]), ([50], [(2, 40)]), ([60, 61, 62], [(8, 9)])]
+    with torch.no_grad():
+        for s, (decodes, prefills) in enumerate(shapes):
+            case = make_case(P, decodes=decodes, prefills=prefills, dtype="float32", seed=s)
+            got = compiled(case.q, case.index_q, case.caches, case.batch)
+            want = layer(case.q, case.index_q, case.caches, case.batch)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(graphs) <= 3, f"{len(graphs)} compilations for {len(shapes)} steps"
+
+
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
 def test_compiled_layer_against_the_oracle(kv_dtype: torch.dtype | None) -> None:
     """The ops carry an fp8 cache's scales: dropping them would be off by the scale, far past 1e-5."""

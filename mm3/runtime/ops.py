@@ -92,8 +92,8 @@ def run_attention(target: OpTarget, q: torch.Tensor, caches: PagedKVCache, topk:
 # mutations are what torch.compile needs, as before.
 _LIB = torch.library.Library("mm3", "DEF")
 _BATCH = ("Tensor query_start_loc, Tensor seq_lens, Tensor context_lens, Tensor block_table, "
-          "Tensor token_to_request, Tensor token_positions, int num_decodes, int decode_query_len, "
-          "int num_decode_tokens, int max_prefill_query_len, int block_size, int handle")
+          "Tensor token_to_request, Tensor token_positions, SymInt num_decodes, SymInt decode_query_len, "
+          "SymInt num_decode_tokens, SymInt max_prefill_query_len, SymInt block_size, int handle")
 _CACHES = "Tensor k, Tensor v, Tensor index"
 _SCALES = "Tensor? k_scale=None, Tensor? v_scale=None"
 _LIB.define(f"index_topk(Tensor index_q, {_CACHES}, Tensor(a!) topk, {_BATCH}, {_SCALES}) -> ()")

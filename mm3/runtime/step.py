@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from mm3.contract.batch import READ_BACK, BatchMetadata
+from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import InputError
 from mm3.contract.page_ids import PageIdFlag, check_page_ids
@@ -112,7 +112,6 @@ class OpTarget:
     accepted: set[Any] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self._wrapped: dict[Any, tuple[tuple[int, ...], tuple[int, ...], Any, tuple[Any, ...]]] = {}
         if self.plain is None:
             self.plain = (self.indexer, self.attention)
         # a pair that is not guarded may skip the checks of a class it ran already
@@ -132,49 +131,39 @@ class OpTarget:
     # -- the custom ops' arguments -------------------------------------------------------------
     def caches(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
                v_scale: Optional[torch.Tensor] = None) -> PagedKVCache:
-        """:meth:`PagedKVCache.rewrap` of these tensors: the same object while they are the same
-        tensors (the last one is kept, with its tensors, until other tensors come)."""
-        return self._wrap("caches", (k, v, index, k_scale, v_scale), (), PagedKVCache.rewrap)
+        """:meth:`PagedKVCache.rewrap` of these tensors (its checks are per shape class).
+
+        Nothing the ops are given is kept past the call: under ``torch.compile``'s CUDA
+        graphs (``mode="reduce-overhead"``) an argument may live in the graph's memory
+        pool, and a reference kept across steps is an allocation the graph does not own
+        (H200: "6 tensors in the cudagraph pool not tracked as outputs")."""
+        return PagedKVCache.rewrap(k, v, index, k_scale, v_scale)
 
     def topk_rows(self, storage: torch.Tensor, layout: str, num_tokens: int) -> TopkBuffer:
-        """``TopkBuffer(storage, layout).rows(0, num_tokens)``, built (and checked) once while
-        ``storage`` is the same tensor."""
-        return self._wrap((layout, num_tokens), (storage,), (), lambda t: TopkBuffer(t, layout).rows(0, num_tokens))
+        """``TopkBuffer(storage, layout).rows(0, num_tokens)``."""
+        return TopkBuffer(storage, layout).rows(0, num_tokens)
 
     def batch(self, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> BatchMetadata:
         """``BatchMetadata.assemble`` of the custom ops' batch arguments (the 6 tensors, then the 5 ints).
 
-        While they are the same tensors and ints, the same batch comes back with
-        the host facts it had read from the tensors' contents dropped (an engine
-        refills them in place), so what it knows of their shapes stays known.
+        A new batch each call (see :meth:`caches`), so host facts read from the tensors'
+        contents are read afresh from a step an engine refilled in place.
         """
-        batch = self._wrap("batch", tensors, ints, lambda *t: BatchMetadata.assemble(
-            *t, num_decodes=ints[0], decode_query_len=ints[1], num_decode_tokens=ints[2],
-            max_prefill_query_len=ints[3], block_size=ints[4]))
-        known = batch.__dict__
-        for name in (*READ_BACK, "max_query_len"):   # the ops are given no max_query_len
-            known.pop(name, None)
-        return batch
-
-    def _wrap(self, slot: Any, tensors: tuple[Any, ...], ints: tuple[int, ...], make: Any) -> Any:
-        """What ``make(*tensors)`` made last for ``slot``, if these are the same tensors (and equal ints)."""
-        last = self._wrapped.get(slot)
-        ids = tuple(map(id, tensors))
-        if last is not None and last[1] == ints and last[0] == ids:   # last[3] holds them: ids stay theirs
-            return last[2]
-        made = make(*tensors)
-        self._wrapped[slot] = (ids, ints, made, tensors)
-        return made
+        return BatchMetadata.assemble(*tensors, num_decodes=ints[0], decode_query_len=ints[1],
+                                      num_decode_tokens=ints[2], max_prefill_query_len=ints[3],
+                                      block_size=ints[4])
 
     # -- the policy ---------------------------------------------------------------------------
-    def _first(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool) -> bool:
-        """Whether this call runs the checked pair; checks the page ids on the way."""
+    def _first(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool, start: bool) -> bool:
+        """Whether this call runs the checked pair; checks the page ids on the way. ``start``: the
+        step's first hook (the indexer), where a bad id an earlier step recorded is raised: never
+        between a step's indexer and its attention, whose own record may land in between."""
         if self.mode == "plain":
             return False
         first = not graph and batch.shape_class[0] not in self.checked
         flag = self.page_ids
         if flag is not None:
-            if not graph:
+            if start and not graph:
                 flag.raise_pending()
             if (first and self.mode != "never") or batch.block_table.device.type == "cpu":
                 check_page_ids(batch, caches.num_pages)       # synchronises: guarded steps do anyway
@@ -192,7 +181,7 @@ class OpTarget:
                    *, graph: bool, trusted: bool = False) -> None:
         """The indexer into ``topk.rows(0, T)``; ``trusted``: the caller checked this call's class already."""
         rows = topk if topk.num_tokens == batch.num_tokens else topk.rows(0, batch.num_tokens)
-        if self._first(batch, caches, graph):
+        if self._first(batch, caches, graph, start=True):
             self.indexer.index_topk(index_q, caches, batch, self.params, rows)
             return
         be = self.plain[0]  # type: ignore[index]
@@ -217,7 +206,7 @@ class OpTarget:
         T = batch.num_tokens
         rows = topk if topk.num_tokens == T else topk.rows(0, T)
         o = out if out.shape[0] == T else out[:T]
-        if self._first(batch, caches, graph):
+        if self._first(batch, caches, graph, start=False):
             self.attention.attention_forward(q, caches, rows, batch, self.params, o)
             if self.mode == "first":
                 self.checked.add(batch.shape_class[0])

@@ -46,11 +46,13 @@ def test_split_prefill_index_equals_single_pass(tp: int, context: int, index_dty
     if ties:
         idx = case.caches.index
         idx.copy_(idx[:1, :1].expand_as(idx))
-    # the grid is requests x the longest request's tiles (2 x 128 at TP8): a larger device
-    # target makes the rule split them, so both the split and the single pass run here
-    base = override(cuda_plugin.PLATFORM.launch_config(torch.device("cuda")), target_programs=1056)
+    # the grid is requests x the longest request's tiles (2 x 128 at TP8, 2 x 512 at TP1): a
+    # device target of 4 x that makes the rule split them, so the split and the single pass
+    # both run here
+    cuda_cfg = cuda_plugin.PLATFORM.launch_config(torch.device("cuda"))
+    tiles = 2 * -(-8192 // (cuda_cfg.prefill_index.rows // p.num_index_heads))
+    base = override(cuda_cfg, target_programs=4 * tiles + 8)
     cfg = override(base, prefill_index=dict(max_splits=8))
-    tiles = 2 * -(-8192 // (base.prefill_index.rows // p.num_index_heads))
     splits = cfg.prefill_index_splits(tiles, case.batch.block_table.shape[1])
     if context >= 32768:
         assert splits > 1, (tiles, case.batch.block_table.shape[1])
