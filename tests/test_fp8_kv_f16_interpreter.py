@@ -40,7 +40,8 @@ F16_TOL = (1e-2, 1.5e-4)
 def _configs() -> dict[str, object]:
     from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG as base
 
-    assert base.numerics.kv_fp8_as_f16, "the interpreter config runs the cuda plugin's fp16 path"
+    # the fp16 path in every kernel: the cuda plugin's decode, and its prefill as an option
+    assert base.numerics.kv_fp8_as_f16 and base.numerics.kv_fp8_as_f16_prefill
     return {
         "persistent_decode+block_grouped_prefill": base,
         "persistent_decode+block_tiles_prefill": override(

@@ -5,7 +5,7 @@ Grouped by :class:`.launch.LaunchConfig` beside the per-kernel tile configs
 variant proven on one vendor's GPUs may not have run on the other's.
 
 Example:
-    >>> Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True).kv_fp8_as_f16
+    >>> Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True, kv_fp8_as_f16_prefill=False).kv_fp8_as_f16
     True
 """
 
@@ -57,5 +57,7 @@ class Numerics:
     nan_in_max: bool
     #: bf16 queries against an fp8 K/V cache: both attention dots in fp16 (K and V widened
     #: e4m3 -> fp16 exactly, query rows scaled per row by a power of two whose inverse joins the
-    #: score scale, P in fp16) instead of widening K/V to bf16; every attention kernel
+    #: score scale, P in fp16) instead of widening K/V to bf16: the decode kernels
     kv_fp8_as_f16: bool
+    #: the same for the prefill kernels (token tiles and block-grouped)
+    kv_fp8_as_f16_prefill: bool

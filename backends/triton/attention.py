@@ -30,7 +30,7 @@ Scaled fp8 K/V caches (docs/spec.md §1) are loaded as fp8 (half the bytes) and
 widened to the dot dtype; the K scale of the program's KV head is folded into
 ``qk_scale`` and the V scale multiplies the accumulator once before it is
 stored (:func:`.tl_utils.kv_scale`). With bf16 queries and
-``numerics.kv_fp8_as_f16`` the dot dtype is fp16 (``SCALE_Q``: e4m3 -> fp16 is
+``numerics.kv_fp8_as_f16`` (decode kernels) / ``kv_fp8_as_f16_prefill`` (prefill kernels) the dot dtype is fp16 (``SCALE_Q``: e4m3 -> fp16 is
 one native conversion; each query row is scaled by a power of two into fp16's
 range and the inverse joins its score scale, :func:`.tiles.score_scale`).
 
@@ -407,7 +407,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     if npf == 0:
         return
     # prefill: launch parameters from host lengths, derived per step (a step's prefills vary)
-    dot_dtype, dot_prec, scale_q = dot_config(q.dtype, k.dtype, cfg.numerics.kv_fp8_as_f16)
+    dot_dtype, dot_prec, scale_q = dot_config(q.dtype, k.dtype, cfg.numerics.kv_fp8_as_f16_prefill)
     opts = launch_options(cfg)
     common = dict(B=B, D=D, K=K, K_PAD=next_pow2(K),
                   DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, KV_SCALED=kv_scaled, SCALE_Q=scale_q)
