@@ -63,6 +63,19 @@ def _time(fn: Callable[[], object], iters: int, repeat: int, sync: Callable[[], 
     return statistics.median(runs)
 
 
+def _ops_row(layer: "mm3.SparseAttention", q: torch.Tensor, iq: torch.Tensor, c: "mm3.PagedKVCache",
+             b: "mm3.BatchMetadata", out: torch.Tensor) -> Callable[[], None]:
+    """The two custom ops of one step, called eagerly (the path a compiled graph takes)."""
+    from mm3.runtime.ops import batch_args
+
+    args, h, st = batch_args(b), layer.op_target.handle, layer.topk_buffer.storage
+
+    def ops() -> None:
+        torch.ops.mm3.index_topk(iq, c.k, c.v, c.index, st, *args, h)
+        torch.ops.mm3.attention(q, c.k, c.v, c.index, st, *args, h, out)
+    return ops
+
+
 def _fast_launch_registry() -> Optional[mm3.Registry]:
     """A registry whose ``cuda`` backend launches compiled kernels directly (None: this plugin cannot)."""
     from dataclasses import replace
@@ -96,14 +109,7 @@ def measure_host_overhead(device: str = "cuda", backend: Optional[str] = None, t
                                            block_size=b.block_size, num_decode_tokens=b.num_decode_tokens)
         rows["layer, device batch"] = lambda: layer(q, iq, c, db, out)
     if hasattr(layer, "op_target"):
-        from mm3.runtime.ops import batch_args
-
-        args, h, st = batch_args(b), layer.op_target.handle, layer.topk_buffer.storage
-
-        def ops() -> None:
-            torch.ops.mm3.index_topk(iq, c.k, c.v, c.index, st, *args, h)
-            torch.ops.mm3.attention(q, c.k, c.v, c.index, st, *args, h, out)
-        rows["ops"] = ops
+        rows["ops"] = _ops_row(layer, q, iq, c, b, out)
     sel = layer.selection
     topk = layer.topk_buffer.rows(0, b.num_tokens)
     T = b.num_tokens
@@ -200,14 +206,7 @@ def measure_stub_overhead(tp: int = 8, batch: int = 1, context: int = 4096, iter
     T = b.num_tokens
     rows: dict[str, Callable[[], object]] = {"layer": lambda: layer(q, iq, c, b, out)}
     if hasattr(layer, "op_target"):
-        from mm3.runtime.ops import batch_args
-
-        args, h, st = batch_args(b), layer.op_target.handle, layer.topk_buffer.storage
-
-        def ops() -> None:
-            torch.ops.mm3.index_topk(iq, c.k, c.v, c.index, st, *args, h)
-            torch.ops.mm3.attention(q, c.k, c.v, c.index, st, *args, h, out)
-        rows["ops"] = ops
+        rows["ops"] = _ops_row(layer, q, iq, c, b, out)
     sel, topk = layer.selection, layer.topk_buffer.rows(0, T)
 
     def backends() -> None:
@@ -234,9 +233,13 @@ def _triton_launch_code(p: mm3.SparseAttentionParams, case: object, iters: int, 
 
         from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
         from mm3_backends.triton import attention, indexer
+        from mm3_backends.triton.launch import override
     except ImportError:
         return {}
-    cfg = NVIDIA_LAUNCH.for_device_sms(132)   # an H200
+    # an H200's config; Triton's own launch (stubbed below), as the fast launch needs a GPU driver
+    cfg = NVIDIA_LAUNCH.for_device_sms(132)
+    if "fast_launch" in getattr(cfg.algorithms, "__dataclass_fields__", {}):
+        cfg = override(cfg, algorithms=dict(fast_launch=False))
     c, b = case.caches, case.batch  # type: ignore[attr-defined]
     q, iq = case.q, case.index_q  # type: ignore[attr-defined]
     topk = mm3.TopkBuffer.allocate(b.num_tokens, p.num_kv_heads, p.topk, layout="token_major")

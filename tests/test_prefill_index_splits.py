@@ -46,7 +46,8 @@ def _select(case, p: SparseAttentionParams, max_splits: int, layout: str) -> Top
     return buf.rows(0, T)
 
 
-@pytest.mark.parametrize("heads, ties", [(1, True), (2, False)])
+# (two index heads with random scores and 2 splits: test_triton_interpreter.py's kernel paths)
+@pytest.mark.parametrize("heads, ties", [(1, True)])
 def test_split_selection_equals_single_pass_and_oracle(heads: int, ties: bool) -> None:
     p = SparseAttentionParams(num_heads=2 * heads, num_kv_heads=heads, head_dim=32, num_index_heads=heads,
                               index_head_dim=32, block_size=16, topk=4, init_blocks=1)

@@ -298,7 +298,7 @@ KERNEL_PATHS = {
                            numerics=dict(nan_in_max=True), decode_index=dict(num_stages=3),
                            prefill_index=dict(block_n=16)),
     # the prefill indexer's visible blocks split over 2 and 4 programs per token tile, merged
-    "prefill_index_splits": dict(prefill_index=dict(chunk=16, max_splits=4), target_programs=64),
+    "prefill_index_splits": dict(prefill_index=dict(chunk=8, max_splits=4), target_programs=64),
     "flat_attention_one_split": dict(algorithms=dict(decode_attention_flat=True),
                                      decode_attention=dict(programs_factor=1, flat_programs_per_sm=1),
                                      numerics=dict(nan_in_max=True), target_programs=3),

@@ -109,6 +109,14 @@ class TopkBuffer:
                 f"TopkBuffer(tensor.permute(1, 0, 2), {other!r})")
         self._data = data
 
+    @classmethod
+    def _checked_before(cls, data: torch.Tensor, layout: TopkLayout) -> "TopkBuffer":
+        """``TopkBuffer(data, layout)`` without the checks: for a view of a checked buffer (rows of
+        it keep its memory order) or storage of shapes and strides already checked."""
+        buf = object.__new__(cls)
+        buf._data, buf._layout = data, layout
+        return buf
+
     # -- construction ---------------------------------------------------------
     @classmethod
     def allocate(cls, num_tokens: int, num_heads: int, topk: int,
@@ -193,9 +201,10 @@ class TopkBuffer:
             raise InputError(
                 f"top-k buffer rows [{start}, {stop}) out of range: capacity is {self.num_tokens} "
                 f"tokens; allocate a larger buffer (max_num_tokens) for this step")
+        # a token range of memory in storage order is in storage order
         if self._layout == "head_major":
-            return TopkBuffer(self._data[:, start:stop], self._layout)
-        return TopkBuffer(self._data[start:stop], self._layout)
+            return TopkBuffer._checked_before(self._data[:, start:stop], self._layout)
+        return TopkBuffer._checked_before(self._data[start:stop], self._layout)
 
     # -- mutation / conversion -------------------------------------------------------
     def fill_(self, value: int) -> "TopkBuffer":

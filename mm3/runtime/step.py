@@ -110,6 +110,8 @@ class OpTarget:
     checked: set[str] = field(default_factory=set)
     #: shape classes (:func:`call_class`, per op) whose argument checks passed
     accepted: set[Any] = field(default_factory=set)
+    #: (shape, strides, dtype, layout) of top-k storage the ops were given that passed its checks
+    _topk_ok: set[Any] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if self.plain is None:
@@ -140,8 +142,16 @@ class OpTarget:
         return PagedKVCache.rewrap(k, v, index, k_scale, v_scale)
 
     def topk_rows(self, storage: torch.Tensor, layout: str, num_tokens: int) -> TopkBuffer:
-        """``TopkBuffer(storage, layout).rows(0, num_tokens)``."""
-        return TopkBuffer(storage, layout).rows(0, num_tokens)
+        """``TopkBuffer(storage, layout).rows(0, num_tokens)``, its checks run once per storage
+        shape, strides, dtype and layout (what they read)."""
+        key = (storage.shape, storage.stride(), storage.dtype, layout)
+        if key in self._topk_ok:
+            return TopkBuffer._checked_before(storage, layout).rows(0, num_tokens)
+        buf = TopkBuffer(storage, layout)
+        if len(self._topk_ok) >= MAX_CLASSES:
+            self._topk_ok.clear()
+        self._topk_ok.add(key)
+        return buf.rows(0, num_tokens)
 
     def batch(self, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> BatchMetadata:
         """``BatchMetadata.assemble`` of the custom ops' batch arguments (the 6 tensors, then the 5 ints).

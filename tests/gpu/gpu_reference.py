@@ -10,7 +10,7 @@ oracle, they share no code with any backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -77,6 +77,19 @@ def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefill
     q = torch.randn(T, params.num_heads, params.head_dim, device=dev, generator=g).to(dtype)
     index_q = torch.randn(T, params.num_index_heads, params.index_head_dim, device=dev, generator=g).to(dtype)
     return GpuCase(params, q, index_q, caches, batch)
+
+
+def capture(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """``run`` once on a side stream (compiles and warms up outside the capture), then captured."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
 
 
 def sample_tokens(batch: BatchMetadata, per_prefill: int = 24) -> list[int]:

@@ -28,7 +28,7 @@ import torch
 from mm3.contract.params import SparseAttentionParams
 from mm3_backends.cuda import plugin as cuda_plugin
 
-from gpu_reference import attention_reference, block_scores, build_case, sample_tokens, selection_errors
+from gpu_reference import attention_reference, block_scores, build_case, capture, sample_tokens, selection_errors
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -155,14 +155,7 @@ def test_fp8_kv_decode_step_in_cuda_graph(name: str) -> None:
         plugin.index_topk(iq, caches, batch, p, step)
         plugin.attention_forward(q, caches, step, batch, p, out[:T])
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()                       # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = capture(run)
 
     for replay, src in enumerate(replays):
         q.copy_(src.q)
