@@ -92,6 +92,18 @@ def capture(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def replay_step(graph: torch.cuda.CUDAGraph, q: torch.Tensor, index_q: torch.Tensor, batch: BatchMetadata,
+                out: torch.Tensor, step: object) -> None:
+    """Refill a captured step's inputs in place from ``step`` (a case: q, index_q, batch), poison
+    ``out`` and replay ``graph``."""
+    q.copy_(step.q)  # type: ignore[attr-defined]
+    index_q.copy_(step.index_q)  # type: ignore[attr-defined]
+    batch.update_(step.batch)  # type: ignore[attr-defined]
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def sample_tokens(batch: BatchMetadata, per_prefill: int = 24) -> list[int]:
     """All decode tokens, and for each prefill its first, last and ``per_prefill`` spread tokens."""
     toks = list(range(batch.num_decode_tokens))

@@ -28,7 +28,8 @@ import torch
 from mm3.contract.params import SparseAttentionParams
 from mm3_backends.cuda import plugin as cuda_plugin
 
-from gpu_reference import attention_reference, block_scores, build_case, capture, sample_tokens, selection_errors
+from gpu_reference import (attention_reference, block_scores, build_case, capture, replay_step, sample_tokens,
+                           selection_errors)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -158,12 +159,7 @@ def test_fp8_kv_decode_step_in_cuda_graph(name: str) -> None:
     graph = capture(run)
 
     for replay, src in enumerate(replays):
-        q.copy_(src.q)
-        iq.copy_(src.index_q)
-        batch.update_(src.batch)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_step(graph, q, iq, batch, out, src)
         eager_buf = plugin.alloc_topk_buffer(T, p.num_kv_heads, p.topk, caches.device)
         eager_out = torch.full_like(out[:T], float("nan"))
         plugin.index_topk(src.index_q, caches, src.batch, p, eager_buf)

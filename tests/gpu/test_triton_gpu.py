@@ -27,7 +27,8 @@ from mm3.contract.params import SparseAttentionParams
 from mm3_backends.cuda import plugin as cuda_plugin
 from mm3_backends.rocm import plugin as rocm_plugin
 
-from gpu_reference import attention_reference, block_scores, build_case, capture, sample_tokens, selection_errors
+from gpu_reference import (attention_reference, block_scores, build_case, capture, replay_step, sample_tokens,
+                           selection_errors)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -134,12 +135,7 @@ def test_decode_step_in_cuda_graph(backend: str) -> None:
 
     graph = capture(run)
 
-    q.copy_(second.q)
-    iq.copy_(second.index_q)
-    batch.update_(second.batch)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_step(graph, q, iq, batch, out, second)
 
     eager_buf = plugin.alloc_topk_buffer(T, p.num_kv_heads, p.topk, caches.device)
     eager_out = torch.full_like(out, float("nan"))
