@@ -19,7 +19,7 @@ import torch
 import mm3
 from mm3.contract.page_ids import PageIdFlag
 from mm3.debug.guard import GuardedBackend
-from mm3.runtime.ops import batch_args
+from mm3.runtime.ops import batch_args, batch_from_args
 from mm3.testing.factories import make_case
 from mm3.testing.oracle import oracle_attention, oracle_topk
 
@@ -116,10 +116,10 @@ def test_ops_on_tensors_refilled_in_place_read_the_new_step() -> None:
     torch.testing.assert_close(out.double(), _want(again), rtol=1e-5, atol=1e-5)
     # the batch the ops rebuild reads the refilled contents: nothing is kept from the last call
     args = batch_args(first.batch)
-    seen = layer.op_target.batch(args[:6], args[6:])
+    seen = batch_from_args(*args)
     assert seen.seq_lens_host == (30, 47, 9) and seen.max_seq_len == 47
     first.batch.update_(make_case(P, seed=1, **STEP).batch)
-    again_seen = layer.op_target.batch(args[:6], args[6:])
+    again_seen = batch_from_args(*args)
     assert again_seen.seq_lens_host == (40, 33, 20) and again_seen.max_seq_len == 40
 
 

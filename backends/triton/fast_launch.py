@@ -134,25 +134,17 @@ class FastLauncher:
         Triton's launch options (``num_warps``, ``launch_pdl``...)."""
         k = self._kernel(fn)
         if k.disabled or _hooks_installed():
-            self._counts["disabled"] += 1
-            fn[grid](*args, **kwargs, **options)
-            return
+            return self._through_triton(fn, grid, args, kwargs, options)
         from triton.runtime.driver import driver
 
         try:
             dev = driver.active.get_current_device()
+            key = (dev, k.arg_class(args), tuple(kwargs.items()), tuple(options.items()))
         except RuntimeError:   # no GPU driver (CPU tensors without the interpreter): Triton says why
             k.disabled = True
-            fn[grid](*args, **kwargs, **options)
-            return
-        try:
-            key = (dev, k.arg_class(args), tuple(kwargs.items()), tuple(options.items()))
+            return self._through_triton(fn, grid, args, kwargs, options)
         except (AttributeError, TypeError, IndexError):   # not the argument layout of its first call
-            key = None
-        if key is None:
-            self._counts["disabled"] += 1
-            fn[grid](*args, **kwargs, **options)
-            return
+            return self._through_triton(fn, grid, args, kwargs, options)
         kept = k.binaries.get(key)
         if kept is None:
             compiled = fn[grid](*args, **kwargs, **options)
@@ -177,10 +169,14 @@ class FastLauncher:
                          *args, *tail)
         except Exception:   # the launcher's calling convention is not the one this Triton has
             k.disabled = True
-            fn[grid](*args, **kwargs, **options)
-            self._counts["disabled"] += 1
-            return
+            return self._through_triton(fn, grid, args, kwargs, options)
         self._counts["direct"] += 1
+
+    def _through_triton(self, fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any],
+                        options: dict[str, Any]) -> None:
+        """Triton's own launch, for a kernel (or a call) the direct launch does not take."""
+        self._counts["disabled"] += 1
+        fn[grid](*args, **kwargs, **options)
 
 
 _DEFAULT = FastLauncher()

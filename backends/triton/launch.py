@@ -107,7 +107,7 @@ class LaunchConfig:
         the block table per split. Measured on the H200 (8K chunk): TP8 at 32K
         context 4 splits of 128-row tiles 490 -> 273 us; splitting where the tiles
         already fill the SMs (TP1) or where the table is short (context 0) was
-        slower (TP1 ctx 0: 152 -> 257 us), hence both conditions.
+        slower (TP1 ctx 0, 2 splits: 152 -> 206 us), hence both conditions.
 
         Example:
             >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH

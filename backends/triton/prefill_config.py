@@ -10,7 +10,7 @@ Example:
     >>> PrefillAttentionConfig(run_tiles=0, fused_merge=True)
     Traceback (most recent call last):
     ...
-    ValueError: PrefillAttentionConfig: fused_merge needs runs of tiles (run_tiles > 0)
+    ValueError: PrefillAttentionConfig: fused_merge=True needs runs of tiles, got run_tiles=0; set run_tiles > 0 (the default, 8) or fused_merge=False
 """
 
 from __future__ import annotations
@@ -59,4 +59,5 @@ class PrefillAttentionConfig:
 
     def __post_init__(self) -> None:
         if self.fused_merge and not self.run_tiles:
-            raise ValueError("PrefillAttentionConfig: fused_merge needs runs of tiles (run_tiles > 0)")
+            raise ValueError(f"PrefillAttentionConfig: fused_merge=True needs runs of tiles, got run_tiles="
+                             f"{self.run_tiles}; set run_tiles > 0 (the default, 8) or fused_merge=False")

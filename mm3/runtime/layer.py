@@ -36,7 +36,7 @@ from mm3.debug.guard import capturing, guard_backend
 from mm3.contract.params import SparseAttentionParams
 from mm3.runtime.backend import Backend
 from mm3.runtime.ops import batch_args
-from mm3.runtime.step import MAX_CLASSES, OpTarget
+from mm3.runtime.step import OpTarget, remember
 from mm3.runtime.registry import Registry, default_registry
 from mm3.runtime.scope import current_scope
 from mm3.runtime.selection import Selection, requirements_for, select
@@ -242,9 +242,7 @@ class SparseAttention:
         b.target.run_index_topk(index_q, caches, batch, topk, graph=graph, trusted=trusted)
         b.target.run_attention(q, caches, self._for_attention(b, topk), batch, o, graph=graph, trusted=trusted)
         if not trusted and key is not None:
-            if len(b.inputs_ok) >= MAX_CLASSES:
-                b.inputs_ok.clear()
-            b.inputs_ok.add(key)
+            remember(b.inputs_ok, key)
         return o
 
     def _check_inputs(self, b: _Bound, q: torch.Tensor, index_q: torch.Tensor, caches: PagedKVCache,

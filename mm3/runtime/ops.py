@@ -62,7 +62,15 @@ def batch_from_args(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, conte
                     block_table: torch.Tensor, token_to_request: torch.Tensor, token_positions: torch.Tensor,
                     num_decodes: int, decode_query_len: int, num_decode_tokens: int,
                     max_prefill_query_len: int, block_size: int) -> BatchMetadata:
-    """The inverse of :func:`batch_args` (host lengths are read back only if a backend asks)."""
+    """The inverse of :func:`batch_args` (host lengths are read back only if a backend asks).
+
+    A new batch every call, as the ops build their cache and top-k wrappers anew: nothing they
+    are given is kept past the call. Under ``torch.compile``'s CUDA graphs (``mode="reduce-overhead"``)
+    an argument may live in the graph's memory pool, and a reference kept across steps is an
+    allocation the graph does not own (H200: "6 tensors in the cudagraph pool not tracked as
+    outputs"); and an engine may refill the tensors in place, so host facts read from their
+    contents must be read afresh.
+    """
     return BatchMetadata.assemble(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
                                   token_positions, num_decodes=num_decodes, decode_query_len=decode_query_len,
                                   num_decode_tokens=num_decode_tokens,
@@ -108,9 +116,10 @@ def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
                k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """The indexer of the bound backend ``handle``: writes rows ``[0, T)`` of the top-k storage ``topk``."""
     target = OpTarget.lookup(handle)
-    batch = target.batch((query_start_loc, seq_lens, context_lens, block_table, token_to_request, token_positions),
-                         (num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len, block_size))
-    run_index_topk(target, index_q, target.caches(k, v, index, k_scale, v_scale), batch,
+    batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
+                            token_positions, num_decodes, decode_query_len, num_decode_tokens,
+                            max_prefill_query_len, block_size)
+    run_index_topk(target, index_q, PagedKVCache.rewrap(k, v, index, k_scale, v_scale), batch,
                    target.topk_rows(topk, target.topk_layout, batch.num_tokens))
 
 
@@ -122,9 +131,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Te
               k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """The attention of the bound backend ``handle``: reads the top-k storage, writes ``out[:T]``."""
     target = OpTarget.lookup(handle)
-    batch = target.batch((query_start_loc, seq_lens, context_lens, block_table, token_to_request, token_positions),
-                         (num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len, block_size))
-    run_attention(target, q, target.caches(k, v, index, k_scale, v_scale),
+    batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
+                            token_positions, num_decodes, decode_query_len, num_decode_tokens,
+                            max_prefill_query_len, block_size)
+    run_attention(target, q, PagedKVCache.rewrap(k, v, index, k_scale, v_scale),
                   target.topk_rows(topk, target.attention_topk_layout, batch.num_tokens), batch, out)
 
 

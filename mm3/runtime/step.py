@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from mm3.contract.params import SparseAttentionParams
     from mm3.runtime.backend import Backend
 
-__all__ = ["OpTarget", "call_class", "MAX_CLASSES"]
+__all__ = ["OpTarget", "call_class", "remember", "MAX_CLASSES"]
 
 _TARGETS: "weakref.WeakValueDictionary[int, OpTarget]" = weakref.WeakValueDictionary()
 _NEXT = itertools.count(1)
@@ -62,6 +62,13 @@ _LOCK = threading.Lock()
 #: shape classes remembered per target before the memory starts over (prefill steps of every
 #: token count are each a class; the checks of a forgotten class simply run again)
 MAX_CLASSES = 4096
+
+
+def remember(seen: set[Any], key: Any) -> None:
+    """Add ``key`` to the memo ``seen``, which starts over at :data:`MAX_CLASSES` entries."""
+    if len(seen) >= MAX_CLASSES:
+        seen.clear()
+    seen.add(key)
 
 
 def call_class(x: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata, topk: TopkBuffer,
@@ -131,16 +138,6 @@ class OpTarget:
         return target
 
     # -- the custom ops' arguments -------------------------------------------------------------
-    def caches(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
-               v_scale: Optional[torch.Tensor] = None) -> PagedKVCache:
-        """:meth:`PagedKVCache.rewrap` of these tensors (its checks are per shape class).
-
-        Nothing the ops are given is kept past the call: under ``torch.compile``'s CUDA
-        graphs (``mode="reduce-overhead"``) an argument may live in the graph's memory
-        pool, and a reference kept across steps is an allocation the graph does not own
-        (H200: "6 tensors in the cudagraph pool not tracked as outputs")."""
-        return PagedKVCache.rewrap(k, v, index, k_scale, v_scale)
-
     def topk_rows(self, storage: torch.Tensor, layout: str, num_tokens: int) -> TopkBuffer:
         """``TopkBuffer(storage, layout).rows(0, num_tokens)``, its checks run once per storage
         shape, strides, dtype and layout (what they read)."""
@@ -148,20 +145,8 @@ class OpTarget:
         if key in self._topk_ok:
             return TopkBuffer._checked_before(storage, layout).rows(0, num_tokens)
         buf = TopkBuffer(storage, layout)
-        if len(self._topk_ok) >= MAX_CLASSES:
-            self._topk_ok.clear()
-        self._topk_ok.add(key)
+        remember(self._topk_ok, key)
         return buf.rows(0, num_tokens)
-
-    def batch(self, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> BatchMetadata:
-        """``BatchMetadata.assemble`` of the custom ops' batch arguments (the 6 tensors, then the 5 ints).
-
-        A new batch each call (see :meth:`caches`), so host facts read from the tensors'
-        contents are read afresh from a step an engine refilled in place.
-        """
-        return BatchMetadata.assemble(*tensors, num_decodes=ints[0], decode_query_len=ints[1],
-                                      num_decode_tokens=ints[2], max_prefill_query_len=ints[3],
-                                      block_size=ints[4])
 
     # -- the policy ---------------------------------------------------------------------------
     def _first(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool, start: bool) -> bool:
@@ -181,57 +166,50 @@ class OpTarget:
                 flag.record(batch, caches.num_pages, always=graph)
         return first and self.mode != "never"
 
-    def _remember(self, key: Any) -> None:
-        if len(self.accepted) >= MAX_CLASSES:
-            self.accepted.clear()
-        self.accepted.add(key)
-
     # -- the two ops --------------------------------------------------------------------------
     def run_index_topk(self, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata, topk: TopkBuffer,
-                   *, graph: bool, trusted: bool = False) -> None:
+                       *, graph: bool, trusted: bool = False) -> None:
         """The indexer into ``topk.rows(0, T)``; ``trusted``: the caller checked this call's class already."""
         rows = topk if topk.num_tokens == batch.num_tokens else topk.rows(0, batch.num_tokens)
+        args = (index_q, caches, batch, self.params, rows)
         if self._first(batch, caches, graph, start=True):
-            self.indexer.index_topk(index_q, caches, batch, self.params, rows)
+            self.indexer.index_topk(*args)
             return
         be = self.plain[0]  # type: ignore[index]
-        key = None
-        if self._trusting and not trusted:
-            try:
-                key = ("index_topk", call_class(index_q, caches, batch, rows))
-            except AttributeError:
-                pass
-            trusted = key in self.accepted
-        if trusted:
-            be.index_topk_unchecked(index_q, caches, batch, self.params, rows)
-            return
-        be.index_topk(index_q, caches, batch, self.params, rows)
-        if key is not None:
-            self._remember(key)
+        self._run_plain("index_topk", (index_q, caches, batch, rows), be.index_topk, be.index_topk_unchecked,
+                        args, trusted)
 
     def run_attention(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
-                  out: torch.Tensor, *, graph: bool, trusted: bool = False) -> None:
+                      out: torch.Tensor, *, graph: bool, trusted: bool = False) -> None:
         """The attention of rows ``[0, T)`` of ``topk`` into ``out[:T]``; a guarded step that
         passes marks its batch kind checked (``"first"`` mode)."""
         T = batch.num_tokens
         rows = topk if topk.num_tokens == T else topk.rows(0, T)
         o = out if out.shape[0] == T else out[:T]
+        args = (q, caches, rows, batch, self.params, o)
         if self._first(batch, caches, graph, start=False):
-            self.attention.attention_forward(q, caches, rows, batch, self.params, o)
+            self.attention.attention_forward(*args)
             if self.mode == "first":
                 self.checked.add(batch.shape_class[0])
             return
         be = self.plain[1]  # type: ignore[index]
+        self._run_plain("attention", (q, caches, batch, rows, o), be.attention_forward,
+                        be.attention_forward_unchecked, args, trusted)
+
+    def _run_plain(self, op: str, class_args: tuple[Any, ...], checked: Any, unchecked: Any,
+                   args: tuple[Any, ...], trusted: bool) -> None:
+        """``unchecked(*args)`` if this call's shape class passed ``checked``'s checks before, else
+        ``checked(*args)`` (remembering the class when it passes)."""
         key = None
         if self._trusting and not trusted:
             try:
-                key = ("attention", call_class(q, caches, batch, rows, o))
-            except AttributeError:
+                key = (op, call_class(*class_args))
+            except AttributeError:   # arguments of the wrong type: the checked call names them
                 pass
             trusted = key in self.accepted
         if trusted:
-            be.attention_forward_unchecked(q, caches, rows, batch, self.params, o)
+            unchecked(*args)
             return
-        be.attention_forward(q, caches, rows, batch, self.params, o)
+        checked(*args)
         if key is not None:
-            self._remember(key)
+            remember(self.accepted, key)
