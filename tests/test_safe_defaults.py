@@ -270,3 +270,27 @@ def test_device_flag_records_without_reading_a_value_on_the_host() -> None:
         flag.record(_with_page(case, 1, 0, pages + 3), pages, always=True)
     with pytest.raises(InputError, match=rf"block_table\[1, 0\] = {pages + 3}"):
         flag.raise_pending()
+
+
+def test_a_captured_step_checks_its_table_once_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under capture (``always``) a layer's attention skips the table its indexer just recorded;
+    an attention captured on its own, or a new table, is checked."""
+    import mm3.contract.page_ids as page_ids
+
+    case = _case("mixed")
+    bad = _with_page(case, 1, 0, -2)
+    pages = case.caches.num_pages
+    checks: list[int] = []
+    real = page_ids._bad_entries
+    monkeypatch.setattr(page_ids, "_bad_entries", lambda *a: checks.append(1) or real(*a))
+    flag = PageIdFlag("cpu")
+    flag.record(case.batch, pages, always=True, start=True)         # the step's indexer
+    flag.record(case.batch, pages, always=True, start=False)        # its attention: same table
+    assert len(checks) == 1
+    flag.record(case.batch, pages, always=True, start=False)        # an attention on its own
+    assert len(checks) == 2
+    flag.record(case.batch, pages, always=True, start=True)
+    flag.record(bad, pages, always=True, start=False)               # another table: checked
+    assert len(checks) == 4
+    with pytest.raises(InputError, match=r"block_table\[1, 0\] = -2"):
+        flag.raise_pending()

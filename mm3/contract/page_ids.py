@@ -152,15 +152,23 @@ class PageIdFlag:
         self._armed = False
         self._sticky = False
         self._landed: Optional[Any] = None
+        # the table a captured step's first hook recorded: its second hook (same table, same
+        # replay) need not capture the check again
+        self._captured: Optional[tuple[Any, ...]] = None
 
-    def record(self, batch: BatchMetadata, num_pages: int, *, always: bool = False) -> None:
+    def record(self, batch: BatchMetadata, num_pages: int, *, always: bool = False, start: bool = True) -> None:
         """Check ``batch``'s used entries against ``num_pages`` on the device; no host sync.
 
         A block table already recorded (by any flag: every layer of a step shares the table)
-        is skipped unless ``always`` (CUDA-graph capture: the replays must check).
+        is skipped unless ``always`` (CUDA-graph capture: the replays must check). Under
+        capture, ``start=False`` (a step's later hook) skips the table the same flag's step
+        start recorded just before: one check per layer and replay, not one per hook.
         """
         R, M = batch.block_table.shape
         key = _Seen.key(batch, num_pages)
+        captured, self._captured = self._captured, (key[0] if always and start else None)
+        if always and not start and captured == key[0]:
+            return
         if R == 0 or M == 0 or (not always and (_RECORDED.seen(key) or _SEEN.seen(key))):
             return
         _RECORDED.add(key)

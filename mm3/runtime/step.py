@@ -163,7 +163,7 @@ class OpTarget:
             if (first and self.mode != "never") or batch.block_table.device.type == "cpu":
                 check_page_ids(batch, caches.num_pages)       # synchronises: guarded steps do anyway
             else:
-                flag.record(batch, caches.num_pages, always=graph)
+                flag.record(batch, caches.num_pages, always=graph, start=start)
         return first and self.mode != "never"
 
     # -- the two ops --------------------------------------------------------------------------
