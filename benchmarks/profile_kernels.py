@@ -62,8 +62,8 @@ def step_of(case: str, backend: str = "cuda", device: str = "cuda") -> Callable[
     return step
 
 
-def _graph_kernels(device: str = "cuda") -> dict[str, float]:
-    """Device time (us) per replay of each kernel of one TP8 batch-1 / 4K layer forward in a CUDA graph."""
+def _graph_kernels(device: str = "cuda") -> dict[str, tuple[float, float]]:
+    """(device us, launches) per replay of each kernel of one TP8 batch-1 / 4K layer forward in a CUDA graph."""
     from mm3.testing.factories import make_case
 
     p = SparseAttentionParams.minimax_m3(tp_size=8)
@@ -82,7 +82,7 @@ def _graph_kernels(device: str = "cuda") -> dict[str, float]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fwd()
-    return kernel_breakdown(graph.replay, reps=20)
+    return kernel_breakdown(graph.replay, reps=20, counts=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3, help="unprofiled steps first (compile, caches)")
     args = ap.parse_args(argv)
     if args.case.startswith("graph"):
-        for name, us in _graph_kernels().items():
-            print(f"{us:9.2f} us  {name}")
+        rows = _graph_kernels()
+        for name, (us, n) in rows.items():
+            print(f"{us:9.2f} us {n:5.1f}x  {name}")
+        print(f"{sum(us for us, _ in rows.values()):9.2f} us {sum(n for _, n in rows.values()):5.1f}x  in all")
         return
     step = step_of(args.case, args.backend)
     for _ in range(args.warmup):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -186,10 +186,11 @@ def ceilings(timer: Timer, *, copy_bytes: int, matmul_n: int) -> dict[str, dict]
     }
 
 
-def kernel_breakdown(fn: Fn, reps: int = 5) -> dict[str, float]:
-    """Mean device time (us) per launch of each kernel ``fn`` runs, eagerly, from the profiler.
+def kernel_breakdown(fn: Fn, reps: int = 5, counts: bool = False) -> dict[str, Any]:
+    """Device time (us) per call of ``fn`` spent in each kernel it runs, from the profiler.
 
     Launch gaps are not included: compare the sum with the graph time to see them.
+    ``counts``: each value is ``(us, launches per call)`` instead.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -205,5 +206,5 @@ def kernel_breakdown(fn: Fn, reps: int = 5) -> dict[str, float]:
         if dev_us is None:
             dev_us = getattr(e, "cuda_time_total", 0.0)
         if dev_us and e.count:
-            out[e.key[:60]] = dev_us / reps
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+            out[e.key[:60]] = (dev_us / reps, e.count / reps) if counts else dev_us / reps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0] if counts else -kv[1]))
