@@ -256,6 +256,27 @@ def _triton_launch_code(p: mm3.SparseAttentionParams, case: object, iters: int, 
         JITFunction.__getitem__ = saved  # type: ignore[method-assign]
 
 
+def profile_layer(device: str, backend: Optional[str], tp: int, batch: int, context: int, n: int,
+                  top: int = 30) -> None:
+    """Print where the host time of ``n`` eager layer forwards goes (cProfile, by own time)."""
+    import cProfile
+    import pstats
+
+    p = mm3.SparseAttentionParams.minimax_m3(tp_size=tp)
+    name = backend or ("cuda" if device.startswith("cuda") else "cpu_ref")
+    layer = mm3.SparseAttention(p, device=device, max_num_tokens=max(64, batch), backend=name)
+    case = make_case(p, decodes=[context] * batch, device=device, seed=0)
+    out = torch.empty_like(case.q)
+    for _ in range(20):
+        layer(case.q, case.index_q, case.caches, case.batch, out)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        layer(case.q, case.index_q, case.caches, case.batch, out)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description="host time per SparseAttention forward (us)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -267,7 +288,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--stub", action="store_true", help="mm3's and the Triton plugin's host code alone, on the CPU")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="instead: N layer forwards under cProfile, the top functions by own time")
     a = ap.parse_args(argv)
+    if a.cprofile:
+        profile_layer(a.device, a.backend, a.tp, a.batch, a.context, a.cprofile)
+        return
     if a.stub:
         res = measure_stub_overhead(a.tp, a.batch, a.context, max(a.iters, 2000), max(a.repeat, 7))
     else:
