@@ -47,18 +47,42 @@ def _installed(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _hook_holder() -> Any:
+    """Where this Triton keeps its launch hooks (looked up once: an import per launch costs ~1 us)."""
+    global _HOOKS
+    if _HOOKS is None:
+        try:
+            from triton import knobs
+
+            _HOOKS = knobs.runtime
+            _HOOKS.launch_enter_hook  # noqa: B018 (an old knobs module lacks it)
+        except (ImportError, AttributeError):  # Triton < 3.4 keeps them on CompiledKernel
+            from triton.compiler import CompiledKernel
+
+            _HOOKS = CompiledKernel
+    return _HOOKS
+
+
+_HOOKS: Any = None
+
+
 def _hooks_installed() -> bool:
     """A launch enter/exit hook (a profiler) needs Triton's launch metadata: take its path then."""
-    try:
-        from triton import knobs
+    h = _hook_holder()
+    return _installed(getattr(h, "launch_enter_hook", None)) or _installed(getattr(h, "launch_exit_hook", None))
 
-        rt = knobs.runtime
-        return _installed(rt.launch_enter_hook) or _installed(rt.launch_exit_hook)
-    except (ImportError, AttributeError):  # Triton < 3.4 keeps them on CompiledKernel
-        from triton.compiler import CompiledKernel
 
-        return _installed(getattr(CompiledKernel, "launch_enter_hook", None)) or \
-            _installed(getattr(CompiledKernel, "launch_exit_hook", None))
+def _driver() -> Any:
+    """Triton's driver proxy (imported once)."""
+    global _DRIVER
+    if _DRIVER is None:
+        from triton.runtime.driver import driver
+
+        _DRIVER = driver
+    return _DRIVER
+
+
+_DRIVER: Any = None
 
 
 class _Kernel:
@@ -135,10 +159,9 @@ class FastLauncher:
         k = self._kernel(fn)
         if k.disabled or _hooks_installed():
             return self._through_triton(fn, grid, args, kwargs, options)
-        from triton.runtime.driver import driver
-
         try:
-            dev = driver.active.get_current_device()
+            active = _driver().active
+            dev = active.get_current_device()
             key = (dev, k.arg_class(args), tuple(kwargs.items()), tuple(options.items()))
         except RuntimeError:   # no GPU driver (CPU tensors without the interpreter): Triton says why
             k.disabled = True
@@ -163,7 +186,7 @@ class FastLauncher:
             return
         compiled, tail = kept
         g = (*grid, 1, 1)
-        stream = driver.active.get_current_stream(dev)
+        stream = active.get_current_stream(dev)
         try:
             compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
                          *args, *tail)
