@@ -27,7 +27,8 @@ NVIDIA_LAUNCH = LaunchConfig(
     # TP1 ctx 0 152 -> 138 us, 32K 926 -> 886 us); 64-key inner tiles; top-K merged every 32
     # blocks; a tile's blocks split over up to 8 programs when the tiles do not fill the SMs
     # (TP8 32K: 490 -> 228 us)
-    prefill_index=PrefillIndexConfig(rows=64, warps=4, block_n=64, chunk=32, num_stages=2, max_splits=8),
+    prefill_index=PrefillIndexConfig(rows=64, warps=4, block_n=64, chunk=32, num_stages=2, max_splits=8,
+                                     unmasked_full=False, sorted_merge=False, static_key_stride=False),
     # 4 warps: two persistent programs per SM (H200: 80 vs 95 us at TP1 b64 64K); a whole
     # 128-key block per inner tile (1.03-1.08x over 64)
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
