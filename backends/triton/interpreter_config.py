@@ -20,7 +20,7 @@ INTERPRETER_CONFIG = LaunchConfig(
     decode_index=DecodeIndexConfig(min_blocks=1, max_blocks=128, warps=4, topk_warps=4, programs_factor=2,
                                    block_n=16, num_stages=2),
     prefill_index=PrefillIndexConfig(rows=32, warps=8, block_n=64, chunk=32, num_stages=2, max_splits=4,
-                                     unmasked_full=False, sorted_merge=False, static_key_stride=False),
+                                     unmasked_full=True, sorted_merge=True, static_key_stride=True),
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
                                            flat_programs_per_sm=2, block_n=16),
     decode_attention_fp8=None,
