@@ -25,9 +25,11 @@ __all__ = ["VARIANTS", "VariantBackend", "make_variants"]
 _SESSION1 = dict(decode_attention=dict(warps=8, stages=2, block_n=64), prefill_attention=None,
                  numerics=dict(fp8_as_f16=False, nan_in_max=False))
 _SESSION1_ALGO = dict(decode_attention_flat=False, pdl=False)
+#: the chunked prefill indexer without its session-6 instruction cuts (earlier variants keep it)
+_PI_PLAIN = dict(unmasked_full=False, sorted_merge=False, static_key_stride=False)
 #: the indexer and token-tile sizes of version 1 (NOTES.md)
 _V1_SIZES = dict(decode_index=dict(block_n=64, programs_factor=1, min_blocks=4),
-                 prefill_index=dict(block_n=64), prefill_tiles=dict(rows=64))
+                 prefill_index=dict(_PI_PLAIN, block_n=64), prefill_tiles=dict(rows=64))
 
 #: name -> (``override`` arguments of the LaunchConfig, step kinds it changes)
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
@@ -41,7 +43,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "v1": (dict(_SESSION1, **_V1_SIZES, algorithms=dict(_SESSION1_ALGO, merge_per_row=False)),
            ("decode", "prefill")),
     # the defaults session 1 ended with (version 2)
-    "v2": (dict(_SESSION1, algorithms=_SESSION1_ALGO, prefill_index=dict(block_n=128)), ("decode", "prefill")),
+    "v2": (dict(_SESSION1, algorithms=_SESSION1_ALGO, prefill_index=dict(_PI_PLAIN, block_n=128)),
+           ("decode", "prefill")),
     # candidates
     "mrow": (dict(algorithms=dict(merge_per_row=True)), ("decode",)),
     "nomrow": (dict(algorithms=dict(merge_per_row=False)), ("decode",)),
@@ -79,8 +82,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "run16": (dict(prefill_attention=PrefillAttentionConfig(run_tiles=16)), ("prefill",)),
     # session 5: the prefill indexer without context splits (pis1); the session-4 indexer
     # (128-row tiles of 8 warps, no splits)
-    "pis1": (dict(prefill_index=dict(max_splits=1)), ("prefill",)),
-    "pi128": (dict(prefill_index=dict(rows=128, warps=8, max_splits=1)), ("prefill",)),
+    "pis1": (dict(prefill_index=dict(_PI_PLAIN, max_splits=1)), ("prefill",)),
+    "pi128": (dict(prefill_index=dict(_PI_PLAIN, rows=128, warps=8, max_splits=1)), ("prefill",)),
     # issue 16: decode kernels launched through Triton's own launcher (the GPU time must not change)
     "slowlaunch": (dict(algorithms=dict(fast_launch=False)), ("decode",)),
     # issue 17 (NOTES.md §6): fp8 K/V. The old path (K/V widened to bf16); the fp16 dots with
@@ -98,6 +101,14 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "pfuse": (dict(prefill_attention=dict(fused_merge=True)), ("prefill",)),
     "pws32": (dict(prefill_attention=dict(partials_fp32=True)), ("prefill",)),
     "pfuse32": (dict(prefill_attention=dict(fused_merge=True, partials_fp32=True)), ("prefill",)),
+    # issue 13, session 6 (NOTES.md §5): the chunked prefill indexer's instruction cuts. The default
+    # has all three; pi13s5 is the session-5 default (none), pimask / pisort / pistride add one
+    # each to it, pi128f is the default on 128-row tiles of 8 warps (two 8-warp programs per SM)
+    "pi13s5": (dict(prefill_index=_PI_PLAIN), ("prefill",)),
+    "pimask": (dict(prefill_index=dict(_PI_PLAIN, unmasked_full=True)), ("prefill",)),
+    "pisort": (dict(prefill_index=dict(_PI_PLAIN, sorted_merge=True)), ("prefill",)),
+    "pistride": (dict(prefill_index=dict(_PI_PLAIN, static_key_stride=True)), ("prefill",)),
+    "pi128f": (dict(prefill_index=dict(rows=128, warps=8)), ("prefill",)),
 }
 
 

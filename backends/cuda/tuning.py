@@ -26,8 +26,11 @@ NVIDIA_LAUNCH = LaunchConfig(
     # 64-row tiles of 4 warps, two programs per SM (H200, 8K chunk, against 128 rows / 8 warps:
     # TP1 ctx 0 152 -> 138 us, 32K 926 -> 886 us); 64-key inner tiles; top-K merged every 32
     # blocks; a tile's blocks split over up to 8 programs when the tiles do not fill the SMs
-    # (TP8 32K: 490 -> 228 us)
-    prefill_index=PrefillIndexConfig(rows=64, warps=4, block_n=64, chunk=32, num_stages=2, max_splits=8),
+    # (TP8 32K: 490 -> 228 us). The three instruction cuts (Triton 3.6, sm_90, TP1 bf16: 254 -> 128
+    # registers, no spills; ~520 -> ~310 instructions per block and warp, counted in the SASS) are
+    # not yet timed on the H200: variant pi13s5 is the default without them (benchmarks/NOTES.md §5)
+    prefill_index=PrefillIndexConfig(rows=64, warps=4, block_n=64, chunk=32, num_stages=2, max_splits=8,
+                                     unmasked_full=True, sorted_merge=True, static_key_stride=True),
     # 4 warps: two persistent programs per SM (H200: 80 vs 95 us at TP1 b64 64K); a whole
     # 128-key block per inner tile (1.03-1.08x over 64)
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,

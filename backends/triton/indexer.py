@@ -59,10 +59,20 @@ def _max_keep_nan(a, b):
 
 
 @triton.jit
+def _causal_mask(s, key_pos, pos, KEYS_A: tl.constexpr):
+    """Scores (``[BN, ROWS]`` with ``KEYS_A``, else ``[ROWS, BN]``) set to -inf where the key comes after the row."""
+    if KEYS_A:
+        s = tl.where(key_pos[:, None] <= pos[None, :], s, float("-inf"))
+    else:
+        s = tl.where(key_pos[None, :] <= pos[:, None], s, float("-inf"))
+    return s
+
+
+@triton.jit
 def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
                       ROWS: tl.constexpr, B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_A: tl.constexpr = False,
-                      NAN_IN_MAX: tl.constexpr = False):
+                      NAN_IN_MAX: tl.constexpr = False, pos_min=0, MASK_ALL: tl.constexpr = True):
     """Max over block ``b``'s visible keys (``j <= pos``) of ``<q_row, key_j>``, per row; NaN -> -1e30.
 
     Keys are read ``BN`` at a time to bound register use. With ``KEYS_A`` the
@@ -72,7 +82,11 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
     ``row_scale`` (fp32, ``[ROWS]``, positive) undoes a per-row scaling of
     ``q`` (see :func:`.tiles.load_query_rows`); the max commutes with it.
     With ``NAN_IN_MAX`` a NaN score is carried by the max itself (one row
-    reduction per key tile instead of two).
+    reduction per key tile instead of two). Without ``MASK_ALL`` a key tile
+    that every row sees whole (its last key at or before ``pos_min``, the
+    smallest position of the rows that count) skips the causal mask: in a
+    prefill tile only the diagonal blocks need it, and the mask's compare and
+    select per score were a quarter of the instructions of the loop.
     """
     offs_d = tl.arange(0, DI)
     smax = tl.full([ROWS], float("-inf"), tl.float32)
@@ -82,7 +96,10 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
         keys = tl.load(page_ptr + offs_j[:, None] * s_ik_b + offs_d[None, :] * s_ik_d)
         if KEYS_A:
             st = tl.dot(keys.to(DOT_DTYPE), q, input_precision=DOT_PREC)           # [BN, ROWS] fp32
-            st = tl.where((b * B + offs_j)[:, None] <= pos[None, :], st, float("-inf"))
+            if MASK_ALL:
+                st = _causal_mask(st, b * B + offs_j, pos, KEYS_A)
+            elif b * B + c + BN - 1 > pos_min:
+                st = _causal_mask(st, b * B + offs_j, pos, KEYS_A)
             if NAN_IN_MAX:
                 smax = _max_keep_nan(smax, tl.reduce(st, 0, _max_keep_nan))
             else:
@@ -90,7 +107,10 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
                 nans += tl.max((st != st).to(tl.int32), axis=0)
         else:
             s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PREC)  # [ROWS, BN] fp32
-            s = tl.where((b * B + offs_j)[None, :] <= pos[:, None], s, float("-inf"))
+            if MASK_ALL:
+                s = _causal_mask(s, b * B + offs_j, pos, KEYS_A)
+            elif b * B + c + BN - 1 > pos_min:
+                s = _causal_mask(s, b * B + offs_j, pos, KEYS_A)
             if NAN_IN_MAX:
                 smax = _max_keep_nan(smax, tl.reduce(s, 1, _max_keep_nan))
             else:
@@ -245,10 +265,22 @@ def _prefill_index_chunked_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, CH: tl.constexpr, KEYS_A: tl.constexpr = False,
     SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, SPLITS: tl.constexpr = 1,
+    MASK_ALL: tl.constexpr = True, SORTED_MERGE: tl.constexpr = False, KEY_ROW: tl.constexpr = 0,
 ):
     """Same contract as :func:`_prefill_index_kernel`; the running top-K is kept as packed keys and
     updated once per ``CH`` blocks (one bitonic top-k of the chunk, one of the merge) instead of
     a dozen row reductions per block. Still no score matrix in memory.
+
+    ``MASK_ALL=False``: the causal mask only on key tiles some row sees in part
+    (:func:`_block_max_scores`). ``SORTED_MERGE``: the chunk holds fp32 block
+    scores, packed once per chunk (half the selects per block of int64 keys),
+    and the running top-K is kept ascending, so the merge with the chunk's
+    descending top-K is one elementwise max (the larger half of a bitonic
+    sequence) and a bitonic merge, not a second top-k of twice the width. Both
+    select the same packed keys, so the result is the same bit for bit.
+    ``KEY_ROW`` > 0: the index cache's row stride (``s_ik_b``) compiled in, so
+    each thread's key rows are one address plus immediates instead of sixteen
+    64-bit addresses held in registers and rebuilt every block.
 
     With ``SPLITS > 1`` (grid axis 2) a program takes one of ``SPLITS`` equal ranges of its
     tile's visible blocks and writes its top-``K_PAD`` packed keys to ``ws[split, token -
@@ -258,6 +290,8 @@ def _prefill_index_chunked_kernel(
     r = first_request + tl.program_id(0)
     tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H,
                                                       ROWS, M, B)
+    if KEY_ROW > 0:
+        s_ik_b = KEY_ROW
     if tl.max(row_in.to(tl.int32), axis=0) > 0:
         nb_max = tl.max(nb_row, axis=0)
         span = tl.cdiv(nb_max, SPLITS)
@@ -266,21 +300,38 @@ def _prefill_index_chunked_kernel(
         q, row_scale = load_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
         if KEYS_A:
             q = tl.trans(q)
+        pos_min = tl.min(tl.where(row_ok, pos, 2147483647), axis=0)  # rows without a token never count
         cols = tl.arange(0, CH)[None, :]
         best = tl.full([ROWS, K_PAD], -9223372036854775807 - 1, tl.int64)
         for c0 in tl.range(lo, hi, CH):
-            chunk = tl.full([ROWS, CH], -9223372036854775807 - 1, tl.int64)
+            if SORTED_MERGE:
+                chunk = tl.full([ROWS, CH], float("-inf"), tl.float32)
+            else:
+                chunk = tl.full([ROWS, CH], -9223372036854775807 - 1, tl.int64)
             for j in tl.range(0, tl.minimum(CH, hi - c0)):
                 b = c0 + j
                 page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
                 sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
-                                       ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A, NAN_IN_MAX)
-                sb = tl.where(b < INIT, FORCED_INIT, sb)
-                sb = tl.where(b >= nb_row - LOCAL, FORCED_LOCAL, sb)
-                key = _pack_keys(sb, tl.zeros([ROWS], tl.int32) + b, b < nb_row, 1 << 30)
-                chunk = tl.where(cols == j, key[:, None], chunk)
-            both = tl.reshape(tl.join(best, tl.topk(chunk, K_PAD)), [ROWS, 2 * K_PAD])
-            best = tl.topk(both, K_PAD)
+                                       ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A, NAN_IN_MAX, pos_min, MASK_ALL)
+                if SORTED_MERGE:
+                    chunk = tl.where(cols == j, sb[:, None], chunk)
+                else:
+                    sb = tl.where(b < INIT, FORCED_INIT, sb)
+                    sb = tl.where(b >= nb_row - LOCAL, FORCED_LOCAL, sb)
+                    key = _pack_keys(sb, tl.zeros([ROWS], tl.int32) + b, b < nb_row, 1 << 30)
+                    chunk = tl.where(cols == j, key[:, None], chunk)
+            if SORTED_MERGE:
+                ids = c0 + cols
+                sc = tl.where(ids < INIT, FORCED_INIT, chunk)
+                sc = tl.where(ids >= nb_row[:, None] - LOCAL, FORCED_LOCAL, sc)
+                # a column past the split's range is another split's block (or none): unavailable
+                top = tl.topk(_pack_keys(sc, ids, (ids < nb_row[:, None]) & (ids < hi), 1 << 30), K_PAD)
+                best = tl.bitonic_merge(tl.maximum(best, top), descending=False)
+            else:
+                both = tl.reshape(tl.join(best, tl.topk(chunk, K_PAD)), [ROWS, 2 * K_PAD])
+                best = tl.topk(both, K_PAD)
+        if SORTED_MERGE:
+            best = tl.flip(best, 1)  # descending, as the stores below expect
         slots = tl.arange(0, K_PAD)[None, :]
         if SPLITS == 1:
             tl.store(out_ptr + hh[:, None] * s_out_h + tok[:, None] * s_out_t + slots * s_out_k,
@@ -370,7 +421,9 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
             t0, n_rows = batch.num_decode_tokens, batch.num_prefill_tokens * H
             ws = out.storage if splits == 1 else \
                 torch.empty((splits, n_rows, k_pad), dtype=torch.int64, device=ik.device)
-            extra = dict(CH=max(pic.chunk, k_pad), KEYS_A=cfg.algorithms.index_keys_as_a, SPLITS=splits)
+            extra = dict(CH=max(pic.chunk, k_pad), KEYS_A=cfg.algorithms.index_keys_as_a, SPLITS=splits,
+                         MASK_ALL=not pic.unmasked_full, SORTED_MERGE=pic.sorted_merge,
+                         KEY_ROW=ik.stride(1) if pic.static_key_stride else 0)
             extra_args = (ws, ws.stride(0), ws.stride(1) if splits > 1 else 0, t0)
         else:
             extra_args = ()

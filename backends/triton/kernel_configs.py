@@ -54,6 +54,15 @@ class PrefillIndexConfig:
     #: fill the device (each split keeps its own top-K, a small kernel merges them; chunked
     #: kernel only). 1 = never split
     max_splits: int
+    #: (chunked kernel) the causal mask only on key tiles that some row of the tile sees in part;
+    #: False = on every tile (the masks' compare and select per score: a quarter of the loop)
+    unmasked_full: bool
+    #: (chunked kernel) fp32 chunk scores packed once per chunk, and an ascending running top-K
+    #: merged with the chunk's top-K by a bitonic merge instead of a second top-k (same result)
+    sorted_merge: bool
+    #: (chunked kernel) the index cache's row stride compiled in (one specialization per stride):
+    #: each thread's key addresses become one register plus immediates
+    static_key_stride: bool
 
 
 @dataclass(frozen=True)

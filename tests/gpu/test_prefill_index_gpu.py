@@ -1,11 +1,13 @@
-"""The prefill indexer with split token tiles on a real GPU at M3 shapes (skipped without CUDA).
+"""The prefill indexer's split token tiles and optional paths on a real GPU at M3 shapes (skipped without CUDA).
 
 The cuda plugin splits each token tile's visible blocks over several programs
 when the tiles do not fill the GPU (TP8: 64 tiles for an 8K chunk). The merged
 selection must equal the single-pass kernel's bit for bit (packed keys order
 ties by block id), on the benchmark's shapes, with random and all-equal scores,
 bf16 and fp8 index caches; and the step's rows outside the prefill stay
-untouched.
+untouched. The chunked kernel's optional paths (``PrefillIndexConfig``
+``unmasked_full``, ``sorted_merge``, ``static_key_stride``) must likewise
+equal the plain kernel bit for bit.
 """
 
 from __future__ import annotations
@@ -59,3 +61,31 @@ def test_split_prefill_index_equals_single_pass(tp: int, context: int, index_dty
     single = _select(case, p, override(base, prefill_index=dict(max_splits=1)))
     split = _select(case, p, cfg)
     assert torch.equal(split, single)
+
+
+#: the chunked kernel's optional paths (tests/test_prefill_index_variants.py on the CPU)
+PLAIN = dict(unmasked_full=False, sorted_merge=False, static_key_stride=False)
+FLAGS = dict(unmasked_full=True, sorted_merge=True, static_key_stride=True)
+
+
+@pytest.mark.parametrize("tp, context, index_dtype, ties, local", [
+    (1, 32768, torch.bfloat16, False, 1), (1, 0, torch.bfloat16, False, 1), (1, 32768, torch.bfloat16, False, 0),
+    (1, 32768, torch.float8_e4m3fn, False, 1), (1, 32768, torch.bfloat16, True, 1),
+    (8, 32768, torch.bfloat16, False, 1), (8, 32768, torch.bfloat16, False, 0)])
+def test_prefill_index_paths_equal_the_plain_kernel(tp: int, context: int, index_dtype: torch.dtype, ties: bool,
+                                                    local: int) -> None:
+    """Unmasked full tiles, the sorted merge and the compiled key stride (each alone, all three, and all
+    three on 128-row tiles of 8 warps) select what the plain chunked kernel selects, bit for bit; with
+    no forced local block (``local=0``) the causal mask decides the diagonal blocks' scores."""
+    p = SparseAttentionParams.minimax_m3(tp_size=tp, local_blocks=local)
+    case = build_case(p, decodes=[3000, 700], prefills=[(8192, context + 8192), (300, 5000)],
+                      index_dtype=index_dtype, seed=23 + tp + context + local)
+    if ties:
+        idx = case.caches.index
+        idx.copy_(idx[:1, :1].expand_as(idx))
+    cuda_cfg = cuda_plugin.PLATFORM.launch_config(torch.device("cuda"))
+    plain = _select(case, p, override(cuda_cfg, prefill_index=PLAIN))
+    for fields in (dict(unmasked_full=True), dict(sorted_merge=True), dict(static_key_stride=True), FLAGS,
+                   dict(FLAGS, rows=128, warps=8)):
+        got = _select(case, p, override(cuda_cfg, prefill_index=dict(PLAIN, **fields)))
+        assert torch.equal(got, plain), fields
