@@ -93,11 +93,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
               ("decode",)),
     "kv8bn64": (dict(decode_attention_fp8=replace(NVIDIA_LAUNCH.decode_attention, block_n=64, stages=2)),
                 ("decode",)),
-    # issue 13, session 5: no merge kernel (the run that stores a row's last partial merges the row);
-    # fp32 partials (twice the workspace bytes: how much those bytes cost); both
-    "pfuse": (dict(prefill_attention=dict(fused_merge=True)), ("prefill",)),
-    "pws32": (dict(prefill_attention=dict(partials_fp32=True)), ("prefill",)),
-    "pfuse32": (dict(prefill_attention=dict(fused_merge=True, partials_fp32=True)), ("prefill",)),
 }
 
 

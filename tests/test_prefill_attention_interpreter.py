@@ -8,8 +8,7 @@
   the fp64 oracle: pipelined and not, several tiles per program, a
   GQA group that is not a power of two, passes smaller than the step, a
   messy selection (including a row that selects nothing), a mixed batch
-  with decodes before the prefills, both page layouts; the fused merge
-  (runs merge the rows they finish) and fp32 partials; and the token-tile
+  with decodes before the prefills, both page layouts; and the token-tile
   kernel it replaces on NVIDIA (the rocm plugin's path).
 """
 
@@ -106,12 +105,7 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     ("float16", None, 16, "NHD"),
     ("float32", PrefillAttentionConfig(rows=16, run_tiles=2, stages=1, programs_per_sm=3), 16, "NHD"),
     ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11), 32, "HND"),
-    ("float32", PrefillAttentionConfig(rows=16, run_tiles=2, stages=1, programs_per_sm=3, fused_merge=True), 16,
-     "HND"),
-    ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11, fused_merge=True), 32, "NHD"),
-    ("float16", PrefillAttentionConfig(rows=32, run_tiles=1, fused_merge=True, partials_fp32=True), 16, "HND"),
-], ids=["tiles_unpipelined_fp32", "tiles_passes_fp16", "token_tiles_fp16", "runs_fp32", "runs_passes_fp16",
-        "fused_merge_fp32", "fused_merge_passes_fp16", "fused_merge_fp32_partials_fp16"])
+], ids=["tiles_unpipelined_fp32", "tiles_passes_fp16", "token_tiles_fp16", "runs_fp32", "runs_passes_fp16"])
 def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionConfig | None, block: int,
                                               layout: str) -> None:
     """A mixed step (2 decodes + padding, 3 prefills, G = 3) with a messy selection.
@@ -119,8 +113,7 @@ def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionC
     ``None``: the token-tile kernel the rocm plugin keeps (the interpreter config takes the
     block-grouped path for both plugins, so this is where the other one runs in CI). ``runs``: runs of
     several tiles per block (one K/V load per run, the default); ``tiles``: one tile per loop step;
-    ``fused_merge``: no merge kernel, each row merged by the run that stores its last partial; one
-    prefill row that selects nothing must come out as zeros (the fused merge writes it in the plan)."""
+    one prefill row that selects nothing must come out as zeros."""
     p = _params(3, block)
     case = make_case(p, decodes=[70, 33], prefills=[(20, 130), (3, 3), (17, 60)], padding_decodes=1,
                      dtype=dtype, index_dtype=dtype, kv_layout=layout, seed=9)

@@ -21,11 +21,7 @@ block, and the work is done in three steps:
    the pair's slot of a workspace. ``_block_tile_kernel`` (``run_tiles=0``,
    the previous default) loads K/V per tile.
 3. ``_merge_slots_kernel``, one program per (token, KV head): merges the
-   token's ``K`` partials by their log-sum-exp into the output. With
-   ``fused_merge`` there is no such kernel: each (token, KV head) row counts
-   its pairs down as runs store them, and the run that stores a row's last
-   partial merges the row (:func:`_merge_finished_rows`), so the merge's
-   reads overlap other programs' math instead of following them.
+   token's ``K`` partials by their log-sum-exp into the output.
 
 Every pair is computed once, in tiles whose rows are all useful except a
 segment's last tile. The price is the workspace round trip: ``K x G x D``
@@ -38,8 +34,6 @@ the output does not depend on the order of pairs within a segment.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -67,9 +61,7 @@ class PairPlan:
     ``tile_slot`` ``[max_tiles * M]``: per tile, the flat slot ``(h * Tc + t) * K + k`` of each
     of its ``M`` pairs (``-1``: no pair), filled from the front;
     ``tile_pairs`` ``[max_tiles]``: how many of a tile's ``M`` slots hold a pair;
-    ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful;
-    ``row_left`` ``[H * Tc]``: each (KV head, token) row's count of valid pairs, the countdown of the
-    fused merge (None unless planned for it).
+    ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful.
     """
 
     clean: torch.Tensor
@@ -78,18 +70,14 @@ class PairPlan:
     tile_slot: torch.Tensor
     tile_pairs: torch.Tensor
     num_tiles: torch.Tensor
-    row_left: Optional[torch.Tensor] = None
 
 
 @triton.jit
 def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, within_ptr, count_ptr,
-                       tok0, Tc, first_request, num_req, nb_max, left_ptr, out_ptr, s_ot, s_oh, s_od, G,
-                       B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, FUSED: tl.constexpr,
-                       D: tl.constexpr, G_PAD: tl.constexpr):
+                       tok0, Tc, first_request, num_req, nb_max, B: tl.constexpr, K: tl.constexpr,
+                       K_PAD: tl.constexpr):
     """Row ``(h, t)``: its valid block ids once (ids outside ``[0, nb)`` and repeats dropped) into
-    ``clean``, and each valid pair's place in its segment (a counter per segment). ``FUSED``: also
-    the row's pair count into ``left``, and zeros into the output of a row without pairs (no run
-    will merge it)."""
+    ``clean``, and each valid pair's place in its segment (a counter per segment)."""
     tc = tl.program_id(0)
     h = tl.program_id(1)
     t = tok0 + tc
@@ -103,13 +91,6 @@ def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, w
     tl.store(clean_ptr + row, tl.where(ok, ids, -1), mask=slots < K)
     seg = (h * num_req + tl.load(req_ptr + t) - first_request) * nb_max + ids
     tl.store(within_ptr + row, tl.atomic_add(count_ptr + seg, 1, mask=ok), mask=ok)
-    if FUSED:
-        n = tl.sum(ok.to(tl.int32), axis=0)
-        tl.store(left_ptr + h * Tc + tc, n)
-        heads = tl.arange(0, G_PAD)
-        zero_sum = tl.zeros([G_PAD], tl.float32)  # store_rows writes zeros where the sum is 0
-        store_rows(out_ptr, heads * 0 + t, h * G + heads, s_ot, s_oh, s_od, tl.zeros([G_PAD, D], tl.float32),
-                   zero_sum, (heads < G) & (heads * 0 + n == 0), D)
 
 
 @triton.jit
@@ -138,7 +119,7 @@ def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, wi
 
 
 def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens: int, *, nb_max: int,
-               tokens_per_tile: int, max_tiles: int, num_pages: int, out: Optional[torch.Tensor] = None) -> PairPlan:
+               tokens_per_tile: int, max_tiles: int, num_pages: int) -> PairPlan:
     """Group the pairs of prefill tokens ``tok0 .. tok0 + num_tokens - 1`` by (KV head, request, block).
 
     ``sel_hm``: the step's selection ``[H, T, K]`` (any strides); ``nb_max``:
@@ -150,9 +131,6 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     places by an atomic counter, in any order (a row's result does not depend
     on which rows share its tile). Everything the tile kernel needs is laid
     out per tile, so a tile waits on one round trip before its query rows and K/V.
-    ``out`` (the attention output ``[T, H * G, D]``): plan for the fused merge,
-    which needs each row's pair count (``row_left``); rows without pairs get
-    their zeros here.
     """
     H, _, K = sel_hm.shape
     M, Tc, nd, R = tokens_per_tile, num_tokens, batch.num_decodes, batch.num_prefills
@@ -161,13 +139,8 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     within = torch.empty_like(clean)
     count = torch.zeros(H * R * nb_max, device=dev, dtype=torch.int32)
     rows = (Tc, H)
-    fused = out is not None
-    left = torch.empty(H * Tc, device=dev, dtype=torch.int32) if fused else clean  # (clean: never read)
-    G, D = (out.shape[1] // H, out.shape[2]) if fused else (1, 16)
-    out_args = (out, *out.stride()) if fused else (clean, 0, 0, 0)
     _pair_count_kernel[rows](sel_hm, *sel_hm.stride(), batch.token_positions, batch.token_to_request, clean, within,
-                             count, tok0, Tc, nd, R, nb_max, left, *out_args, G, B=batch.block_size, K=K,
-                             K_PAD=next_pow2(K), FUSED=fused, **_merge_sizes(G, D))
+                             count, tok0, Tc, nd, R, nb_max, B=batch.block_size, K=K, K_PAD=next_pow2(K))
     tiles = (count + (M - 1)) // M
     tile_base = torch.cumsum(tiles, dim=0, dtype=torch.int32) - tiles
     tile_seg = torch.empty(max_tiles, device=dev, dtype=torch.int32)
@@ -178,8 +151,7 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     _pair_place_kernel[rows](bt, *bt.stride(), num_pages, batch.token_to_request, clean, within, count, tile_base,
                              tile_seg, tile_page, tile_slot, tile_pairs, tok0, Tc, nd, R, nb_max, K=K,
                              K_PAD=next_pow2(K), M=M)
-    return PairPlan(clean, tile_seg, tile_page, tile_slot, tile_pairs, tiles.sum(dtype=torch.int32).view(1),
-                    left if fused else None)
+    return PairPlan(clean, tile_seg, tile_page, tile_slot, tile_pairs, tiles.sum(dtype=torch.int32).view(1))
 
 
 def _merge_sizes(G: int, D: int) -> dict:
@@ -251,11 +223,9 @@ def _block_run_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     pos_ptr, run_seg_ptr, run_page_ptr, run_slot_ptr, run_pairs_ptr, num_runs_ptr, ws_o_ptr, ws_lse_ptr,
     tok0, Tc, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
-    clean_ptr, left_ptr, out_ptr, s_ot, s_oh, s_od,
     B: tl.constexpr, D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr, RUN: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 4, KV_SCALED: tl.constexpr = False,
     SCALE_Q: tl.constexpr = False,
-    FUSED: tl.constexpr = False, G_PAD: tl.constexpr = 16, PAIRS_PAD: tl.constexpr = 32,
 ):
     """Runs ``program_id, program_id + programs, ...``; a run is up to ``RUN`` tiles of one segment.
 
@@ -263,8 +233,6 @@ def _block_run_kernel(
     a single softmax step); its tiles (``M`` pairs, ``ROWS`` query rows each) are one
     software-pipelined loop of ``STAGES`` stages: later tiles' pairs and query rows load while this
     one's math runs. (Two 64-key halves at 128-key blocks spilled and measured 0.90-0.93x.)
-    ``FUSED``: after its tiles, the run merges the rows whose last partial it stored
-    (:func:`_merge_finished_rows`; ``PAIRS_PAD``: a power of two >= ``M * RUN``).
     """
     rows = tl.arange(0, ROWS)
     mi = rows // G
@@ -300,64 +268,6 @@ def _block_run_kernel(
             tl.store(ws_o_ptr + part[:, None] * D + offs_d[None, :],
                      (acc * (v_scale / l_safe)[:, None]).to(ws_o_ptr.dtype.element_ty), mask=row_ok[:, None])
             tl.store(ws_lse_ptr + part, m_i + tl.log2(l_safe), mask=row_ok)
-        if FUSED:
-            _merge_finished_rows(run_slot_ptr + i * (M * RUN), n, left_ptr, out_ptr, s_ot, s_oh, s_od, clean_ptr,
-                                 ws_o_ptr, ws_lse_ptr, tok0, Tc, G, D, K, G_PAD, PAIRS_PAD)
-
-
-@triton.jit
-def _merge_finished_rows(slot_ptr, n, left_ptr, out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr,
-                         tok0, Tc, G, D: tl.constexpr, K: tl.constexpr, G_PAD: tl.constexpr,
-                         PAIRS_PAD: tl.constexpr):
-    """After a run stored the partials of its ``n`` pairs (flat slots at ``slot_ptr``): count each
-    pair's row down, and merge into the output the rows whose count this run took to zero.
-
-    A run holds one block, so each row at most once. The barrier puts every thread's partial
-    stores before the countdown's atomics (acq_rel, GPU scope), so the program that takes a row to
-    zero sees all the row's partials, other programs' included; the second barrier hands the
-    atomics' results to every thread before their loads, which bypass L1 (``.cg``).
-    """
-    tl.debug_barrier()
-    e = tl.arange(0, PAIRS_PAD)
-    has = e < n
-    row = tl.load(slot_ptr + e, mask=has, other=0) // K    # slot = row * K + k, row = h * Tc + tc
-    last = has & (tl.atomic_add(left_ptr + row, -1, mask=has) == 1)
-    tl.debug_barrier()
-    done = n * 0 - 1
-    for _ in range(tl.sum(last.to(tl.int32), axis=0)):
-        done = tl.min(tl.where(last & (e > done), e, PAIRS_PAD), axis=0)
-        r = tl.sum(tl.where(e == done, row, 0), axis=0)
-        _merge_row(out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr, r, tok0 + r % Tc, r // Tc, G,
-                   D, K, G_PAD, ".cg")
-
-
-@triton.jit
-def _merge_row(out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr, row, tok, h, G,
-               D: tl.constexpr, K: tl.constexpr, G_PAD: tl.constexpr, CACHE: tl.constexpr):
-    """Row ``row = h * Tc + tc`` (token ``tok``, KV head ``h``): its valid slots' partials merged by
-    log-sum-exp into the output (zeros if none); partial loads with cache modifier ``CACHE``."""
-    rows = tl.arange(0, G_PAD)
-    row_ok = rows < G
-    offs_d = tl.arange(0, D)
-    base = row.to(tl.int64) * K
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
-    zero_rows = tl.full([G_PAD], 0, tl.int32)
-    for k in tl.static_range(K):
-        use = row_ok & ((zero_rows + tl.load(clean_ptr + base + k)) >= 0)
-        part = (base + k) * G + rows
-        lse = tl.load(ws_lse_ptr + part, mask=use, other=float("-inf"), cache_modifier=CACHE)
-        o = tl.load(ws_o_ptr + part[:, None] * D + offs_d[None, :], mask=use[:, None], other=0.0,
-                    cache_modifier=CACHE)
-        m_new = tl.maximum(m_i, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        w = tl.exp2(lse - m_safe)
-        l_i = l_i * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o.to(tl.float32)
-        m_i = m_new
-    store_rows(out_ptr, zero_rows + tok, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
 
 
 @triton.jit
@@ -368,8 +278,27 @@ def _merge_slots_kernel(
     """Token ``tok0 + tc``, KV head ``h``: its valid slots' partials merged by log-sum-exp (zeros if none)."""
     tc = tl.program_id(0)
     h = tl.program_id(1)
-    _merge_row(out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr, h * Tc + tc, tok0 + tc, h, G,
-               D, K, G_PAD, "")
+    rows = tl.arange(0, G_PAD)
+    row_ok = rows < G
+    offs_d = tl.arange(0, D)
+    base = (h * Tc + tc).to(tl.int64) * K
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    zero_rows = tl.full([G_PAD], 0, tl.int32)
+    for k in tl.static_range(K):
+        use = row_ok & ((zero_rows + tl.load(clean_ptr + base + k)) >= 0)
+        part = (base + k) * G + rows
+        lse = tl.load(ws_lse_ptr + part, mask=use, other=float("-inf"))
+        o = tl.load(ws_o_ptr + part[:, None] * D + offs_d[None, :], mask=use[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe)
+        l_i = l_i * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o.to(tl.float32)
+        m_i = m_new
+    store_rows(out_ptr, zero_rows + tok0 + tc, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
 
 
 def _blocks(seq_len: int, block_size: int) -> int:
@@ -405,9 +334,9 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         per = m * max(1, cfg.run_tiles)
         max_tiles = min(pairs, pairs // per + Hkv * nb_sum)
         plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=per, max_tiles=max_tiles,
-                          num_pages=caches.num_pages, out=out if cfg.fused_merge else None)
-        # partial outputs in out's dtype (q's in production), fp32 as a diagnostic variant
-        ws_o = torch.empty((pairs, G, D), dtype=torch.float32 if cfg.partials_fp32 else out.dtype, device=q.device)
+                          num_pages=caches.num_pages)
+        # partial outputs in out's dtype (q's in production): fp32 ones doubled the attention time (NOTES.md §5)
+        ws_o = torch.empty((pairs, G, D), dtype=out.dtype, device=q.device)
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
         programs = max(1, min(max_tiles, target_programs // 2 * cfg.programs_per_sm))
         if cfg.run_tiles:
@@ -415,9 +344,7 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
                 q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
                 plan.tile_seg, plan.tile_page, plan.tile_slot, plan.tile_pairs, plan.num_tiles, ws_o, ws_lse,
                 a, c, nb_max, batch.num_prefills, G, qk_scale, *scales,
-                plan.clean, plan.clean if plan.row_left is None else plan.row_left, out, *out.stride(),
                 ROWS=rows, M=m, RUN=cfg.run_tiles, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
-                FUSED=cfg.fused_merge, G_PAD=_merge_sizes(G, D)["G_PAD"], PAIRS_PAD=next_pow2(per),
                 num_warps=cfg.warps, **platform_options)
         else:
             _block_tile_kernel[(programs,)](
@@ -426,8 +353,6 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
                 a, c, nb_max, batch.num_prefills, G, qk_scale, *scales,
                 BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
                 num_warps=cfg.warps, **platform_options)
-        if cfg.fused_merge:  # the runs merged every row (and the plan zeroed the rows without pairs)
-            continue
         _merge_slots_kernel[(c, Hkv)](
             out, *out.stride(), plan.clean, ws_o, ws_lse, a, c, G,
             K=K, **_merge_sizes(G, D), num_warps=cfg.merge_warps, **platform_options)
