@@ -3,7 +3,8 @@
 * the plan: every valid (KV head, token, block) pair of the prefill tokens
   lands in exactly one tile, tiles hold one segment and at most ``M``
   pairs, pages come from the block table, repeats and ids outside the
-  visible range are dropped;
+  visible range are dropped; the pairs' places number them densely, a
+  tile's pairs consecutive from its first place;
 * the kernels through Triton's interpreter (fp32 / fp16, tiny shapes) against
   the fp64 oracle: pipelined and not, several tiles per program, a
   GQA group that is not a power of two, passes smaller than the step, a
@@ -58,21 +59,30 @@ def test_plan_puts_every_pair_in_one_tile() -> None:
     pos, req = batch.token_positions[nd:], batch.token_to_request[nd:] - nd
     nb = pos // B + 1
     want = {(h, t, int(b)) for h in range(H) for t in range(Tc) for b in sel[h, nd + t].tolist() if 0 <= b < nb[t]}
-    got = []
+    at = {}  # place -> (tile, token, segment)
     for i in range(n):
         seg = int(plan.tile_seg[i])
         h, r, b = seg // (R * nb_max), seg // nb_max % R, seg % nb_max
         assert int(plan.tile_page[i]) == int(table[nd + r, b])
-        slots = [s for s in plan.tile_slot[i * M:(i + 1) * M].tolist() if s >= 0]
-        assert slots, f"tile {i} is empty"
-        assert slots == plan.tile_slot[i * M:i * M + len(slots)].tolist(), f"tile {i} is not filled from the front"
-        assert int(plan.tile_pairs[i]) == len(slots), f"tile {i}: pair count"
-        for s in slots:
-            hs, t, k = s // (Tc * K), s // K % Tc, s % K
-            assert (hs, int(req[t])) == (h, r) and int(plan.clean[hs, t, k]) == b
-            got.append((h, t, b))
+        toks = [x for x in plan.tile_tok[i * M:(i + 1) * M].tolist() if x >= 0]
+        assert toks, f"tile {i} is empty"
+        assert toks == plan.tile_tok[i * M:i * M + len(toks)].tolist(), f"tile {i} is not filled from the front"
+        assert int(plan.tile_pairs[i]) == len(toks), f"tile {i}: pair count"
+        for j, tok in enumerate(toks):
+            at[int(plan.tile_place[i]) + j] = (i, tok, seg)
+    assert sorted(at) == list(range(len(want))), "places are not 0 .. pairs - 1, one per pair"
+    got = []
+    for h in range(H):
+        for t in range(Tc):
+            for k in range(K):
+                b, place = int(plan.clean[h, t, k]), int(plan.place[h, t, k])
+                assert (b < 0) == (place < 0), f"row ({h}, {t}) slot {k}: a place without a block or vice versa"
+                if b >= 0:
+                    _, tok, seg = at[place]
+                    assert (tok, seg) == (nd + t, (h * R + int(req[t])) * nb_max + b), "place of another pair"
+                    got.append((h, t, b))
     assert sorted(got) == sorted(want), "a pair is missing or served twice"
-    assert (plan.tile_slot[n * M:] == -1).all()
+    assert (plan.tile_tok[n * M:] == -1).all()
     for h in range(H):
         for t in range(Tc):
             assert sorted(x for x in plan.clean[h, t].tolist() if x >= 0) == sorted({b for (hh, tt, b) in want
