@@ -93,6 +93,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
               ("decode",)),
     "kv8bn64": (dict(decode_attention_fp8=replace(NVIDIA_LAUNCH.decode_attention, block_n=64, stages=2)),
                 ("decode",)),
+    # issue 13, session 6: the run kernel before plan-order partials and constant K/V strides (spills
+    # 88-256 B under Triton 3.6); same arithmetic, so the same bits
+    "prun0": (dict(prefill_attention=dict(run_v0=True)), ("prefill",)),
 }
 
 
