@@ -96,11 +96,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
               ("decode",)),
     "kv8bn64": (dict(decode_attention_fp8=replace(NVIDIA_LAUNCH.decode_attention, block_n=64, stages=2)),
                 ("decode",)),
-    # issue 13, session 5: no merge kernel (the run that stores a row's last partial merges the row);
-    # fp32 partials (twice the workspace bytes: how much those bytes cost); both
-    "pfuse": (dict(prefill_attention=dict(fused_merge=True)), ("prefill",)),
-    "pws32": (dict(prefill_attention=dict(partials_fp32=True)), ("prefill",)),
-    "pfuse32": (dict(prefill_attention=dict(fused_merge=True, partials_fp32=True)), ("prefill",)),
     # issue 13, session 6 (NOTES.md §5): the chunked prefill indexer's instruction cuts. The default
     # has all three; pi13s5 is the session-5 default (none), pimask / pisort / pistride add one
     # each to it, pi128f is the default on 128-row tiles of 8 warps (two 8-warp programs per SM)
@@ -109,6 +104,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "pisort": (dict(prefill_index=dict(_PI_PLAIN, sorted_merge=True)), ("prefill",)),
     "pistride": (dict(prefill_index=dict(_PI_PLAIN, static_key_stride=True)), ("prefill",)),
     "pi128f": (dict(prefill_index=dict(rows=128, warps=8)), ("prefill",)),
+    # issue 13, session 6: the run kernel before plan-order partials and constant K/V strides (spills
+    # 88-256 B under Triton 3.6); same arithmetic, so the same bits
+    "prun0": (dict(prefill_attention=dict(run_v0=True)), ("prefill",)),
 }
 
 

@@ -1,7 +1,7 @@
 """The Triton kernels on fp8 K/V caches with scales, through Triton's interpreter (CPU, fp16/fp32 compute).
 
 One case per attention path: the persistent decode kernel with the
-block-grouped prefill (NVIDIA's defaults; and with its fused merge), the grid decode kernel (branchless)
+block-grouped prefill (NVIDIA's defaults: fp16 and fp32), the grid decode kernel (branchless)
 with the token-tile prefill (ROCm's), and the branching decode with the
 token-tile prefill's union walk. Each is a mixed batch (speculative decodes, a
 padding decode, a chunked and a fresh prefill) on a NaN-poisoned output,
@@ -36,7 +36,6 @@ def _configs() -> dict[str, object]:
 
     return {
         "persistent_decode+block_grouped_prefill": base,
-        "persistent_decode+block_grouped_prefill_fused_merge": override(base, prefill_attention=dict(fused_merge=True)),
         "grid_decode+token_tile_prefill": override(base, algorithms=dict(decode_attention_flat=False),
                                                    prefill_attention=None),
         "branching_decode+union_prefill": override(base, prefill_attention=None, algorithms=dict(
@@ -46,7 +45,7 @@ def _configs() -> dict[str, object]:
 
 @pytest.mark.parametrize("path, dtype, kv_scale, layout", [
     ("persistent_decode+block_grouped_prefill", "float16", "head", "HND"),
-    ("persistent_decode+block_grouped_prefill_fused_merge", "float32", "tensor", "NHD"),
+    ("persistent_decode+block_grouped_prefill", "float32", "tensor", "NHD"),
     ("grid_decode+token_tile_prefill", "float32", "tensor", "NHD"),
     ("branching_decode+union_prefill", "float16", "head", "NHD"),
 ])

@@ -3,13 +3,13 @@
 * the plan: every valid (KV head, token, block) pair of the prefill tokens
   lands in exactly one tile, tiles hold one segment and at most ``M``
   pairs, pages come from the block table, repeats and ids outside the
-  visible range are dropped;
+  visible range are dropped; the pairs' places number them densely, a
+  tile's pairs consecutive from its first place;
 * the kernels through Triton's interpreter (fp32 / fp16, tiny shapes) against
   the fp64 oracle: pipelined and not, several tiles per program, a
   GQA group that is not a power of two, passes smaller than the step, a
   messy selection (including a row that selects nothing), a mixed batch
-  with decodes before the prefills, both page layouts; the fused merge
-  (runs merge the rows they finish) and fp32 partials; and the token-tile
+  with decodes before the prefills, both page layouts; and the token-tile
   kernel it replaces on NVIDIA (the rocm plugin's path).
 """
 
@@ -59,25 +59,58 @@ def test_plan_puts_every_pair_in_one_tile() -> None:
     pos, req = batch.token_positions[nd:], batch.token_to_request[nd:] - nd
     nb = pos // B + 1
     want = {(h, t, int(b)) for h in range(H) for t in range(Tc) for b in sel[h, nd + t].tolist() if 0 <= b < nb[t]}
-    got = []
+    at = {}  # place -> (tile, token, segment)
     for i in range(n):
         seg = int(plan.tile_seg[i])
         h, r, b = seg // (R * nb_max), seg // nb_max % R, seg % nb_max
         assert int(plan.tile_page[i]) == int(table[nd + r, b])
-        slots = [s for s in plan.tile_slot[i * M:(i + 1) * M].tolist() if s >= 0]
-        assert slots, f"tile {i} is empty"
-        assert slots == plan.tile_slot[i * M:i * M + len(slots)].tolist(), f"tile {i} is not filled from the front"
-        assert int(plan.tile_pairs[i]) == len(slots), f"tile {i}: pair count"
-        for s in slots:
-            hs, t, k = s // (Tc * K), s // K % Tc, s % K
-            assert (hs, int(req[t])) == (h, r) and int(plan.clean[hs, t, k]) == b
-            got.append((h, t, b))
+        toks = [x for x in plan.tile_tok[i * M:(i + 1) * M].tolist() if x >= 0]
+        assert toks, f"tile {i} is empty"
+        assert toks == plan.tile_tok[i * M:i * M + len(toks)].tolist(), f"tile {i} is not filled from the front"
+        assert int(plan.tile_pairs[i]) == len(toks), f"tile {i}: pair count"
+        for j, tok in enumerate(toks):
+            at[int(plan.tile_place[i]) + j] = (i, tok, seg)
+    assert sorted(at) == list(range(len(want))), "places are not 0 .. pairs - 1, one per pair"
+    got = []
+    for h in range(H):
+        for t in range(Tc):
+            for k in range(K):
+                b, place = int(plan.clean[h, t, k]), int(plan.place[h, t, k])
+                assert (b < 0) == (place < 0), f"row ({h}, {t}) slot {k}: a place without a block or vice versa"
+                if b >= 0:
+                    _, tok, seg = at[place]
+                    assert (tok, seg) == (nd + t, (h * R + int(req[t])) * nb_max + b), "place of another pair"
+                    got.append((h, t, b))
     assert sorted(got) == sorted(want), "a pair is missing or served twice"
-    assert (plan.tile_slot[n * M:] == -1).all()
+    assert (plan.tile_tok[n * M:] == -1).all() and plan.tile_slot is None
     for h in range(H):
         for t in range(Tc):
             assert sorted(x for x in plan.clean[h, t].tolist() if x >= 0) == sorted({b for (hh, tt, b) in want
                                                                                     if (hh, tt) == (h, t)})
+
+
+@pytest.mark.interpreter
+@interp
+def test_plan_for_the_previous_run_kernel_names_flat_slots() -> None:
+    """``slots=True`` (``run_v0``): each tile's pairs also by flat slot, and a pair's place is its slot."""
+    g = torch.Generator().manual_seed(5)
+    H, K, B, M, nb_max = 2, 4, 16, 3, 6
+    table = torch.randperm(2 * nb_max, generator=g).view(2, nb_max).to(torch.int32)
+    batch = BatchMetadata.build([1, 30], [50, 90], table, block_size=B, num_decodes=1)
+    T, nd = batch.num_tokens, 1
+    sel = torch.randint(-1, nb_max + 1, (H, T, K), generator=g, dtype=torch.int32)
+    Tc = T - nd
+    plan = plan_pairs(sel, batch, nd, Tc, nb_max=nb_max, tokens_per_tile=M, max_tiles=H * Tc * K, num_pages=12,
+                      slots=True)
+    flat = torch.arange(H * Tc * K, dtype=torch.int32).view(H, Tc, K)
+    assert torch.equal(plan.place, torch.where(plan.clean >= 0, flat, -1))
+    n = int(plan.num_tiles)
+    used = plan.tile_slot[:n * M]
+    assert torch.equal(used >= 0, plan.tile_tok[:n * M] >= 0)
+    s = used[used >= 0].long()
+    assert torch.equal(plan.tile_tok[:n * M][used >= 0], nd + s // K % Tc), "a slot in another pair's place"
+    assert sorted(s.tolist()) == flat[plan.clean >= 0].tolist(), "a pair is missing or served twice"
+    assert (plan.tile_slot[n * M:] == -1).all()
 
 
 def _forward(case, sel, cfg: PrefillAttentionConfig | None) -> torch.Tensor:
@@ -106,21 +139,18 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     ("float16", None, 16, "NHD"),
     ("float32", PrefillAttentionConfig(rows=16, run_tiles=2, stages=1, programs_per_sm=3), 16, "NHD"),
     ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11), 32, "HND"),
-    ("float32", PrefillAttentionConfig(rows=16, run_tiles=2, stages=1, programs_per_sm=3, fused_merge=True), 16,
-     "HND"),
-    ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11, fused_merge=True), 32, "NHD"),
-    ("float16", PrefillAttentionConfig(rows=32, run_tiles=1, fused_merge=True, partials_fp32=True), 16, "HND"),
+    ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11, run_v0=True), 16, "NHD"),
 ], ids=["tiles_unpipelined_fp32", "tiles_passes_fp16", "token_tiles_fp16", "runs_fp32", "runs_passes_fp16",
-        "fused_merge_fp32", "fused_merge_passes_fp16", "fused_merge_fp32_partials_fp16"])
+        "runs_v0_passes_fp16"])
 def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionConfig | None, block: int,
                                               layout: str) -> None:
     """A mixed step (2 decodes + padding, 3 prefills, G = 3) with a messy selection.
 
     ``None``: the token-tile kernel the rocm plugin keeps (the interpreter config takes the
     block-grouped path for both plugins, so this is where the other one runs in CI). ``runs``: runs of
-    several tiles per block (one K/V load per run, the default); ``tiles``: one tile per loop step;
-    ``fused_merge``: no merge kernel, each row merged by the run that stores its last partial; one
-    prefill row that selects nothing must come out as zeros (the fused merge writes it in the plan)."""
+    several tiles per block (one K/V load per run, the default; ``v0``: the previous run kernel, partials
+    at flat slots); ``tiles``: one tile per loop step;
+    one prefill row that selects nothing must come out as zeros."""
     p = _params(3, block)
     case = make_case(p, decodes=[70, 33], prefills=[(20, 130), (3, 3), (17, 60)], padding_decodes=1,
                      dtype=dtype, index_dtype=dtype, kv_layout=layout, seed=9)

@@ -95,12 +95,12 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
     from mm3.contract import SparseAttentionParams
     from mm3.testing.factories import make_case
 
-    from . import attention, indexer, prefill_attention
+    from . import attention, indexer, prefill_attention, prefill_run_v0
     from .launch import override
 
     sink: list[Launch] = []
     kernels = {m: [n for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
-               for m in (indexer, attention, prefill_attention)}
+               for m in (indexer, attention, prefill_attention, prefill_run_v0)}
     saved = {(m, n): getattr(m, n) for m, names in kernels.items() for n in names}
     try:
         for (m, n), k in saved.items():
@@ -179,11 +179,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from .launch import override
 
-    # the cuda plugin's fused prefill merge, off by default but timed as a bench variant: it must compile too
-    fused = replace(CUDA, launch=override(CUDA.launch, prefill_attention=dict(fused_merge=True)))
+    # the previous prefill run kernel, timed beside the current one as a bench variant (prun0)
+    v0 = replace(CUDA, launch=override(CUDA.launch, prefill_attention=dict(run_v0=True)))
     failures = 0
     seen: set[str] = set()
-    for spec, target in ((CUDA, "nvidia"), (fused, "nvidia"), (ROCM, "amd"), (ROCM, "nvidia")):
+    for spec, target in ((CUDA, "nvidia"), (v0, "nvidia"), (ROCM, "amd"), (ROCM, "nvidia")):
         for launch in record_launches(spec, spec.name):
             sig, constexprs, _ = launch.signature()
             key = f"{target}:{launch.kernel.__name__}:{sorted(sig.items())}:{constexprs}:{launch.options}"

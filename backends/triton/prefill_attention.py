@@ -8,24 +8,23 @@ selections are unrelated, but across a whole chunk every block is chosen by
 hundreds of tokens. So the step's (token, block) pairs are regrouped by
 block, and the work is done in three steps:
 
-1. :func:`plan_pairs` (two small kernels and a prefix sum, no host sync):
+1. :func:`plan_pairs` (two small kernels and two prefix sums, no host sync):
    clean each row of the selection (ids outside ``[0, nb)`` and repeats
-   select nothing, as in docs/spec.md §4), give every remaining (KV head, token,
-   slot) pair its place in its *segment* (KV head, request, block) and cut
-   each segment into tiles of ``M`` pairs.
+   select nothing, as in docs/spec.md §4), group the remaining (KV head, token,
+   slot) pairs by *segment* (KV head, request, block), number them segment
+   after segment (each pair's *place*) and cut each segment into tiles of
+   ``M`` pairs.
 2. ``_block_run_kernel`` (default), persistent programs walking *runs* (up
    to ``run_tiles`` tiles of one segment): per run the block's K/V are loaded
    once; per tile the ``M`` tokens' query rows (``M x G`` rows, a full
    tensor-core tile) against them; it stores each row's partial result
    (output normalized by its own softmax sum, and the base-2 log-sum-exp) in
-   the pair's slot of a workspace. ``_block_tile_kernel`` (``run_tiles=0``,
-   the previous default) loads K/V per tile.
+   a workspace laid out in plan order, so a tile's partials are one
+   contiguous block. ``_block_tile_kernel`` (``run_tiles=0``, the previous
+   default) loads K/V per tile.
 3. ``_merge_slots_kernel``, one program per (token, KV head): merges the
-   token's ``K`` partials by their log-sum-exp into the output. With
-   ``fused_merge`` there is no such kernel: each (token, KV head) row counts
-   its pairs down as runs store them, and the run that stores a row's last
-   partial merges the row (:func:`_merge_finished_rows`), so the merge's
-   reads overlap other programs' math instead of following them.
+   token's ``K`` partials (found through the plan's place of each pair) by
+   their log-sum-exp into the output.
 
 Every pair is computed once, in tiles whose rows are all useful except a
 segment's last tile. The price is the workspace round trip: ``K x G x D``
@@ -62,34 +61,36 @@ class PairPlan:
     """The (token, block) pairs of a run of prefill tokens, grouped into tiles (see :func:`plan_pairs`).
 
     ``clean`` ``[H, Tc, K]``: each row's valid block ids once, ``-1`` elsewhere;
+    ``place`` ``[H, Tc, K]``: each valid pair's place in plan order (segment after segment, a
+    tile's pairs consecutive; the row of its partial in the workspace), ``-1`` elsewhere;
     ``tile_seg`` ``[max_tiles]``: each tile's segment id;
     ``tile_page`` ``[max_tiles]``: the page of each tile's block;
-    ``tile_slot`` ``[max_tiles * M]``: per tile, the flat slot ``(h * Tc + t) * K + k`` of each
-    of its ``M`` pairs (``-1``: no pair), filled from the front;
+    ``tile_tok`` ``[max_tiles * M]``: per tile, the token (index into the step) of each of its ``M``
+    pairs (``-1``: no pair), filled from the front;
     ``tile_pairs`` ``[max_tiles]``: how many of a tile's ``M`` slots hold a pair;
+    ``tile_place`` ``[max_tiles]``: the place of each tile's first pair (its pairs follow it);
     ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful;
-    ``row_left`` ``[H * Tc]``: each (KV head, token) row's count of valid pairs, the countdown of the
-    fused merge (None unless planned for it).
+    ``tile_slot`` (planned for the previous run kernel only, :mod:`.prefill_run_v0`) ``[max_tiles * M]``:
+    per tile, each pair's flat slot ``(h * Tc + t) * K + k``, and ``place`` is then that slot.
     """
 
     clean: torch.Tensor
+    place: torch.Tensor
     tile_seg: torch.Tensor
     tile_page: torch.Tensor
-    tile_slot: torch.Tensor
+    tile_tok: torch.Tensor
     tile_pairs: torch.Tensor
+    tile_place: torch.Tensor
     num_tiles: torch.Tensor
-    row_left: Optional[torch.Tensor] = None
+    tile_slot: Optional[torch.Tensor] = None
 
 
 @triton.jit
 def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, within_ptr, count_ptr,
-                       tok0, Tc, first_request, num_req, nb_max, left_ptr, out_ptr, s_ot, s_oh, s_od, G,
-                       B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, FUSED: tl.constexpr,
-                       D: tl.constexpr, G_PAD: tl.constexpr):
+                       tok0, Tc, first_request, num_req, nb_max, B: tl.constexpr, K: tl.constexpr,
+                       K_PAD: tl.constexpr):
     """Row ``(h, t)``: its valid block ids once (ids outside ``[0, nb)`` and repeats dropped) into
-    ``clean``, and each valid pair's place in its segment (a counter per segment). ``FUSED``: also
-    the row's pair count into ``left``, and zeros into the output of a row without pairs (no run
-    will merge it)."""
+    ``clean``, and each valid pair's index within its segment (a counter per segment)."""
     tc = tl.program_id(0)
     h = tl.program_id(1)
     t = tok0 + tc
@@ -102,22 +103,19 @@ def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, w
     row = (h * Tc + tc) * K + slots
     tl.store(clean_ptr + row, tl.where(ok, ids, -1), mask=slots < K)
     seg = (h * num_req + tl.load(req_ptr + t) - first_request) * nb_max + ids
-    tl.store(within_ptr + row, tl.atomic_add(count_ptr + seg, 1, mask=ok), mask=ok)
-    if FUSED:
-        n = tl.sum(ok.to(tl.int32), axis=0)
-        tl.store(left_ptr + h * Tc + tc, n)
-        heads = tl.arange(0, G_PAD)
-        zero_sum = tl.zeros([G_PAD], tl.float32)  # store_rows writes zeros where the sum is 0
-        store_rows(out_ptr, heads * 0 + t, h * G + heads, s_ot, s_oh, s_od, tl.zeros([G_PAD, D], tl.float32),
-                   zero_sum, (heads < G) & (heads * 0 + n == 0), D)
+    # relaxed: a unique index per pair is all that is needed (the next launch orders the rest); the
+    # default acq_rel put a GPU-scope fence behind every atomic
+    tl.store(within_ptr + row, tl.atomic_add(count_ptr + seg, 1, mask=ok, sem="relaxed"), mask=ok)
 
 
 @triton.jit
 def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, within_ptr, count_ptr, tile_base_ptr,
-                       tile_seg_ptr, tile_page_ptr, tile_slot_ptr, tile_pairs_ptr, tok0, Tc, first_request, num_req,
-                       nb_max, K: tl.constexpr, K_PAD: tl.constexpr, M: tl.constexpr):
-    """Row ``(h, t)``: each valid pair into its tile (segment's first tile + place // M); the pair
-    that opens a tile also writes the tile's segment, the page of its block and its pair count."""
+                       pair_base_ptr, place_ptr, tile_seg_ptr, tile_page_ptr, tile_tok_ptr, tile_pairs_ptr,
+                       tile_place_ptr, tile_slot_ptr, tok0, Tc, first_request, num_req, nb_max, K: tl.constexpr,
+                       K_PAD: tl.constexpr, M: tl.constexpr, SLOTS: tl.constexpr = False):
+    """Row ``(h, t)``: each valid pair's place (segment's first place + its index within) and its
+    token into its tile (segment's first tile + within // M); the pair that opens a tile also writes
+    the tile's segment, the page of its block, its pair count and its first place."""
     tc = tl.program_id(0)
     h = tl.program_id(1)
     slots = tl.arange(0, K_PAD)
@@ -127,10 +125,16 @@ def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, wi
     r = tl.load(req_ptr + tok0 + tc) - first_request
     seg = (h * num_req + r) * nb_max + ids
     within = tl.load(within_ptr + row, mask=ok, other=0)
+    place = tl.load(pair_base_ptr + seg, mask=ok, other=0) + within
     tile = tl.load(tile_base_ptr + seg, mask=ok, other=0) + within // M
-    tl.store(tile_slot_ptr + tile * M + within % M, row, mask=ok)
+    if SLOTS:  # the previous run kernel's workspace, in flat slot order
+        place = row
+        tl.store(tile_slot_ptr + tile * M + within % M, row, mask=ok)
+    tl.store(place_ptr + row, tl.where(ok, place, -1), mask=slots < K)
+    tl.store(tile_tok_ptr + tile * M + within % M, tok0 + tc + slots * 0, mask=ok)
     opens = ok & (within % M == 0)
     tl.store(tile_seg_ptr + tile, seg, mask=opens)
+    tl.store(tile_place_ptr + tile, place, mask=opens)
     tl.store(tile_pairs_ptr + tile, tl.minimum(tl.load(count_ptr + seg, mask=opens, other=0) - within, M), mask=opens)
     # clamped here, so the tile/run kernels' pages (read from the plan) are pages of the cache
     page = load_page(bt_ptr + (first_request + r) * s_bt_r + ids * s_bt_b, num_pages, mask=opens)
@@ -138,21 +142,21 @@ def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, wi
 
 
 def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens: int, *, nb_max: int,
-               tokens_per_tile: int, max_tiles: int, num_pages: int, out: Optional[torch.Tensor] = None) -> PairPlan:
+               tokens_per_tile: int, max_tiles: int, num_pages: int, slots: bool = False) -> PairPlan:
     """Group the pairs of prefill tokens ``tok0 .. tok0 + num_tokens - 1`` by (KV head, request, block).
 
     ``sel_hm``: the step's selection ``[H, T, K]`` (any strides); ``nb_max``:
     more than any valid block id; ``max_tiles``: an upper bound of the tile
     count (sizes the launch grid without a host sync); ``num_pages``: the
     cache's page count, into which every page id is clamped (``tile_page``
-    only ever names a page of the cache). Two launches and a
-    prefix sum over the segments, no sort: a segment's pairs take their
+    only ever names a page of the cache). Two launches and two
+    prefix sums over the segments, no sort: a segment's pairs take their
     places by an atomic counter, in any order (a row's result does not depend
     on which rows share its tile). Everything the tile kernel needs is laid
     out per tile, so a tile waits on one round trip before its query rows and K/V.
-    ``out`` (the attention output ``[T, H * G, D]``): plan for the fused merge,
-    which needs each row's pair count (``row_left``); rows without pairs get
-    their zeros here.
+    Places follow the tiles (a prefix sum of the segments' pair counts), so a
+    tile's partials are one block of the workspace, stored from one address.
+    ``slots``: plan for the previous run kernel (``tile_slot``, places = flat slots).
     """
     H, _, K = sel_hm.shape
     M, Tc, nd, R = tokens_per_tile, num_tokens, batch.num_decodes, batch.num_prefills
@@ -161,25 +165,27 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     within = torch.empty_like(clean)
     count = torch.zeros(H * R * nb_max, device=dev, dtype=torch.int32)
     rows = (Tc, H)
-    fused = out is not None
-    left = torch.empty(H * Tc, device=dev, dtype=torch.int32) if fused else clean  # (clean: never read)
-    G, D = (out.shape[1] // H, out.shape[2]) if fused else (1, 16)
-    out_args = (out, *out.stride()) if fused else (clean, 0, 0, 0)
+    # one warp per row of K ids: with four, the row's reductions crossed warps, and the barriers
+    # were 64% of the count kernel's stalls (Nsight Compute, H200, TP1)
     _pair_count_kernel[rows](sel_hm, *sel_hm.stride(), batch.token_positions, batch.token_to_request, clean, within,
-                             count, tok0, Tc, nd, R, nb_max, left, *out_args, G, B=batch.block_size, K=K,
-                             K_PAD=next_pow2(K), FUSED=fused, **_merge_sizes(G, D))
+                             count, tok0, Tc, nd, R, nb_max, B=batch.block_size, K=K, K_PAD=next_pow2(K), num_warps=1)
     tiles = (count + (M - 1)) // M
     tile_base = torch.cumsum(tiles, dim=0, dtype=torch.int32) - tiles
+    pair_base = torch.cumsum(count, dim=0, dtype=torch.int32) - count
+    place = torch.empty_like(clean)
     tile_seg = torch.empty(max_tiles, device=dev, dtype=torch.int32)
     tile_page = torch.empty(max_tiles, device=dev, dtype=torch.int32)
-    tile_slot = torch.full((max_tiles * M,), -1, device=dev, dtype=torch.int32)
+    tile_tok = torch.full((max_tiles * M,), -1, device=dev, dtype=torch.int32)
     tile_pairs = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    tile_place = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    tile_slot = torch.full((max_tiles * M,), -1, device=dev, dtype=torch.int32) if slots else None
     bt = batch.block_table
     _pair_place_kernel[rows](bt, *bt.stride(), num_pages, batch.token_to_request, clean, within, count, tile_base,
-                             tile_seg, tile_page, tile_slot, tile_pairs, tok0, Tc, nd, R, nb_max, K=K,
-                             K_PAD=next_pow2(K), M=M)
-    return PairPlan(clean, tile_seg, tile_page, tile_slot, tile_pairs, tiles.sum(dtype=torch.int32).view(1),
-                    left if fused else None)
+                             pair_base, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place,
+                             tile_tok if tile_slot is None else tile_slot, tok0, Tc, nd, R, nb_max, K=K,
+                             K_PAD=next_pow2(K), M=M, SLOTS=slots, num_warps=1)
+    return PairPlan(clean, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place,
+                    tiles.sum(dtype=torch.int32).view(1), tile_slot)
 
 
 def _merge_sizes(G: int, D: int) -> dict:
@@ -188,27 +194,45 @@ def _merge_sizes(G: int, D: int) -> dict:
 
 
 @triton.jit
+def _tile_rows(tok_ptr, pos_ptr, pairs, G, ROWS: tl.constexpr, M: tl.constexpr):
+    """The rows of a tile of ``pairs`` pairs (tokens at ``tok_ptr``): ``(row_ok, tok, pos)``. Its rows
+    ``pair * G + head`` are also its partials' rows in the workspace; the ones past ``pairs * G``
+    (a segment's last tile, padding to ``ROWS``) hold no pair."""
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < tl.minimum(pairs, M) * G
+    tok = tl.load(tok_ptr + rows // G, mask=row_ok, other=0)
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+    return row_ok, tok, pos
+
+
+@triton.jit
+def _store_partials(ws_o_ptr, ws_lse_ptr, place, G, o, lse, row_ok, D: tl.constexpr):
+    """A tile's partials (``o`` in the workspace's dtype and ``lse``) into the contiguous rows from its
+    first pair's place on: one base address plus constant offsets, no address per row."""
+    rows = tl.arange(0, o.shape[0])
+    offs_d = tl.arange(0, D)
+    first = place.to(tl.int64) * G
+    tl.store(ws_o_ptr + first * D + (rows[:, None] * D + offs_d[None, :]), o.to(ws_o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(ws_lse_ptr + first + rows, lse, mask=row_ok)
+
+
+@triton.jit
 def _block_tile_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
-    pos_ptr, tile_seg_ptr, tile_page_ptr, tile_slot_ptr, num_tiles_ptr, ws_o_ptr, ws_lse_ptr,
-    tok0, Tc, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
-    B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
+    pos_ptr, tile_seg_ptr, tile_page_ptr, tile_tok_ptr, tile_pairs_ptr, tile_place_ptr, num_tiles_ptr, ws_o_ptr,
+    ws_lse_ptr, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
+    B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
     M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 1,
     KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False,
 ):
     """Tiles ``program_id, program_id + programs, ...`` as one software-pipelined loop: the next
     tile's pairs, query rows and K/V are loaded while this one's math runs."""
-    rows = tl.arange(0, ROWS)
-    mi = rows // G
-    gi = rows % G
-    offs_d = tl.arange(0, D)
+    gi = tl.arange(0, ROWS) % G
     for i in tl.range(tl.program_id(0), tl.load(num_tiles_ptr), tl.num_programs(0), num_stages=STAGES):
         seg = tl.load(tile_seg_ptr + i)
         page = tl.load(tile_page_ptr + i).to(tl.int64)
-        slot = tl.load(tile_slot_ptr + i * M + mi, mask=mi < M, other=-1).to(tl.int64)
-        row_ok = slot >= 0
-        tok = tok0 + (slot // K) % Tc
-        pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+        row_ok, tok, pos = _tile_rows(tile_tok_ptr + i * M, pos_ptr, tl.load(tile_pairs_ptr + i), G, ROWS, M)
         b = seg % nb_max
         h = seg // nb_max // num_req
         q, undo = load_query_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
@@ -222,10 +246,8 @@ def _block_tile_kernel(
         acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)  # fp8 K/V: the K scale is in the logits' factor
         # a valid pair's block holds key b * B <= pos, so l > 0 in every stored row
         l_safe = tl.where(l_i > 0, l_i, 1.0)
-        part = slot * G + gi
-        tl.store(ws_o_ptr + part[:, None] * D + offs_d[None, :], (acc / l_safe[:, None]).to(ws_o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-        tl.store(ws_lse_ptr + part, m_i + tl.log2(l_safe), mask=row_ok)
+        _store_partials(ws_o_ptr, ws_lse_ptr, tl.load(tile_place_ptr + i), G, acc / l_safe[:, None],
+                        m_i + tl.log2(l_safe), row_ok, D)
 
 
 @triton.jit
@@ -240,22 +262,28 @@ def _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, B: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def _run_step(q, keys_t, vals, visible, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One online-softmax step (base 2, scale folded in) over keys given as K^T."""
+def _run_step(q, keys_t, vals, visible, qk_scale, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The softmax (base 2, scale folded in) of a row's only key tile, given as K^T: ``(m, l, acc)``.
+
+    :func:`.attention.online_softmax_step` from the empty state, the same numbers without its
+    rescaling of a zero accumulator (a ``ROWS x D`` multiply whose operand stayed live in registers).
+    """
     s = tl.where(visible, tl.dot(q, keys_t, input_precision=DOT_PREC) * qk_scale, float("-inf"))
-    return online_softmax_step(s, vals, m_i, l_i, acc, DOT_DTYPE, DOT_PREC)
+    m = tl.max(s, axis=1)
+    # rows with no visible key keep m = -inf; shift by 0 there to avoid inf - inf
+    p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    return m, tl.sum(p, axis=1), tl.dot(p.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
 
 
 @triton.jit
 def _block_run_kernel(
-    q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
-    pos_ptr, run_seg_ptr, run_page_ptr, run_slot_ptr, run_pairs_ptr, num_runs_ptr, ws_o_ptr, ws_lse_ptr,
-    tok0, Tc, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
-    clean_ptr, left_ptr, out_ptr, s_ot, s_oh, s_od,
-    B: tl.constexpr, D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr, RUN: tl.constexpr,
+    q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb: tl.constexpr, s_kh, s_kd: tl.constexpr,
+    v_ptr, s_vp, s_vb: tl.constexpr, s_vh, s_vd: tl.constexpr,
+    pos_ptr, run_seg_ptr, run_page_ptr, run_tok_ptr, run_pairs_ptr, run_place_ptr, num_runs_ptr, ws_o_ptr,
+    ws_lse_ptr, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
+    B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr, RUN: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 4, KV_SCALED: tl.constexpr = False,
     SCALE_Q: tl.constexpr = False,
-    FUSED: tl.constexpr = False, G_PAD: tl.constexpr = 16, PAIRS_PAD: tl.constexpr = 32,
 ):
     """Runs ``program_id, program_id + programs, ...``; a run is up to ``RUN`` tiles of one segment.
 
@@ -263,17 +291,17 @@ def _block_run_kernel(
     a single softmax step); its tiles (``M`` pairs, ``ROWS`` query rows each) are one
     software-pipelined loop of ``STAGES`` stages: later tiles' pairs and query rows load while this
     one's math runs. (Two 64-key halves at 128-key blocks spilled and measured 0.90-0.93x.)
-    ``FUSED``: after its tiles, the run merges the rows whose last partial it stored
-    (:func:`_merge_finished_rows`; ``PAIRS_PAD``: a power of two >= ``M * RUN``).
+
+    The strides inside a page are compile-time constants (one layout per cache): the K/V tiles'
+    addresses are then a base plus immediates, where runtime strides kept ~45 per-thread offsets
+    live across the run loop, which Triton 3.6 spilled (sm_90).
     """
-    rows = tl.arange(0, ROWS)
-    mi = rows // G
-    gi = rows % G
-    offs_d = tl.arange(0, D)
+    gi = tl.arange(0, ROWS) % G
     for i in tl.range(tl.program_id(0), tl.load(num_runs_ptr), tl.num_programs(0), num_stages=1):
         seg = tl.load(run_seg_ptr + i)
         page = tl.load(run_page_ptr + i).to(tl.int64)
         n = tl.load(run_pairs_ptr + i)
+        place = tl.load(run_place_ptr + i)
         b = seg % nb_max
         h = seg // nb_max // num_req
         k_page = k_ptr + page * s_kp + h * s_kh
@@ -284,72 +312,39 @@ def _block_run_kernel(
         v_scale = kv_scale(vs_ptr, h, s_vs, KV_SCALED)
         key_pos = b * B + tl.arange(0, B)
         for r in tl.range(0, tl.cdiv(n, M), num_stages=STAGES):
-            slot = tl.load(run_slot_ptr + i * (M * RUN) + r * M + mi, mask=mi < M, other=-1).to(tl.int64)
-            row_ok = slot >= 0
-            tok = tok0 + (slot // K) % Tc
-            pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+            row_ok, tok, pos = _tile_rows(run_tok_ptr + i * (M * RUN) + r * M, pos_ptr, n - r * M, G, ROWS, M)
             q, undo = load_query_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
-            m_i = tl.full([ROWS], float("-inf"), tl.float32)
-            l_i = tl.zeros([ROWS], tl.float32)
-            acc = tl.zeros([ROWS, D], tl.float32)
-            m_i, l_i, acc = _run_step(q, keys_t, vals, row_ok[:, None] & (key_pos[None, :] <= pos[:, None]),
-                                      m_i, l_i, acc, score_scale(run_qk_scale, undo, SCALE_Q), DOT_DTYPE, DOT_PREC)
+            # (pos = -1 in rows without a pair: nothing visible)
+            m_i, l_i, acc = _run_step(q, keys_t, vals, key_pos[None, :] <= pos[:, None],
+                                      score_scale(run_qk_scale, undo, SCALE_Q), DOT_DTYPE, DOT_PREC)
             # a valid pair's block holds key b * B <= pos, so l > 0 in every stored row
             l_safe = tl.where(l_i > 0, l_i, 1.0)
-            part = slot * G + gi
-            tl.store(ws_o_ptr + part[:, None] * D + offs_d[None, :],
-                     (acc * (v_scale / l_safe)[:, None]).to(ws_o_ptr.dtype.element_ty), mask=row_ok[:, None])
-            tl.store(ws_lse_ptr + part, m_i + tl.log2(l_safe), mask=row_ok)
-        if FUSED:
-            _merge_finished_rows(run_slot_ptr + i * (M * RUN), n, left_ptr, out_ptr, s_ot, s_oh, s_od, clean_ptr,
-                                 ws_o_ptr, ws_lse_ptr, tok0, Tc, G, D, K, G_PAD, PAIRS_PAD)
+            _store_partials(ws_o_ptr, ws_lse_ptr, place + r * M, G, acc * (v_scale / l_safe)[:, None],
+                            m_i + tl.log2(l_safe), row_ok, D)
 
 
 @triton.jit
-def _merge_finished_rows(slot_ptr, n, left_ptr, out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr,
-                         tok0, Tc, G, D: tl.constexpr, K: tl.constexpr, G_PAD: tl.constexpr,
-                         PAIRS_PAD: tl.constexpr):
-    """After a run stored the partials of its ``n`` pairs (flat slots at ``slot_ptr``): count each
-    pair's row down, and merge into the output the rows whose count this run took to zero.
-
-    A run holds one block, so each row at most once. The barrier puts every thread's partial
-    stores before the countdown's atomics (acq_rel, GPU scope), so the program that takes a row to
-    zero sees all the row's partials, other programs' included; the second barrier hands the
-    atomics' results to every thread before their loads, which bypass L1 (``.cg``).
-    """
-    tl.debug_barrier()
-    e = tl.arange(0, PAIRS_PAD)
-    has = e < n
-    row = tl.load(slot_ptr + e, mask=has, other=0) // K    # slot = row * K + k, row = h * Tc + tc
-    last = has & (tl.atomic_add(left_ptr + row, -1, mask=has) == 1)
-    tl.debug_barrier()
-    done = n * 0 - 1
-    for _ in range(tl.sum(last.to(tl.int32), axis=0)):
-        done = tl.min(tl.where(last & (e > done), e, PAIRS_PAD), axis=0)
-        r = tl.sum(tl.where(e == done, row, 0), axis=0)
-        _merge_row(out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr, r, tok0 + r % Tc, r // Tc, G,
-                   D, K, G_PAD, ".cg")
-
-
-@triton.jit
-def _merge_row(out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr, row, tok, h, G,
-               D: tl.constexpr, K: tl.constexpr, G_PAD: tl.constexpr, CACHE: tl.constexpr):
-    """Row ``row = h * Tc + tc`` (token ``tok``, KV head ``h``): its valid slots' partials merged by
-    log-sum-exp into the output (zeros if none); partial loads with cache modifier ``CACHE``."""
+def _merge_slots_kernel(
+    out_ptr, s_ot, s_oh, s_od, place_ptr, ws_o_ptr, ws_lse_ptr, tok0, Tc, G,
+    D: tl.constexpr, K: tl.constexpr, G_PAD: tl.constexpr,
+):
+    """Token ``tok0 + tc``, KV head ``h``: its valid pairs' partials (at their places) merged by
+    log-sum-exp (zeros if none)."""
+    tc = tl.program_id(0)
+    h = tl.program_id(1)
     rows = tl.arange(0, G_PAD)
     row_ok = rows < G
     offs_d = tl.arange(0, D)
-    base = row.to(tl.int64) * K
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     zero_rows = tl.full([G_PAD], 0, tl.int32)
     for k in tl.static_range(K):
-        use = row_ok & ((zero_rows + tl.load(clean_ptr + base + k)) >= 0)
-        part = (base + k) * G + rows
-        lse = tl.load(ws_lse_ptr + part, mask=use, other=float("-inf"), cache_modifier=CACHE)
-        o = tl.load(ws_o_ptr + part[:, None] * D + offs_d[None, :], mask=use[:, None], other=0.0,
-                    cache_modifier=CACHE)
+        place = tl.load(place_ptr + (h * Tc + tc) * K + k)
+        use = row_ok & (zero_rows + place >= 0)
+        part = place.to(tl.int64) * G + rows
+        lse = tl.load(ws_lse_ptr + part, mask=use, other=float("-inf"))
+        o = tl.load(ws_o_ptr + part[:, None] * D + offs_d[None, :], mask=use[:, None], other=0.0)
         m_new = tl.maximum(m_i, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -357,19 +352,7 @@ def _merge_row(out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr, row, 
         l_i = l_i * alpha + w
         acc = acc * alpha[:, None] + w[:, None] * o.to(tl.float32)
         m_i = m_new
-    store_rows(out_ptr, zero_rows + tok, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
-
-
-@triton.jit
-def _merge_slots_kernel(
-    out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr, tok0, Tc, G,
-    D: tl.constexpr, K: tl.constexpr, G_PAD: tl.constexpr,
-):
-    """Token ``tok0 + tc``, KV head ``h``: its valid slots' partials merged by log-sum-exp (zeros if none)."""
-    tc = tl.program_id(0)
-    h = tl.program_id(1)
-    _merge_row(out_ptr, s_ot, s_oh, s_od, clean_ptr, ws_o_ptr, ws_lse_ptr, h * Tc + tc, tok0 + tc, h, G,
-               D, K, G_PAD, "")
+    store_rows(out_ptr, zero_rows + tok0 + tc, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
 
 
 def _blocks(seq_len: int, block_size: int) -> int:
@@ -398,36 +381,42 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
     k, v = caches.k, caches.v
     scales, kv_scaled = kv_scale_args(caches, q)
     sel = topk.head_major()
-    common = dict(B=B, D=D, K=K, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, SCALE_Q=scale_q)
+    common = dict(B=B, D=D, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, SCALE_Q=scale_q)
     for a in range(td, T, cfg.max_tokens_per_pass):
         c = min(cfg.max_tokens_per_pass, T - a)
         pairs = Hkv * c * K
         per = m * max(1, cfg.run_tiles)
         max_tiles = min(pairs, pairs // per + Hkv * nb_sum)
+        v0 = cfg.run_v0 and cfg.run_tiles > 0
         plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=per, max_tiles=max_tiles,
-                          num_pages=caches.num_pages, out=out if cfg.fused_merge else None)
-        # partial outputs in out's dtype (q's in production), fp32 as a diagnostic variant
-        ws_o = torch.empty((pairs, G, D), dtype=torch.float32 if cfg.partials_fp32 else out.dtype, device=q.device)
+                          num_pages=caches.num_pages, slots=v0)
+        # partial outputs in out's dtype (q's in production): fp32 ones doubled the attention time (NOTES.md §5)
+        ws_o = torch.empty((pairs, G, D), dtype=out.dtype, device=q.device)
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
         programs = max(1, min(max_tiles, target_programs // 2 * cfg.programs_per_sm))
-        if cfg.run_tiles:
-            _block_run_kernel[(programs,)](
+        if v0:
+            from .prefill_run_v0 import _block_run_v0_kernel
+
+            _block_run_v0_kernel[(programs,)](
                 q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
                 plan.tile_seg, plan.tile_page, plan.tile_slot, plan.tile_pairs, plan.num_tiles, ws_o, ws_lse,
                 a, c, nb_max, batch.num_prefills, G, qk_scale, *scales,
-                plan.clean, plan.clean if plan.row_left is None else plan.row_left, out, *out.stride(),
+                K=K, ROWS=rows, M=m, RUN=cfg.run_tiles, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
+                num_warps=cfg.warps, **platform_options)
+        elif cfg.run_tiles:
+            _block_run_kernel[(programs,)](
+                q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
+                plan.tile_seg, plan.tile_page, plan.tile_tok, plan.tile_pairs, plan.tile_place, plan.num_tiles,
+                ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales,
                 ROWS=rows, M=m, RUN=cfg.run_tiles, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
-                FUSED=cfg.fused_merge, G_PAD=_merge_sizes(G, D)["G_PAD"], PAIRS_PAD=next_pow2(per),
                 num_warps=cfg.warps, **platform_options)
         else:
             _block_tile_kernel[(programs,)](
                 q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
-                plan.tile_seg, plan.tile_page, plan.tile_slot, plan.num_tiles, ws_o, ws_lse,
-                a, c, nb_max, batch.num_prefills, G, qk_scale, *scales,
+                plan.tile_seg, plan.tile_page, plan.tile_tok, plan.tile_pairs, plan.tile_place, plan.num_tiles,
+                ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales,
                 BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
                 num_warps=cfg.warps, **platform_options)
-        if cfg.fused_merge:  # the runs merged every row (and the plan zeroed the rows without pairs)
-            continue
         _merge_slots_kernel[(c, Hkv)](
-            out, *out.stride(), plan.clean, ws_o, ws_lse, a, c, G,
+            out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G,
             K=K, **_merge_sizes(G, D), num_warps=cfg.merge_warps, **platform_options)

@@ -7,10 +7,6 @@ Example:
     >>> cfg = PrefillAttentionConfig(rows=64, warps=4)
     >>> cfg.rows // 16          # tokens per tile at GQA group 16
     4
-    >>> PrefillAttentionConfig(run_tiles=0, fused_merge=True)
-    Traceback (most recent call last):
-    ...
-    ValueError: PrefillAttentionConfig: fused_merge=True needs runs of tiles, got run_tiles=0; set run_tiles > 0 (the default, 8) or fused_merge=False
 """
 
 from __future__ import annotations
@@ -43,21 +39,12 @@ class PrefillAttentionConfig:
     #: n = runs of up to n tiles of one segment: the block's K/V loaded once per run, the run's
     #: tiles one pipelined loop; 0 = the previous kernel, one tile per loop step (K/V per tile)
     run_tiles: int = 8
+    #: the run kernel before its partials were stored in plan order (per-row addresses from each
+    #: pair's flat slot, K/V strides at run time: 88-256 B of spills under Triton 3.6 on sm_90),
+    #: kept to time the two side by side (bench variant ``prun0``); needs ``run_tiles > 0``
+    run_v0: bool = False
     #: warps of the merge (one program per token and KV head)
     merge_warps: int = 4
-    #: the runs merge the partials themselves: the run that stores the last partial of a (token,
-    #: KV head) row (a countdown per row) merges the row's partials into the output, so the
-    #: merge's reads overlap other programs' math instead of following them as a kernel of their
-    #: own (needs ``run_tiles > 0``). False: the separate merge kernel
-    fused_merge: bool = False
-    #: partials in fp32 instead of the query dtype: twice the workspace bytes (a diagnostic of
-    #: how much those bytes cost; no accuracy need: the output is in the query dtype anyway)
-    partials_fp32: bool = False
     #: prefill tokens planned and merged per pass: bounds the partial-output workspace
     #: (pairs x G x D elements: 2.1 GB of bf16 for 8K tokens at M3 TP1)
     max_tokens_per_pass: int = 16384
-
-    def __post_init__(self) -> None:
-        if self.fused_merge and not self.run_tiles:
-            raise ValueError(f"PrefillAttentionConfig: fused_merge=True needs runs of tiles, got run_tiles="
-                             f"{self.run_tiles}; set run_tiles > 0 (the default, 8) or fused_merge=False")

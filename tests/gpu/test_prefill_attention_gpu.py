@@ -7,11 +7,10 @@ tiles), selections from the cuda indexer; and a selection made messy by hand
 (repeats, ``-1`` and out-of-range ids). Each case poisons the output, checks
 sampled tokens against the fp64 reference (``gpu_reference``) and every
 prefill token against the token-tile kernel (the rocm plugin's path).
-
-The fused merge (``fused_merge``: the run that stores a row's last partial
-merges the row; programs hand partials to each other through memory) is
-also run repeatedly with the memory the workspace is carved from filled
-with NaN first, so a partial read before it was written shows as NaN.
+The messy selection runs with the memory the workspace is carved from
+filled with NaN first, so a partial the merge reads but no run wrote shows
+as NaN; so do the current run kernel and the previous one (``run_v0``,
+partials at flat slots), which must give the same bits.
 """
 
 from __future__ import annotations
@@ -99,37 +98,28 @@ TILES = PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=2, r
 @pytest.mark.parametrize("tp,cfg", [
     (1, TILES), (1, replace(TILES, block_n=128)), (8, TILES), (1, PrefillAttentionConfig(run_tiles=16)),
     (1, PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=5)),
-    (1, PrefillAttentionConfig(partials_fp32=True)), (8, PrefillAttentionConfig(partials_fp32=True)),
-    (1, PrefillAttentionConfig(fused_merge=True, partials_fp32=True)),
-    (1, PrefillAttentionConfig(fused_merge=True, run_tiles=16)),
-], ids=["tiles", "tiles_bn128", "tiles_tp8", "runs16", "runs_rows128", "fp32_partials", "fp32_partials_tp8",
-        "fused_fp32_partials", "fused_runs16"])
+], ids=["tiles", "tiles_bn128", "tiles_tp8", "runs16", "runs_rows128"])
 def test_block_grouped_prefill_tile_shapes(tp: int, cfg: PrefillAttentionConfig) -> None:
-    """Other tile shapes: the one-tile-per-step kernel; longer runs; 128-row runs (8 warps); fp32
-    partials; the fused merge with them and with longer runs."""
+    """Other tile shapes: the one-tile-per-step kernel; longer runs; 128-row runs (8 warps)."""
     p, case, buf = _step(tp, K32, True, seed=11)
     _check(p, case, buf, _run(p, case, buf, cfg), _run(p, case, buf, None))
 
 
-FUSED = PrefillAttentionConfig(fused_merge=True)
-
-
-@pytest.mark.parametrize("tp,context,correlated", [(1, 0, False), (1, 0, True), (1, K32, False), (1, K32, True),
-                                                   (8, 0, True), (8, K32, False)])
-def test_fused_merge_at_m3_shapes(tp: int, context: int, correlated: bool) -> None:
-    """The fused merge on NaN-carved workspaces, three runs, each against fp64 and the token tiles."""
-    p, case, buf = _step(tp, context, correlated, seed=20 + tp + context // 1024 + correlated)
-    incumbent = _run(p, case, buf, None)
-    for _ in range(3):
-        _poison_free_memory()
-        _check(p, case, buf, _run(p, case, buf, FUSED), incumbent)
+@pytest.mark.parametrize("tp,context,correlated", [(1, 0, False), (1, K32, True), (8, K32, False)])
+def test_plan_order_partials_give_the_previous_kernels_bits(tp: int, context: int, correlated: bool) -> None:
+    """Partials in plan order (one contiguous block per tile) and at flat slots (``run_v0``): the
+    same arithmetic, so the same output, bit for bit; both on NaN-carved workspaces."""
+    p, case, buf = _step(tp, context, correlated, seed=30 + tp + context // 1024 + correlated)
+    _poison_free_memory()
+    new = _run(p, case, buf, PrefillAttentionConfig())
+    _poison_free_memory()
+    old = _run(p, case, buf, PrefillAttentionConfig(run_v0=True))
     torch.cuda.empty_cache()
+    _check(p, case, buf, new, _run(p, case, buf, None))
+    assert torch.equal(new, old), (new.double() - old.double()).abs().max().item()
 
 
-@pytest.mark.parametrize("cfg", [PrefillAttentionConfig(max_tokens_per_pass=3000),
-                                 PrefillAttentionConfig(max_tokens_per_pass=3000, fused_merge=True)],
-                         ids=["merge_kernel", "fused_merge"])
-def test_block_grouped_prefill_messy_selection_and_small_passes(cfg: PrefillAttentionConfig) -> None:
+def test_block_grouped_prefill_messy_selection_and_small_passes() -> None:
     """Repeats, -1 and ids past the visible range select nothing extra; a row of only -1 gives
     zeros; passes of 3000 tokens agree."""
     p, case, buf = _step(1, 2000, False, seed=7)
@@ -142,7 +132,7 @@ def test_block_grouped_prefill_messy_selection_and_small_passes(cfg: PrefillAtte
     empty = case.batch.num_decode_tokens  # the prefill's first token: sampled by _check
     view[1, empty] = -1
     _poison_free_memory()
-    out = _run(p, case, buf, cfg)
+    out = _run(p, case, buf, PrefillAttentionConfig(max_tokens_per_pass=3000))
     torch.cuda.empty_cache()
     G = p.gqa_group
     assert (out[empty, G:2 * G] == 0).all(), "a row that selects nothing must be zeros"
