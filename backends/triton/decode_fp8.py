@@ -9,18 +9,19 @@ from ``aot_check`` and the SASS; benchmarks/NOTES.md §6):
 
 - the query tile, its scaling (``SCALE_Q``), the item's top-k slots and their
   pages are loaded once per item, before a loop over the item's blocks whose
-  only loads are K and V. With no page lookup inside the loop the pipeliner
-  gives K and V ``STAGES - 1`` shared-memory buffers (the shared kernel gets one
-  at every depth it accepts: a block's copy then only starts once the previous
-  block's math is done);
+  only loads are K and V. With no page lookup inside the loop (a second level
+  of indirection, between which the pipeliner splits its depth) ``STAGES=3``
+  gives K and V two shared-memory buffers, so the next block's copy is in
+  flight while a block is computed (the shared kernel has one buffer at
+  ``STAGES`` 3 and 4: each copy starts after the previous block's math);
 - V is widened e4m3 -> fp16 from its 16-byte rows and goes to the dot through
   shared memory as fp16 (:func:`_widened_rows`): the dot reduces over V's keys,
   which are a row (128 bytes) apart, and Triton's own path reads an fp8 dot
-  operand there one byte at a time (128 loads and 160 packing instructions per
-  thread and block);
+  operand there one byte at a time (for 128 x 128 tiles and 4 warps: 128 loads
+  and ~160 packing instructions per thread and block);
 - ``KEYS_A`` (``kv8_dots="keys_a"``) computes the transposed scores
-  ``K @ q^T``: 128 keys are the rows of the dot, enough for Hopper's warpgroup
-  MMA (``q^T`` and ``P^T`` are read from shared memory, the keys are widened in
+  ``K @ q^T``: the tile's 64 or 128 keys are the rows of the dot, enough for
+  Hopper's warpgroup MMA (``q^T`` and ``P^T`` are read from shared memory, the keys are widened in
   registers), and the output is ``V^T @ P^T``. ``"keys_b"`` keeps ``q @ K^T``
   (``mma.sync``, 16 rows) with the keys loaded as ``[D, BN]`` so that their
   widening needs no register transpose.

@@ -58,7 +58,7 @@ def _cached(cfg: LaunchConfig, key: tuple[Any, ...], make: Callable[[], Any]) ->
 class DecodeAttentionPlan(NamedTuple):
     """The decode attention's launches for one shape class (``kernel`` names a module-level kernel)."""
 
-    kernel: str                    # "_decode_attention_flat_kernel", "_decode_attention_kv8_kernel" or "_decode_attention_kernel"
+    kernel: str                    # "_decode_attention_{flat,kv8}_kernel" or "_decode_attention_kernel"
     grid: tuple[int, ...]
     flat_ints: tuple[int, ...]     # (items, items per program) of the flat kernel, else ()
     splits: int
