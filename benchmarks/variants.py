@@ -107,6 +107,14 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # issue 13, session 6: the run kernel before plan-order partials and constant K/V strides (spills
     # 88-256 B under Triton 3.6); same arithmetic, so the same bits
     "prun0": (dict(prefill_attention=dict(run_v0=True)), ("prefill",)),
+    # issue 17, session 3: the fp8 decode kernel (decode_fp8.py; default: scores as K @ q^T,
+    # 64-key tiles, K/V double-buffered, two programs per SM). The shared persistent kernel with
+    # fp16 dots (the previous default, 69-70 us at TP1 b64 64K); q @ K^T (mma.sync) with 128-key
+    # tiles; K @ q^T with 128-key tiles and one K/V buffer; K @ q^T with 8 warps, one program per SM
+    "kv8shared": (dict(decode_attention_fp8=None), ("decode",)),
+    "kv8b": (dict(decode_attention_fp8=dict(kv8_dots="keys_b", block_n=128)), ("decode",)),
+    "kv8a128": (dict(decode_attention_fp8=dict(block_n=128, stages=2)), ("decode",)),
+    "kv8a8w": (dict(decode_attention_fp8=dict(warps=8, block_n=128, flat_programs_per_sm=1)), ("decode",)),
 }
 
 

@@ -42,14 +42,18 @@ def _configs() -> dict[str, object]:
 
     # the fp16 path in every kernel: the cuda plugin's decode, and its prefill as an option
     assert base.numerics.kv_fp8_as_f16 and base.numerics.kv_fp8_as_f16_prefill
+    assert base.decode_attention_fp8.kv8_dots == "keys_a"
     return {
         "persistent_decode+block_grouped_prefill": base,
-        "persistent_decode+block_tiles_prefill": override(
-            base, prefill_attention=replace(base.prefill_attention, run_tiles=0)),
+        "kv8_keys_b_decode+block_grouped_prefill": override(base, decode_attention_fp8=dict(kv8_dots="keys_b")),
+        "shared_persistent_decode+block_tiles_prefill": override(
+            base, decode_attention_fp8=None, prefill_attention=replace(base.prefill_attention, run_tiles=0)),
         "grid_decode+token_tile_prefill": override(base, algorithms=dict(decode_attention_flat=False),
-                                                   prefill_attention=None),
-        "branching_decode+union_prefill": override(base, prefill_attention=None, algorithms=dict(
-            decode_attention_flat=False, decode_attention_branchless=False, prefill_attention_union=True)),
+                                                   decode_attention_fp8=None, prefill_attention=None),
+        "branching_decode+union_prefill": override(base, prefill_attention=None, decode_attention_fp8=None,
+                                                   algorithms=dict(decode_attention_flat=False,
+                                                                   decode_attention_branchless=False,
+                                                                   prefill_attention_union=True)),
     }
 
 
@@ -87,7 +91,8 @@ def test_bf16_queries_on_fp8_kv_match_oracle(path: str, layout: str) -> None:
 
 
 @pytest.mark.parametrize("magnitude", [1e6, 1e-6, "mixed"])
-@pytest.mark.parametrize("path", ["persistent_decode+block_grouped_prefill", "grid_decode+token_tile_prefill"])
+@pytest.mark.parametrize("path", ["persistent_decode+block_grouped_prefill", "kv8_keys_b_decode+block_grouped_prefill",
+                                  "grid_decode+token_tile_prefill"])
 def test_query_rows_outside_fp16_range(path: str, magnitude: object) -> None:
     """bf16 query rows fp16 cannot hold unscaled: 1e6 overflows to inf, 1e-6 is an fp16 subnormal with
     a few bits left. The softmax scale is set so the logits stay of order one (a kernel that lost
@@ -111,3 +116,17 @@ def test_fp8_decode_config_is_used_for_fp8_kv_only() -> None:
     assert cfg.decode_attention_splits(2, 2, 4, fp8_kv=True) == 4 != cfg.decode_attention_splits(2, 2, 4)
     assert cfg.decode_attention_for(False) is base.decode_attention
     _run("persistent_decode+block_grouped_prefill", cfg=cfg, seed=11)
+
+
+@pytest.mark.parametrize("dots", ["keys_a", "keys_b"])
+def test_kv8_kernel_with_splits(dots: str) -> None:
+    """The fp8 decode kernel (``kv8_dots``) storing flash-decoding partials that the merge kernel
+    combines (more programs than (token, KV head) pairs: splits), both dot orientations."""
+    from mm3_backends.triton.plans import decode_attention_plan
+    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG as base
+
+    cfg = override(base, decode_attention_fp8=dict(kv8_dots=dots, flat_programs_per_sm=8, stages=2))
+    # the case of _run: 3 decode requests of 2 tokens, 2 KV heads of 3 query heads, top-4 of 16-token blocks
+    plan = decode_attention_plan(cfg, 6, 2, 3, 4, 16, 32, torch.bfloat16, torch.float8_e4m3fn, True)
+    assert plan.kernel == "_decode_attention_kv8_kernel" and plan.splits > 1 and plan.merge
+    _run("persistent_decode+block_grouped_prefill", cfg=cfg, seed=12 + len(dots))

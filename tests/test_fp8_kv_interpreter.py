@@ -1,7 +1,8 @@
 """The Triton kernels on fp8 K/V caches with scales, through Triton's interpreter (CPU, fp16/fp32 compute).
 
-One case per attention path: the persistent decode kernel with the
-block-grouped prefill (NVIDIA's defaults: fp16 and fp32), the grid decode kernel (branchless)
+One case per attention path: the fp8 decode kernel (both dot orientations,
+``kv8_dots``) with the block-grouped prefill (NVIDIA's defaults: fp16 and
+fp32), the shared persistent decode kernel, the grid decode kernel (branchless)
 with the token-tile prefill (ROCm's), and the branching decode with the
 token-tile prefill's union walk. Each is a mixed batch (speculative decodes, a
 padding decode, a chunked and a fresh prefill) on a NaN-poisoned output,
@@ -36,16 +37,22 @@ def _configs() -> dict[str, object]:
 
     return {
         "persistent_decode+block_grouped_prefill": base,
+        "kv8_keys_b_decode+block_grouped_prefill": override(base, decode_attention_fp8=dict(kv8_dots="keys_b")),
+        "shared_persistent_decode+block_grouped_prefill": override(base, decode_attention_fp8=None),
         "grid_decode+token_tile_prefill": override(base, algorithms=dict(decode_attention_flat=False),
-                                                   prefill_attention=None),
-        "branching_decode+union_prefill": override(base, prefill_attention=None, algorithms=dict(
-            decode_attention_flat=False, decode_attention_branchless=False, prefill_attention_union=True)),
+                                                   decode_attention_fp8=None, prefill_attention=None),
+        "branching_decode+union_prefill": override(base, prefill_attention=None, decode_attention_fp8=None,
+                                                   algorithms=dict(decode_attention_flat=False,
+                                                                   decode_attention_branchless=False,
+                                                                   prefill_attention_union=True)),
     }
 
 
 @pytest.mark.parametrize("path, dtype, kv_scale, layout", [
     ("persistent_decode+block_grouped_prefill", "float16", "head", "HND"),
     ("persistent_decode+block_grouped_prefill", "float32", "tensor", "NHD"),
+    ("kv8_keys_b_decode+block_grouped_prefill", "float32", "head", "HND"),
+    ("shared_persistent_decode+block_grouped_prefill", "float16", "tensor", "NHD"),
     ("grid_decode+token_tile_prefill", "float32", "tensor", "NHD"),
     ("branching_decode+union_prefill", "float16", "head", "NHD"),
 ])

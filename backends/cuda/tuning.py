@@ -34,10 +34,13 @@ NVIDIA_LAUNCH = LaunchConfig(
     # 4 warps: two persistent programs per SM (H200: 80 vs 95 us at TP1 b64 64K); a whole
     # 128-key block per inner tile (1.03-1.08x over 64)
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
-                                           flat_programs_per_sm=2, block_n=128),
-    # fp8 K/V: the same tiles (H200, TP1 b64 64K attention: 70.0 us; 8 warps one per SM 102.5,
-    # 4 warps with 64-key tiles 74.6; benchmarks/NOTES.md §6)
-    decode_attention_fp8=None,
+                                           flat_programs_per_sm=2, block_n=128, kv8_dots=""),
+    # fp8 K/V: the fp8 kernel (decode_fp8.py) with the scores as K @ q^T (warpgroup MMA on
+    # sm_90), 64-key tiles, K/V double-buffered (stages=3), two programs per SM: Triton 3.6 sm_90
+    # 182 registers, no spill, 88 KB shared; the shared kernel (None) 255 + spills, 69-70 us at
+    # TP1 b64 64K on the H200. Not yet timed (predictions: benchmarks/NOTES.md §6)
+    decode_attention_fp8=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
+                                               flat_programs_per_sm=2, block_n=64, kv8_dots="keys_a"),
     # block-grouped prefill attention (H200, TP1, 8K chunk: 1.03-1.36x over the token tiles)
     prefill_attention=PrefillAttentionConfig(),
     prefill_tiles=TokenTileAttentionConfig(rows=128, warps=8, block_n=64, num_stages=2),

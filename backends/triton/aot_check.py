@@ -120,6 +120,7 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
             # fp8 K/V with bf16 queries: the fp16 dots with scaled query rows (numerics.kv_fp8_as_f16)
             (m3(tp_size=1), torch.bfloat16, torch.float8_e4m3fn, 1, [300] * 64, [(5, 260)], "float8_e4m3fn"),
             (tiny, torch.bfloat16, torch.bfloat16, 1, [1], [(1, 1)]),
+            (tiny, torch.bfloat16, torch.bfloat16, 1, [1], [(1, 1)], "float8_e4m3fn"),
         ]
         for p, dtype, idt, dq, decodes, prefills, *kv in variants:
             case = make_case(p, decodes=decodes, prefills=prefills, decode_query_len=dq,

@@ -13,6 +13,10 @@ second ``tl.dot`` as in flash attention.
     causal mask only bites in the token's own, partially filled block) and
     either writes the output (one split) or its partial ``(max, sum, acc)``.
 
+``_decode_attention_kv8_kernel`` (fp8 K/V, with ``DecodeAttentionConfig.kv8_dots``)
+    The persistent kernel's items with the loads and dots arranged for fp8
+    keys and values (:mod:`.decode_fp8`).
+
 ``_merge_kernel`` grid ``(decode tokens, KV heads)``
     Exact log-sum-exp merge of the splits' partials.
 
@@ -51,7 +55,8 @@ from mm3.contract import SparseAttentionParams
 from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .plans import decode_attention_plan
-from .tiles import load_query_rows, score_scale, store_rows, token_rows
+from .decode_fp8 import _decode_attention_kv8_kernel  # noqa: F401 - launched by name (plans)
+from .tiles import load_query_rows, score_scale, softmax_weights, store_item, store_rows, token_rows
 from .tl_utils import dot_config, kv_scale, kv_scale_args, launch_options, load_page, pdl_prologue
 
 __all__ = ["attention_forward"]
@@ -72,12 +77,7 @@ def _softmax_update(q, keys, vals, row_mask, key_pos, pos, m_i, l_i, acc, qk_sca
 def online_softmax_step(s, vals, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
     """Fold one tile of base-2 logits ``s`` (``-inf`` where a key is not visible) and its values
     into the running maximum ``m_i``, sum ``l_i`` and unnormalised output ``acc``."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # rows with nothing visible so far keep m = -inf; shift by 0 there to avoid inf - inf
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p, alpha, m_new, l_i = softmax_weights(s, m_i, l_i, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
     return m_new, l_i, acc
 
@@ -210,7 +210,6 @@ def _decode_attention_flat_kernel(
     p = tl.program_id(0)
     rows = tl.arange(0, G_PAD)
     row_ok = rows < G
-    offs_d = tl.arange(0, D)
     slots = tl.arange(0, K_PAD)
     zero_rows = tl.full([G_PAD], 0, tl.int32)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -247,15 +246,9 @@ def _decode_attention_flat_kernel(
             score_scale(qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED), undo, SCALE_Q), B, BN, D,
             DOT_DTYPE, DOT_PREC)
         last = row_ok & ((zero_rows + j) == KPS - 1)
-        acc_out = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
-        if SPLITS == 1:
-            store_rows(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, acc_out, l_i, last, D)
-        else:
-            base = (t * num_h + h) * SPLITS + sp
-            tl.store(ws_m_ptr + base * G_PAD + rows, m_i, mask=last)
-            tl.store(ws_l_ptr + base * G_PAD + rows, l_i, mask=last)
-            tl.store(ws_acc_ptr + (base * G_PAD + rows)[:, None] * D + offs_d[None, :], acc_out,
-                     mask=last[:, None])
+        store_item(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+                   (t * num_h + h) * SPLITS + sp, acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED), m_i, l_i, last,
+                   D, G_PAD, SPLITS)
 
 
 @triton.jit

@@ -6,6 +6,8 @@ default: each platform plugin (``backends/cuda``, ``backends/rocm``) states
 every value it launches with, so no platform inherits another's tuning.
 ``num_stages`` is Triton's software-pipelining option of the launch;
 ``stages`` (decode attention) is the kernel's own pipelined loop depth.
+Cross-field rules (``kv8_dots``) are checked where the launches are derived
+(:func:`.plans.decode_attention_plan`).
 
 Example:
     >>> DecodeIndexConfig(min_blocks=1, max_blocks=128, warps=4, topk_warps=4, programs_factor=2,
@@ -81,6 +83,9 @@ class DecodeAttentionConfig:
     flat_programs_per_sm: int
     #: keys per inner tile
     block_n: int
+    #: (fp8 K/V) "" = the kernels shared with 16-bit caches; "keys_a" / "keys_b" = the fp8
+    #: kernel (:mod:`.decode_fp8`, persistent grid) with the scores as ``K @ q^T`` / ``q @ K^T``
+    kv8_dots: str
 
 
 @dataclass(frozen=True)

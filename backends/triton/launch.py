@@ -145,6 +145,11 @@ class LaunchConfig:
             return self.decode_attention_fp8
         return self.decode_attention
 
+    def decode_attention_persistent(self, fp8_kv: bool) -> bool:
+        """Whether the decode attention runs as persistent programs over (token, KV head, split) items:
+        the shared persistent kernel (``algorithms.decode_attention_flat``) or the fp8 one (``kv8_dots``)."""
+        return self.algorithms.decode_attention_flat or (fp8_kv and bool(self.decode_attention_for(True).kv8_dots))
+
     def _flat_programs(self, fp8_kv: bool) -> int:
         return max(1, self.target_programs // 2) * self.decode_attention_for(fp8_kv).flat_programs_per_sm
 
@@ -169,7 +174,7 @@ class LaunchConfig:
         (rounded down: a few idle program slots cost less than a merge pass).
         """
         dac = self.decode_attention_for(fp8_kv)
-        if self.algorithms.decode_attention_flat:
+        if self.decode_attention_persistent(fp8_kv):
             pairs = max(1, num_tokens * num_kv_heads)
             return max(1, min(self._flat_programs(fp8_kv) // pairs, topk, dac.max_splits))
         programs = max(1, num_tokens * num_kv_heads)

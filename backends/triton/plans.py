@@ -29,6 +29,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from .decode_fp8 import KV8_DOTS
 from .launch import LaunchConfig, next_pow2
 from .tl_utils import decode_launch_options, dot_config, pdl_enabled
 
@@ -57,7 +58,7 @@ def _cached(cfg: LaunchConfig, key: tuple[Any, ...], make: Callable[[], Any]) ->
 class DecodeAttentionPlan(NamedTuple):
     """The decode attention's launches for one shape class (``kernel`` names a module-level kernel)."""
 
-    kernel: str                    # "_decode_attention_flat_kernel" or "_decode_attention_kernel"
+    kernel: str                    # "_decode_attention_{flat,kv8}_kernel" or "_decode_attention_kernel"
     grid: tuple[int, ...]
     flat_ints: tuple[int, ...]     # (items, items per program) of the flat kernel, else ()
     splits: int
@@ -87,10 +88,15 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
                      BN=min(B, dac.block_n), D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype,
                      DOT_PREC=dot_prec, KV_SCALED=kv_scaled, SCALE_Q=scale_q)
         opts = dict(num_warps=dac.warps, num_stages=dac.num_stages, **dopts)
-        if cfg.algorithms.decode_attention_flat:
+        if dac.kv8_dots not in KV8_DOTS:
+            raise ValueError(f"DecodeAttentionConfig.kv8_dots must be one of {KV8_DOTS}, got {dac.kv8_dots!r}")
+        if cfg.decode_attention_persistent(fp8_kv):
             items = td * Hkv * splits
             ipp = cfg.decode_attention_flat_items_per_program(items, fp8_kv)
             kernel, grid, flat = "_decode_attention_flat_kernel", (-(-items // ipp),), (items, ipp)
+            if fp8_kv and dac.kv8_dots:
+                kernel = "_decode_attention_kv8_kernel"
+                const["KEYS_A"] = dac.kv8_dots == "keys_a"
         else:
             kernel, grid, flat = "_decode_attention_kernel", (td, Hkv, splits), ()
             const["BRANCHLESS"] = cfg.algorithms.decode_attention_branchless

@@ -8,6 +8,8 @@ come from ``batch.token_positions`` (``-1`` marks a padding token).
 Query rows are loaded by :func:`load_query_rows`, which can scale each row by a
 power of two for a dot in fp16 (bf16 queries against an fp8 cache: e4m3 ->
 fp16 is one native conversion per two values on sm_89+, e4m3 -> bf16 several).
+The attention kernels share their online-softmax step (:func:`softmax_weights`)
+and the decode kernels the store of an item's result (:func:`store_item`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["token_rows", "load_rows", "load_query_rows", "score_scale", "store_rows"]
+__all__ = ["token_rows", "load_rows", "load_query_rows", "score_scale", "store_rows", "softmax_weights", "store_item"]
 
 
 @triton.jit
@@ -96,3 +98,36 @@ def store_rows(ptr, tok, head, s_t, s_h, s_d, acc, denom, row_mask, D: tl.conste
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(ptr + tok[:, None] * s_t + head[:, None] * s_h + offs_d[None, :] * s_d,
              out.to(ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def softmax_weights(s, m_i, l_i, AXIS: tl.constexpr):
+    """One online-softmax step over a tile of base-2 logits ``s`` (``-inf`` where a key is not visible)
+    whose keys run along ``AXIS``: ``(p, alpha, m_new, l_new)``.
+
+    ``m_i`` and ``l_i`` are the running maximum and sum of each query (the other
+    axis); ``p`` are the tile's unnormalised weights and ``alpha`` the factor
+    that rescales what was accumulated before (the caller adds ``p``'s dot).
+    """
+    m_new = tl.maximum(m_i, tl.max(s, axis=AXIS))
+    # queries with nothing visible so far keep m = -inf; shift by 0 there to avoid inf - inf
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - tl.expand_dims(m_safe, AXIS))
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=AXIS)
+
+
+@triton.jit
+def store_item(out_ptr, tok, head, s_t, s_h, s_d, ws_m_ptr, ws_l_ptr, ws_acc_ptr, base, acc, m_i, l_i, row_mask,
+               D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr):
+    """A decode work item's result, rows ``row_mask``: with one split its output rows (:func:`store_rows`),
+    else its partial ``(max, sum, acc)`` at slot ``base`` of the flash-decoding workspace, which holds
+    ``G_PAD`` rows per (token, KV head, split) and which the merge kernels read."""
+    if SPLITS == 1:
+        store_rows(out_ptr, tok, head, s_t, s_h, s_d, acc, l_i, row_mask, D)
+    else:
+        rows = tl.arange(0, G_PAD)
+        tl.store(ws_m_ptr + base * G_PAD + rows, m_i, mask=row_mask)
+        tl.store(ws_l_ptr + base * G_PAD + rows, l_i, mask=row_mask)
+        tl.store(ws_acc_ptr + (base * G_PAD + rows)[:, None] * D + tl.arange(0, D)[None, :], acc,
+                 mask=row_mask[:, None])

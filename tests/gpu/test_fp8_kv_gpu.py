@@ -6,8 +6,10 @@
   (``LaunchConfig.decode_attention_fp8``). Checked against the fp64 reference at M3
   TP1 and TP8 shapes, mixed decode + prefill steps (speculative decodes, a padding
   row, a chunked and a fresh prefill), bf16 and fp8 index caches, NHD and HND pages,
-  beside the previous path (K/V widened to bf16, ``kv_fp8_as_f16=False``), and
-  with query rows far outside fp16's range (1e6, 1e-6), on NaN-poisoned outputs.
+  beside the previous path (K/V widened to bf16, ``kv_fp8_as_f16=False``) and the
+  other fp8 decode kernels and tiles (``FP8_DECODE``: the shared persistent kernel,
+  ``kv8_dots="keys_b"``, ...), and with query rows far outside fp16's range (1e6,
+  1e-6), on NaN-poisoned outputs.
   Here bf16 is the real thing, which the CPU interpreter cannot run.
 * An fp8-K/V decode step (indexer + attention) captured in a ``torch.cuda.CUDAGraph``
   and replayed with new lengths, positions, pages and queries equals eager bit
@@ -41,15 +43,28 @@ TOL = (2e-2, 3e-4)
 K8, K16, K32, K64 = 8192, 16384, 32768, 65536
 
 
+#: fp8 decode-attention candidates beside the cuda default (benchmarks/variants.py times them)
+FP8_DECODE = {
+    "shared": dict(decode_attention_fp8=None),
+    "keys_b": dict(decode_attention_fp8=dict(kv8_dots="keys_b", block_n=128)),
+    "keys_a128": dict(decode_attention_fp8=dict(block_n=128, stages=2)),
+    "keys_a8w": dict(decode_attention_fp8=dict(warps=8, block_n=128, flat_programs_per_sm=1)),
+}
+
+
 def _hooks(path: str) -> Any:
-    """The cuda plugin's hooks: its own config ("fp16"), or with K/V widened to bf16 as before ("bf16")."""
+    """The cuda plugin's hooks: its own config ("fp16"), with K/V widened to bf16 as before ("bf16"),
+    or with another fp8 decode kernel or tiles (``FP8_DECODE``)."""
     if path == "fp16":
         assert cuda_plugin.PLATFORM.launch.numerics.kv_fp8_as_f16
         return cuda_plugin
     from mm3_backends.triton.launch import override
     from mm3_backends.triton.plugin_factory import make_hookimpls
 
-    launch = override(cuda_plugin.PLATFORM.launch, numerics=dict(kv_fp8_as_f16=False), decode_attention_fp8=None)
+    if path == "bf16":
+        launch = override(cuda_plugin.PLATFORM.launch, numerics=dict(kv_fp8_as_f16=False), decode_attention_fp8=None)
+    else:
+        launch = override(cuda_plugin.PLATFORM.launch, **FP8_DECODE[path])
     return make_hookimpls(replace(cuda_plugin.PLATFORM, launch=launch))
 
 
@@ -91,7 +106,7 @@ def _check_step(hooks: Any, p: SparseAttentionParams, case: Any, q: Optional[tor
     return err.max().item(), err.mean().item()
 
 
-@pytest.mark.parametrize("path", ["fp16", "bf16"])
+@pytest.mark.parametrize("path", ["fp16", "bf16", *FP8_DECODE])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bf16_queries_on_fp8_kv_against_fp64(name: str, path: str) -> None:
     tp, idx_dtype, layout, dq, decodes, prefills = CASES[name]
