@@ -26,7 +26,9 @@ _SESSION1 = dict(decode_attention=dict(warps=8, stages=2, block_n=64), prefill_a
                  numerics=dict(fp8_as_f16=False, nan_in_max=False))
 _SESSION1_ALGO = dict(decode_attention_flat=False, pdl=False)
 #: the chunked prefill indexer without its session-6 instruction cuts (earlier variants keep it)
-_PI_PLAIN = dict(unmasked_full=False, sorted_merge=False, static_key_stride=False)
+_PI_PLAIN = dict(unmasked_full=False, sorted_merge=False, static_key_stride=False, rows=64, warps=4)
+#: the fp8 K/V decode kernel's tiles (decode_fp8.py), opt-in
+_KV8 = replace(NVIDIA_LAUNCH.decode_attention, block_n=64, kv8_dots="keys_a")
 #: the indexer and token-tile sizes of version 1 (NOTES.md)
 _V1_SIZES = dict(decode_index=dict(block_n=64, programs_factor=1, min_blocks=4),
                  prefill_index=dict(_PI_PLAIN, block_n=64), prefill_tiles=dict(rows=64))
@@ -97,24 +99,25 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "kv8bn64": (dict(decode_attention_fp8=replace(NVIDIA_LAUNCH.decode_attention, block_n=64, stages=2)),
                 ("decode",)),
     # issue 13, session 6 (NOTES.md §5): the chunked prefill indexer's instruction cuts. The default
-    # has all three; pi13s5 is the session-5 default (none), pimask / pisort / pistride add one
-    # each to it, pi128f is the default on 128-row tiles of 8 warps (two 8-warp programs per SM)
+    # has all three on 128-row tiles of 8 warps; pi13s5 is the session-5 default (64 rows, none),
+    # pimask / pisort / pistride add one each to it, pi64f is the default's cuts on 64-row tiles
     "pi13s5": (dict(prefill_index=_PI_PLAIN), ("prefill",)),
     "pimask": (dict(prefill_index=dict(_PI_PLAIN, unmasked_full=True)), ("prefill",)),
     "pisort": (dict(prefill_index=dict(_PI_PLAIN, sorted_merge=True)), ("prefill",)),
     "pistride": (dict(prefill_index=dict(_PI_PLAIN, static_key_stride=True)), ("prefill",)),
-    "pi128f": (dict(prefill_index=dict(rows=128, warps=8)), ("prefill",)),
+    "pi64f": (dict(prefill_index=dict(rows=64, warps=4)), ("prefill",)),
     # issue 13, session 6: the run kernel before plan-order partials and constant K/V strides (spills
     # 88-256 B under Triton 3.6); same arithmetic, so the same bits
     "prun0": (dict(prefill_attention=dict(run_v0=True)), ("prefill",)),
-    # issue 17, session 3: the fp8 decode kernel (decode_fp8.py; default: scores as K @ q^T,
-    # 64-key tiles, K/V double-buffered, two programs per SM). The shared persistent kernel with
-    # fp16 dots (the previous default, 69-70 us at TP1 b64 64K); q @ K^T (mma.sync) with 128-key
-    # tiles; K @ q^T with 128-key tiles and one K/V buffer; K @ q^T with 8 warps, one program per SM
-    "kv8shared": (dict(decode_attention_fp8=None), ("decode",)),
-    "kv8b": (dict(decode_attention_fp8=dict(kv8_dots="keys_b", block_n=128)), ("decode",)),
-    "kv8a128": (dict(decode_attention_fp8=dict(block_n=128, stages=2)), ("decode",)),
-    "kv8a8w": (dict(decode_attention_fp8=dict(warps=8, block_n=128, flat_programs_per_sm=1)), ("decode",)),
+    # issue 17, session 3: the fp8 decode kernel (decode_fp8.py; opt-in: on the H200 it faulted at
+    # batch 1 and measured 65.4 us at b64 against 70.0 for the shared kernel, NOTES.md §6). Scores
+    # as K @ q^T with 64-key tiles, K/V double-buffered, two programs per SM; q @ K^T (mma.sync)
+    # with 128-key tiles; K @ q^T with 128-key tiles and one K/V buffer; K @ q^T with 8 warps
+    "kv8a": (dict(decode_attention_fp8=_KV8), ("decode",)),
+    "kv8b": (dict(decode_attention_fp8=replace(_KV8, kv8_dots="keys_b", block_n=128)), ("decode",)),
+    "kv8a128": (dict(decode_attention_fp8=replace(_KV8, block_n=128, stages=2)), ("decode",)),
+    "kv8a8w": (dict(decode_attention_fp8=replace(_KV8, warps=8, block_n=128, flat_programs_per_sm=1)),
+               ("decode",)),
 }
 
 

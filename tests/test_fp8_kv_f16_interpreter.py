@@ -37,15 +37,21 @@ pytestmark = [
 F16_TOL = (1e-2, 1.5e-4)
 
 
+def _kv8(base: object, dots: str, **changes: object) -> object:
+    """The opt-in fp8 decode kernel (``kv8_dots``) on the interpreter's decode tiles."""
+    return replace(base.decode_attention, kv8_dots=dots, **changes)  # type: ignore[attr-defined]
+
+
 def _configs() -> dict[str, object]:
     from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG as base
 
     # the fp16 path in every kernel: the cuda plugin's decode, and its prefill as an option
     assert base.numerics.kv_fp8_as_f16 and base.numerics.kv_fp8_as_f16_prefill
-    assert base.decode_attention_fp8.kv8_dots == "keys_a"
+    assert base.decode_attention_fp8 is None   # the shared kernels; the fp8 kernel is opt-in
     return {
         "persistent_decode+block_grouped_prefill": base,
-        "kv8_keys_b_decode+block_grouped_prefill": override(base, decode_attention_fp8=dict(kv8_dots="keys_b")),
+        "kv8_keys_a_decode+block_grouped_prefill": override(base, decode_attention_fp8=_kv8(base, "keys_a")),
+        "kv8_keys_b_decode+block_grouped_prefill": override(base, decode_attention_fp8=_kv8(base, "keys_b")),
         "shared_persistent_decode+block_tiles_prefill": override(
             base, decode_attention_fp8=None, prefill_attention=replace(base.prefill_attention, run_tiles=0)),
         "grid_decode+token_tile_prefill": override(base, algorithms=dict(decode_attention_flat=False),
@@ -125,7 +131,7 @@ def test_kv8_kernel_with_splits(dots: str) -> None:
     from mm3_backends.triton.plans import decode_attention_plan
     from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG as base
 
-    cfg = override(base, decode_attention_fp8=dict(kv8_dots=dots, flat_programs_per_sm=8, stages=2))
+    cfg = override(base, decode_attention_fp8=_kv8(base, dots, flat_programs_per_sm=8, stages=2))
     # the case of _run: 3 decode requests of 2 tokens, 2 KV heads of 3 query heads, top-4 of 16-token blocks
     plan = decode_attention_plan(cfg, 6, 2, 3, 4, 16, 32, torch.bfloat16, torch.float8_e4m3fn, True)
     assert plan.kernel == "_decode_attention_kv8_kernel" and plan.splits > 1 and plan.merge

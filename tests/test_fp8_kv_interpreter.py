@@ -14,6 +14,7 @@ bf16 arithmetic is wrong, so bf16 runs on the GPU (tests/gpu).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import pytest
 import torch
 
@@ -37,7 +38,8 @@ def _configs() -> dict[str, object]:
 
     return {
         "persistent_decode+block_grouped_prefill": base,
-        "kv8_keys_b_decode+block_grouped_prefill": override(base, decode_attention_fp8=dict(kv8_dots="keys_b")),
+        "kv8_keys_b_decode+block_grouped_prefill": override(
+            base, decode_attention_fp8=replace(base.decode_attention, kv8_dots="keys_b")),
         "shared_persistent_decode+block_grouped_prefill": override(base, decode_attention_fp8=None),
         "grid_decode+token_tile_prefill": override(base, algorithms=dict(decode_attention_flat=False),
                                                    decode_attention_fp8=None, prefill_attention=None),

@@ -23,24 +23,22 @@ NVIDIA_LAUNCH = LaunchConfig(
     target_programs=264, warp_size=32,
     decode_index=DecodeIndexConfig(min_blocks=1, max_blocks=128, warps=4, topk_warps=4, programs_factor=2,
                                    block_n=128, num_stages=2),
-    # 64-row tiles of 4 warps, two programs per SM (H200, 8K chunk, against 128 rows / 8 warps:
-    # TP1 ctx 0 152 -> 138 us, 32K 926 -> 886 us); 64-key inner tiles; top-K merged every 32
-    # blocks; a tile's blocks split over up to 8 programs when the tiles do not fill the SMs
-    # (TP8 32K: 490 -> 228 us). The three instruction cuts (Triton 3.6, sm_90, TP1 bf16: 254 -> 128
-    # registers, no spills; ~520 -> ~310 instructions per block and warp, counted in the SASS) are
-    # not yet timed on the H200: variant pi13s5 is the default without them (benchmarks/NOTES.md §5)
-    prefill_index=PrefillIndexConfig(rows=64, warps=4, block_n=64, chunk=32, num_stages=2, max_splits=8,
+    # 128-row tiles of 8 warps, two programs per SM; 64-key inner tiles; top-K merged every 32
+    # blocks; a tile's blocks split over up to 8 programs when the tiles do not fill the SMs (TP8
+    # 32K: 490 -> 228 us); three instruction cuts (the causal mask only where a row sees part of a
+    # tile, a sorted merge of each chunk, the key-row stride compiled in: Triton 3.6 sm_90 254 ->
+    # 124 registers, no spills). H200, TP1 8K chunk at 32K: 884 us before the cuts, 732 with them
+    # on 64-row tiles (variant pi64f), 581 on 128-row tiles (benchmarks/NOTES.md §5)
+    prefill_index=PrefillIndexConfig(rows=128, warps=8, block_n=64, chunk=32, num_stages=2, max_splits=8,
                                      unmasked_full=True, sorted_merge=True, static_key_stride=True),
     # 4 warps: two persistent programs per SM (H200: 80 vs 95 us at TP1 b64 64K); a whole
     # 128-key block per inner tile (1.03-1.08x over 64)
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
                                            flat_programs_per_sm=2, block_n=128, kv8_dots=""),
-    # fp8 K/V: the fp8 kernel (decode_fp8.py) with the scores as K @ q^T (warpgroup MMA on
-    # sm_90), 64-key tiles, K/V double-buffered (stages=3), two programs per SM: Triton 3.6 sm_90
-    # 182 registers, no spill, 88 KB shared; the shared kernel (None) 255 + spills, 69-70 us at
-    # TP1 b64 64K on the H200. Not yet timed (predictions: benchmarks/NOTES.md §6)
-    decode_attention_fp8=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
-                                               flat_programs_per_sm=2, block_n=64, kv8_dots="keys_a"),
+    # fp8 K/V: the kernels of 16-bit K/V, with fp16 dots. The fp8 kernel (decode_fp8.py,
+    # kv8_dots="keys_a", variant kv8a) is opt-in: on the H200 it measured 65.4 us against 70.0 at
+    # TP1 b64 64K, but gave wrong rows and an illegal memory access at batch 1 (NOTES.md §6)
+    decode_attention_fp8=None,
     # block-grouped prefill attention (H200, TP1, 8K chunk: 1.03-1.36x over the token tiles)
     prefill_attention=PrefillAttentionConfig(),
     prefill_tiles=TokenTileAttentionConfig(rows=128, warps=8, block_n=64, num_stages=2),
