@@ -106,9 +106,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "pisort": (dict(prefill_index=dict(_PI_PLAIN, sorted_merge=True)), ("prefill",)),
     "pistride": (dict(prefill_index=dict(_PI_PLAIN, static_key_stride=True)), ("prefill",)),
     "pi64f": (dict(prefill_index=dict(rows=64, warps=4)), ("prefill",)),
-    # issue 13, session 6: the run kernel before plan-order partials and constant K/V strides (spills
-    # 88-256 B under Triton 3.6); same arithmetic, so the same bits
-    "prun0": (dict(prefill_attention=dict(run_v0=True)), ("prefill",)),
     # issue 17, session 3: the fp8 decode kernel (decode_fp8.py; opt-in: on the H200 it faulted at
     # batch 1 and measured 65.4 us at b64 against 70.0 for the shared kernel, NOTES.md §6). Scores
     # as K @ q^T with 64-key tiles, K/V double-buffered, two programs per SM; q @ K^T (mma.sync)

@@ -82,35 +82,11 @@ def test_plan_puts_every_pair_in_one_tile() -> None:
                     assert (tok, seg) == (nd + t, (h * R + int(req[t])) * nb_max + b), "place of another pair"
                     got.append((h, t, b))
     assert sorted(got) == sorted(want), "a pair is missing or served twice"
-    assert (plan.tile_tok[n * M:] == -1).all() and plan.tile_slot is None
+    assert (plan.tile_tok[n * M:] == -1).all()
     for h in range(H):
         for t in range(Tc):
             assert sorted(x for x in plan.clean[h, t].tolist() if x >= 0) == sorted({b for (hh, tt, b) in want
                                                                                     if (hh, tt) == (h, t)})
-
-
-@pytest.mark.interpreter
-@interp
-def test_plan_for_the_previous_run_kernel_names_flat_slots() -> None:
-    """``slots=True`` (``run_v0``): each tile's pairs also by flat slot, and a pair's place is its slot."""
-    g = torch.Generator().manual_seed(5)
-    H, K, B, M, nb_max = 2, 4, 16, 3, 6
-    table = torch.randperm(2 * nb_max, generator=g).view(2, nb_max).to(torch.int32)
-    batch = BatchMetadata.build([1, 30], [50, 90], table, block_size=B, num_decodes=1)
-    T, nd = batch.num_tokens, 1
-    sel = torch.randint(-1, nb_max + 1, (H, T, K), generator=g, dtype=torch.int32)
-    Tc = T - nd
-    plan = plan_pairs(sel, batch, nd, Tc, nb_max=nb_max, tokens_per_tile=M, max_tiles=H * Tc * K, num_pages=12,
-                      slots=True)
-    flat = torch.arange(H * Tc * K, dtype=torch.int32).view(H, Tc, K)
-    assert torch.equal(plan.place, torch.where(plan.clean >= 0, flat, -1))
-    n = int(plan.num_tiles)
-    used = plan.tile_slot[:n * M]
-    assert torch.equal(used >= 0, plan.tile_tok[:n * M] >= 0)
-    s = used[used >= 0].long()
-    assert torch.equal(plan.tile_tok[:n * M][used >= 0], nd + s // K % Tc), "a slot in another pair's place"
-    assert sorted(s.tolist()) == flat[plan.clean >= 0].tolist(), "a pair is missing or served twice"
-    assert (plan.tile_slot[n * M:] == -1).all()
 
 
 def _forward(case, sel, cfg: PrefillAttentionConfig | None) -> torch.Tensor:
@@ -139,17 +115,14 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     ("float16", None, 16, "NHD"),
     ("float32", PrefillAttentionConfig(rows=16, run_tiles=2, stages=1, programs_per_sm=3), 16, "NHD"),
     ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11), 32, "HND"),
-    ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11, run_v0=True), 16, "NHD"),
-], ids=["tiles_unpipelined_fp32", "tiles_passes_fp16", "token_tiles_fp16", "runs_fp32", "runs_passes_fp16",
-        "runs_v0_passes_fp16"])
+], ids=["tiles_unpipelined_fp32", "tiles_passes_fp16", "token_tiles_fp16", "runs_fp32", "runs_passes_fp16"])
 def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionConfig | None, block: int,
                                               layout: str) -> None:
     """A mixed step (2 decodes + padding, 3 prefills, G = 3) with a messy selection.
 
     ``None``: the token-tile kernel the rocm plugin keeps (the interpreter config takes the
     block-grouped path for both plugins, so this is where the other one runs in CI). ``runs``: runs of
-    several tiles per block (one K/V load per run, the default; ``v0``: the previous run kernel, partials
-    at flat slots); ``tiles``: one tile per loop step;
+    several tiles per block (one K/V load per run, the default); ``tiles``: one tile per loop step;
     one prefill row that selects nothing must come out as zeros."""
     p = _params(3, block)
     case = make_case(p, decodes=[70, 33], prefills=[(20, 130), (3, 3), (17, 60)], padding_decodes=1,

@@ -95,12 +95,12 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
     from mm3.contract import SparseAttentionParams
     from mm3.testing.factories import make_case
 
-    from . import attention, indexer, prefill_attention, prefill_run_v0
+    from . import attention, indexer, prefill_attention
     from .launch import override
 
     sink: list[Launch] = []
     kernels = {m: [n for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
-               for m in (indexer, attention, prefill_attention, prefill_run_v0)}
+               for m in (indexer, attention, prefill_attention)}
     saved = {(m, n): getattr(m, n) for m, names in kernels.items() for n in names}
     try:
         for (m, n), k in saved.items():
@@ -173,18 +173,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("aot_check: unset TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
         return 2
-    from dataclasses import replace
-
     from mm3_backends.cuda.plugin import PLATFORM as CUDA
     from mm3_backends.rocm.plugin import PLATFORM as ROCM
 
-    from .launch import override
-
-    # the previous prefill run kernel, timed beside the current one as a bench variant (prun0)
-    v0 = replace(CUDA, launch=override(CUDA.launch, prefill_attention=dict(run_v0=True)))
     failures = 0
     seen: set[str] = set()
-    for spec, target in ((CUDA, "nvidia"), (v0, "nvidia"), (ROCM, "amd"), (ROCM, "nvidia")):
+    for spec, target in ((CUDA, "nvidia"), (ROCM, "amd"), (ROCM, "nvidia")):
         for launch in record_launches(spec, spec.name):
             sig, constexprs, _ = launch.signature()
             key = f"{target}:{launch.kernel.__name__}:{sorted(sig.items())}:{constexprs}:{launch.options}"

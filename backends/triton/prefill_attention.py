@@ -37,7 +37,6 @@ the output does not depend on the order of pairs within a segment.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -47,7 +46,7 @@ from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.params import SparseAttentionParams
 
-from .attention import _attend_block, online_softmax_step
+from .attention import _attend_block
 from .launch import next_pow2
 from .prefill_config import PrefillAttentionConfig
 from .tiles import load_query_rows, score_scale, store_rows
@@ -69,9 +68,7 @@ class PairPlan:
     pairs (``-1``: no pair), filled from the front;
     ``tile_pairs`` ``[max_tiles]``: how many of a tile's ``M`` slots hold a pair;
     ``tile_place`` ``[max_tiles]``: the place of each tile's first pair (its pairs follow it);
-    ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful;
-    ``tile_slot`` (planned for the previous run kernel only, :mod:`.prefill_run_v0`) ``[max_tiles * M]``:
-    per tile, each pair's flat slot ``(h * Tc + t) * K + k``, and ``place`` is then that slot.
+    ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful.
     """
 
     clean: torch.Tensor
@@ -82,7 +79,6 @@ class PairPlan:
     tile_pairs: torch.Tensor
     tile_place: torch.Tensor
     num_tiles: torch.Tensor
-    tile_slot: Optional[torch.Tensor] = None
 
 
 @triton.jit
@@ -111,8 +107,8 @@ def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, w
 @triton.jit
 def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, within_ptr, count_ptr, tile_base_ptr,
                        pair_base_ptr, place_ptr, tile_seg_ptr, tile_page_ptr, tile_tok_ptr, tile_pairs_ptr,
-                       tile_place_ptr, tile_slot_ptr, tok0, Tc, first_request, num_req, nb_max, K: tl.constexpr,
-                       K_PAD: tl.constexpr, M: tl.constexpr, SLOTS: tl.constexpr = False):
+                       tile_place_ptr, tok0, Tc, first_request, num_req, nb_max, K: tl.constexpr,
+                       K_PAD: tl.constexpr, M: tl.constexpr):
     """Row ``(h, t)``: each valid pair's place (segment's first place + its index within) and its
     token into its tile (segment's first tile + within // M); the pair that opens a tile also writes
     the tile's segment, the page of its block, its pair count and its first place."""
@@ -127,9 +123,6 @@ def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, wi
     within = tl.load(within_ptr + row, mask=ok, other=0)
     place = tl.load(pair_base_ptr + seg, mask=ok, other=0) + within
     tile = tl.load(tile_base_ptr + seg, mask=ok, other=0) + within // M
-    if SLOTS:  # the previous run kernel's workspace, in flat slot order
-        place = row
-        tl.store(tile_slot_ptr + tile * M + within % M, row, mask=ok)
     tl.store(place_ptr + row, tl.where(ok, place, -1), mask=slots < K)
     tl.store(tile_tok_ptr + tile * M + within % M, tok0 + tc + slots * 0, mask=ok)
     opens = ok & (within % M == 0)
@@ -142,7 +135,7 @@ def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, wi
 
 
 def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens: int, *, nb_max: int,
-               tokens_per_tile: int, max_tiles: int, num_pages: int, slots: bool = False) -> PairPlan:
+               tokens_per_tile: int, max_tiles: int, num_pages: int) -> PairPlan:
     """Group the pairs of prefill tokens ``tok0 .. tok0 + num_tokens - 1`` by (KV head, request, block).
 
     ``sel_hm``: the step's selection ``[H, T, K]`` (any strides); ``nb_max``:
@@ -156,7 +149,6 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     out per tile, so a tile waits on one round trip before its query rows and K/V.
     Places follow the tiles (a prefix sum of the segments' pair counts), so a
     tile's partials are one block of the workspace, stored from one address.
-    ``slots``: plan for the previous run kernel (``tile_slot``, places = flat slots).
     """
     H, _, K = sel_hm.shape
     M, Tc, nd, R = tokens_per_tile, num_tokens, batch.num_decodes, batch.num_prefills
@@ -178,14 +170,12 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     tile_tok = torch.full((max_tiles * M,), -1, device=dev, dtype=torch.int32)
     tile_pairs = torch.empty(max_tiles, device=dev, dtype=torch.int32)
     tile_place = torch.empty(max_tiles, device=dev, dtype=torch.int32)
-    tile_slot = torch.full((max_tiles * M,), -1, device=dev, dtype=torch.int32) if slots else None
     bt = batch.block_table
     _pair_place_kernel[rows](bt, *bt.stride(), num_pages, batch.token_to_request, clean, within, count, tile_base,
                              pair_base, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place,
-                             tile_tok if tile_slot is None else tile_slot, tok0, Tc, nd, R, nb_max, K=K,
-                             K_PAD=next_pow2(K), M=M, SLOTS=slots, num_warps=1)
+                             tok0, Tc, nd, R, nb_max, K=K, K_PAD=next_pow2(K), M=M, num_warps=1)
     return PairPlan(clean, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place,
-                    tiles.sum(dtype=torch.int32).view(1), tile_slot)
+                    tiles.sum(dtype=torch.int32).view(1))
 
 
 def _merge_sizes(G: int, D: int) -> dict:
@@ -387,23 +377,13 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         pairs = Hkv * c * K
         per = m * max(1, cfg.run_tiles)
         max_tiles = min(pairs, pairs // per + Hkv * nb_sum)
-        v0 = cfg.run_v0 and cfg.run_tiles > 0
         plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=per, max_tiles=max_tiles,
-                          num_pages=caches.num_pages, slots=v0)
+                          num_pages=caches.num_pages)
         # partial outputs in out's dtype (q's in production): fp32 ones doubled the attention time (NOTES.md §5)
         ws_o = torch.empty((pairs, G, D), dtype=out.dtype, device=q.device)
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
         programs = max(1, min(max_tiles, target_programs // 2 * cfg.programs_per_sm))
-        if v0:
-            from .prefill_run_v0 import _block_run_v0_kernel
-
-            _block_run_v0_kernel[(programs,)](
-                q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
-                plan.tile_seg, plan.tile_page, plan.tile_slot, plan.tile_pairs, plan.num_tiles, ws_o, ws_lse,
-                a, c, nb_max, batch.num_prefills, G, qk_scale, *scales,
-                K=K, ROWS=rows, M=m, RUN=cfg.run_tiles, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
-                num_warps=cfg.warps, **platform_options)
-        elif cfg.run_tiles:
+        if cfg.run_tiles:
             _block_run_kernel[(programs,)](
                 q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
                 plan.tile_seg, plan.tile_page, plan.tile_tok, plan.tile_pairs, plan.tile_place, plan.num_tiles,

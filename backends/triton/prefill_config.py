@@ -39,10 +39,6 @@ class PrefillAttentionConfig:
     #: n = runs of up to n tiles of one segment: the block's K/V loaded once per run, the run's
     #: tiles one pipelined loop; 0 = the previous kernel, one tile per loop step (K/V per tile)
     run_tiles: int = 8
-    #: the run kernel before its partials were stored in plan order (per-row addresses from each
-    #: pair's flat slot, K/V strides at run time: 88-256 B of spills under Triton 3.6 on sm_90),
-    #: kept to time the two side by side (bench variant ``prun0``); needs ``run_tiles > 0``
-    run_v0: bool = False
     #: warps of the merge (one program per token and KV head)
     merge_warps: int = 4
     #: prefill tokens planned and merged per pass: bounds the partial-output workspace
