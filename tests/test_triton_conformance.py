@@ -29,11 +29,11 @@ pytestmark = [
 # NaN (0x7f) into 480.0, so a NaN key in cuda's fp8 index cache is not a NaN here.
 RUNS = {"cuda": ("float16", "float8_e4m3fn"), "rocm": ("float32", "float16")}
 ONLY_ON_GPU = {"cuda": ("exact_ties_nan_pages",), "rocm": ()}
-# CI time (the default run must stay under 8 minutes on 2 cores): rocm's indexer shares its kernels
-# with cuda's, so CI leaves out the rocm runs of the indexer cases whose path another case already
-# takes; the GPU suite (tests/gpu/test_triton_gpu.py) runs every case for both plugins
-CI_LEFT_OUT = {"cuda": (), "rocm": ("exact_ties_half_tied", "exact_ties_duplicated_pages", "init2_local0",
-                                    "init1_local2", "spec_decode_q3", "mixed_h4_di64")}
+# CI time (the default run must stay under 8 minutes on 2 cores on a noisy shared machine): the
+# rocm plugin's indexer is cuda's kernel with other tiles, and its attention kernels are fuzzed and
+# run per path in tests/test_triton_interpreter.py, so CI runs its buffer and composed cases (the
+# top-k layout crossings); the GPU suite (tests/gpu/test_triton_gpu.py) runs every case for both
+CI_KINDS = {"cuda": ("indexer", "attention", "buffer", "composed"), "rocm": ("buffer", "composed")}
 
 
 def _registry() -> Registry:
@@ -45,8 +45,8 @@ def _plan(backend: str, registry: Registry) -> list:
 
     dtype, index_dtype = RUNS[backend]
     plan = plan_cases(registry.get(backend), device="cpu", quick=True, dtypes=[dtype], index_dtypes=[index_dtype])
-    skip = (*ONLY_ON_GPU[backend], *CI_LEFT_OUT[backend])
-    return [c for c in plan if c.name.split("/")[-1].split(":")[0] not in skip]
+    return [c for c in plan if c.name.split("/")[-1].split(":")[0] not in ONLY_ON_GPU[backend]
+            and c.name.split("/")[0] in CI_KINDS[backend]]
 
 
 # Planning builds no input and runs no kernel: cheap enough for collection.
