@@ -36,13 +36,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .kernel_configs import KV8_DOTS
 from .tiles import load_query_rows, softmax_weights, store_item
 from .tl_utils import kv_scale, load_page, pdl_prologue
 
 __all__ = ["KV8_DOTS"]
-
-#: ``DecodeAttentionConfig.kv8_dots``: "" = the kernels shared with 16-bit caches
-KV8_DOTS = ("", "keys_a", "keys_b")
 
 
 @triton.jit

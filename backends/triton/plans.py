@@ -29,7 +29,6 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .decode_fp8 import KV8_DOTS
 from .launch import LaunchConfig, next_pow2
 from .tl_utils import decode_launch_options, dot_config, pdl_enabled
 
@@ -88,8 +87,6 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
                      BN=min(B, dac.block_n), D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype,
                      DOT_PREC=dot_prec, KV_SCALED=kv_scaled, SCALE_Q=scale_q)
         opts = dict(num_warps=dac.warps, num_stages=dac.num_stages, **dopts)
-        if dac.kv8_dots not in KV8_DOTS:
-            raise ValueError(f"DecodeAttentionConfig.kv8_dots must be one of {KV8_DOTS}, got {dac.kv8_dots!r}")
         if cfg.decode_attention_persistent(fp8_kv):
             items = td * Hkv * splits
             ipp = cfg.decode_attention_flat_items_per_program(items, fp8_kv)
