@@ -34,6 +34,7 @@ import torch
 from mm3.contract import BatchMetadata
 from mm3.contract import PagedKVCache
 from mm3.contract import SparseAttentionParams
+from mm3_benchmarks.timing import capture_graph
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
 
@@ -48,16 +49,7 @@ def _bench(fn: Callable[[], object]) -> float:
 
 
 def _graph(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    return capture_graph(fn, warmups=2)
 
 
 def ceilings(nbytes: int = 2 << 30) -> dict[str, float]:

@@ -139,15 +139,9 @@ def measure_host_overhead(device: str = "cuda", backend: Optional[str] = None, t
         rows["plugin hooks, fast launch"] = fast_hooks
     result = {k: _time(fn, iters, repeat, sync) for k, fn in rows.items()}
     if device.startswith("cuda"):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                layer(q, iq, c, b, out)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            layer(q, iq, c, b, out)
+        from mm3_benchmarks.timing import capture_graph
+
+        graph = capture_graph(lambda: layer(q, iq, c, b, out), warmups=3)
         result["graph replay"] = _time(graph.replay, iters, repeat, sync)
     return result
 

@@ -31,7 +31,7 @@ import mm3
 from mm3.contract import SparseAttentionParams
 
 from . import inputs
-from .timing import kernel_breakdown
+from .timing import capture_graph, kernel_breakdown
 
 __all__ = ["CASES", "step_of", "main"]
 
@@ -71,17 +71,7 @@ def _graph_kernels(device: str = "cuda") -> dict[str, tuple[float, float]]:
     case = make_case(p, decodes=[4096], device=device, seed=0)
     out = torch.empty_like(case.q)
 
-    def fwd() -> None:
-        layer(case.q, case.index_q, case.caches, case.batch, out)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fwd()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd()
+    graph = capture_graph(lambda: layer(case.q, case.index_q, case.caches, case.batch, out), warmups=3)
     return kernel_breakdown(graph.replay, reps=20, counts=True)
 
 

@@ -138,17 +138,10 @@ class Timer:
         return self._run_events(body, len(fns), reps, first, "events")
 
     def _graph(self, fns: list[Fn], first: float, cap: int) -> Timing:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+        def body() -> None:
             for f in fns:
                 f()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in fns:
-                f()
+        g = capture_graph(body)
         reps = min(cap, self._reps(self._probe_ms(g.replay)))
         t = self._run_events(g.replay, len(fns), reps, first, "graph")
         del g
@@ -184,6 +177,22 @@ def ceilings(timer: Timer, *, copy_bytes: int, matmul_n: int) -> dict[str, dict]
         "read": {"bytes": nbytes, "GBps": nbytes / read.ms / 1e6, **read.as_dict()},
         "matmul_bf16": {"n": matmul_n, "TFLOPs": 2 * matmul_n ** 3 / mm.ms / 1e9, **mm.as_dict()},
     }
+
+
+def capture_graph(fn: Fn, warmups: int = 1) -> torch.cuda.CUDAGraph:
+    """``fn`` run ``warmups`` times on a side stream (compiles, allocates, fills caches outside the
+    capture), then captured into a CUDA graph; replay with ``.replay()``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def kernel_breakdown(fn: Fn, reps: int = 5, counts: bool = False) -> dict[str, Any]:
