@@ -54,12 +54,14 @@ def _hook_holder() -> Any:
         try:
             from triton import knobs
 
-            _HOOKS = knobs.runtime
-            _HOOKS.launch_enter_hook  # noqa: B018 (an old knobs module lacks it)
+            holder: Any = knobs.runtime
+            if not hasattr(holder, "launch_enter_hook"):
+                raise AttributeError("launch_enter_hook")
         except (ImportError, AttributeError):  # Triton < 3.4 keeps them on CompiledKernel
             from triton.compiler import CompiledKernel
 
-            _HOOKS = CompiledKernel
+            holder = CompiledKernel
+        _HOOKS = holder
     return _HOOKS
 
 
