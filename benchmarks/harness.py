@@ -151,6 +151,8 @@ def full_grid() -> list:
             add(DecodeCfg(shape, b, 64 * K, qlen=4, priority=1, peers=("sdpa",)))
     add(PrefillCfg("TP8", 0, priority=1))
     add(PrefillCfg("TP8", 32 * K, priority=1))
+    add(PrefillCfg("TP8", 0, locality=0.9, priority=1, peers=("flex",)))
+    add(PrefillCfg("TP8", 32 * K, locality=0.9, priority=1, peers=("flex",)))
     # opportunistic: the rest of the speculative and fp8 grid, cpu_ref on small shapes
     add(DecodeCfg("TP1", 8, 8 * K, priority=2, peers=("cpu_ref",)))
     add(DecodeCfg("TP8", 1, 8 * K, priority=2, peers=("cpu_ref",)))

@@ -94,6 +94,9 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
             if fp8_kv and dac.kv8_dots:
                 kernel = "_decode_attention_kv8_kernel"
                 const["KEYS_A"] = dac.kv8_dots == "keys_a"
+                # one block per item (splits = top-k, batch 1): a pipelined loop of one trip is
+                # where this kernel gave wrong rows and faulted on the H200 (NOTES.md §6)
+                const["STAGES"] = dac.stages if kps > 1 else 1
         else:
             kernel, grid, flat = "_decode_attention_kernel", (td, Hkv, splits), ()
             const["BRANCHLESS"] = cfg.algorithms.decode_attention_branchless
