@@ -110,6 +110,12 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # batch 1 and measured 65.4 us at b64 against 70.0 for the shared kernel, NOTES.md §6). Scores
     # as K @ q^T with 64-key tiles, K/V double-buffered, two programs per SM; q @ K^T (mma.sync)
     # with 128-key tiles; K @ q^T with 128-key tiles and one K/V buffer; K @ q^T with 8 warps
+    # session 2026-12-03 (4): the prefill merge with a running rescale (the default loads every
+    # log-sum-exp first); TP8 b64 decode attention (28 us, 56% of copy) with 1 and 4 persistent
+    # programs per SM (2, 4 and 8 splits at TP8; fps3 above gives 6)
+    "mergeonline": (dict(prefill_attention=dict(merge="online")), ("prefill",)),
+    "fps1": (dict(decode_attention=dict(flat_programs_per_sm=1)), ("decode",)),
+    "fps4": (dict(decode_attention=dict(flat_programs_per_sm=4)), ("decode",)),
     "kv8a": (dict(decode_attention_fp8=_KV8), ("decode",)),
     "kv8b": (dict(decode_attention_fp8=replace(_KV8, kv8_dots="keys_b", block_n=128)), ("decode",)),
     "kv8a128": (dict(decode_attention_fp8=replace(_KV8, block_n=128, stages=2)), ("decode",)),

@@ -93,12 +93,18 @@ def dump_launches() -> dict[str, list]:
     from mm3_backends.cuda import plugin as cuda_plugin
     from mm3_backends.rocm import plugin as rocm_plugin
     from mm3_backends.triton import attention, indexer, prefill_attention, tl_utils
+    try:  # the plan kernels have their own module since session 2026-12-03 (4)
+        from mm3_backends.triton import prefill_plan
+    except ImportError:
+        prefill_plan = None
 
     plugins = {"cuda": cuda_plugin.PLATFORM, "rocm": rocm_plugin.PLATFORM}
     out: dict[str, list] = {}
     sink: list = []
     with contextlib.ExitStack() as stack:
-        for m in (indexer, attention, prefill_attention):
+        for m in (indexer, attention, prefill_attention, prefill_plan):
+            if m is None:
+                continue
             for n in [n for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]:
                 stack.enter_context(_patched(m, n, _Recorder(n, sink)))
         stack.enter_context(_patched(torch.cuda, "get_device_properties", lambda i: _Props()))

@@ -26,7 +26,7 @@ from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import make_case
 from mm3.testing.oracle import oracle_attention, oracle_topk
 
-from mm3_backends.triton.prefill_attention import plan_pairs
+from mm3_backends.triton.prefill_plan import plan_pairs
 from mm3_backends.triton.prefill_config import PrefillAttentionConfig
 
 ATTN_TOL = {torch.float16: (1e-2, 1.5e-4), torch.float32: (1e-5, 1e-5)}
@@ -110,8 +110,8 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 @interp
 @pytest.mark.parametrize("dtype,cfg,block,layout", [
     ("float32", PrefillAttentionConfig(rows=16, block_n=16, programs_per_sm=3, stages=1, run_tiles=0), 16, "NHD"),
-    ("float16", PrefillAttentionConfig(rows=32, block_n=16, stages=2, max_tokens_per_pass=11, run_tiles=0), 16,
-     "NHD"),
+    ("float16", PrefillAttentionConfig(rows=32, block_n=16, stages=2, max_tokens_per_pass=11, run_tiles=0,
+                                       merge="online"), 16, "NHD"),
     ("float16", None, 16, "NHD"),
     ("float32", PrefillAttentionConfig(rows=16, run_tiles=2, stages=1, programs_per_sm=3), 16, "NHD"),
     ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11), 32, "HND"),
@@ -122,7 +122,8 @@ def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionC
 
     ``None``: the token-tile kernel the rocm plugin keeps (the interpreter config takes the
     block-grouped path for both plugins, so this is where the other one runs in CI). ``runs``: runs of
-    several tiles per block (one K/V load per run, the default); ``tiles``: one tile per loop step;
+    several tiles per block (one K/V load per run, the default); ``tiles``: one tile per loop step
+    (``tiles_passes`` with the online merge, the others with the default weights-first merge);
     one prefill row that selects nothing must come out as zeros."""
     p = _params(3, block)
     case = make_case(p, decodes=[70, 33], prefills=[(20, 130), (3, 3), (17, 60)], padding_decodes=1,

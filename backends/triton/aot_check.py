@@ -2,7 +2,7 @@
 
 The interpreter proves the kernels' arithmetic on the CPU, but not that they
 *compile* for a GPU (tile minimums of ``tl.dot``, layouts, register limits).
-This module runs the real launchers of :mod:`.indexer`, :mod:`.attention` and :mod:`.prefill_attention`
+This module runs the real launchers of :mod:`.indexer`, :mod:`.attention` and :mod:`.prefill_attention` (and its :mod:`.prefill_plan`)
 on CPU tensors at MiniMax-M3 shapes with each plugin's launch configuration,
 records every launch instead of running it, and compiles each recorded launch
 with Triton's own compiler for both targets. For NVIDIA it also reports
@@ -95,12 +95,12 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
     from mm3.contract import SparseAttentionParams
     from mm3.testing.factories import make_case
 
-    from . import attention, indexer, prefill_attention
+    from . import attention, indexer, prefill_attention, prefill_plan
     from .launch import override
 
     sink: list[Launch] = []
     kernels = {m: [n for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
-               for m in (indexer, attention, prefill_attention)}
+               for m in (indexer, attention, prefill_attention, prefill_plan)}
     saved = {(m, n): getattr(m, n) for m, names in kernels.items() for n in names}
     try:
         for (m, n), k in saved.items():

@@ -8,7 +8,7 @@ selections are unrelated, but across a whole chunk every block is chosen by
 hundreds of tokens. So the step's (token, block) pairs are regrouped by
 block, and the work is done in three steps:
 
-1. :func:`plan_pairs` (two small kernels and two prefix sums, no host sync):
+1. :func:`.prefill_plan.plan_pairs` (two small kernels and two prefix sums, no host sync):
    clean each row of the selection (ids outside ``[0, nb)`` and repeats
    select nothing, as in docs/spec.md §4), group the remaining (KV head, token,
    slot) pairs by *segment* (KV head, request, block), number them segment
@@ -36,8 +36,6 @@ the output does not depend on the order of pairs within a segment.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -49,133 +47,11 @@ from mm3.contract.params import SparseAttentionParams
 from .attention import _attend_block
 from .launch import next_pow2
 from .prefill_config import PrefillAttentionConfig
+from .prefill_plan import plan_pairs
 from .tiles import load_query_rows, score_scale, store_rows
-from .tl_utils import kv_scale, kv_scale_args, load_page
+from .tl_utils import kv_scale, kv_scale_args
 
-__all__ = ["PairPlan", "plan_pairs", "prefill_attention_forward"]
-
-
-@dataclass(frozen=True)
-class PairPlan:
-    """The (token, block) pairs of a run of prefill tokens, grouped into tiles (see :func:`plan_pairs`).
-
-    ``clean`` ``[H, Tc, K]``: each row's valid block ids once, ``-1`` elsewhere;
-    ``place`` ``[H, Tc, K]``: each valid pair's place in plan order (segment after segment, a
-    tile's pairs consecutive; the row of its partial in the workspace), ``-1`` elsewhere;
-    ``tile_seg`` ``[max_tiles]``: each tile's segment id;
-    ``tile_page`` ``[max_tiles]``: the page of each tile's block;
-    ``tile_tok`` ``[max_tiles * M]``: per tile, the token (index into the step) of each of its ``M``
-    pairs (``-1``: no pair), filled from the front;
-    ``tile_pairs`` ``[max_tiles]``: how many of a tile's ``M`` slots hold a pair;
-    ``tile_place`` ``[max_tiles]``: the place of each tile's first pair (its pairs follow it);
-    ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful.
-    """
-
-    clean: torch.Tensor
-    place: torch.Tensor
-    tile_seg: torch.Tensor
-    tile_page: torch.Tensor
-    tile_tok: torch.Tensor
-    tile_pairs: torch.Tensor
-    tile_place: torch.Tensor
-    num_tiles: torch.Tensor
-
-
-@triton.jit
-def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, within_ptr, count_ptr,
-                       tok0, Tc, first_request, num_req, nb_max, B: tl.constexpr, K: tl.constexpr,
-                       K_PAD: tl.constexpr):
-    """Row ``(h, t)``: its valid block ids once (ids outside ``[0, nb)`` and repeats dropped) into
-    ``clean``, and each valid pair's index within its segment (a counter per segment)."""
-    tc = tl.program_id(0)
-    h = tl.program_id(1)
-    t = tok0 + tc
-    slots = tl.arange(0, K_PAD)
-    ids = tl.load(sel_ptr + h * s_sh + t * s_st + slots * s_sk, mask=slots < K, other=-1)
-    pos = tl.load(pos_ptr + t)
-    nb = tl.where(pos >= 0, pos // B + 1, 0)
-    repeat = tl.max(((ids[:, None] == ids[None, :]) & (slots[None, :] < slots[:, None])).to(tl.int32), axis=1)
-    ok = (ids >= 0) & (ids < nb) & (repeat == 0)
-    row = (h * Tc + tc) * K + slots
-    tl.store(clean_ptr + row, tl.where(ok, ids, -1), mask=slots < K)
-    seg = (h * num_req + tl.load(req_ptr + t) - first_request) * nb_max + ids
-    # relaxed: a unique index per pair is all that is needed (the next launch orders the rest); the
-    # default acq_rel put a GPU-scope fence behind every atomic
-    tl.store(within_ptr + row, tl.atomic_add(count_ptr + seg, 1, mask=ok, sem="relaxed"), mask=ok)
-
-
-@triton.jit
-def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, within_ptr, count_ptr, tile_base_ptr,
-                       pair_base_ptr, place_ptr, tile_seg_ptr, tile_page_ptr, tile_tok_ptr, tile_pairs_ptr,
-                       tile_place_ptr, tok0, Tc, first_request, num_req, nb_max, K: tl.constexpr,
-                       K_PAD: tl.constexpr, M: tl.constexpr):
-    """Row ``(h, t)``: each valid pair's place (segment's first place + its index within) and its
-    token into its tile (segment's first tile + within // M); the pair that opens a tile also writes
-    the tile's segment, the page of its block, its pair count and its first place."""
-    tc = tl.program_id(0)
-    h = tl.program_id(1)
-    slots = tl.arange(0, K_PAD)
-    row = (h * Tc + tc) * K + slots
-    ids = tl.load(clean_ptr + row, mask=slots < K, other=-1)
-    ok = ids >= 0
-    r = tl.load(req_ptr + tok0 + tc) - first_request
-    seg = (h * num_req + r) * nb_max + ids
-    within = tl.load(within_ptr + row, mask=ok, other=0)
-    place = tl.load(pair_base_ptr + seg, mask=ok, other=0) + within
-    tile = tl.load(tile_base_ptr + seg, mask=ok, other=0) + within // M
-    tl.store(place_ptr + row, tl.where(ok, place, -1), mask=slots < K)
-    tl.store(tile_tok_ptr + tile * M + within % M, tok0 + tc + slots * 0, mask=ok)
-    opens = ok & (within % M == 0)
-    tl.store(tile_seg_ptr + tile, seg, mask=opens)
-    tl.store(tile_place_ptr + tile, place, mask=opens)
-    tl.store(tile_pairs_ptr + tile, tl.minimum(tl.load(count_ptr + seg, mask=opens, other=0) - within, M), mask=opens)
-    # clamped here, so the tile/run kernels' pages (read from the plan) are pages of the cache
-    page = load_page(bt_ptr + (first_request + r) * s_bt_r + ids * s_bt_b, num_pages, mask=opens)
-    tl.store(tile_page_ptr + tile, page, mask=opens)
-
-
-def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens: int, *, nb_max: int,
-               tokens_per_tile: int, max_tiles: int, num_pages: int) -> PairPlan:
-    """Group the pairs of prefill tokens ``tok0 .. tok0 + num_tokens - 1`` by (KV head, request, block).
-
-    ``sel_hm``: the step's selection ``[H, T, K]`` (any strides); ``nb_max``:
-    more than any valid block id; ``max_tiles``: an upper bound of the tile
-    count (sizes the launch grid without a host sync); ``num_pages``: the
-    cache's page count, into which every page id is clamped (``tile_page``
-    only ever names a page of the cache). Two launches and two
-    prefix sums over the segments, no sort: a segment's pairs take their
-    places by an atomic counter, in any order (a row's result does not depend
-    on which rows share its tile). Everything the tile kernel needs is laid
-    out per tile, so a tile waits on one round trip before its query rows and K/V.
-    Places follow the tiles (a prefix sum of the segments' pair counts), so a
-    tile's partials are one block of the workspace, stored from one address.
-    """
-    H, _, K = sel_hm.shape
-    M, Tc, nd, R = tokens_per_tile, num_tokens, batch.num_decodes, batch.num_prefills
-    dev = sel_hm.device
-    clean = torch.empty((H, Tc, K), device=dev, dtype=torch.int32)
-    within = torch.empty_like(clean)
-    count = torch.zeros(H * R * nb_max, device=dev, dtype=torch.int32)
-    rows = (Tc, H)
-    # one warp per row of K ids: with four, the row's reductions crossed warps, and the barriers
-    # were 64% of the count kernel's stalls (Nsight Compute, H200, TP1)
-    _pair_count_kernel[rows](sel_hm, *sel_hm.stride(), batch.token_positions, batch.token_to_request, clean, within,
-                             count, tok0, Tc, nd, R, nb_max, B=batch.block_size, K=K, K_PAD=next_pow2(K), num_warps=1)
-    tiles = (count + (M - 1)) // M
-    tile_base = torch.cumsum(tiles, dim=0, dtype=torch.int32) - tiles
-    pair_base = torch.cumsum(count, dim=0, dtype=torch.int32) - count
-    place = torch.empty_like(clean)
-    tile_seg = torch.empty(max_tiles, device=dev, dtype=torch.int32)
-    tile_page = torch.empty(max_tiles, device=dev, dtype=torch.int32)
-    tile_tok = torch.full((max_tiles * M,), -1, device=dev, dtype=torch.int32)
-    tile_pairs = torch.empty(max_tiles, device=dev, dtype=torch.int32)
-    tile_place = torch.empty(max_tiles, device=dev, dtype=torch.int32)
-    bt = batch.block_table
-    _pair_place_kernel[rows](bt, *bt.stride(), num_pages, batch.token_to_request, clean, within, count, tile_base,
-                             pair_base, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place,
-                             tok0, Tc, nd, R, nb_max, K=K, K_PAD=next_pow2(K), M=M, num_warps=1)
-    return PairPlan(clean, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place,
-                    tiles.sum(dtype=torch.int32).view(1))
+__all__ = ["prefill_attention_forward"]
 
 
 def _merge_sizes(G: int, D: int) -> dict:
@@ -345,6 +221,39 @@ def _merge_slots_kernel(
     store_rows(out_ptr, zero_rows + tok0 + tc, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
 
 
+@triton.jit
+def _merge_weights_kernel(
+    out_ptr, s_ot, s_oh, s_od, place_ptr, ws_o_ptr, ws_lse_ptr, tok0, Tc, G,
+    D: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr,
+):
+    """:func:`_merge_slots_kernel`'s result with the weights first: all ``K`` log-sum-exps are loaded
+    at once, each partial's final weight computed from them, then the partials summed with it (one
+    multiply-add per element, where the running rescale took three, and every partial's load
+    independent of the others). Rows are ``G`` padded to a power of two (no dot here, so no
+    16-row minimum: at G = 8 half the lanes were masked off)."""
+    tc = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = tl.arange(0, G_PAD)
+    row_ok = rows < G
+    slots = tl.arange(0, K_PAD)
+    offs_d = tl.arange(0, D)
+    places = tl.load(place_ptr + (h * Tc + tc) * K + slots, mask=slots < K, other=-1)
+    use = (places[:, None] >= 0) & row_ok[None, :]
+    lse = tl.load(ws_lse_ptr + places.to(tl.int64)[:, None] * G + rows[None, :], mask=use, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 where unused
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    zero_rows = tl.full([G_PAD], 0, tl.int32)
+    for k in tl.static_range(K):
+        place = tl.load(place_ptr + (h * Tc + tc) * K + k)
+        ok = row_ok & (zero_rows + place >= 0)
+        o = tl.load(ws_o_ptr + (place.to(tl.int64) * G + rows)[:, None] * D + offs_d[None, :], mask=ok[:, None],
+                    other=0.0)
+        w_k = tl.sum(tl.where(slots[:, None] == k, w, 0.0), axis=0)
+        acc += w_k[:, None] * o.to(tl.float32)
+    store_rows(out_ptr, zero_rows + tok0 + tc, h * G + rows, s_ot, s_oh, s_od, acc, tl.sum(w, axis=0), row_ok, D)
+
+
 def _blocks(seq_len: int, block_size: int) -> int:
     return -(-seq_len // block_size)
 
@@ -397,6 +306,11 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
                 ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales,
                 BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
                 num_warps=cfg.warps, **platform_options)
-        _merge_slots_kernel[(c, Hkv)](
-            out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G,
-            K=K, **_merge_sizes(G, D), num_warps=cfg.merge_warps, **platform_options)
+        if cfg.merge == "weights":
+            _merge_weights_kernel[(c, Hkv)](
+                out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G,
+                D=D, K=K, K_PAD=next_pow2(K), G_PAD=next_pow2(G), num_warps=cfg.merge_warps, **platform_options)
+        else:
+            _merge_slots_kernel[(c, Hkv)](
+                out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G,
+                K=K, **_merge_sizes(G, D), num_warps=cfg.merge_warps, **platform_options)

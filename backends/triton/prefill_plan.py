@@ -1,0 +1,164 @@
+"""The plan of the block-grouped prefill attention: the step's (token, block) pairs grouped by block.
+
+:func:`plan_pairs` turns a selection ``[H, T, K]`` into the tiles that
+:mod:`.prefill_attention`'s kernels walk (docs/spec.md §4 for what counts as a
+selected block): per KV head, request and block (a *segment*) the tokens that
+chose it, numbered in *plan order* (segment after segment), so that each tile's
+partial results are one contiguous block of the workspace. Two kernels and two
+prefix sums, no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mm3.contract.batch import BatchMetadata
+
+from .launch import next_pow2
+from .tl_utils import load_page
+
+__all__ = ["PLAN_ROWS", "PairPlan", "plan_pairs"]
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """The (token, block) pairs of a run of prefill tokens, grouped into tiles (see :func:`plan_pairs`).
+
+    ``clean`` ``[H, Tc, K]``: each row's valid block ids once, ``-1`` elsewhere;
+    ``place`` ``[H, Tc, K]``: each valid pair's place in plan order (segment after segment, a
+    tile's pairs consecutive; the row of its partial in the workspace), ``-1`` elsewhere;
+    ``tile_seg`` ``[max_tiles]``: each tile's segment id;
+    ``tile_page`` ``[max_tiles]``: the page of each tile's block;
+    ``tile_tok`` ``[max_tiles * M]``: per tile, the token (index into the step) of each of its ``M``
+    pairs (``-1``: no pair), filled from the front;
+    ``tile_pairs`` ``[max_tiles]``: how many of a tile's ``M`` slots hold a pair;
+    ``tile_place`` ``[max_tiles]``: the place of each tile's first pair (its pairs follow it);
+    ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful.
+    """
+
+    clean: torch.Tensor
+    place: torch.Tensor
+    tile_seg: torch.Tensor
+    tile_page: torch.Tensor
+    tile_tok: torch.Tensor
+    tile_pairs: torch.Tensor
+    tile_place: torch.Tensor
+    num_tiles: torch.Tensor
+
+
+#: rows (token, KV head) of the selection per plan program: their pairs' atomics are issued
+#: together (one row per one-warp program waited on one atomic round trip per program)
+PLAN_ROWS = 8
+
+
+@triton.jit
+def _plan_rows(tc0, Tc, K: tl.constexpr, K_PAD: tl.constexpr, R: tl.constexpr):
+    """A plan program's rows ``tc0 .. tc0 + R - 1`` (chunk-local token indices) as ``[R, K_PAD]`` slots:
+    ``(tc, slots, in_row)``; ``in_row`` is false for padding slots and rows past the chunk."""
+    tc = tc0 + tl.arange(0, R)
+    slots = tl.arange(0, K_PAD)
+    return tc, slots, (tc[:, None] < Tc) & (slots[None, :] < K)
+
+
+@triton.jit
+def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, within_ptr, count_ptr,
+                       tok0, Tc, first_request, num_req, nb_max, B: tl.constexpr, K: tl.constexpr,
+                       K_PAD: tl.constexpr, R: tl.constexpr):
+    """Rows ``(h, t)`` of ``R`` tokens: each row's valid block ids once (ids outside ``[0, nb)`` and
+    repeats dropped) into ``clean``, and each valid pair's index within its segment (a counter per
+    segment)."""
+    h = tl.program_id(1)
+    tc, slots, in_row = _plan_rows(tl.program_id(0) * R, Tc, K, K_PAD, R)
+    t = tok0 + tc
+    ids = tl.load(sel_ptr + h * s_sh + t[:, None] * s_st + slots[None, :] * s_sk, mask=in_row, other=-1)
+    pos = tl.load(pos_ptr + t, mask=tc < Tc, other=-1)
+    nb = tl.where(pos >= 0, pos // B + 1, 0)
+    earlier = (ids[:, :, None] == ids[:, None, :]) & (slots[None, None, :] < slots[None, :, None])
+    repeat = tl.max(earlier.to(tl.int32), axis=2)
+    ok = (ids >= 0) & (ids < nb[:, None]) & (repeat == 0) & in_row
+    row = (h * Tc + tc[:, None]) * K + slots[None, :]
+    tl.store(clean_ptr + row, tl.where(ok, ids, -1), mask=in_row)
+    req = tl.load(req_ptr + t, mask=tc < Tc, other=first_request)
+    seg = (h * num_req + req[:, None] - first_request) * nb_max + ids
+    # relaxed: a unique index per pair is all that is needed (the next launch orders the rest); the
+    # default acq_rel put a GPU-scope fence behind every atomic
+    tl.store(within_ptr + row, tl.atomic_add(count_ptr + seg, 1, mask=ok, sem="relaxed"), mask=ok)
+
+
+@triton.jit
+def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, within_ptr, count_ptr, tile_base_ptr,
+                       pair_base_ptr, place_ptr, tile_seg_ptr, tile_page_ptr, tile_tok_ptr, tile_pairs_ptr,
+                       tile_place_ptr, tok0, Tc, first_request, num_req, nb_max, K: tl.constexpr,
+                       K_PAD: tl.constexpr, M: tl.constexpr, R: tl.constexpr):
+    """Rows ``(h, t)`` of ``R`` tokens: each valid pair's place (segment's first place + its index
+    within) and its token into its tile (segment's first tile + within // M); the pair that opens a
+    tile also writes the tile's segment, the page of its block, its pair count and its first place."""
+    h = tl.program_id(1)
+    tc, slots, in_row = _plan_rows(tl.program_id(0) * R, Tc, K, K_PAD, R)
+    row = (h * Tc + tc[:, None]) * K + slots[None, :]
+    ids = tl.load(clean_ptr + row, mask=in_row, other=-1)
+    ok = ids >= 0
+    r = tl.load(req_ptr + tok0 + tc, mask=tc < Tc, other=first_request)[:, None] - first_request
+    seg = (h * num_req + r) * nb_max + ids
+    within = tl.load(within_ptr + row, mask=ok, other=0)
+    place = tl.load(pair_base_ptr + seg, mask=ok, other=0) + within
+    tile = tl.load(tile_base_ptr + seg, mask=ok, other=0) + within // M
+    tl.store(place_ptr + row, tl.where(ok, place, -1), mask=in_row)
+    tl.store(tile_tok_ptr + tile * M + within % M, tok0 + tc[:, None] + slots[None, :] * 0, mask=ok)
+    opens = ok & (within % M == 0)
+    tl.store(tile_seg_ptr + tile, seg, mask=opens)
+    tl.store(tile_place_ptr + tile, place, mask=opens)
+    tl.store(tile_pairs_ptr + tile, tl.minimum(tl.load(count_ptr + seg, mask=opens, other=0) - within, M), mask=opens)
+    # clamped here, so the tile/run kernels' pages (read from the plan) are pages of the cache
+    page = load_page(bt_ptr + (first_request + r) * s_bt_r + ids * s_bt_b, num_pages, mask=opens)
+    tl.store(tile_page_ptr + tile, page, mask=opens)
+
+
+def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens: int, *, nb_max: int,
+               tokens_per_tile: int, max_tiles: int, num_pages: int) -> PairPlan:
+    """Group the pairs of prefill tokens ``tok0 .. tok0 + num_tokens - 1`` by (KV head, request, block).
+
+    ``sel_hm``: the step's selection ``[H, T, K]`` (any strides); ``nb_max``:
+    more than any valid block id; ``max_tiles``: an upper bound of the tile
+    count (sizes the launch grid without a host sync); ``num_pages``: the
+    cache's page count, into which every page id is clamped (``tile_page``
+    only ever names a page of the cache). Two launches and two
+    prefix sums over the segments, no sort: a segment's pairs take their
+    places by an atomic counter, in any order (a row's result does not depend
+    on which rows share its tile). Everything the tile kernel needs is laid
+    out per tile, so a tile waits on one round trip before its query rows and K/V.
+    Places follow the tiles (a prefix sum of the segments' pair counts), so a
+    tile's partials are one block of the workspace, stored from one address.
+    """
+    H, _, K = sel_hm.shape
+    M, Tc, nd, R = tokens_per_tile, num_tokens, batch.num_decodes, batch.num_prefills
+    dev = sel_hm.device
+    clean = torch.empty((H, Tc, K), device=dev, dtype=torch.int32)
+    within = torch.empty_like(clean)
+    count = torch.zeros(H * R * nb_max, device=dev, dtype=torch.int32)
+    rows = (triton.cdiv(Tc, PLAN_ROWS), H)
+    # one warp per program: with four, a row's reductions crossed warps, and the barriers were 64%
+    # of the count kernel's stalls (Nsight Compute, H200, TP1)
+    _pair_count_kernel[rows](sel_hm, *sel_hm.stride(), batch.token_positions, batch.token_to_request, clean, within,
+                             count, tok0, Tc, nd, R, nb_max, B=batch.block_size, K=K, K_PAD=next_pow2(K),
+                             R=PLAN_ROWS, num_warps=1)
+    tiles = (count + (M - 1)) // M
+    tile_base = torch.cumsum(tiles, dim=0, dtype=torch.int32) - tiles
+    pair_base = torch.cumsum(count, dim=0, dtype=torch.int32) - count
+    place = torch.empty_like(clean)
+    tile_seg = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    tile_page = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    tile_tok = torch.full((max_tiles * M,), -1, device=dev, dtype=torch.int32)
+    tile_pairs = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    tile_place = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    bt = batch.block_table
+    _pair_place_kernel[rows](bt, *bt.stride(), num_pages, batch.token_to_request, clean, within, count, tile_base,
+                             pair_base, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place,
+                             tok0, Tc, nd, R, nb_max, K=K, K_PAD=next_pow2(K), M=M, R=PLAN_ROWS,
+                             num_warps=1)
+    return PairPlan(clean, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place,
+                    tiles.sum(dtype=torch.int32).view(1))
