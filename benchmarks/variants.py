@@ -27,8 +27,6 @@ _SESSION1 = dict(decode_attention=dict(warps=8, stages=2, block_n=64), prefill_a
 _SESSION1_ALGO = dict(decode_attention_flat=False, pdl=False)
 #: the chunked prefill indexer without its session-6 instruction cuts (earlier variants keep it)
 _PI_PLAIN = dict(unmasked_full=False, sorted_merge=False, static_key_stride=False, rows=64, warps=4)
-#: the fp8 K/V decode kernel's tiles (decode_fp8.py), opt-in
-_KV8 = replace(NVIDIA_LAUNCH.decode_attention, block_n=64, kv8_dots="keys_a")
 #: the indexer and token-tile sizes of version 1 (NOTES.md)
 _V1_SIZES = dict(decode_index=dict(block_n=64, programs_factor=1, min_blocks=4),
                  prefill_index=dict(_PI_PLAIN, block_n=64), prefill_tiles=dict(rows=64))
@@ -106,21 +104,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "pisort": (dict(prefill_index=dict(_PI_PLAIN, sorted_merge=True)), ("prefill",)),
     "pistride": (dict(prefill_index=dict(_PI_PLAIN, static_key_stride=True)), ("prefill",)),
     "pi64f": (dict(prefill_index=dict(rows=64, warps=4)), ("prefill",)),
-    # issue 17, session 3: the fp8 decode kernel (decode_fp8.py; opt-in: on the H200 it faulted at
-    # batch 1 and measured 65.4 us at b64 against 70.0 for the shared kernel, NOTES.md §6). Scores
-    # as K @ q^T with 64-key tiles, K/V double-buffered, two programs per SM; q @ K^T (mma.sync)
-    # with 128-key tiles; K @ q^T with 128-key tiles and one K/V buffer; K @ q^T with 8 warps
-    # session 2026-12-03 (4): the prefill merge with a running rescale (the default loads every
-    # log-sum-exp first); TP8 b64 decode attention (28 us, 56% of copy) with 1 and 4 persistent
-    # programs per SM (2, 4 and 8 splits at TP8; fps3 above gives 6)
-    "mergeonline": (dict(prefill_attention=dict(merge="online")), ("prefill",)),
-    "fps1": (dict(decode_attention=dict(flat_programs_per_sm=1)), ("decode",)),
-    "fps4": (dict(decode_attention=dict(flat_programs_per_sm=4)), ("decode",)),
-    "kv8a": (dict(decode_attention_fp8=_KV8), ("decode",)),
-    "kv8b": (dict(decode_attention_fp8=replace(_KV8, kv8_dots="keys_b", block_n=128)), ("decode",)),
-    "kv8a128": (dict(decode_attention_fp8=replace(_KV8, block_n=128, stages=2)), ("decode",)),
-    "kv8a8w": (dict(decode_attention_fp8=replace(_KV8, warps=8, block_n=128, flat_programs_per_sm=1)),
-               ("decode",)),
 }
 
 

@@ -37,21 +37,14 @@ pytestmark = [
 F16_TOL = (1e-2, 1.5e-4)
 
 
-def _kv8(base: object, dots: str, **changes: object) -> object:
-    """The opt-in fp8 decode kernel (``kv8_dots``) on the interpreter's decode tiles."""
-    return replace(base.decode_attention, kv8_dots=dots, **changes)  # type: ignore[attr-defined]
-
-
 def _configs() -> dict[str, object]:
     from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG as base
 
     # the fp16 path in every kernel: the cuda plugin's decode, and its prefill as an option
     assert base.numerics.kv_fp8_as_f16 and base.numerics.kv_fp8_as_f16_prefill
-    assert base.decode_attention_fp8 is None   # the shared kernels; the fp8 kernel is opt-in
+    assert base.decode_attention_fp8 is None   # the shared kernels with decode_attention's tiles
     return {
         "persistent_decode+block_grouped_prefill": base,
-        "kv8_keys_a_decode+block_grouped_prefill": override(base, decode_attention_fp8=_kv8(base, "keys_a")),
-        "kv8_keys_b_decode+block_grouped_prefill": override(base, decode_attention_fp8=_kv8(base, "keys_b")),
         "shared_persistent_decode+block_tiles_prefill": override(
             base, decode_attention_fp8=None, prefill_attention=replace(base.prefill_attention, run_tiles=0)),
         "grid_decode+token_tile_prefill": override(base, algorithms=dict(decode_attention_flat=False),
@@ -97,8 +90,7 @@ def test_bf16_queries_on_fp8_kv_match_oracle(path: str, layout: str) -> None:
 
 
 @pytest.mark.parametrize("magnitude", [1e6, 1e-6, "mixed"])
-@pytest.mark.parametrize("path", ["persistent_decode+block_grouped_prefill", "kv8_keys_b_decode+block_grouped_prefill",
-                                  "grid_decode+token_tile_prefill"])
+@pytest.mark.parametrize("path", ["persistent_decode+block_grouped_prefill", "grid_decode+token_tile_prefill"])
 def test_query_rows_outside_fp16_range(path: str, magnitude: object) -> None:
     """bf16 query rows fp16 cannot hold unscaled: 1e6 overflows to inf, 1e-6 is an fp16 subnormal with
     a few bits left. The softmax scale is set so the logits stay of order one (a kernel that lost
@@ -122,17 +114,3 @@ def test_fp8_decode_config_is_used_for_fp8_kv_only() -> None:
     assert cfg.decode_attention_splits(2, 2, 4, fp8_kv=True) == 4 != cfg.decode_attention_splits(2, 2, 4)
     assert cfg.decode_attention_for(False) is base.decode_attention
     _run("persistent_decode+block_grouped_prefill", cfg=cfg, seed=11)
-
-
-@pytest.mark.parametrize("dots", ["keys_a", "keys_b"])
-def test_kv8_kernel_with_splits(dots: str) -> None:
-    """The fp8 decode kernel (``kv8_dots``) storing flash-decoding partials that the merge kernel
-    combines (more programs than (token, KV head) pairs: splits), both dot orientations."""
-    from mm3_backends.triton.plans import decode_attention_plan
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG as base
-
-    cfg = override(base, decode_attention_fp8=_kv8(base, dots, flat_programs_per_sm=8, stages=2))
-    # the case of _run: 3 decode requests of 2 tokens, 2 KV heads of 3 query heads, top-4 of 16-token blocks
-    plan = decode_attention_plan(cfg, 6, 2, 3, 4, 16, 32, torch.bfloat16, torch.float8_e4m3fn, True)
-    assert plan.kernel == "_decode_attention_kv8_kernel" and plan.splits > 1 and plan.merge
-    _run("persistent_decode+block_grouped_prefill", cfg=cfg, seed=12 + len(dots))

@@ -1,8 +1,8 @@
 """The Triton kernels on fp8 K/V caches with scales, through Triton's interpreter (CPU, fp16/fp32 compute).
 
-One case per attention path: the fp8 decode kernel (both dot orientations,
-``kv8_dots``) with the block-grouped prefill (NVIDIA's defaults: fp16 and
-fp32), the shared persistent decode kernel, the grid decode kernel (branchless)
+One case per attention path: the persistent decode kernel with the
+block-grouped prefill (NVIDIA's defaults: fp16 and fp32, and with
+``decode_attention_fp8`` stated as None), the grid decode kernel (branchless)
 with the token-tile prefill (ROCm's), and the branching decode with the
 token-tile prefill's union walk. Each is a mixed batch (speculative decodes, a
 padding decode, a chunked and a fresh prefill) on a NaN-poisoned output,
@@ -14,7 +14,6 @@ bf16 arithmetic is wrong, so bf16 runs on the GPU (tests/gpu).
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 import pytest
 import torch
 
@@ -38,8 +37,6 @@ def _configs() -> dict[str, object]:
 
     return {
         "persistent_decode+block_grouped_prefill": base,
-        "kv8_keys_b_decode+block_grouped_prefill": override(
-            base, decode_attention_fp8=replace(base.decode_attention, kv8_dots="keys_b")),
         "shared_persistent_decode+block_grouped_prefill": override(base, decode_attention_fp8=None),
         "grid_decode+token_tile_prefill": override(base, algorithms=dict(decode_attention_flat=False),
                                                    decode_attention_fp8=None, prefill_attention=None),
@@ -53,7 +50,6 @@ def _configs() -> dict[str, object]:
 @pytest.mark.parametrize("path, dtype, kv_scale, layout", [
     ("persistent_decode+block_grouped_prefill", "float16", "head", "HND"),
     ("persistent_decode+block_grouped_prefill", "float32", "tensor", "NHD"),
-    ("kv8_keys_b_decode+block_grouped_prefill", "float32", "head", "HND"),
     ("shared_persistent_decode+block_grouped_prefill", "float16", "tensor", "NHD"),
     ("grid_decode+token_tile_prefill", "float32", "tensor", "NHD"),
     ("branching_decode+union_prefill", "float16", "head", "NHD"),

@@ -10,7 +10,8 @@
 #                        about 10,000 steps in 340 s next to the GPU tests)
 #   SOAK_BUDGET=170      seconds of soak (0: no soak); TESTS_CAP=380; TESTS="tests/gpu"; FIRST_STEP_CAP=45
 #   BENCH_ONLY, BENCH_VARIANTS, BENCH_PRIORITY=0, BENCH_BUDGET=80, BENCH_CAP=110: the bench rows and the
-#                        launch-config variants timed beside the defaults (benchmarks/variants.py)
+#                        launch-config variants timed beside the defaults (benchmarks/variants.py);
+#                        BENCH_ARGS: more `mm3 bench` arguments (e.g. --profile-all: kernel times of every row)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -35,7 +36,7 @@ fi
 
 {
   cap ${BENCH_CAP:-110} python3 -m mm3.cli bench --out "$OUT/b" --max-priority ${BENCH_PRIORITY:-0} --variant-priority ${BENCH_PRIORITY:-0} --peers "" \
-      --budget-s ${BENCH_BUDGET:-80} --only "$BENCH_ONLY" ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"}
+      --budget-s ${BENCH_BUDGET:-80} --only "$BENCH_ONLY" ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"} ${BENCH_ARGS:-}
   cap ${FIRST_STEP_CAP:-45} python3 -m mm3_benchmarks.first_step_cost --device cuda --backend cuda --decodes 64 \
       --context 65536 --prefills 0
   cap 40 python3 benchmarks/host_overhead.py --device cuda --tp 8 --batch 1 --context 4096

@@ -34,10 +34,9 @@ NVIDIA_LAUNCH = LaunchConfig(
     # 4 warps: two persistent programs per SM (H200: 80 vs 95 us at TP1 b64 64K); a whole
     # 128-key block per inner tile (1.03-1.08x over 64)
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
-                                           flat_programs_per_sm=2, block_n=128, kv8_dots=""),
-    # fp8 K/V: the kernels of 16-bit K/V, with fp16 dots. The fp8 kernel (decode_fp8.py,
-    # kv8_dots="keys_a", variant kv8a) is opt-in: on the H200 it measured 65.4 us against 70.0 at
-    # TP1 b64 64K, but gave wrong rows and an illegal memory access at batch 1 (NOTES.md §6)
+                                           flat_programs_per_sm=2, block_n=128),
+    # fp8 K/V: the kernels of 16-bit K/V, with fp16 dots (an fp8 kernel of its own measured 65.4
+    # against 70.0 us at TP1 b64 64K but faulted at batch 1 and TP8; removed, NOTES.md §6)
     decode_attention_fp8=None,
     # block-grouped prefill attention (H200, TP1, 8K chunk: 1.03-1.36x over the token tiles)
     prefill_attention=PrefillAttentionConfig(),

@@ -28,7 +28,7 @@ AMD_LAUNCH = LaunchConfig(
     prefill_index=PrefillIndexConfig(rows=64, warps=4, block_n=64, chunk=32, num_stages=1, max_splits=1,
                                      unmasked_full=False, sorted_merge=False, static_key_stride=False),
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=2, num_stages=1, programs_factor=8,
-                                           flat_programs_per_sm=2, block_n=64, kv8_dots=""),
+                                           flat_programs_per_sm=2, block_n=64),
     decode_attention_fp8=None,
     prefill_attention=None,
     prefill_tiles=TokenTileAttentionConfig(rows=64, warps=4, block_n=64, num_stages=1),

@@ -13,10 +13,6 @@ second ``tl.dot`` as in flash attention.
     causal mask only bites in the token's own, partially filled block) and
     either writes the output (one split) or its partial ``(max, sum, acc)``.
 
-``_decode_attention_kv8_kernel`` (fp8 K/V, with ``DecodeAttentionConfig.kv8_dots``)
-    The persistent kernel's items with the loads and dots arranged for fp8
-    keys and values (:mod:`.decode_fp8`).
-
 ``_merge_kernel`` grid ``(decode tokens, KV heads)``
     Exact log-sum-exp merge of the splits' partials.
 
@@ -55,7 +51,6 @@ from mm3.contract import SparseAttentionParams
 from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .plans import decode_attention_plan
-from .decode_fp8 import _decode_attention_kv8_kernel  # noqa: F401 - launched by name (plans)
 from .tiles import load_query_rows, score_scale, softmax_weights, store_item, store_rows, token_rows
 from .tl_utils import dot_config, kv_scale, kv_scale_args, launch_options, load_page, pdl_prologue
 

@@ -23,7 +23,7 @@ INTERPRETER_CONFIG = LaunchConfig(
     prefill_index=PrefillIndexConfig(rows=32, warps=8, block_n=64, chunk=32, num_stages=2, max_splits=4,
                                      unmasked_full=True, sorted_merge=True, static_key_stride=True),
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
-                                           flat_programs_per_sm=2, block_n=16, kv8_dots=""),
+                                           flat_programs_per_sm=2, block_n=16),
     decode_attention_fp8=None,
     prefill_attention=PrefillAttentionConfig(rows=32, block_n=16),
     prefill_tiles=TokenTileAttentionConfig(rows=32, warps=8, block_n=64, num_stages=2),

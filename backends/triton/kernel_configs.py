@@ -6,25 +6,19 @@ default: each platform plugin (``backends/cuda``, ``backends/rocm``) states
 every value it launches with, so no platform inherits another's tuning.
 ``num_stages`` is Triton's software-pipelining option of the launch;
 ``stages`` (decode attention) is the kernel's own pipelined loop depth.
-A field with a closed set of values is checked when the config is built.
 
 Example:
     >>> DecodeIndexConfig(min_blocks=1, max_blocks=128, warps=4, topk_warps=4, programs_factor=2,
     ...                   block_n=128, num_stages=2).block_n
     128
     >>> DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
-    ...                       flat_programs_per_sm=2, block_n=64, kv8_dots="keys_c")
-    Traceback (most recent call last):
-    ...
-    ValueError: DecodeAttentionConfig.kv8_dots='keys_c': use one of '', 'keys_a', 'keys_b' ('' = the kernels shared with 16-bit caches)
+    ...                       flat_programs_per_sm=2, block_n=64).flat_programs_per_sm
+    2
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-#: ``DecodeAttentionConfig.kv8_dots``: "" = the kernels shared with 16-bit caches
-KV8_DOTS = ("", "keys_a", "keys_b")
 
 __all__ = ["DecodeIndexConfig", "PrefillIndexConfig", "DecodeAttentionConfig", "TokenTileAttentionConfig"]
 
@@ -90,14 +84,6 @@ class DecodeAttentionConfig:
     flat_programs_per_sm: int
     #: keys per inner tile
     block_n: int
-    #: (fp8 K/V) "" = the kernels shared with 16-bit caches; "keys_a" / "keys_b" = the fp8
-    #: kernel (:mod:`.decode_fp8`, persistent grid) with the scores as ``K @ q^T`` / ``q @ K^T``
-    kv8_dots: str
-
-    def __post_init__(self) -> None:
-        if self.kv8_dots not in KV8_DOTS:
-            raise ValueError(f"DecodeAttentionConfig.kv8_dots={self.kv8_dots!r}: use one of "
-                             f"{', '.join(map(repr, KV8_DOTS))} ('' = the kernels shared with 16-bit caches)")
 
 
 @dataclass(frozen=True)

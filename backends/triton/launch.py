@@ -146,9 +146,9 @@ class LaunchConfig:
         return self.decode_attention
 
     def decode_attention_persistent(self, fp8_kv: bool) -> bool:
-        """Whether the decode attention runs as persistent programs over (token, KV head, split) items:
-        the shared persistent kernel (``algorithms.decode_attention_flat``) or the fp8 one (``kv8_dots``)."""
-        return self.algorithms.decode_attention_flat or (fp8_kv and bool(self.decode_attention_for(True).kv8_dots))
+        """Whether the decode attention runs as persistent programs over (token, KV head, split) items
+        (``algorithms.decode_attention_flat``); ``fp8_kv``: asked for an fp8 K/V cache (the same answer today)."""
+        return self.algorithms.decode_attention_flat
 
     def _flat_programs(self, fp8_kv: bool) -> int:
         return max(1, self.target_programs // 2) * self.decode_attention_for(fp8_kv).flat_programs_per_sm

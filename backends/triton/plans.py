@@ -57,7 +57,7 @@ def _cached(cfg: LaunchConfig, key: tuple[Any, ...], make: Callable[[], Any]) ->
 class DecodeAttentionPlan(NamedTuple):
     """The decode attention's launches for one shape class (``kernel`` names a module-level kernel)."""
 
-    kernel: str                    # "_decode_attention_{flat,kv8}_kernel" or "_decode_attention_kernel"
+    kernel: str                    # "_decode_attention_flat_kernel" or "_decode_attention_kernel"
     grid: tuple[int, ...]
     flat_ints: tuple[int, ...]     # (items, items per program) of the flat kernel, else ()
     splits: int
@@ -91,12 +91,6 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
             items = td * Hkv * splits
             ipp = cfg.decode_attention_flat_items_per_program(items, fp8_kv)
             kernel, grid, flat = "_decode_attention_flat_kernel", (-(-items // ipp),), (items, ipp)
-            if fp8_kv and dac.kv8_dots:
-                kernel = "_decode_attention_kv8_kernel"
-                const["KEYS_A"] = dac.kv8_dots == "keys_a"
-                # one block per item (splits = top-k, batch 1): a pipelined loop of one trip is
-                # where this kernel gave wrong rows and faulted on the H200 (NOTES.md §6)
-                const["STAGES"] = dac.stages if kps > 1 else 1
         else:
             kernel, grid, flat = "_decode_attention_kernel", (td, Hkv, splits), ()
             const["BRANCHLESS"] = cfg.algorithms.decode_attention_branchless

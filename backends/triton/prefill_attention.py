@@ -55,8 +55,9 @@ __all__ = ["prefill_attention_forward"]
 
 
 def _merge_sizes(G: int, D: int) -> dict:
-    """The merge's row tile: the ``G`` query heads of a KV head, padded to a power of two >= 16."""
-    return dict(D=D, G_PAD=max(16, next_pow2(G)))
+    """The merge's row tile: the ``G`` query heads of a KV head, padded to a power of two (no dot
+    there, so no 16-row minimum: at G = 8 it left half the lanes masked off)."""
+    return dict(D=D, G_PAD=next_pow2(G))
 
 
 @triton.jit
@@ -221,39 +222,6 @@ def _merge_slots_kernel(
     store_rows(out_ptr, zero_rows + tok0 + tc, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
 
 
-@triton.jit
-def _merge_weights_kernel(
-    out_ptr, s_ot, s_oh, s_od, place_ptr, ws_o_ptr, ws_lse_ptr, tok0, Tc, G,
-    D: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr,
-):
-    """:func:`_merge_slots_kernel`'s result with the weights first: all ``K`` log-sum-exps are loaded
-    at once, each partial's final weight computed from them, then the partials summed with it (one
-    multiply-add per element, where the running rescale took three, and every partial's load
-    independent of the others). Rows are ``G`` padded to a power of two (no dot here, so no
-    16-row minimum: at G = 8 half the lanes were masked off)."""
-    tc = tl.program_id(0)
-    h = tl.program_id(1)
-    rows = tl.arange(0, G_PAD)
-    row_ok = rows < G
-    slots = tl.arange(0, K_PAD)
-    offs_d = tl.arange(0, D)
-    places = tl.load(place_ptr + (h * Tc + tc) * K + slots, mask=slots < K, other=-1)
-    use = (places[:, None] >= 0) & row_ok[None, :]
-    lse = tl.load(ws_lse_ptr + places.to(tl.int64)[:, None] * G + rows[None, :], mask=use, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 where unused
-    acc = tl.zeros([G_PAD, D], tl.float32)
-    zero_rows = tl.full([G_PAD], 0, tl.int32)
-    for k in tl.static_range(K):
-        place = tl.load(place_ptr + (h * Tc + tc) * K + k)
-        ok = row_ok & (zero_rows + place >= 0)
-        o = tl.load(ws_o_ptr + (place.to(tl.int64) * G + rows)[:, None] * D + offs_d[None, :], mask=ok[:, None],
-                    other=0.0)
-        w_k = tl.sum(tl.where(slots[:, None] == k, w, 0.0), axis=0)
-        acc += w_k[:, None] * o.to(tl.float32)
-    store_rows(out_ptr, zero_rows + tok0 + tc, h * G + rows, s_ot, s_oh, s_od, acc, tl.sum(w, axis=0), row_ok, D)
-
-
 def _blocks(seq_len: int, block_size: int) -> int:
     return -(-seq_len // block_size)
 
@@ -306,11 +274,6 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
                 ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales,
                 BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
                 num_warps=cfg.warps, **platform_options)
-        if cfg.merge == "weights":
-            _merge_weights_kernel[(c, Hkv)](
-                out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G,
-                D=D, K=K, K_PAD=next_pow2(K), G_PAD=next_pow2(G), num_warps=cfg.merge_warps, **platform_options)
-        else:
-            _merge_slots_kernel[(c, Hkv)](
-                out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G,
-                K=K, **_merge_sizes(G, D), num_warps=cfg.merge_warps, **platform_options)
+        _merge_slots_kernel[(c, Hkv)](
+            out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G,
+            K=K, **_merge_sizes(G, D), num_warps=cfg.merge_warps, **platform_options)

@@ -41,9 +41,6 @@ class PrefillAttentionConfig:
     run_tiles: int = 8
     #: warps of the merge (one program per token and KV head)
     merge_warps: int = 4
-    #: the merge: "weights" (all log-sum-exps first, then one weighted sum) or "online" (a running
-    #: rescale per partial)
-    merge: str = "weights"
     #: prefill tokens planned and merged per pass: bounds the partial-output workspace
     #: (pairs x G x D elements: 2.1 GB of bf16 for 8K tokens at M3 TP1)
     max_tokens_per_pass: int = 16384

@@ -4,8 +4,8 @@
 :mod:`.prefill_attention`'s kernels walk (docs/spec.md §4 for what counts as a
 selected block): per KV head, request and block (a *segment*) the tokens that
 chose it, numbered in *plan order* (segment after segment), so that each tile's
-partial results are one contiguous block of the workspace. Two kernels and two
-prefix sums, no host sync.
+partial results are one contiguous block of the workspace. Three small kernels
+and a fill, no host sync.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mm3.contract.batch import BatchMetadata
 from .launch import next_pow2
 from .tl_utils import load_page
 
-__all__ = ["PLAN_ROWS", "PairPlan", "plan_pairs"]
+__all__ = ["PLAN_ROWS", "SCAN_KERNEL_MAX", "PairPlan", "plan_pairs"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class PairPlan:
     ``tile_seg`` ``[max_tiles]``: each tile's segment id;
     ``tile_page`` ``[max_tiles]``: the page of each tile's block;
     ``tile_tok`` ``[max_tiles * M]``: per tile, the token (index into the step) of each of its ``M``
-    pairs (``-1``: no pair), filled from the front;
+    pairs, filled from the front (slots past ``tile_pairs`` are not written);
     ``tile_pairs`` ``[max_tiles]``: how many of a tile's ``M`` slots hold a pair;
     ``tile_place`` ``[max_tiles]``: the place of each tile's first pair (its pairs follow it);
     ``num_tiles`` ``[1]`` (int32, on the device): only the first ``num_tiles`` tiles are meaningful.
@@ -118,47 +118,83 @@ def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, wi
     tl.store(tile_page_ptr + tile, page, mask=opens)
 
 
+@triton.jit
+def _segment_scan_kernel(count_ptr, tile_base_ptr, pair_base_ptr, num_tiles_ptr, S, M: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """One program: each segment's first tile and first place (exclusive prefix sums of its tile and
+    pair counts) and the tile total, ``BLOCK`` segments per step with the running sums carried."""
+    offs = tl.arange(0, BLOCK)
+    carry_p = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
+    carry_t = carry_p
+    for s0 in range(0, S, BLOCK):
+        m = s0 + offs < S
+        c = tl.load(count_ptr + s0 + offs, mask=m, other=0)
+        t = (c + (M - 1)) // M
+        tl.store(pair_base_ptr + s0 + offs, carry_p + tl.cumsum(c, axis=0) - c, mask=m)
+        tl.store(tile_base_ptr + s0 + offs, carry_t + tl.cumsum(t, axis=0) - t, mask=m)
+        carry_p += tl.sum(c, axis=0)
+        carry_t += tl.sum(t, axis=0)
+    tl.store(num_tiles_ptr, carry_t)
+
+
+#: segments up to which the prefix sums are one single-program kernel (at most 16 steps of
+#: ``SCAN_BLOCK``); beyond, PyTorch's scans (device-wide, but about ten launches of host time)
+SCAN_KERNEL_MAX = 65536
+SCAN_BLOCK = 4096
+
+
+def _segment_scans(count: torch.Tensor, tile_base: torch.Tensor, pair_base: torch.Tensor, num_tiles: torch.Tensor,
+                   M: int, scan_kernel_max: int) -> None:
+    S = count.numel()
+    if S <= scan_kernel_max:
+        _segment_scan_kernel[(1,)](count, tile_base, pair_base, num_tiles, S, M=M, BLOCK=min(SCAN_BLOCK, next_pow2(S)),
+                                   num_warps=8)
+        return
+    tiles = (count + (M - 1)) // M
+    torch.cumsum(tiles, dim=0, out=tile_base).sub_(tiles)
+    torch.cumsum(count, dim=0, out=pair_base).sub_(count)
+    num_tiles.copy_(tiles.sum(dtype=torch.int32).view(1))
+
+
 def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens: int, *, nb_max: int,
-               tokens_per_tile: int, max_tiles: int, num_pages: int) -> PairPlan:
+               tokens_per_tile: int, max_tiles: int, num_pages: int,
+               scan_kernel_max: int = SCAN_KERNEL_MAX) -> PairPlan:
     """Group the pairs of prefill tokens ``tok0 .. tok0 + num_tokens - 1`` by (KV head, request, block).
 
     ``sel_hm``: the step's selection ``[H, T, K]`` (any strides); ``nb_max``:
     more than any valid block id; ``max_tiles``: an upper bound of the tile
     count (sizes the launch grid without a host sync); ``num_pages``: the
     cache's page count, into which every page id is clamped (``tile_page``
-    only ever names a page of the cache). Two launches and two
-    prefix sums over the segments, no sort: a segment's pairs take their
+    only ever names a page of the cache). No sort: a segment's pairs take their
     places by an atomic counter, in any order (a row's result does not depend
     on which rows share its tile). Everything the tile kernel needs is laid
     out per tile, so a tile waits on one round trip before its query rows and K/V.
     Places follow the tiles (a prefix sum of the segments' pair counts), so a
     tile's partials are one block of the workspace, stored from one address.
+
+    Four launches (a zero fill, the count, the prefix sums, the places) into
+    one allocation: at M3 TP8 the step's GPU work is a few hundred
+    microseconds, and eleven more small launches made it wait on the host.
+    ``scan_kernel_max``: segments up to which the prefix sums are one kernel.
     """
     H, _, K = sel_hm.shape
     M, Tc, nd, R = tokens_per_tile, num_tokens, batch.num_decodes, batch.num_prefills
-    dev = sel_hm.device
-    clean = torch.empty((H, Tc, K), device=dev, dtype=torch.int32)
-    within = torch.empty_like(clean)
-    count = torch.zeros(H * R * nb_max, device=dev, dtype=torch.int32)
+    S, rows_k = H * R * nb_max, H * Tc * K
+    sizes = [S, S, S, 1, rows_k, rows_k, rows_k, max_tiles, max_tiles, max_tiles * M, max_tiles, max_tiles]
+    count, tile_base, pair_base, num_tiles, clean, within, place, tile_seg, tile_page, tile_tok, tile_pairs, \
+        tile_place = torch.empty(sum(sizes), device=sel_hm.device, dtype=torch.int32).split(sizes)
+    clean, within, place = (x.view(H, Tc, K) for x in (clean, within, place))
+    count.zero_()
     rows = (triton.cdiv(Tc, PLAN_ROWS), H)
     # one warp per program: with four, a row's reductions crossed warps, and the barriers were 64%
     # of the count kernel's stalls (Nsight Compute, H200, TP1)
     _pair_count_kernel[rows](sel_hm, *sel_hm.stride(), batch.token_positions, batch.token_to_request, clean, within,
                              count, tok0, Tc, nd, R, nb_max, B=batch.block_size, K=K, K_PAD=next_pow2(K),
                              R=PLAN_ROWS, num_warps=1)
-    tiles = (count + (M - 1)) // M
-    tile_base = torch.cumsum(tiles, dim=0, dtype=torch.int32) - tiles
-    pair_base = torch.cumsum(count, dim=0, dtype=torch.int32) - count
-    place = torch.empty_like(clean)
-    tile_seg = torch.empty(max_tiles, device=dev, dtype=torch.int32)
-    tile_page = torch.empty(max_tiles, device=dev, dtype=torch.int32)
-    tile_tok = torch.full((max_tiles * M,), -1, device=dev, dtype=torch.int32)
-    tile_pairs = torch.empty(max_tiles, device=dev, dtype=torch.int32)
-    tile_place = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    _segment_scans(count, tile_base, pair_base, num_tiles, M, scan_kernel_max)
     bt = batch.block_table
     _pair_place_kernel[rows](bt, *bt.stride(), num_pages, batch.token_to_request, clean, within, count, tile_base,
                              pair_base, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place,
                              tok0, Tc, nd, R, nb_max, K=K, K_PAD=next_pow2(K), M=M, R=PLAN_ROWS,
                              num_warps=1)
-    return PairPlan(clean, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place,
-                    tiles.sum(dtype=torch.int32).view(1))
+    return PairPlan(clean, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place, num_tiles)
