@@ -104,6 +104,15 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "pisort": (dict(prefill_index=dict(_PI_PLAIN, sorted_merge=True)), ("prefill",)),
     "pistride": (dict(prefill_index=dict(_PI_PLAIN, static_key_stride=True)), ("prefill",)),
     "pi64f": (dict(prefill_index=dict(rows=64, warps=4)), ("prefill",)),
+    # session 2026-12-03 (4): TP8 b64 decode attention (28 us, 56% of copy) with 1 and 4 persistent
+    # programs per SM (2 and 8 splits at TP8; fps3 above gives 6): 0.91x and 0.84x, fps3 0.83x
+    "fps1": (dict(decode_attention=dict(flat_programs_per_sm=1)), ("decode",)),
+    "fps4": (dict(decode_attention=dict(flat_programs_per_sm=4)), ("decode",)),
+    # the run kernel (spill-free since session 3) on 128-row tiles of 8 warps (Triton 3.6 sm_90:
+    # 236-254 registers, no spill, 165 KB of shared memory: one program per SM); runs of 4 tiles.
+    # (A 2-stage tile loop spilled 24-48 B: not timed.)
+    "run128": (dict(prefill_attention=PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1)), ("prefill",)),
+    "run4": (dict(prefill_attention=PrefillAttentionConfig(run_tiles=4)), ("prefill",)),
 }
 
 
