@@ -21,14 +21,14 @@ see tests/interpreter_sort.py.)
    an ``inspect.getmembers`` walk that re-wraps nothing (the builtins are
    already wrappers, and a wrapper is no builtin) and re-sets a few
    attributes to equivalent closures, 1.6 ms a call. Here the patch is
-   skipped when the kernel run in progress has already patched every
-   ``triton.language`` module the helper can see (its globals): by the
-   kernel's own patch, or by an earlier helper's in the same run (the
-   interpreter never restores a helper's patch, so it stays in force;
-   Triton's ``tl.max``, ``tl.zeros``... see ``tl.core`` where the kernels
-   see ``tl``). The first helper of a run that sees another module is
-   patched as before, and so is everything outside a kernel run; the
-   kernel's own patch and its restore are untouched.
+   skipped when the kernel run in progress (a call of the interpreter's
+   ``GridExecutor``) has already patched every ``triton.language`` module
+   the helper can see (its globals): by the kernel's own patch, or by an
+   earlier helper's in the same run (the interpreter never restores a
+   helper's patch, so it stays in force; Triton's ``tl.max``, ``tl.zeros``...
+   see ``tl.core`` where the kernels see ``tl``). The first helper of a run
+   that sees another module is patched as before, and so is anything called
+   outside a kernel run; the kernel's own patch and its restore are untouched.
 
 3. **A custom reduction one element at a time.** For ``tl.reduce`` with a
    combine function of its own (the indexer's NaN-carrying max,
@@ -85,7 +85,9 @@ def bypassed() -> Iterator[None]:
 # -- 1. overflow checks ---------------------------------------------------------------------------
 
 def _install_unread_checks_skipped() -> None:
-    sem = interpreter.interpreter_semantic
+    sem = getattr(interpreter, "interpreter_semantic", None)
+    if not hasattr(sem, "binary_op_sanitize_overflow_impl"):
+        return
     check = sem.binary_op_sanitize_overflow_impl
 
     def binary_op_sanitize_overflow_impl(self: Any, lhs: Any, rhs: Any, binary_op: Callable) -> None:
@@ -111,26 +113,27 @@ def _visible_langs(fn: Any) -> frozenset[int]:
 
 
 def _install_patch_once() -> None:
+    if not all(hasattr(interpreter, n) for n in ("GridExecutor", "_patch_lang", "_LangPatchScope")):
+        return
+    run = interpreter.GridExecutor.__call__
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _open.append(set())                            # a kernel run: its own patch comes first, then helpers
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            _open.pop()
+
     def _patch_lang(fn: Any) -> Any:
         langs = _visible_langs(fn)
-        if _open and langs <= _open[-1]:
+        if _open and langs and langs <= _open[-1]:
             return interpreter._LangPatchScope()       # already patched: nothing to do, nothing to restore
         scope = _originals[interpreter, "_patch_lang"](fn)
         if _open:
-            _open[-1] |= langs                         # a helper seeing more: patched, never restored (as before)
-            return scope
-        _open.append(set(langs))
-        restore = scope.restore
-
-        def _restore() -> None:
-            try:
-                restore()
-            finally:
-                _open.pop()
-
-        scope.restore = _restore
+            _open[-1] |= langs   # the kernel's patch (restored at its end) or a helper's (never restored)
         return scope
 
+    _replace(interpreter.GridExecutor, "__call__", __call__)
     _replace(interpreter, "_patch_lang", _patch_lang)
 
 
@@ -196,6 +199,8 @@ def _column_fold(self: Any, input: tuple) -> list:
 
 
 def _install_column_fold() -> None:
+    if not all(hasattr(getattr(interpreter, "ReduceOps", None), n) for n in ("generic_reduce", "unravel", "to_tensor")):
+        return
     slow = interpreter.ReduceOps.generic_reduce
 
     def generic_reduce(self: Any, input: tuple) -> list:
@@ -207,7 +212,10 @@ def _install_column_fold() -> None:
 
 
 def install() -> None:
-    """Install the three shortcuts (call only when the interpreter is on; a second call does nothing)."""
+    """Install the three shortcuts (call only when the interpreter is on; a second call does nothing).
+
+    A shortcut whose interpreter internals this Triton lacks is left out (the suite is then slower,
+    not wrong); tests/test_interpreter_shortcuts.py fails so that it shows."""
     if _originals:
         return
     _install_unread_checks_skipped()

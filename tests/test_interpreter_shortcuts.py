@@ -131,17 +131,19 @@ def test_helper_calls_equal_the_interpreters_and_patch_once(monkeypatch: pytest.
 
     with bypassed():
         ref = run()
+    assert (interpreter.GridExecutor, "__call__") in _originals, "shortcut 2 is not installed"
     patch = _originals[interpreter, "_patch_lang"]
     calls = []
     monkeypatch.setitem(_originals, (interpreter, "_patch_lang"), lambda fn: calls.append(fn) or patch(fn))
     out = run()
     assert torch.equal(_bits(out), _bits(ref))
     # the kernel's patch and one for the first helper that sees tl.core, of the 6 helper and 12 tl.max... calls
-    assert len(calls) <= 2, [f.__name__ for f in calls]
+    assert calls[0].__name__ == "_helper_kernel" and len(calls) <= 2, [f.__name__ for f in calls]
     assert tl.core.is_builtin(tl.load)          # the kernel's patch of tl was restored
 
 
 def test_int32_overflow_is_still_caught_in_debug_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (interpreter.interpreter_semantic, "binary_op_sanitize_overflow_impl") in _originals, "not installed"
     out = torch.zeros(1, dtype=torch.int32)
     _overflow_kernel[(1,)](out, 2**30)          # no debug: no check, int32 wraps, as in the interpreter
     assert out.item() == 2**30 * 3 - 2**32
