@@ -16,6 +16,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     from interpreter_sort import install as _numpy_sort_for_the_interpreter
 
     _numpy_sort_for_the_interpreter()  # exact, and 4x faster indexer tests: see tests/interpreter_sort.py
+    from interpreter_shortcuts import install as _interpreter_shortcuts
+
+    _interpreter_shortcuts()  # exact, and 2x faster interpreter tests: see tests/interpreter_shortcuts.py
 
 # The contract guard (mm3.debug.guard) checks every backend call the suite makes through
 # SparseAttention; production keeps it off (the default). Tests that need the

@@ -192,9 +192,11 @@ def test_unknown_dtype_is_an_input_error() -> None:
 
 
 def test_pytest_entry_point() -> None:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "mm3.testing.conformance",
-           "--mm3-backend", "cpu_ref", "--mm3-dtype", "float32", "--mm3-index-dtype", "bfloat16",
-           "-k", "mixed_h1 or sentinel"]
+    # -n 0: run from this repository, the child would take the suite's `-n auto` (pyproject) and start
+    # workers of its own for 4 cases, on cores the suite's workers already use; a vendor's repo has no such option
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "--pyargs",
+           "mm3.testing.conformance", "--mm3-backend", "cpu_ref", "--mm3-dtype", "float32",
+           "--mm3-index-dtype", "bfloat16", "-k", "mixed_h1 or sentinel"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert " passed" in r.stdout and "failed" not in r.stdout
