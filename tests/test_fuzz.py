@@ -15,9 +15,10 @@ Profiles (``MM3_TEST_FUZZ_PROFILE``; default ``gpu`` when CUDA is available,
 else ``ci``):
 
 * ``ci``: a fixed, derandomized example set small enough for 2 CPU cores
-  (183 examples, about 25 s on an idle machine: 40 per property for cpu_ref,
-  16 for each Triton backend, 15/6 per composed pair; the Triton backends run
-  through the interpreter, fp16/fp32 only, since it computes bf16 wrongly);
+  (40 per property for cpu_ref, 10 / 8 for each Triton backend's indexer /
+  attention, 15 for the cpu_ref composed pair and 4 for each pair with a Triton
+  backend; the Triton backends run through the interpreter, fp16/fp32 only,
+  since it computes bf16 wrongly);
 * ``gpu``: many more examples, bf16 too, on the GPU (2,550 in all: 300 per
   backend for the indexer and the attention, 150 per composed pair).
 
@@ -54,13 +55,12 @@ ROCM_OVERRIDE = "MM3_ROCM_ALLOW_NON_ROCM"   # the rocm plugin's test-only switch
 _COMMON: dict[str, Any] = dict(deadline=None, database=None, print_blob=True, derandomize=True,
                                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                       HealthCheck.filter_too_much])
-# examples per property and backend: (ci, gpu). The interpreter's examples cost 2-8 s each and
-# these properties were the suite's slowest tests (215 s of 2 cores, then 290 s as the kernels
-# grew, 2026-12-03), so CI draws few of them; the GPU profile (and MM3_TEST_FUZZ_EXAMPLES)
-# draws many more
-EXAMPLES = {"indexer": {"cpu_ref": (40, 300), "triton": (6, 300)},
-            "attention": {"cpu_ref": (40, 300), "triton": (4, 300)},
-            "composed": {"cpu_ref": (15, 150), "triton": (2, 150)}}
+# examples per property and backend: (ci, gpu). The interpreter's examples cost 2-8 s each before
+# the interpreter shortcuts (tests/interpreter_shortcuts.py), about a third of that since; CI draws
+# a few of them, the GPU profile (and MM3_TEST_FUZZ_EXAMPLES) many more
+EXAMPLES = {"indexer": {"cpu_ref": (40, 300), "triton": (10, 300)},
+            "attention": {"cpu_ref": (40, 300), "triton": (8, 300)},
+            "composed": {"cpu_ref": (15, 150), "triton": (4, 150)}}
 
 
 def _settings(prop: str, triton: bool) -> settings:
@@ -264,16 +264,11 @@ def test_attention_matches_oracle(backend: str) -> None:
     prop()
 
 
-# indexer from one backend, attention from another: the buffer crosses layouts on the way. CI
-# takes the two Triton pairs (both directions of the layout crossing); the pairs with cpu_ref
-# only on the GPU profile
+# indexer from one backend, attention from another: the buffer crosses layouts on the way (every
+# pair, in CI too: the pairs with cpu_ref had been GPU-profile only for CI time)
 PAIRS = [("cpu_ref", "cpu_ref"), ("cuda", "rocm"), ("rocm", "cuda"), ("cpu_ref", "cuda"), ("rocm", "cpu_ref")]
-_GPU_PROFILE_ONLY = pytest.mark.skipif(PROFILE == "ci", reason="GPU fuzz profile only (CI time)")
-
-
 @pytest.mark.parametrize("indexer,attention", [
-    pytest.param(i, a, id=f"{i}->{a}", marks=[_GPU_PROFILE_ONLY] if "cpu_ref" in (i, a) and i != a else [])
-    for i, a in PAIRS])
+    pytest.param(i, a, id=f"{i}->{a}") for i, a in PAIRS])
 def test_composed_layer_matches_oracle(indexer: str, attention: str) -> None:
     for name in (indexer, attention):
         _backend(name)
