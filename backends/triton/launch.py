@@ -145,11 +145,6 @@ class LaunchConfig:
             return self.decode_attention_fp8
         return self.decode_attention
 
-    def decode_attention_persistent(self, fp8_kv: bool) -> bool:
-        """Whether the decode attention runs as persistent programs over (token, KV head, split) items
-        (``algorithms.decode_attention_flat``); ``fp8_kv``: asked for an fp8 K/V cache (the same answer today)."""
-        return self.algorithms.decode_attention_flat
-
     def _flat_programs(self, fp8_kv: bool) -> int:
         return max(1, self.target_programs // 2) * self.decode_attention_for(fp8_kv).flat_programs_per_sm
 
@@ -174,7 +169,7 @@ class LaunchConfig:
         (rounded down: a few idle program slots cost less than a merge pass).
         """
         dac = self.decode_attention_for(fp8_kv)
-        if self.decode_attention_persistent(fp8_kv):
+        if self.algorithms.decode_attention_flat:
             pairs = max(1, num_tokens * num_kv_heads)
             return max(1, min(self._flat_programs(fp8_kv) // pairs, topk, dac.max_splits))
         programs = max(1, num_tokens * num_kv_heads)

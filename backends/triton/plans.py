@@ -87,7 +87,7 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
                      BN=min(B, dac.block_n), D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype,
                      DOT_PREC=dot_prec, KV_SCALED=kv_scaled, SCALE_Q=scale_q)
         opts = dict(num_warps=dac.warps, num_stages=dac.num_stages, **dopts)
-        if cfg.decode_attention_persistent(fp8_kv):
+        if cfg.algorithms.decode_attention_flat:
             items = td * Hkv * splits
             ipp = cfg.decode_attention_flat_items_per_program(items, fp8_kv)
             kernel, grid, flat = "_decode_attention_flat_kernel", (-(-items // ipp),), (items, ipp)

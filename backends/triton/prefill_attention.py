@@ -8,7 +8,7 @@ selections are unrelated, but across a whole chunk every block is chosen by
 hundreds of tokens. So the step's (token, block) pairs are regrouped by
 block, and the work is done in three steps:
 
-1. :func:`.prefill_plan.plan_pairs` (two small kernels and two prefix sums, no host sync):
+1. :func:`.prefill_plan.plan_pairs` (a fill and three small kernels, no host sync):
    clean each row of the selection (ids outside ``[0, nb)`` and repeats
    select nothing, as in docs/spec.md §4), group the remaining (KV head, token,
    slot) pairs by *segment* (KV head, request, block), number them segment
