@@ -2,7 +2,7 @@
 
 Where the GPU work of a step is ~10 us, the host decides the step time: each
 row is (wall time of ``iters`` back-to-back calls, synchronised once) / iters,
-median of ``repeat`` runs, in microseconds, for one decode step at MiniMax-M3
+median of ``repeat`` rounds, in microseconds, for one decode step at MiniMax-M3
 shapes::
 
     python -m mm3_benchmarks.host_overhead --device cuda --tp 8 --batch 1 --context 4096
@@ -18,7 +18,13 @@ script measures an older checkout for the "before" column):
 * ``plugin hooks``: the two hook functions, no checks (the kernels' own launch code);
 * ``graph replay``: the step captured in a ``torch.cuda.CUDAGraph`` and replayed (GPU only);
 * ``layer, fast launch`` / ``plugin hooks, fast launch`` (``cuda`` backend, when the plugin has
-  ``Algorithms.fast_launch``): the same with the compiled kernels launched directly.
+  ``Algorithms.fast_launch``): the same with the compiled kernels launched directly;
+* ``layer, top-k and merge launched`` / ``graph replay, top-k and merge launched`` (``cuda``
+  backend): the decode top-k and merge as launches of their own, not in the last program of
+  their group (``Algorithms.topk_in_last_program``, ``merge_in_last_program``).
+
+Within a call the rows are timed in turn in each of ``repeat`` rounds (the eager ones, then the
+replays), so rows of one call are side by side.
 
 Run it in the new and the old checkout on the same machine and compare side by side.
 
@@ -49,20 +55,6 @@ from mm3.testing.factories import make_case
 __all__ = ["measure_host_overhead"]
 
 
-def _time(fn: Callable[[], object], iters: int, repeat: int, sync: Callable[[], None]) -> float:
-    for _ in range(3):
-        fn()
-    sync()
-    runs = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync()
-        runs.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(runs)
-
-
 def _ops_row(layer: "mm3.SparseAttention", q: torch.Tensor, iq: torch.Tensor, c: "mm3.PagedKVCache",
              b: "mm3.BatchMetadata", out: torch.Tensor) -> Callable[[], None]:
     """The two custom ops of one step, called eagerly (the path a compiled graph takes)."""
@@ -76,8 +68,8 @@ def _ops_row(layer: "mm3.SparseAttention", q: torch.Tensor, iq: torch.Tensor, c:
     return ops
 
 
-def _fast_launch_registry() -> Optional[mm3.Registry]:
-    """A registry whose ``cuda`` backend launches compiled kernels directly (None: this plugin cannot)."""
+def _variant_registry(**algorithms: bool) -> Optional[mm3.Registry]:
+    """A registry whose ``cuda`` backend runs with these ``Algorithms`` fields (None: this plugin has not them)."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -86,10 +78,29 @@ def _fast_launch_registry() -> Optional[mm3.Registry]:
     from mm3_backends.triton.launch import override
     from mm3_backends.triton.plugin_factory import make_hookimpls
 
-    if "fast_launch" not in getattr(Algorithms, "__dataclass_fields__", {}):
+    if not set(algorithms) <= set(getattr(Algorithms, "__dataclass_fields__", {})):
         return None
-    hooks = make_hookimpls(replace(PLATFORM, launch=override(PLATFORM.launch, algorithms=dict(fast_launch=True))))
+    hooks = make_hookimpls(replace(PLATFORM, launch=override(PLATFORM.launch, algorithms=algorithms)))
     return mm3.Registry([SimpleNamespace(**hooks._asdict())], entry_points=False)
+
+
+def _interleaved(rows: dict[str, Callable[[], object]], iters: int, repeat: int,
+                 sync: Callable[[], None]) -> dict[str, float]:
+    """Median us per call of each row, the rows timed in turn within each round (side by side: this
+    host's state drifts between calls by more than the differences measured)."""
+    for fn in rows.values():
+        for _ in range(3):
+            fn()
+    sync()
+    runs: dict[str, list[float]] = {k: [] for k in rows}
+    for _ in range(repeat):
+        for k, fn in rows.items():
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            sync()
+            runs[k].append((time.perf_counter() - t0) / iters * 1e6)
+    return {k: statistics.median(v) for k, v in runs.items()}
 
 
 def measure_host_overhead(device: str = "cuda", backend: Optional[str] = None, tp: int = 8, batch: int = 1,
@@ -125,7 +136,7 @@ def measure_host_overhead(device: str = "cuda", backend: Optional[str] = None, t
         idx_hook(index_q=iq, caches=c, batch=b, params=p, out=topk)
         att_hook(q=q, caches=c, topk=topk, batch=b, params=p, out=out[:T])
     rows["plugin hooks"] = hooks
-    reg = _fast_launch_registry() if name == "cuda" else None
+    reg = _variant_registry(fast_launch=True) if name == "cuda" else None
     if reg is not None:
         fast_layer = mm3.SparseAttention(p, device=device, max_num_tokens=max(64, batch), backend="cuda",
                                          registry=reg)
@@ -137,12 +148,20 @@ def measure_host_overhead(device: str = "cuda", backend: Optional[str] = None, t
             f_idx(index_q=iq, caches=c, batch=b, params=p, out=topk)
             f_att(q=q, caches=c, topk=topk, batch=b, params=p, out=out[:T])
         rows["plugin hooks, fast launch"] = fast_hooks
-    result = {k: _time(fn, iters, repeat, sync) for k, fn in rows.items()}
+    sep = _variant_registry(merge_in_last_program=False, topk_in_last_program=False) if name == "cuda" else None
+    if sep is not None:   # the decode top-k and merge as launches of their own (the defaults before 2026-12-03)
+        sep_layer = mm3.SparseAttention(p, device=device, max_num_tokens=max(64, batch), backend="cuda", registry=sep)
+        rows["layer, top-k and merge launched"] = lambda: sep_layer(q, iq, c, b, out)
+    result = _interleaved(rows, iters, repeat, sync)
     if device.startswith("cuda"):
         from mm3_benchmarks.timing import capture_graph
 
         graph = capture_graph(lambda: layer(q, iq, c, b, out), warmups=3)
-        result["graph replay"] = _time(graph.replay, iters, repeat, sync)
+        replays = {"graph replay": graph.replay}
+        if sep is not None:
+            replays["graph replay, top-k and merge launched"] = capture_graph(
+                lambda: sep_layer(q, iq, c, b, out), warmups=3).replay
+        result.update(_interleaved(replays, iters, repeat, sync))
     return result
 
 

@@ -24,7 +24,7 @@ __all__ = ["VARIANTS", "VariantBackend", "make_variants"]
 #: the session-1 values of the fields added in session 2, so v0-v2 keep meaning what they timed
 _SESSION1 = dict(decode_attention=dict(warps=8, stages=2, block_n=64), prefill_attention=None,
                  numerics=dict(fp8_as_f16=False, nan_in_max=False))
-_SESSION1_ALGO = dict(decode_attention_flat=False, pdl=False)
+_SESSION1_ALGO = dict(decode_attention_flat=False, pdl=False, merge_in_last_program=False, topk_in_last_program=False)
 #: the chunked prefill indexer without its session-6 instruction cuts (earlier variants keep it)
 _PI_PLAIN = dict(unmasked_full=False, sorted_merge=False, static_key_stride=False, rows=64, warps=4)
 #: the indexer and token-tile sizes of version 1 (NOTES.md)
@@ -113,6 +113,11 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # (A 2-stage tile loop spilled 24-48 B: not timed.)
     "run128": (dict(prefill_attention=PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1)), ("prefill",)),
     "run4": (dict(prefill_attention=PrefillAttentionConfig(run_tiles=4)), ("prefill",)),
+    # session 2026-12-03 (5): the decode top-k and merge as launches of their own (the defaults before
+    # they moved into the last program of their group, backends/triton/arrivals.py)
+    "sep": (dict(algorithms=dict(merge_in_last_program=False, topk_in_last_program=False)), ("decode",)),
+    "septopk": (dict(algorithms=dict(topk_in_last_program=False)), ("decode",)),
+    "sepmerge": (dict(algorithms=dict(merge_in_last_program=False)), ("decode",)),
 }
 
 

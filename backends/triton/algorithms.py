@@ -44,6 +44,12 @@ class Algorithms:
     #: launch each kernel's compiled binary directly after the first launch of its call class,
     #: without Triton's per-call argument binding (:mod:`.fast_launch`; decode launches)
     fast_launch: bool
+    #: (persistent decode attention) the last program of a (token, KV head) to finish merges its
+    #: splits (:mod:`.arrivals`) instead of a merge launch
+    merge_in_last_program: bool
+    #: the decode indexer's last score program of a request selects its top-k (:mod:`.arrivals`)
+    #: instead of a top-k launch (needs ``topk_sort``)
+    topk_in_last_program: bool
 
 
 @dataclass(frozen=True)

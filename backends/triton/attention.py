@@ -52,7 +52,9 @@ from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .plans import decode_attention_plan
 from .tiles import load_query_rows, score_scale, softmax_weights, store_item, store_rows, token_rows
-from .tl_utils import dot_config, kv_scale, kv_scale_args, launch_options, load_page, pdl_prologue
+from .arrivals import arrival_counters
+from .tl_utils import (arrive_last, dot_config, kv_scale, kv_scale_args, launch_options, load_page,
+                       pdl_prologue)
 
 __all__ = ["attention_forward"]
 
@@ -185,11 +187,12 @@ def _decode_attention_flat_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, num_pages, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h, num_items, IPP, qk_scale,
-    ks_ptr, s_ks, vs_ptr, s_vs,
+    ks_ptr, s_ks, vs_ptr, s_vs, cnt_ptr,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 3, PDL: tl.constexpr = False,
-    KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False,
+    KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False, MERGE_LAST: tl.constexpr = False,
+    S_PAD: tl.constexpr = 1,
 ):
     """:func:`_decode_attention_kernel`'s work, persistent: grid ``(programs,)``.
 
@@ -200,6 +203,11 @@ def _decode_attention_flat_kernel(
     instead of each short program paying that latency chain cold. The online
     softmax state is reset at an item's first visit and stored (masked stores)
     at its last.
+
+    With ``MERGE_LAST`` (several splits) the merge is no launch of its own: after
+    its loop a program counts each of its items into the item's (token, KV head)
+    counter at ``cnt_ptr`` (:mod:`.arrivals`), and the program that brings a
+    pair's count to ``SPLITS`` merges that pair's partials into ``out``.
     """
     pdl_prologue(PDL)
     p = tl.program_id(0)
@@ -244,6 +252,12 @@ def _decode_attention_flat_kernel(
         store_item(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
                    (t * num_h + h) * SPLITS + sp, acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED), m_i, l_i, last,
                    D, G_PAD, SPLITS)
+    if MERGE_LAST:
+        for item in tl.range(p * IPP, tl.minimum(p * IPP + IPP, num_items)):
+            pair = item // SPLITS
+            if arrive_last(cnt_ptr, pair, SPLITS):
+                merge_splits(out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, pair // num_h,
+                             pair % num_h, num_h, D, G_PAD, SPLITS, S_PAD, ".cg")
 
 
 @triton.jit
@@ -252,24 +266,32 @@ def _merge_kernel(
     D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    num_h = tl.num_programs(1)
+    merge_splits(out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, tl.program_id(0), tl.program_id(1),
+                 tl.num_programs(1), D, G_PAD, SPLITS, S_PAD, "")
+
+
+@triton.jit
+def merge_splits(out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, t, h, num_h,
+                 D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+                 CACHE: tl.constexpr):
+    """Exact log-sum-exp merge of token ``t``'s KV head ``h``'s ``SPLITS`` partials into its output rows
+    (``CACHE``: the partials' load cache modifier, ``".cg"`` when other programs of this launch wrote them)."""
     rows = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     splits = tl.arange(0, S_PAD)
     base = (t * num_h + h) * SPLITS
     m_all = tl.load(ws_m_ptr + (base + splits)[:, None] * G_PAD + rows[None, :],
-                    mask=(splits < SPLITS)[:, None], other=float("-inf"))
+                    mask=(splits < SPLITS)[:, None], other=float("-inf"), cache_modifier=CACHE)
     m_max = tl.max(m_all, axis=0)
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_tot = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     for s in tl.range(0, SPLITS):
-        m_s = tl.load(ws_m_ptr + (base + s) * G_PAD + rows)
+        m_s = tl.load(ws_m_ptr + (base + s) * G_PAD + rows, cache_modifier=CACHE)
         w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_ref))
-        l_tot += w * tl.load(ws_l_ptr + (base + s) * G_PAD + rows)
-        acc += w[:, None] * tl.load(ws_acc_ptr + ((base + s) * G_PAD + rows)[:, None] * D + offs_d[None, :])
+        l_tot += w * tl.load(ws_l_ptr + (base + s) * G_PAD + rows, cache_modifier=CACHE)
+        acc += w[:, None] * tl.load(ws_acc_ptr + ((base + s) * G_PAD + rows)[:, None] * D + offs_d[None, :],
+                                    cache_modifier=CACHE)
     store_rows(out_ptr, tl.full([G_PAD], 0, tl.int32) + t, h * G + rows, s_ot, s_oh, s_od, acc, l_tot,
                rows < G, D)
 
@@ -385,11 +407,20 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         so = out.stride()
         head = (*tensors, batch.token_to_request, batch.token_positions, topk.storage, sh, st, sk, out, *so,
                 ws_m, ws_l, ws_acc, G)
-        tail = (Hkv, *plan.flat_ints, qk_scale, *scales) if plan.flat_ints else (qk_scale, *scales)
-        launch(globals()[plan.kernel], plan.grid, head + tail, plan.constexprs, plan.options, fast)
-        if plan.merge:
-            extra = (Hkv,) if plan.merge == "_merge_row_kernel" else ()
-            launch(globals()[plan.merge], plan.merge_grid, (out, *so, ws_m, ws_l, ws_acc, G, *extra),
+        constexprs, merge = plan.constexprs, plan.merge
+        if plan.flat_ints:
+            counters = arrival_counters(q.device, td * Hkv) if plan.merge_last else None
+            if counters is None:   # no merge in the kernel: the merge launch below does it
+                constexprs = plan.constexprs_merge_launched
+            else:
+                merge = ""
+            tail = (Hkv, *plan.flat_ints, qk_scale, *scales, ws_m if counters is None else counters)
+        else:
+            tail = (qk_scale, *scales)
+        launch(globals()[plan.kernel], plan.grid, head + tail, constexprs, plan.options, fast)
+        if merge:
+            extra = (Hkv,) if merge == "_merge_row_kernel" else ()
+            launch(globals()[merge], plan.merge_grid, (out, *so, ws_m, ws_l, ws_acc, G, *extra),
                    plan.merge_constexprs, plan.merge_options, fast)
 
     if npf == 0:

@@ -16,7 +16,9 @@ so head-major and token-major buffers work without copies):
     Loads one row of block scores, applies the forced init/local blocks and
     selects ``min(K, nb)`` blocks (ties: lowest block id) by one bitonic
     ``tl.topk`` over packed (score, -id) keys, or with ``SORT=False`` by
-    ``K`` rounds of arg-max; writes a prefix of ids then ``-1``.
+    ``K`` rounds of arg-max; writes a prefix of ids then ``-1``. With
+    ``Algorithms.topk_in_last_program`` it is not launched: the last score
+    program of each request does the same selection (:mod:`.arrivals`).
 
 ``_prefill_index_kernel`` grid ``(prefill requests, token tiles)``
     One program takes a tile of consecutive query tokens of one prefill request
@@ -43,7 +45,8 @@ from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .plans import decode_index_plan
 from .tiles import load_query_rows, token_rows
-from .tl_utils import dot_config, launch_options, load_page, pdl_prologue
+from .arrivals import arrival_counters
+from .tl_utils import arrive_last, dot_config, launch_options, load_page, pdl_prologue
 
 __all__ = ["index_topk"]
 
@@ -124,11 +127,16 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
 @triton.jit
 def _decode_score_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages,
-    qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H,
+    qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H, out_ptr, s_out_h, s_out_t, s_out_k, cnt_ptr,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
     BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_A: tl.constexpr = False,
     SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, PDL: tl.constexpr = False,
+    TOPK_LAST: tl.constexpr = False, K: tl.constexpr = 1, K_PAD: tl.constexpr = 1, NB_PAD: tl.constexpr = 1,
+    INIT: tl.constexpr = 0, LOCAL: tl.constexpr = 0, R_TK: tl.constexpr = 1, TK_ROWS: tl.constexpr = 1,
 ):
+    """Scores of ``BPS`` blocks of request ``program_id(0)`` for all its rows; with ``TOPK_LAST``
+    the request's last score program to finish (:mod:`.arrivals`, counter ``cnt_ptr[r]``) then
+    selects the top-k of its ``TK_ROWS`` rows, ``R_TK`` rows at a time (no top-k launch)."""
     pdl_prologue(PDL)
     r = tl.program_id(0)
     b0 = tl.program_id(1) * BPS
@@ -145,19 +153,30 @@ def _decode_score_kernel(
             smax = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
                                      ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A, NAN_IN_MAX)
             tl.store(ws_ptr + r * s_ws_r + rows * s_ws_row + b, smax, mask=row_ok)
+    if TOPK_LAST:
+        if arrive_last(cnt_ptr, r, tl.num_programs(1)):
+            for row0 in tl.static_range(0, TK_ROWS, R_TK):
+                _select_rows(ws_ptr + r * s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k,
+                             H, r, row0, TK_ROWS, B, K, K_PAD, NB_PAD, INIT, LOCAL, R_TK, ".cg")
+
+
+@triton.jit
+def _forced(S, blocks, nb, INIT: tl.constexpr, LOCAL: tl.constexpr):
+    """Block scores ``S`` with the forced init and local blocks of a row that sees ``nb`` blocks applied
+    (docs/spec.md §3.4: the first ``INIT`` and the last ``LOCAL`` visible blocks always win)."""
+    S = tl.where(blocks < INIT, FORCED_INIT, S)
+    return tl.where(blocks >= nb - LOCAL, FORCED_LOCAL, S)
 
 
 @triton.jit
 def _forced_row_scores(row_ptr, pos, B: tl.constexpr, NB_PAD: tl.constexpr,
                        INIT: tl.constexpr, LOCAL: tl.constexpr):
-    """One decode row's visible block scores with the forced init/local blocks applied (docs/spec.md §3.4)."""
+    """One decode row's visible block scores with the forced init/local blocks applied (:func:`_forced`)."""
     nb = pos // B + 1
     blocks = tl.arange(0, NB_PAD)
     avail = blocks < nb
     S = tl.load(row_ptr + blocks, mask=avail, other=float("-inf"))
-    S = tl.where(blocks < INIT, FORCED_INIT, S)
-    S = tl.where(blocks >= nb - LOCAL, FORCED_LOCAL, S)
-    return blocks, avail, S
+    return blocks, avail, _forced(S, blocks, nb, INIT, LOCAL)
 
 
 @triton.jit
@@ -178,6 +197,34 @@ def _unpack_ids(key, ID_SPAN: tl.constexpr):
 
 
 @triton.jit
+def _select_rows(scores_ptr, s_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, r, row0, num_rows,
+                 B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr, INIT: tl.constexpr,
+                 LOCAL: tl.constexpr, R: tl.constexpr, CACHE: tl.constexpr):
+    """Top-k of rows ``row0 .. row0+R-1`` (``(speculative row, index head)`` pairs) of decode request
+    ``r``, from their block scores at ``scores_ptr + row * s_row``: the forced init/local blocks
+    applied (docs/spec.md §3.4), then one bitonic ``tl.topk`` per row over packed (score, -id) keys.
+    Writes a prefix of ids then ``-1`` (all ``-1`` for a padding token); skips rows past the
+    request's tokens. ``CACHE``: the scores' load cache modifier (``".cg"`` when other programs
+    of this launch wrote them)."""
+    row = row0 + tl.arange(0, R)
+    qi = row // H
+    start = tl.load(qsl_ptr + r)
+    live = (row < num_rows) & (qi < tl.load(qsl_ptr + r + 1) - start)
+    tok = start + qi
+    pos = tl.load(pos_ptr + tok, mask=live, other=-1)
+    # never divide a negative position (Triton truncates where Python floors): nothing is visible
+    nb = tl.where(pos >= 0, pos // B + 1, 0)[:, None]
+    blocks = tl.arange(0, NB_PAD)[None, :]
+    avail = blocks < nb
+    S = tl.load(scores_ptr + row[:, None] * s_row + blocks, mask=live[:, None] & avail, other=float("-inf"),
+                cache_modifier=CACHE)
+    top = tl.topk(_pack_keys(_forced(S, blocks, nb, INIT, LOCAL), blocks, avail, NB_PAD), K_PAD)
+    slots = tl.arange(0, K_PAD)[None, :]
+    tl.store(out_ptr + (row % H)[:, None] * s_out_h + tok[:, None] * s_out_t + slots * s_out_k,
+             tl.where(slots < K, _unpack_ids(top, NB_PAD), -1), mask=live[:, None] & (slots < K))
+
+
+@triton.jit
 def _decode_topk_kernel(
     ws_ptr, s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H,
     B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
@@ -190,7 +237,10 @@ def _decode_topk_kernel(
     hh = row % H
     start = tl.load(qsl_ptr + r)
     qlen = tl.load(qsl_ptr + r + 1) - start
-    if qi < qlen:
+    if SORT:   # one bitonic top-k over packed (score, -id) keys
+        _select_rows(ws_ptr + r * s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, r, row,
+                     row + 1, B, K, K_PAD, NB_PAD, INIT, LOCAL, 1, "")
+    elif qi < qlen:
         tok = start + qi
         pos = tl.load(pos_ptr + tok)
         slots = tl.arange(0, K_PAD)
@@ -198,18 +248,13 @@ def _decode_topk_kernel(
         if pos >= 0:
             blocks, avail, S = _forced_row_scores(ws_ptr + r * s_ws_r + row * s_ws_row, pos,
                                                   B, NB_PAD, INIT, LOCAL)
-            if SORT:
-                # one bitonic top-k over packed (score, -id) keys
-                top = tl.topk(_pack_keys(S, blocks, avail, NB_PAD), K_PAD)
-                result = tl.where(slots < K, _unpack_ids(top, NB_PAD), -1)
-            else:
-                # K rounds of arg-max; availability is a mask, so a legitimate -inf score still counts
-                for i in tl.range(0, K):
-                    cand = tl.where(avail, S, float("-inf"))
-                    best = tl.max(cand, axis=0)
-                    idx = tl.min(tl.where(avail & (cand == best), blocks, NB_PAD), axis=0)
-                    result = tl.where((slots == i) & (idx < NB_PAD), idx, result)
-                    avail = avail & (blocks != idx)
+            # K rounds of arg-max; availability is a mask, so a legitimate -inf score still counts
+            for i in tl.range(0, K):
+                cand = tl.where(avail, S, float("-inf"))
+                best = tl.max(cand, axis=0)
+                idx = tl.min(tl.where(avail & (cand == best), blocks, NB_PAD), axis=0)
+                result = tl.where((slots == i) & (idx < NB_PAD), idx, result)
+                avail = avail & (blocks != idx)
         tl.store(out_ptr + hh * s_out_h + tok * s_out_t + slots * s_out_k, result, mask=slots < K)
 
 
@@ -236,8 +281,7 @@ def _prefill_index_kernel(
             page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
             sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
                                    ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, False, NAN_IN_MAX)
-            sb = tl.where(b < INIT, FORCED_INIT, sb)
-            sb = tl.where(b >= nb_row - LOCAL, FORCED_LOCAL, sb)
+            sb = _forced(sb, b, nb_row, INIT, LOCAL)
             eligible = b < nb_row
             empty = best_i == -1
             has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
@@ -316,14 +360,12 @@ def _prefill_index_chunked_kernel(
                 if SORTED_MERGE:
                     chunk = tl.where(cols == j, sb[:, None], chunk)
                 else:
-                    sb = tl.where(b < INIT, FORCED_INIT, sb)
-                    sb = tl.where(b >= nb_row - LOCAL, FORCED_LOCAL, sb)
+                    sb = _forced(sb, b, nb_row, INIT, LOCAL)
                     key = _pack_keys(sb, tl.zeros([ROWS], tl.int32) + b, b < nb_row, 1 << 30)
                     chunk = tl.where(cols == j, key[:, None], chunk)
             if SORTED_MERGE:
                 ids = c0 + cols
-                sc = tl.where(ids < INIT, FORCED_INIT, chunk)
-                sc = tl.where(ids >= nb_row[:, None] - LOCAL, FORCED_LOCAL, sc)
+                sc = _forced(chunk, ids, nb_row[:, None], INIT, LOCAL)
                 # a column past the split's range is another split's block (or none): unavailable
                 top = tl.topk(_pack_keys(sc, ids, (ids < nb_row[:, None]) & (ids < hi), 1 << 30), K_PAD)
                 best = tl.bitonic_merge(tl.maximum(best, top), descending=False)
@@ -393,12 +435,16 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         fast = cfg.algorithms.fast_launch
         ws = torch.empty((nd, plan.rows, width), dtype=torch.float32, device=ik.device)
         qsl, pos = batch.query_start_loc, batch.token_positions
+        counters = arrival_counters(ik.device, nd) if plan.topk_last else None
+        score_constexprs = plan.score_constexprs if counters is not None else plan.score_constexprs_topk_launched
         launch(_decode_score_kernel, plan.score_grid,
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, qsl, pos, ws,
-                ws.stride(0), ws.stride(1), H), plan.score_constexprs, plan.score_options, fast)
-        launch(_decode_topk_kernel, plan.topk_grid,
-               (ws, ws.stride(0), ws.stride(1), qsl, pos, out.storage, sh, st, sk, H),
-               plan.topk_constexprs, plan.topk_options, fast)
+                ws.stride(0), ws.stride(1), H, out.storage, sh, st, sk, ws if counters is None else counters),
+               score_constexprs, plan.score_options, fast)
+        if counters is None:   # no top-k in the score kernel: a launch of its own
+            launch(_decode_topk_kernel, plan.topk_grid,
+                   (ws, ws.stride(0), ws.stride(1), qsl, pos, out.storage, sh, st, sk, H),
+                   plan.topk_constexprs, plan.topk_options, fast)
 
     npf = batch.num_prefills
     if npf > 0:

@@ -37,6 +37,10 @@ __all__ = ["DecodeAttentionPlan", "DecodeIndexPlan", "decode_attention_plan", "d
 #: plans kept before the memory starts over (a handful of decode shape classes per model)
 MAX_PLANS = 1024
 
+#: packed top-k keys (int64) the score kernel's last program sorts at once: 4 rows of a 64K context
+#: (512 blocks), 16 per thread of its 4 warps
+TOPK_LAST_KEYS = 2048
+
 _PLANS: dict[Any, tuple[LaunchConfig, Any]] = {}
 _LOCK = threading.Lock()
 
@@ -68,6 +72,10 @@ class DecodeAttentionPlan(NamedTuple):
     merge_grid: tuple[int, ...]
     merge_constexprs: dict[str, Any]
     merge_options: dict[str, Any]
+    #: the persistent kernel merges the splits in its last program (``Algorithms.merge_in_last_program``)
+    merge_last: bool
+    #: ``constexprs`` for a launch whose merge is the separate kernel (no arrival counters to hand)
+    constexprs_merge_launched: dict[str, Any]
 
 
 def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, B: int, D: int,
@@ -95,13 +103,21 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
             kernel, grid, flat = "_decode_attention_kernel", (td, Hkv, splits), ()
             const["BRANCHLESS"] = cfg.algorithms.decode_attention_branchless
         merge, mgrid, mconst, mopts = "", (), {}, {}
+        merge_last = splits > 1 and cfg.algorithms.decode_attention_flat and cfg.algorithms.merge_in_last_program
+        if cfg.algorithms.decode_attention_flat:
+            const["S_PAD"] = next_pow2(splits)
+            const["MERGE_LAST"] = False
+        launched = const
+        if merge_last:
+            const = dict(const, MERGE_LAST=True)
         if splits > 1:
             mconst = dict(D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), PDL=pdl)
             if cfg.use_merge_per_row(td, Hkv):
                 merge, mgrid, mopts = "_merge_row_kernel", (td, Hkv, G), dict(num_warps=4, **dopts)
             else:
                 merge, mgrid, mopts = "_merge_kernel", (td, Hkv), dict(num_warps=dac.warps, **dopts)
-        return DecodeAttentionPlan(kernel, grid, flat, splits, g_pad, const, opts, merge, mgrid, mconst, mopts)
+        return DecodeAttentionPlan(kernel, grid, flat, splits, g_pad, const, opts, merge, mgrid, mconst, mopts,
+                                   merge_last, launched)
 
     return _cached(cfg, ("attention", td, Hkv, G, K, B, D, q_dtype, kv_dtype, kv_scaled), make)
 
@@ -116,6 +132,10 @@ class DecodeIndexPlan(NamedTuple):
     topk_constexprs: dict[str, Any]
     topk_options: dict[str, Any]
     rows: int                        # query rows per request: decode_query_len x index heads
+    #: the score kernel's last program per request selects its top-k (``Algorithms.topk_in_last_program``)
+    topk_last: bool
+    #: ``score_constexprs`` for a launch followed by the top-k kernel (no arrival counters to hand)
+    score_constexprs_topk_launched: dict[str, Any]
 
 
 def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_decode_tokens: int, width: int,
@@ -132,16 +152,23 @@ def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_
         pdl = pdl_enabled(cfg, num_decode_tokens, Hkv)
         dopts = decode_launch_options(cfg, pdl)
         k_pad = sort_width(K) if cfg.algorithms.topk_sort else next_pow2(K)
+        nb_pad = max(next_pow2(width), k_pad)
+        score = dict(ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.algorithms.index_keys_as_a,
+                     BN=min(B, dic.block_n), PDL=pdl, **common)
+        topk_last = cfg.algorithms.topk_in_last_program and cfg.algorithms.topk_sort
+        # rows selected together by the last program: at most TOPK_LAST_KEYS packed keys held at once
+        r_tk = max(1, min(next_pow2(rows), TOPK_LAST_KEYS // nb_pad))
+        score.update(TOPK_LAST=False, K=K, K_PAD=k_pad, NB_PAD=nb_pad, INIT=init, LOCAL=local, R_TK=r_tk,
+                     TK_ROWS=rows)
+        fused = dict(score, TOPK_LAST=True) if topk_last else score
         return DecodeIndexPlan(
-            (nd, -(-width // bps)),
-            dict(ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.algorithms.index_keys_as_a,
-                 BN=min(B, dic.block_n), PDL=pdl, **common),
+            (nd, -(-width // bps)), fused,
             dict(num_warps=dic.warps, num_stages=dic.num_stages, **dopts),
             (nd, rows),
-            dict(B=B, K=K, K_PAD=k_pad, NB_PAD=max(next_pow2(width), k_pad), INIT=init, LOCAL=local,
-                 SORT=cfg.algorithms.topk_sort, PDL=pdl),
+            dict(B=B, K=K, K_PAD=k_pad, NB_PAD=nb_pad, INIT=init, LOCAL=local, SORT=cfg.algorithms.topk_sort,
+                 PDL=pdl),
             dict(num_warps=dic.topk_warps, **dopts),
-            rows)
+            rows, topk_last, score)
 
     return _cached(cfg, ("index", nd, Q, H, Hkv, num_decode_tokens, width, K, B, Di, init, local, q_dtype,
                          index_dtype), make)

@@ -16,7 +16,7 @@ import triton.language as tl
 from .launch import LaunchConfig
 
 __all__ = ["dot_config", "launch_options", "decode_launch_options", "interpreting", "pdl_enabled", "pdl_prologue",
-           "TL_DTYPES", "kv_scale_args", "kv_scale", "load_page"]
+           "TL_DTYPES", "kv_scale_args", "kv_scale", "load_page", "arrive_last"]
 
 try:  # programmatic dependent launch (Hopper+): Triton >= 3.4 has these
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
@@ -144,3 +144,20 @@ def load_page(entry_ptr, num_pages, mask=None):
     else:
         page = tl.load(entry_ptr, mask=mask, other=0)
     return tl.maximum(tl.minimum(page, num_pages - 1), 0).to(tl.int64)
+
+
+@triton.jit
+def arrive_last(counter_ptr, group, arrivals):
+    """Count this program into ``group``'s arrivals; True for the last of ``arrivals`` (:mod:`.arrivals`).
+
+    The barrier puts every thread's earlier stores before the count; the count is
+    a release/acquire atomic at GPU scope, so the last program sees the others'
+    stores (it must read them past L1: ``cache_modifier=".cg"``). The last program
+    sets the counter back to zero for the next launch.
+    """
+    tl.debug_barrier()
+    old = tl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
+    last = old == arrivals - 1
+    if last:
+        tl.store(counter_ptr + group, 0)
+    return last

@@ -1,0 +1,93 @@
+"""Arrival counters: how the last program of a group learns that it is last, and finishes the group's work.
+
+A decode step used to be four launches: the indexer's scores, its top-k, the
+attention's splits and their merge. The top-k of a request needs every score
+program of that request, and the merge of a (token, KV head) every split of
+it, but nothing else: so instead of a launch of its own, the *last* program of
+the group to finish does it. Each program stores its part, then adds one to
+its group's counter (a release/acquire atomic at GPU scope, after a barrier of
+the program so all of its threads' stores come before it); the program that
+sees ``arrivals - 1`` reads the others' parts (bypassing the L1 cache, which
+is not coherent between multiprocessors) and sets the counter back to zero
+for the next launch. A launch whose groups all finish leaves every counter at
+zero, which is what the next launch needs: the counters are allocated (zeroed)
+once and reused, so the fused path costs no extra launch, eager or in a
+CUDA graph.
+
+Counters are kept per device *and stream* (per thread for CPU tensors under
+the interpreter): two launches that run at once must not count into the same
+slots. They are allocated outside CUDA graph captures only (zeroing one during
+a capture would only happen when the graph replays), and never freed or moved
+while the process runs: a captured graph keeps their address. A capture uses
+its stream's counters if that stream ran a decode step eagerly before, else
+the device's *graph* counters, which every eager allocation on the device
+also sizes; so graphs that replay at the same time on two streams must not
+both hold decode steps (replays one after another are fine). When a capture
+needs more counters than exist, :func:`arrival_counters` returns None and the
+caller launches the separate top-k / merge kernels instead (same results).
+
+Example:
+    >>> import torch
+    >>> c = arrival_counters(torch.device("cpu"), 10)
+    >>> int(c.numel()) >= 10, int(c.sum())
+    (True, 0)
+    >>> c is arrival_counters(torch.device("cpu"), 10)
+    True
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+__all__ = ["arrival_counters", "MIN_COUNTERS"]
+
+#: counters allocated at least (int32, 64 KB): enough for 16K (token, KV head) pairs, so a
+#: graph captured after a smaller eager step rarely finds them short
+MIN_COUNTERS = 16384
+
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+#: per device: the counters of captures on a stream that has none of its own
+_GRAPH_COUNTERS: dict[str, torch.Tensor] = {}
+#: every buffer ever handed out stays alive: a captured graph may still use a replaced one
+_KEEP: list[torch.Tensor] = []
+_LOCK = threading.Lock()
+
+
+def _stream_key(device: torch.device) -> tuple[str, int]:
+    if device.type == "cuda":
+        return str(device), torch.cuda.current_stream(device).cuda_stream
+    # CPU tensors (Triton's interpreter): no stream orders two threads' launches, so one set per thread
+    return str(device), threading.get_ident()
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _zeros(device: torch.device, n: int) -> torch.Tensor:
+    t = torch.zeros(max(MIN_COUNTERS, 1 << max(0, n - 1).bit_length()), dtype=torch.int32, device=device)
+    _KEEP.append(t)
+    return t
+
+
+def arrival_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
+    """At least ``n`` zeroed int32 counters for a launch on ``device``'s current stream, or None
+    during a CUDA graph capture that finds too few (then launch without them)."""
+    key = _stream_key(device)
+    have = _COUNTERS.get(key)
+    if have is not None and have.numel() >= n:
+        return have
+    if _capturing(device):
+        have = _GRAPH_COUNTERS.get(key[0]) if have is None else have
+        return have if have is not None and have.numel() >= n else None
+    with _LOCK:
+        have = _COUNTERS.get(key)
+        if have is None or have.numel() < n:
+            have = _COUNTERS[key] = _zeros(device, n)
+        graph = _GRAPH_COUNTERS.get(key[0])
+        if graph is None or graph.numel() < n:
+            _GRAPH_COUNTERS[key[0]] = _zeros(device, n)
+    return have

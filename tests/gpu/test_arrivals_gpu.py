@@ -1,0 +1,139 @@
+"""The decode top-k and merge in the last program of their group, on the GPU (backends/triton/arrivals.py).
+
+Run on a CUDA machine (skips elsewhere)::
+
+    pytest tests/gpu/test_arrivals_gpu.py -s -q
+
+The ``cuda`` plugin's hooks are built twice from its platform, with the top-k
+and the merge in the last program (the default) and as launches of their own.
+On fresh random inputs of several shape classes (TP1 batch 1 at 64K, where the
+last program sorts 4 rows of 512 blocks at once; TP8 at 1M, one row of 8192;
+batch 64; draft tokens with a chunked prefill; fp8 index and K/V), both write
+the same top-k rows and the same output bits, twice in a row (the second
+launch starts from the counters the first left), the counters are all zero
+after, and the rows pass the fp64 reference. A decode step captured in a CUDA
+graph (on torch's capture stream, after an eager step on the current one) uses
+the fused path and, replayed 20 times on new inputs, equals the separate
+launches' eager step each time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import mm3
+from mm3.testing.factories import make_case
+
+from gpu_reference import attention_reference, block_scores, sample_tokens, selection_errors
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TP1 = mm3.SparseAttentionParams.minimax_m3(tp_size=1)
+TP8 = mm3.SparseAttentionParams.minimax_m3(tp_size=8)
+
+CASES = {
+    "tp1_b1_64k": (TP1, dict(decodes=[65536 - 77])),
+    "tp1_q4_b2": (TP1, dict(decodes=[20000, 3000], decode_query_len=4)),
+    "tp8_b1_1m": (TP8, dict(decodes=[1 << 20])),
+    "tp8_b64": (TP8, dict(decodes=[700 + 37 * i for i in range(64)])),
+    "tp8_mixed_spec": (TP8, dict(decodes=[900, 300, 2000], prefills=[(200, 1500), (7, 7)], decode_query_len=2,
+                                 padding_decodes=1)),
+    "tp1_fp8": (TP1, dict(decodes=[3000] * 3, index_dtype="float8_e4m3fn", kv_dtype="float8_e4m3fn")),
+}
+
+
+def _hooks(last: bool):  # noqa: ANN202 - the plugin's hook tuple
+    from mm3_backends.cuda.plugin import PLATFORM
+    from mm3_backends.triton.launch import override
+    from mm3_backends.triton.plugin_factory import make_hookimpls
+
+    algos = dict(merge_in_last_program=last, topk_in_last_program=last)
+    return make_hookimpls(replace(PLATFORM, launch=override(PLATFORM.launch, algorithms=algos)))
+
+
+def _step(hooks, p, case, topk: mm3.TopkBuffer, out: torch.Tensor) -> None:  # noqa: ANN001
+    T = case.batch.num_tokens
+    topk.fill_(-7)
+    out.fill_(float("nan"))
+    rows = topk.rows(0, T)
+    hooks.index_topk(index_q=case.index_q, caches=case.caches, batch=case.batch, params=p, out=rows)
+    hooks.attention_forward(q=case.q, caches=case.caches, topk=rows, batch=case.batch, params=p, out=out[:T])
+
+
+def _all_counters_zero() -> bool:
+    from mm3_backends.triton import arrivals
+
+    return all(int(c.abs().sum()) == 0 for c in arrivals._KEEP if c.is_cuda)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_last_program_writes_the_same_bits_as_separate_launches(name: str) -> None:
+    p, make = CASES[name]
+    separate, fused = _hooks(False), _hooks(True)
+    for seed in (1, 2):
+        case = make_case(p, device="cuda", seed=seed, **make)
+        T = case.batch.num_tokens
+        got = []
+        for hooks in (separate, fused, fused):
+            topk = mm3.TopkBuffer.allocate(T + 5, p.num_kv_heads, p.topk, layout="token_major", device="cuda")
+            out = torch.empty(T + 3, p.num_heads, p.head_dim, dtype=case.q.dtype, device="cuda")
+            _step(hooks, p, case, topk, out)
+            torch.cuda.synchronize()
+            got.append((topk.storage.clone(), out.clone()))
+        assert _all_counters_zero(), f"{name}: a counter was left non-zero"
+        for i in (1, 2):
+            assert torch.equal(got[0][0], got[i][0]), f"{name}: top-k rows differ (fused run {i})"
+            assert torch.equal(got[0][1].view(torch.int16), got[i][1].view(torch.int16)), f"{name}: outputs differ"
+        sel = mm3.TopkBuffer(got[1][0], "token_major").rows(0, T)
+        toks = sample_tokens(case.batch)
+        errors = selection_errors(sel, block_scores(case.index_q, case.caches, case.batch, p, toks), p)
+        assert not errors, "\n".join(errors[:5])
+        ref = attention_reference(case.q, case.caches, sel, case.batch, p, toks)
+        err = max((got[1][1][t].double() - ref[t]).abs().max().item() for t in toks)
+        assert err <= 2e-2, f"{name}: {err} from the fp64 reference"
+        assert torch.isnan(got[1][1][T:]).all() and (got[1][0][T:] == -7).all()   # rows past T untouched
+
+
+def test_graph_capture_uses_the_last_program_and_replays_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mm3_backends.triton import arrivals, attention, indexer
+
+    separate, fused = _hooks(False), _hooks(True)
+    p = TP1
+    shape = dict(decodes=[4000, 1000, 65000])
+    case = make_case(p, device="cuda", seed=3, **shape)
+    T = case.batch.num_tokens
+    topk = mm3.TopkBuffer.allocate(T, p.num_kv_heads, p.topk, layout="token_major", device="cuda")
+    out = torch.empty_like(case.q)
+    _step(fused, p, case, topk, out)            # eager on the current stream: allocates the counters
+    torch.cuda.synchronize()
+    handed: list = []
+    real = arrivals.arrival_counters
+
+    def spy(device, n):  # noqa: ANN001, ANN202
+        c = real(device, n)
+        handed.append(c)
+        return c
+
+    monkeypatch.setattr(attention, "arrival_counters", spy)
+    monkeypatch.setattr(indexer, "arrival_counters", spy)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):               # torch's own capture stream
+        _step(fused, p, case, topk, out)
+    assert len(handed) == 2 and all(c is not None for c in handed), "the capture fell back to separate launches"
+    for seed in range(4, 24):
+        new = make_case(p, device="cuda", seed=seed, **shape)   # new data and pages, same shapes
+        case.batch.update_(new.batch)
+        for mine, theirs in ((case.q, new.q), (case.index_q, new.index_q), (case.caches.k, new.caches.k),
+                             (case.caches.v, new.caches.v), (case.caches.index, new.caches.index)):
+            mine.copy_(theirs)
+        graph.replay()
+        ref_topk = mm3.TopkBuffer.allocate(T, p.num_kv_heads, p.topk, layout="token_major", device="cuda")
+        ref_out = torch.empty_like(out)
+        _step(separate, p, new, ref_topk, ref_out)
+        torch.cuda.synchronize()
+        assert torch.equal(topk.storage, ref_topk.storage), f"replay {seed}: top-k rows differ"
+        assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16)), f"replay {seed}: outputs differ"
+    assert _all_counters_zero()

@@ -1,0 +1,132 @@
+"""The decode top-k and merge done by the last program of their group (backends/triton/arrivals.py).
+
+Under Triton's interpreter: the fused launches against the separate top-k and
+merge kernels (bit for bit: the same code computes both) and against the fp64
+oracle, on mixed batches with speculative rows and padding, in both top-k
+layouts; the counters left at zero after every launch; the fallback when no
+counters can be had (a CUDA graph capture that would need to allocate them).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from mm3.contract.buffers import TopkBuffer
+from mm3.contract.params import SparseAttentionParams
+from mm3.testing.factories import make_case
+from mm3.testing.oracle import check_topk, oracle_attention
+from mm3_backends.triton.launch import override
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                       reason="CPU-interpreter tests; a GPU machine runs tests/gpu instead"),
+]
+
+SEPARATE = dict(algorithms=dict(merge_in_last_program=False, topk_in_last_program=False))
+
+
+def _run(cfg: Any, case: Any, p: SparseAttentionParams, layout: str) -> tuple[torch.Tensor, torch.Tensor, list]:
+    from mm3_backends.triton import attention, fast_launch, indexer
+
+    launched: list[str] = []
+    real = fast_launch.launch
+
+    def counting(fn: Any, *args: Any) -> None:
+        launched.append(fn.__name__)
+        real(fn, *args)
+
+    T = case.batch.num_tokens
+    buf = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, layout, fill=-7)
+    out = torch.full_like(case.q, float("nan"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(indexer, "launch", counting)
+        mp.setattr(attention, "launch", counting)
+        indexer.index_topk(case.index_q, case.caches, case.batch, p, buf, cfg)
+        attention.attention_forward(case.q, case.caches, buf, case.batch, p, out, cfg)
+    return buf.head_major().clone(), out, launched
+
+
+def _counters_sum() -> int:
+    from mm3_backends.triton.arrivals import arrival_counters
+
+    return int(arrival_counters(torch.device("cpu"), 1).sum())
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("q_len,h,g", [(1, 2, 4), (3, 1, 8), (2, 2, 3)])
+def test_last_program_matches_separate_launches(layout: str, q_len: int, h: int, g: int) -> None:
+    """Same top-k and bit-identical outputs as the separate kernels, two launches fewer, counters back to 0."""
+    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+
+    p = SparseAttentionParams(num_heads=h * g, num_kv_heads=h, head_dim=32, num_index_heads=h, index_head_dim=32,
+                              block_size=16, topk=4, init_blocks=1)
+    case = make_case(p, decodes=[150, 17, 61, 300], decode_query_len=q_len, padding_decodes=1,
+                     prefills=[(9, 90)], dtype="float16", index_dtype="float16", seed=11 + q_len)
+    fused = override(INTERPRETER_CONFIG, target_programs=96)   # several splits per (token, KV head)
+    assert fused.algorithms.merge_in_last_program and fused.algorithms.topk_in_last_program
+    sel_f, out_f, launched_f = _run(fused, case, p, layout)
+    assert _counters_sum() == 0
+    sel_s, out_s, launched_s = _run(override(fused, **SEPARATE), case, p, layout)
+    assert "_decode_topk_kernel" not in launched_f and "_decode_topk_kernel" in launched_s
+    merges = [n for n in launched_s if n.startswith("_merge")]
+    assert merges and not [n for n in launched_f if n.startswith("_merge")]
+    assert torch.equal(sel_f, sel_s)
+    T = case.batch.num_tokens
+    assert torch.equal(out_f[:T], out_s[:T])
+    buf = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, "head_major")
+    buf.storage.copy_(sel_f)
+    errors = check_topk(buf, case.index_q, case.caches, case.batch, p)
+    assert not errors, "\n".join(map(str, errors[:5]))
+    ref = oracle_attention(case.q, case.caches, buf, case.batch, p)
+    assert (out_f[:T].double() - ref[:T]).abs().max().item() < 1e-2
+    # twice in a row: the second launch starts from the counters the first left (all zero)
+    sel_2, out_2, _ = _run(fused, case, p, layout)
+    assert torch.equal(sel_2, sel_f) and torch.equal(out_2[:T], out_f[:T])
+    assert _counters_sum() == 0
+
+
+def test_no_counters_falls_back_to_the_separate_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When no counters can be had (a capture that would allocate), the top-k and merge launch on their own."""
+    from mm3_backends.triton import arrivals, attention, indexer
+    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+
+    p = SparseAttentionParams(num_heads=8, num_kv_heads=2, head_dim=32, num_index_heads=2, index_head_dim=32,
+                              block_size=16, topk=4)
+    case = make_case(p, decodes=[150, 61], dtype="float16", index_dtype="float16", seed=3)
+    cfg = override(INTERPRETER_CONFIG, target_programs=32)
+    sel_f, out_f, _ = _run(cfg, case, p, "token_major")
+    monkeypatch.setattr(attention, "arrival_counters", lambda device, n: None)
+    monkeypatch.setattr(indexer, "arrival_counters", lambda device, n: None)
+    sel_n, out_n, launched = _run(cfg, case, p, "token_major")
+    assert "_decode_topk_kernel" in launched and any(n.startswith("_merge") for n in launched)
+    assert torch.equal(sel_f, sel_n) and torch.equal(out_f, out_n)
+    assert arrivals.arrival_counters(torch.device("cpu"), 1) is not None
+
+
+def test_counters_grow_but_never_move_a_buffer_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A larger need replaces the buffer (zeroed) and keeps the old one alive; a capture never allocates."""
+    from mm3_backends.triton import arrivals
+
+    dev = torch.device("cpu")
+    small = arrivals.arrival_counters(dev, 4)
+    assert small is not None and small.numel() >= arrivals.MIN_COUNTERS
+    big = arrivals.arrival_counters(dev, arrivals.MIN_COUNTERS + 1)
+    assert big is not None and big.numel() >= arrivals.MIN_COUNTERS + 1 and int(big.sum()) == 0
+    assert any(t is small for t in arrivals._KEEP)
+    graph = arrivals._GRAPH_COUNTERS[str(dev)]
+    assert graph.numel() >= big.numel() and graph is not big and int(graph.sum()) == 0
+    monkeypatch.setattr(arrivals, "_capturing", lambda device: True)
+    assert arrivals.arrival_counters(dev, 4 * big.numel()) is None
+    assert arrivals.arrival_counters(dev, 4) is big
+    # a capture on a stream (here: a thread) that never ran eagerly gets the device's graph counters
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(arrivals.arrival_counters(dev, 4)))
+    thread.start()
+    thread.join()
+    assert got[0] is graph
