@@ -113,6 +113,8 @@ def test_counters_grow_but_never_move_a_buffer_in_use(monkeypatch: pytest.Monkey
     """A larger need replaces the buffer (zeroed) and keeps the old one alive; a capture never allocates."""
     from mm3_backends.triton import arrivals
 
+    for name, empty in (("_COUNTERS", {}), ("_GRAPH_COUNTERS", {}), ("_KEEP", [])):   # other tests' sizes
+        monkeypatch.setattr(arrivals, name, empty)
     dev = torch.device("cpu")
     small = arrivals.arrival_counters(dev, 4)
     assert small is not None and small.numel() >= arrivals.MIN_COUNTERS
