@@ -121,7 +121,7 @@ def test_counters_grow_but_never_move_a_buffer_in_use(monkeypatch: pytest.Monkey
     big = arrivals.arrival_counters(dev, arrivals.MIN_COUNTERS + 1)
     assert big is not None and big.numel() >= arrivals.MIN_COUNTERS + 1 and int(big.sum()) == 0
     assert any(t is small for t in arrivals._KEEP)
-    graph = arrivals._GRAPH_COUNTERS[str(dev)]
+    graph = arrivals._GRAPH_COUNTERS[dev]
     assert graph.numel() >= big.numel() and graph is not big and int(graph.sum()) == 0
     monkeypatch.setattr(arrivals, "_capturing", lambda device: True)
     assert arrivals.arrival_counters(dev, 4 * big.numel()) is None

@@ -48,19 +48,26 @@ __all__ = ["arrival_counters", "MIN_COUNTERS"]
 #: graph captured after a smaller eager step rarely finds them short
 MIN_COUNTERS = 16384
 
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 #: per device: the counters of captures on a stream that has none of its own
-_GRAPH_COUNTERS: dict[str, torch.Tensor] = {}
+_GRAPH_COUNTERS: dict[torch.device, torch.Tensor] = {}
 #: every buffer ever handed out stays alive: a captured graph may still use a replaced one
 _KEEP: list[torch.Tensor] = []
 _LOCK = threading.Lock()
 
 
-def _stream_key(device: torch.device) -> tuple[str, int]:
+try:   # the raw handle without a Stream object (what Triton's launcher uses; CUDA and ROCm builds)
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def _stream_key(device: torch.device) -> tuple[torch.device, int]:
     if device.type == "cuda":
-        return str(device), torch.cuda.current_stream(device).cuda_stream
+        return device, _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     # CPU tensors (Triton's interpreter): no stream orders two threads' launches, so one set per thread
-    return str(device), threading.get_ident()
+    return device, threading.get_ident()
 
 
 def _capturing(device: torch.device) -> bool:

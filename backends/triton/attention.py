@@ -398,10 +398,10 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         plan = decode_attention_plan(cfg, td, Hkv, G, K, B, D, q.dtype, k.dtype, kv_scaled)
         fast = cfg.algorithms.fast_launch
         splits, g_pad = plan.splits, plan.g_pad
-        if splits > 1:
-            ws_m = torch.empty((td, Hkv, splits, g_pad), dtype=torch.float32, device=q.device)
-            ws_l = torch.empty_like(ws_m)
-            ws_acc = torch.empty((td, Hkv, splits, g_pad, D), dtype=torch.float32, device=q.device)
+        if splits > 1:   # [td, Hkv, splits, g_pad] maxima and sums, [..., D] accumulators: one allocation
+            n = td * Hkv * splits * g_pad
+            ws = torch.empty(n * (D + 2), dtype=torch.float32, device=q.device)
+            ws_m, ws_l, ws_acc = ws[:n], ws[n:2 * n], ws[2 * n:]
         else:  # never touched: the single-split kernel writes the output directly
             ws_m = ws_l = ws_acc = out
         so = out.stride()
