@@ -280,7 +280,10 @@ def merge_splits(out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, t
                  D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
                  CACHE: tl.constexpr):
     """Exact log-sum-exp merge of token ``t``'s KV head ``h``'s ``SPLITS`` partials into its output rows
-    (``CACHE``: the partials' load cache modifier, ``".cg"`` when other programs of this launch wrote them)."""
+    (``CACHE``: the partials' load cache modifier, ``".cg"`` when other programs of this launch wrote them).
+
+    The splits are unrolled: no partial's loads wait for the previous partial's sums, so
+    they can be in flight together (at batch 1, 16 splits of one program read from L2)."""
     rows = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     splits = tl.arange(0, S_PAD)
@@ -291,7 +294,7 @@ def merge_splits(out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, t
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_tot = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for s in tl.range(0, SPLITS):
+    for s in tl.static_range(SPLITS):
         m_s = tl.load(ws_m_ptr + (base + s) * G_PAD + rows, cache_modifier=CACHE)
         w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_ref))
         l_tot += w * tl.load(ws_l_ptr + (base + s) * G_PAD + rows, cache_modifier=CACHE)
