@@ -118,8 +118,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "sep": (dict(algorithms=dict(merge_in_last_program=False, topk_in_last_program=False)), ("decode",)),
     "septopk": (dict(algorithms=dict(topk_in_last_program=False)), ("decode",)),
     "sepmerge": (dict(algorithms=dict(merge_in_last_program=False)), ("decode",)),
-    # fp8 V widened before its shared-memory round trip (NOTES §6: read back a byte at a time)
-    "kv8rows": (dict(algorithms=dict(fp8_values_widened_first=True)), ("decode",)),
 }
 
 

@@ -38,7 +38,6 @@ def _configs() -> dict[str, object]:
     return {
         "persistent_decode+block_grouped_prefill": base,
         "shared_persistent_decode+block_grouped_prefill": override(base, decode_attention_fp8=None),
-        "values_widened_first": override(base, algorithms=dict(fp8_values_widened_first=True)),
         "grid_decode+token_tile_prefill": override(base, algorithms=dict(decode_attention_flat=False),
                                                    decode_attention_fp8=None, prefill_attention=None),
         "branching_decode+union_prefill": override(base, prefill_attention=None, decode_attention_fp8=None,
@@ -52,8 +51,6 @@ def _configs() -> dict[str, object]:
     ("persistent_decode+block_grouped_prefill", "float16", "head", "HND"),
     ("persistent_decode+block_grouped_prefill", "float32", "tensor", "NHD"),
     ("shared_persistent_decode+block_grouped_prefill", "float16", "tensor", "NHD"),
-    ("values_widened_first", "float16", "head", "HND"),
-    ("values_widened_first", "float32", "tensor", "NHD"),
     ("grid_decode+token_tile_prefill", "float32", "tensor", "NHD"),
     ("branching_decode+union_prefill", "float16", "head", "NHD"),
 ])

@@ -35,7 +35,6 @@ AMD_LAUNCH = LaunchConfig(
     algorithms=Algorithms(decode_attention_flat=False, decode_attention_branchless=True, merge_per_row=None,
                           topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=False,
                           fast_launch=False, merge_in_last_program=False,
-                          topk_in_last_program=False,
-                          fp8_values_widened_first=False),
+                          topk_in_last_program=False),
     numerics=Numerics(fp8_as_f16=False, nan_in_max=False, kv_fp8_as_f16=False, kv_fp8_as_f16_prefill=False),
     launch_options=(("waves_per_eu", 2),))

@@ -50,9 +50,6 @@ class Algorithms:
     #: the decode indexer's last score program of a request selects its top-k (:mod:`.arrivals`)
     #: instead of a top-k launch (needs ``topk_sort``)
     topk_in_last_program: bool
-    #: (persistent decode attention, fp8 K/V) V widened before it crosses shared memory for its dot
-    #: (:func:`.tiles.widened_rows`) instead of as fp8 bytes read back one at a time
-    fp8_values_widened_first: bool
 
 
 @dataclass(frozen=True)

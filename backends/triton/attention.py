@@ -51,8 +51,7 @@ from mm3.contract import SparseAttentionParams
 from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .plans import decode_attention_plan
-from .tiles import (load_query_rows, score_scale, softmax_weights, store_item, store_rows, token_rows,
-                    widened_rows)
+from .tiles import load_query_rows, score_scale, softmax_weights, store_item, store_rows, token_rows
 from .arrivals import arrival_counters
 from .tl_utils import (arrive_last, dot_config, kv_scale, kv_scale_args, launch_options, load_page,
                        pdl_prologue)
@@ -102,9 +101,8 @@ def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_
 @triton.jit
 def _attend_block_masked(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_mask, pos, b, use,
                          qk_scale, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                         DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN_V: tl.constexpr = False):
-    """:func:`_attend_block` with the K/V loads predicated on ``use`` (scalar): no traffic when False.
-    ``WIDEN_V``: V reaches its dot widened (:func:`.tiles.widened_rows`; fp8 caches)."""
+                         DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """:func:`_attend_block` with the K/V loads predicated on ``use`` (scalar): no traffic when False."""
     offs_d = tl.arange(0, D)
     for c in tl.static_range(0, B, BN):
         offs_j = c + tl.arange(0, BN)
@@ -112,10 +110,7 @@ def _attend_block_masked(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_v
         ld = (tl.zeros([BN, D], tl.int32) + use.to(tl.int32)) > 0
         keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd, mask=ld, other=0.0)
         vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd, mask=ld, other=0.0)
-        vals = vals.to(DOT_DTYPE)
-        if WIDEN_V:
-            vals = widened_rows(vals, BN, D)
-        m_i, l_i, acc = _softmax_update(q, keys.to(DOT_DTYPE), vals, row_mask, b * B + offs_j,
+        m_i, l_i, acc = _softmax_update(q, keys.to(DOT_DTYPE), vals.to(DOT_DTYPE), row_mask, b * B + offs_j,
                                         pos, m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PREC)
     return m_i, l_i, acc
 
@@ -197,7 +192,7 @@ def _decode_attention_flat_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 3, PDL: tl.constexpr = False,
     KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False, MERGE_LAST: tl.constexpr = False,
-    S_PAD: tl.constexpr = 1, WIDEN_V: tl.constexpr = False,
+    S_PAD: tl.constexpr = 1,
 ):
     """:func:`_decode_attention_kernel`'s work, persistent: grid ``(programs,)``.
 
@@ -252,7 +247,7 @@ def _decode_attention_flat_kernel(
             q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
             s_kb, s_kd, s_vb, s_vd, row_ok & use, zero_rows + pos, blk, use,
             score_scale(qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED), undo, SCALE_Q), B, BN, D,
-            DOT_DTYPE, DOT_PREC, WIDEN_V)
+            DOT_DTYPE, DOT_PREC)
         last = row_ok & ((zero_rows + j) == KPS - 1)
         store_item(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
                    (t * num_h + h) * SPLITS + sp, acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED), m_i, l_i, last,

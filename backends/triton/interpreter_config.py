@@ -30,6 +30,5 @@ INTERPRETER_CONFIG = LaunchConfig(
     algorithms=Algorithms(decode_attention_flat=True, decode_attention_branchless=True, merge_per_row=None,
                           topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=None,
                           fast_launch=False, merge_in_last_program=True,
-                          topk_in_last_program=True,
-                          fp8_values_widened_first=False),
+                          topk_in_last_program=True),
     numerics=Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True, kv_fp8_as_f16_prefill=True))

@@ -107,7 +107,6 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
         if cfg.algorithms.decode_attention_flat:
             const["S_PAD"] = next_pow2(splits)
             const["MERGE_LAST"] = False
-            const["WIDEN_V"] = fp8_kv and cfg.algorithms.fp8_values_widened_first
         launched = const
         if merge_last:
             const = dict(const, MERGE_LAST=True)

@@ -17,8 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["token_rows", "load_rows", "load_query_rows", "score_scale", "store_rows", "softmax_weights", "store_item",
-           "widened_rows"]
+__all__ = ["token_rows", "load_rows", "load_query_rows", "score_scale", "store_rows", "softmax_weights", "store_item"]
 
 
 @triton.jit
@@ -132,18 +131,3 @@ def store_item(out_ptr, tok, head, s_t, s_h, s_d, ws_m_ptr, ws_l_ptr, ws_acc_ptr
         tl.store(ws_l_ptr + base * G_PAD + rows, l_i, mask=row_mask)
         tl.store(ws_acc_ptr + (base * G_PAD + rows)[:, None] * D + tl.arange(0, D)[None, :], acc,
                  mask=row_mask[:, None])
-
-
-@triton.jit
-def widened_rows(x, R: tl.constexpr, C: tl.constexpr):
-    """``x`` (``[R, C]``, already widened from fp8) unchanged, as a value Triton cannot re-narrow.
-
-    A dot operand whose reduction runs across ``x``'s rows (V in ``P @ V``)
-    needs a layout change through shared memory; Triton moves that change
-    above the widening, so the fp8 bytes cross shared memory and are read back
-    one byte at a time (128 ``ld.shared.b8`` per thread per 128 x 128 tile on
-    sm_90). A split and a join are not ops it moves the change through, so the
-    widened tile is what crosses: 16-bit loads, no per-byte packing.
-    """
-    a, b = tl.split(x.reshape(R, C // 2, 2))
-    return tl.join(a, b).reshape(R, C)
