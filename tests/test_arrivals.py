@@ -123,7 +123,7 @@ def test_counters_grow_but_never_move_a_buffer_in_use(monkeypatch: pytest.Monkey
     assert any(t is small for t in arrivals._KEEP)
     graph = arrivals._GRAPH_COUNTERS[dev]
     assert graph.numel() >= big.numel() and graph is not big and int(graph.sum()) == 0
-    monkeypatch.setattr(arrivals, "_capturing", lambda device: True)
+    monkeypatch.setattr(arrivals, "capturing", lambda device: True)
     assert arrivals.arrival_counters(dev, 4 * big.numel()) is None
     assert arrivals.arrival_counters(dev, 4) is big
     # a capture on a stream (here: a thread) that never ran eagerly gets the device's graph counters

@@ -45,8 +45,11 @@ NVIDIA_LAUNCH = LaunchConfig(
                           topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=None,
                           # compiled decode kernels launched directly (H200, TP8 b1 4K eager
                           # layer: 288 -> 179 us of host time; bit-exact, tests/gpu)
-                          fast_launch=True, merge_in_last_program=True,
-                          topk_in_last_program=True),
+                          fast_launch=True,
+                          # the decode merge / top-k in the last program of their group where that
+                          # pays (launch.py's rules: eager steps on small grids, whose time is the
+                          # host's, and merges of <= 4 splits)
+                          merge_in_last_program=None, topk_in_last_program=None),
     # kv_fp8_as_f16: bf16 queries on fp8 K/V dotted in fp16 in the decode kernels (H200, TP1 b64
     # 64K attention 80.8 -> 70.0 us); the prefill kernels widen to bf16 (the fp16 path measured
     # 0.92x there: 8K chunk at 32K, 3.601 -> 3.920 ms)

@@ -45,11 +45,13 @@ class Algorithms:
     #: without Triton's per-call argument binding (:mod:`.fast_launch`; decode launches)
     fast_launch: bool
     #: (persistent decode attention) the last program of a (token, KV head) to finish merges its
-    #: splits (:mod:`.arrivals`) instead of a merge launch
-    merge_in_last_program: bool
+    #: splits (:mod:`.arrivals`) instead of a merge launch; None = by the step
+    #: (``LaunchConfig.use_merge_in_last_program``)
+    merge_in_last_program: Optional[bool]
     #: the decode indexer's last score program of a request selects its top-k (:mod:`.arrivals`)
-    #: instead of a top-k launch (needs ``topk_sort``)
-    topk_in_last_program: bool
+    #: instead of a top-k launch (needs ``topk_sort``); None = by the step
+    #: (``LaunchConfig.use_topk_in_last_program``)
+    topk_in_last_program: Optional[bool]
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,11 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["arrival_counters", "MIN_COUNTERS"]
+__all__ = ["arrival_counters", "capturing", "MIN_COUNTERS"]
 
 #: counters allocated at least (int32, 64 KB): enough for 16K (token, KV head) pairs, so a
 #: graph captured after a smaller eager step rarely finds them short
@@ -70,12 +70,26 @@ def _stream_key(device: torch.device) -> tuple[torch.device, int]:
     return device, threading.get_ident()
 
 
-def _capturing(device: torch.device) -> bool:
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph (False for CPU tensors)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+_SIDE: dict[torch.device, Any] = {}
+
+
 def _zeros(device: torch.device, n: int) -> torch.Tensor:
-    t = torch.zeros(max(MIN_COUNTERS, 1 << max(0, n - 1).bit_length()), dtype=torch.int32, device=device)
+    size = max(MIN_COUNTERS, 1 << max(0, n - 1).bit_length())
+    if device.type != "cuda":
+        t = torch.zeros(size, dtype=torch.int32, device=device)
+    else:
+        # allocated on a stream of our own: torch.compile's CUDA-graph trees send the current stream's
+        # allocations of a warm-up run to the graphs' pool, where a tensor kept for good is an error
+        side = _SIDE.setdefault(device, torch.cuda.Stream(device))
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            t = torch.zeros(size, dtype=torch.int32, device=device)
+        torch.cuda.current_stream(device).wait_stream(side)
     _KEEP.append(t)
     return t
 
@@ -87,7 +101,7 @@ def arrival_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
     have = _COUNTERS.get(key)
     if have is not None and have.numel() >= n:
         return have
-    if _capturing(device):
+    if capturing(device):
         have = _GRAPH_COUNTERS.get(key[0]) if have is None else have
         return have if have is not None and have.numel() >= n else None
     with _LOCK:

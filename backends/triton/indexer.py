@@ -45,7 +45,7 @@ from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .plans import decode_index_plan
 from .tiles import load_query_rows, token_rows
-from .arrivals import arrival_counters
+from .arrivals import arrival_counters, capturing
 from .tl_utils import arrive_last, dot_config, launch_options, load_page, pdl_prologue
 
 __all__ = ["index_topk"]
@@ -431,7 +431,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         width = bt.shape[1]
         plan = decode_index_plan(cfg, nd, batch.decode_query_len, H, params.num_kv_heads, batch.num_decode_tokens,
                                  width, K, B, Di, params.init_blocks, params.local_blocks, index_q.dtype, ik.dtype,
-                                 sort_width)
+                                 sort_width, capturing(ik.device))
         fast = cfg.algorithms.fast_launch
         ws = torch.empty((nd, plan.rows, width), dtype=torch.float32, device=ik.device)
         qsl, pos = batch.query_start_loc, batch.token_positions

@@ -39,6 +39,10 @@ from .prefill_config import PrefillAttentionConfig
 __all__ = ["LaunchConfig", "next_pow2", "override"]
 
 
+#: most splits the last program of a pair merges in a CUDA graph (:meth:`LaunchConfig.use_merge_in_last_program`)
+MERGE_LAST_MAX_SPLITS = 4
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two ``>= n`` (and ``>= 1``)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
@@ -138,6 +142,49 @@ class LaunchConfig:
     def _small_grid(self, num_tokens: int, num_kv_heads: int) -> bool:
         """The (token, KV head) grid fills under a quarter of the device."""
         return 4 * num_tokens * num_kv_heads <= self.target_programs
+
+    def use_merge_in_last_program(self, num_tokens: int, num_kv_heads: int, splits: int, capturing: bool) -> bool:
+        """The flash-decoding merge done by the last split of each pair (``algorithms.merge_in_last_program``;
+        None = this rule): with at most :data:`MERGE_LAST_MAX_SPLITS` splits, and on every eager step of
+        a small grid.
+
+        Measured on the H200 (64K context, CUDA graphs): TP8 b64 (4 splits) step 279.5 -> 274.8 us;
+        TP1 b1 (16 splits: one program reads 16 partials) attention 6.6 -> 10.1 us. Eagerly a launch
+        costs ~20 us of host time (TP8 b1 4K layer 168 -> 128 us with the top-k's launch gone too),
+        more than that loss, on the small grids whose steps wait on the host.
+
+        Example:
+            >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
+            >>> cfg = NVIDIA_LAUNCH.for_device_sms(132)
+            >>> [cfg.use_merge_in_last_program(1, 4, 16, capturing=c) for c in (True, False)]
+            [False, True]
+            >>> cfg.use_merge_in_last_program(64, 1, 4, capturing=True)
+            True
+        """
+        if self.algorithms.merge_in_last_program is not None:
+            return self.algorithms.merge_in_last_program
+        return splits <= MERGE_LAST_MAX_SPLITS or (not capturing and self._small_grid(num_tokens, num_kv_heads))
+
+    def use_topk_in_last_program(self, num_tokens: int, num_kv_heads: int, capturing: bool) -> bool:
+        """The decode top-k done by each request's last score program (``algorithms.topk_in_last_program``;
+        None = this rule): on eager steps of a small grid only.
+
+        Measured on the H200 (64K context, CUDA graphs), the indexer: TP1 b1 10.4 -> 15.1 us (one
+        program sorts the request's 4 rows), TP1 b64 252.9 -> 259.4 us, TP8 b64 251.2 -> 249.9 us.
+        It pays only where the host is the bound: an eager step of a small grid, where a launch
+        costs ~20 us of host time.
+
+        Example:
+            >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
+            >>> cfg = NVIDIA_LAUNCH.for_device_sms(132)
+            >>> [cfg.use_topk_in_last_program(1, 4, capturing=c) for c in (True, False)]
+            [False, True]
+            >>> cfg.use_topk_in_last_program(64, 4, capturing=False)
+            False
+        """
+        if self.algorithms.topk_in_last_program is not None:
+            return self.algorithms.topk_in_last_program
+        return not capturing and self._small_grid(num_tokens, num_kv_heads)
 
     def decode_attention_for(self, fp8_kv: bool) -> DecodeAttentionConfig:
         """The decode attention's config for a bf16/fp16/fp32 (``fp8_kv=False``) or an fp8 K/V cache."""

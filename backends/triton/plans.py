@@ -79,8 +79,10 @@ class DecodeAttentionPlan(NamedTuple):
 
 
 def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, B: int, D: int,
-                          q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_scaled: bool) -> DecodeAttentionPlan:
-    """The launches of ``td`` decode tokens' attention (see :func:`.attention.attention_forward`)."""
+                          q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_scaled: bool,
+                          capturing: bool = False) -> DecodeAttentionPlan:
+    """The launches of ``td`` decode tokens' attention (see :func:`.attention.attention_forward`);
+    ``capturing``: for a CUDA graph being captured."""
     def make() -> DecodeAttentionPlan:
         dot_dtype, dot_prec, scale_q = dot_config(q_dtype, kv_dtype, cfg.numerics.kv_fp8_as_f16)
         fp8_kv = kv_dtype == torch.float8_e4m3fn
@@ -103,7 +105,8 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
             kernel, grid, flat = "_decode_attention_kernel", (td, Hkv, splits), ()
             const["BRANCHLESS"] = cfg.algorithms.decode_attention_branchless
         merge, mgrid, mconst, mopts = "", (), {}, {}
-        merge_last = splits > 1 and cfg.algorithms.decode_attention_flat and cfg.algorithms.merge_in_last_program
+        merge_last = (splits > 1 and cfg.algorithms.decode_attention_flat
+                      and cfg.use_merge_in_last_program(td, Hkv, splits, capturing))
         if cfg.algorithms.decode_attention_flat:
             const["S_PAD"] = next_pow2(splits)
             const["MERGE_LAST"] = False
@@ -119,7 +122,7 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
         return DecodeAttentionPlan(kernel, grid, flat, splits, g_pad, const, opts, merge, mgrid, mconst, mopts,
                                    merge_last, launched)
 
-    return _cached(cfg, ("attention", td, Hkv, G, K, B, D, q_dtype, kv_dtype, kv_scaled), make)
+    return _cached(cfg, ("attention", td, Hkv, G, K, B, D, q_dtype, kv_dtype, kv_scaled, capturing), make)
 
 
 class DecodeIndexPlan(NamedTuple):
@@ -140,8 +143,10 @@ class DecodeIndexPlan(NamedTuple):
 
 def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_decode_tokens: int, width: int,
                       K: int, B: int, Di: int, init: int, local: int, q_dtype: torch.dtype,
-                      index_dtype: torch.dtype, sort_width: Callable[[int], int]) -> DecodeIndexPlan:
-    """The launches of ``nd`` decode requests' indexer (see :func:`.indexer.index_topk`)."""
+                      index_dtype: torch.dtype, sort_width: Callable[[int], int],
+                      capturing: bool = False) -> DecodeIndexPlan:
+    """The launches of ``nd`` decode requests' indexer (see :func:`.indexer.index_topk`);
+    ``capturing``: for a CUDA graph being captured."""
     def make() -> DecodeIndexPlan:
         dot_dtype, dot_prec, scale_q = dot_config(q_dtype, index_dtype, cfg.numerics.fp8_as_f16)
         common = dict(B=B, DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
@@ -155,7 +160,7 @@ def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_
         nb_pad = max(next_pow2(width), k_pad)
         score = dict(ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.algorithms.index_keys_as_a,
                      BN=min(B, dic.block_n), PDL=pdl, **common)
-        topk_last = cfg.algorithms.topk_in_last_program and cfg.algorithms.topk_sort
+        topk_last = cfg.algorithms.topk_sort and cfg.use_topk_in_last_program(num_decode_tokens, Hkv, capturing)
         # rows selected together by the last program: at most TOPK_LAST_KEYS packed keys held at once
         r_tk = max(1, min(next_pow2(rows), TOPK_LAST_KEYS // nb_pad))
         score.update(TOPK_LAST=False, K=K, K_PAD=k_pad, NB_PAD=nb_pad, INIT=init, LOCAL=local, R_TK=r_tk,
@@ -171,4 +176,4 @@ def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_
             rows, topk_last, score)
 
     return _cached(cfg, ("index", nd, Q, H, Hkv, num_decode_tokens, width, K, B, Di, init, local, q_dtype,
-                         index_dtype), make)
+                         index_dtype, capturing), make)

@@ -7,13 +7,13 @@ Run on a CUDA machine (skips elsewhere)::
 The ``cuda`` plugin's hooks are built twice from its platform, with the top-k
 and the merge in the last program (the default) and as launches of their own.
 On fresh random inputs of several shape classes (TP1 batch 1 at 64K, where the
-last program sorts 4 rows of 512 blocks at once; TP8 at 1M, one row of 8192;
+last program sorts 4 rows of 512 blocks at once; TP8 at 256K, one row of 2048;
 batch 64; draft tokens with a chunked prefill; fp8 index and K/V), both write
 the same top-k rows and the same output bits, twice in a row (the second
 launch starts from the counters the first left), the counters are all zero
 after, and the rows pass the fp64 reference. A decode step captured in a CUDA
 graph (on torch's capture stream, after an eager step on the current one) uses
-the fused path and, replayed 20 times on new inputs, equals the separate
+the fused path and, replayed 6 times on new inputs, equals the separate
 launches' eager step each time.
 """
 
@@ -37,7 +37,7 @@ TP8 = mm3.SparseAttentionParams.minimax_m3(tp_size=8)
 CASES = {
     "tp1_b1_64k": (TP1, dict(decodes=[65536 - 77])),
     "tp1_q4_b2": (TP1, dict(decodes=[20000, 3000], decode_query_len=4)),
-    "tp8_b1_1m": (TP8, dict(decodes=[1 << 20])),
+    "tp8_b1_256k": (TP8, dict(decodes=[1 << 18])),
     "tp8_b64": (TP8, dict(decodes=[700 + 37 * i for i in range(64)])),
     "tp8_mixed_spec": (TP8, dict(decodes=[900, 300, 2000], prefills=[(200, 1500), (7, 7)], decode_query_len=2,
                                  padding_decodes=1)),
@@ -123,7 +123,7 @@ def test_graph_capture_uses_the_last_program_and_replays_right(monkeypatch: pyte
     with torch.cuda.graph(graph):               # torch's own capture stream
         _step(fused, p, case, topk, out)
     assert len(handed) == 2 and all(c is not None for c in handed), "the capture fell back to separate launches"
-    for seed in range(4, 24):
+    for seed in range(4, 10):
         new = make_case(p, device="cuda", seed=seed, **shape)   # new data and pages, same shapes
         case.batch.update_(new.batch)
         for mine, theirs in ((case.q, new.q), (case.index_q, new.index_q), (case.caches.k, new.caches.k),
