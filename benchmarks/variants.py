@@ -113,11 +113,13 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # (A 2-stage tile loop spilled 24-48 B: not timed.)
     "run128": (dict(prefill_attention=PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1)), ("prefill",)),
     "run4": (dict(prefill_attention=PrefillAttentionConfig(run_tiles=4)), ("prefill",)),
-    # session 2026-12-03 (5): the decode top-k and merge as launches of their own (the defaults before
-    # they moved into the last program of their group, backends/triton/arrivals.py)
-    "sep": (dict(algorithms=dict(merge_in_last_program=False, topk_in_last_program=False)), ("decode",)),
-    "septopk": (dict(algorithms=dict(topk_in_last_program=False)), ("decode",)),
-    "sepmerge": (dict(algorithms=dict(merge_in_last_program=False)), ("decode",)),
+    # session 2026-12-03 (5): the decode top-k and merge in the last program of their group
+    # (backends/triton/arrivals.py): by launch.py's rules (eager steps on small grids, merges of <= 4
+    # splits), always, or one of them always (NOTES §9)
+    "last": (dict(algorithms=dict(merge_in_last_program=None, topk_in_last_program=None)), ("decode",)),
+    "lastall": (dict(algorithms=dict(merge_in_last_program=True, topk_in_last_program=True)), ("decode",)),
+    "lasttopk": (dict(algorithms=dict(topk_in_last_program=True)), ("decode",)),
+    "lastmerge": (dict(algorithms=dict(merge_in_last_program=True)), ("decode",)),
 }
 
 

@@ -75,21 +75,31 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-_SIDE: dict[torch.device, Any] = {}
-
-
 def _zeros(device: torch.device, n: int) -> torch.Tensor:
     size = max(MIN_COUNTERS, 1 << max(0, n - 1).bit_length())
     if device.type != "cuda":
         t = torch.zeros(size, dtype=torch.int32, device=device)
     else:
-        # allocated on a stream of our own: torch.compile's CUDA-graph trees send the current stream's
-        # allocations of a warm-up run to the graphs' pool, where a tensor kept for good is an error
-        side = _SIDE.setdefault(device, torch.cuda.Stream(device))
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            t = torch.zeros(size, dtype=torch.int32, device=device)
-        torch.cuda.current_stream(device).wait_stream(side)
+        # allocated and zeroed by a thread of our own, which then waits for the zeros: torch.compile's
+        # CUDA-graph trees send every allocation of the *calling thread* during a warm-up run to the
+        # graphs' pool, where a tensor kept for good is an error (seen on the H200 with a stream of
+        # our own instead, which the pool's routing does not look at)
+        box: list[Any] = []
+
+        def alloc() -> None:
+            try:
+                with torch.cuda.device(device):
+                    z = torch.zeros(size, dtype=torch.int32, device=device)
+                    torch.cuda.current_stream(device).synchronize()
+                box.append(z)
+            except BaseException as e:  # re-raised in the caller's thread
+                box.append(e)
+        worker = threading.Thread(target=alloc, name="mm3-arrival-counters")
+        worker.start()
+        worker.join()
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        t = box[0]
     _KEEP.append(t)
     return t
 

@@ -2,9 +2,10 @@
 
 Few programs, because each is simulated in Python, but more than one split
 so the flash-decoding merge runs in CI too; 16-key inner tiles so the tiny
-test blocks still take several. Every other value is the cuda plugin's, so
-the interpreter runs the kernel variants the H200 runs (the opt-in fp8 K/V
-decode kernel has tests of its own that select it).
+test blocks still take several; the decode top-k and merge in the last
+program of their group (``Algorithms``; opt-in on the GPU), so CI runs them.
+Every other value is the cuda plugin's, so the interpreter runs the kernel
+variants the H200 runs.
 """
 
 from __future__ import annotations

@@ -155,7 +155,8 @@ class LaunchConfig:
 
         Example:
             >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
-            >>> cfg = NVIDIA_LAUNCH.for_device_sms(132)
+            >>> rule = dict(merge_in_last_program=None, topk_in_last_program=None)
+            >>> cfg = override(NVIDIA_LAUNCH.for_device_sms(132), algorithms=rule)
             >>> [cfg.use_merge_in_last_program(1, 4, 16, capturing=c) for c in (True, False)]
             [False, True]
             >>> cfg.use_merge_in_last_program(64, 1, 4, capturing=True)
@@ -176,7 +177,8 @@ class LaunchConfig:
 
         Example:
             >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
-            >>> cfg = NVIDIA_LAUNCH.for_device_sms(132)
+            >>> rule = dict(merge_in_last_program=None, topk_in_last_program=None)
+            >>> cfg = override(NVIDIA_LAUNCH.for_device_sms(132), algorithms=rule)
             >>> [cfg.use_topk_in_last_program(1, 4, capturing=c) for c in (True, False)]
             [False, True]
             >>> cfg.use_topk_in_last_program(64, 4, capturing=False)

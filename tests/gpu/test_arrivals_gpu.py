@@ -5,7 +5,8 @@ Run on a CUDA machine (skips elsewhere)::
     pytest tests/gpu/test_arrivals_gpu.py -s -q
 
 The ``cuda`` plugin's hooks are built twice from its platform, with the top-k
-and the merge in the last program (the default) and as launches of their own.
+and the merge in the last program and as launches of their own (the merge
+kernel per KV head, the code the last program runs).
 On fresh random inputs of several shape classes (TP1 batch 1 at 64K, where the
 last program sorts 4 rows of 512 blocks at once; TP8 at 256K, one row of 2048;
 batch 64; draft tokens with a chunked prefill; fp8 index and K/V), both write
@@ -50,7 +51,9 @@ def _hooks(last: bool):  # noqa: ANN202 - the plugin's hook tuple
     from mm3_backends.triton.launch import override
     from mm3_backends.triton.plugin_factory import make_hookimpls
 
-    algos = dict(merge_in_last_program=last, topk_in_last_program=last)
+    # the separate merge as the per-KV-head kernel, whose code the last program runs (the per-row
+    # kernel small grids take sums the splits in another order: not the same bits)
+    algos = dict(merge_in_last_program=last, topk_in_last_program=last, merge_per_row=False)
     return make_hookimpls(replace(PLATFORM, launch=override(PLATFORM.launch, algorithms=algos)))
 
 
