@@ -1,10 +1,11 @@
 """Arrival counters: how the last program of a group learns that it is last, and finishes the group's work.
 
-A decode step used to be four launches: the indexer's scores, its top-k, the
+A decode step is four launches: the indexer's scores, its top-k, the
 attention's splits and their merge. The top-k of a request needs every score
 program of that request, and the merge of a (token, KV head) every split of
 it, but nothing else: so instead of a launch of its own, the *last* program of
-the group to finish does it. Each program stores its part, then adds one to
+the group to finish can do it (``Algorithms.topk_in_last_program``,
+``merge_in_last_program``; where it pays: ``LaunchConfig``'s rules). Each program stores its part, then adds one to
 its group's counter (a release/acquire atomic at GPU scope, after a barrier of
 the program so all of its threads' stores come before it); the program that
 sees ``arrivals - 1`` reads the others' parts (bypassing the L1 cache, which
@@ -16,7 +17,8 @@ CUDA graph.
 
 Counters are kept per device *and stream* (per thread for CPU tensors under
 the interpreter): two launches that run at once must not count into the same
-slots. They are allocated outside CUDA graph captures only (zeroing one during
+slots. They are allocated (by a thread of their own, on a GPU: see
+``_zeros``) outside CUDA graph captures only (zeroing one during
 a capture would only happen when the graph replays), and never freed or moved
 while the process runs: a captured graph keeps their address. A capture uses
 its stream's counters if that stream ran a decode step eagerly before, else
