@@ -132,3 +132,14 @@ def test_counters_grow_but_never_move_a_buffer_in_use(monkeypatch: pytest.Monkey
     thread.start()
     thread.join()
     assert got[0] is graph
+
+
+def test_gpu_counters_are_made_by_a_thread_of_their_own() -> None:
+    """On a GPU the counters come from another thread (graph trees pool the calling thread's
+    allocations), whose result comes back and whose error is raised in the caller."""
+    from mm3_backends.triton import arrivals
+
+    me = threading.get_ident()
+    assert arrivals._in_own_thread(threading.get_ident) != me
+    with pytest.raises(ValueError, match="boom"):
+        arrivals._in_own_thread(lambda: (_ for _ in ()).throw(ValueError("boom")))

@@ -40,7 +40,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -77,6 +77,24 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _in_own_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run by a new thread (its result, or its exception raised here)."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box.append((False, e))
+    worker = threading.Thread(target=run, name="mm3-arrival-counters")
+    worker.start()
+    worker.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
 def _zeros(device: torch.device, n: int) -> torch.Tensor:
     size = max(MIN_COUNTERS, 1 << max(0, n - 1).bit_length())
     if device.type != "cuda":
@@ -86,22 +104,12 @@ def _zeros(device: torch.device, n: int) -> torch.Tensor:
         # CUDA-graph trees send every allocation of the *calling thread* during a warm-up run to the
         # graphs' pool, where a tensor kept for good is an error (seen on the H200 with a stream of
         # our own instead, which the pool's routing does not look at)
-        box: list[Any] = []
-
-        def alloc() -> None:
-            try:
-                with torch.cuda.device(device):
-                    z = torch.zeros(size, dtype=torch.int32, device=device)
-                    torch.cuda.current_stream(device).synchronize()
-                box.append(z)
-            except BaseException as e:  # re-raised in the caller's thread
-                box.append(e)
-        worker = threading.Thread(target=alloc, name="mm3-arrival-counters")
-        worker.start()
-        worker.join()
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        t = box[0]
+        def alloc() -> torch.Tensor:
+            with torch.cuda.device(device):
+                z = torch.zeros(size, dtype=torch.int32, device=device)
+                torch.cuda.current_stream(device).synchronize()
+            return z
+        t = _in_own_thread(alloc)
     _KEEP.append(t)
     return t
 
