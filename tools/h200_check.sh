@@ -5,6 +5,7 @@
 # soak, the engine loop. Phase 2 (timings, one at a time on a quiet GPU): the fp8-K/V
 # and prefill bench rows, the first-step cost, the host overhead. Each part has its
 # own time cap so one slow part cannot starve the others; logs go to $OUT.
+# Failures are named as they happen in gpu_failures.txt (a run cut by its cap still says which).
 # Knobs (environment):
 #   PHASES="1" or "2"    one phase only (a full soak needs most of a call by itself:
 #                        about 10,000 steps in 340 s next to the GPU tests)
@@ -23,14 +24,17 @@ BENCH_VARIANTS=${BENCH_VARIANTS:-""}
 cap() { local s=$1; shift; timeout "$s" "$@"; echo "[exit $? after cap ${s}s] $*"; }
 
 if [[ $PHASES == *1* ]]; then
-cap ${TESTS_CAP:-380} python3 -m pytest $TESTS -q -n 4 -p no:cacheprovider --durations=25 > "$OUT/gpu_tests.txt" 2>&1 &
+# -v names each failure as it happens (gpu_failures.txt), so a run cut by its cap still says which
+( cap ${TESTS_CAP:-380} python3 -m pytest $TESTS -v -n 4 -p no:cacheprovider --durations=25 2>&1 \
+    | tee "$OUT/gpu_tests.txt" | grep -E --line-buffered "FAILED|ERROR|exit 124" > "$OUT/gpu_failures.txt" ) &
 if (( SOAK_BUDGET > 0 )); then
 cap $((SOAK_BUDGET + 30)) python3 -m mm3_benchmarks.soak --device cuda --backend cuda --steps 10000 --budget-s "$SOAK_BUDGET" \
     > "$OUT/soak.txt" 2>&1 &
 fi
 cap 150 python3 examples/engine_loop.py --device cuda > "$OUT/engine_loop.txt" 2>&1 &
 wait
-tail -4 "$OUT/gpu_tests.txt"; tail -6 "$OUT/soak.txt" 2>/dev/null; tail -3 "$OUT/engine_loop.txt" 2>/dev/null
+tail -4 "$OUT/gpu_tests.txt"; head -20 "$OUT/gpu_failures.txt"; tail -6 "$OUT/soak.txt" 2>/dev/null
+tail -3 "$OUT/engine_loop.txt" 2>/dev/null
 fi
 [[ $PHASES == *2* ]] || exit 0
 
