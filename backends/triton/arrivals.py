@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["arrival_counters", "capturing", "MIN_COUNTERS"]
+__all__ = ["arrival_counters", "capturing", "capture_matters", "MIN_COUNTERS"]
 
 #: counters allocated at least (int32, 64 KB): enough for 16K (token, KV head) pairs, so a
 #: graph captured after a smaller eager step rarely finds them short
@@ -75,6 +75,13 @@ def _stream_key(device: torch.device) -> tuple[torch.device, int]:
 def capturing(device: torch.device) -> bool:
     """Whether the current stream of ``device`` is capturing a CUDA graph (False for CPU tensors)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def capture_matters(rule: Optional[bool], device: torch.device) -> bool:
+    """What a plan needs to know of a capture for an ``Algorithms`` choice ``rule``: whether one is
+    under way, if the choice is left to ``LaunchConfig``'s rules (None); else never (False), so a
+    fixed choice pays no capture query per step."""
+    return rule is None and capturing(device)
 
 
 def _in_own_thread(fn: Callable[[], Any]) -> Any:

@@ -52,7 +52,7 @@ from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .plans import decode_attention_plan
 from .tiles import load_query_rows, score_scale, softmax_weights, store_item, store_rows, token_rows
-from .arrivals import arrival_counters, capturing
+from .arrivals import arrival_counters, capture_matters
 from .tl_utils import (arrive_last, dot_config, kv_scale, kv_scale_args, launch_options, load_page,
                        pdl_prologue)
 
@@ -398,7 +398,8 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     npf = batch.num_prefills
     td = batch.num_decode_tokens
     if td > 0:
-        plan = decode_attention_plan(cfg, td, Hkv, G, K, B, D, q.dtype, k.dtype, kv_scaled, capturing(q.device))
+        plan = decode_attention_plan(cfg, td, Hkv, G, K, B, D, q.dtype, k.dtype, kv_scaled,
+                                     capture_matters(cfg.algorithms.merge_in_last_program, q.device))
         fast = cfg.algorithms.fast_launch
         splits, g_pad = plan.splits, plan.g_pad
         if splits > 1:   # [td, Hkv, splits, g_pad] maxima and sums, [..., D] accumulators: one allocation

@@ -45,7 +45,7 @@ from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .plans import decode_index_plan
 from .tiles import load_query_rows, token_rows
-from .arrivals import arrival_counters, capturing
+from .arrivals import arrival_counters, capture_matters
 from .tl_utils import arrive_last, dot_config, launch_options, load_page, pdl_prologue
 
 __all__ = ["index_topk"]
@@ -233,29 +233,28 @@ def _decode_topk_kernel(
     pdl_prologue(PDL)
     r = tl.program_id(0)
     row = tl.program_id(1)
-    qi = row // H
-    hh = row % H
-    start = tl.load(qsl_ptr + r)
-    qlen = tl.load(qsl_ptr + r + 1) - start
     if SORT:   # one bitonic top-k over packed (score, -id) keys
         _select_rows(ws_ptr + r * s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, r, row,
                      row + 1, B, K, K_PAD, NB_PAD, INIT, LOCAL, 1, "")
-    elif qi < qlen:
-        tok = start + qi
-        pos = tl.load(pos_ptr + tok)
-        slots = tl.arange(0, K_PAD)
-        result = tl.full([K_PAD], -1, tl.int32)
-        if pos >= 0:
-            blocks, avail, S = _forced_row_scores(ws_ptr + r * s_ws_r + row * s_ws_row, pos,
-                                                  B, NB_PAD, INIT, LOCAL)
-            # K rounds of arg-max; availability is a mask, so a legitimate -inf score still counts
-            for i in tl.range(0, K):
-                cand = tl.where(avail, S, float("-inf"))
-                best = tl.max(cand, axis=0)
-                idx = tl.min(tl.where(avail & (cand == best), blocks, NB_PAD), axis=0)
-                result = tl.where((slots == i) & (idx < NB_PAD), idx, result)
-                avail = avail & (blocks != idx)
-        tl.store(out_ptr + hh * s_out_h + tok * s_out_t + slots * s_out_k, result, mask=slots < K)
+    else:
+        qi = row // H
+        start = tl.load(qsl_ptr + r)
+        if qi < tl.load(qsl_ptr + r + 1) - start:
+            tok = start + qi
+            pos = tl.load(pos_ptr + tok)
+            slots = tl.arange(0, K_PAD)
+            result = tl.full([K_PAD], -1, tl.int32)
+            if pos >= 0:
+                blocks, avail, S = _forced_row_scores(ws_ptr + r * s_ws_r + row * s_ws_row, pos,
+                                                      B, NB_PAD, INIT, LOCAL)
+                # K rounds of arg-max; availability is a mask, so a legitimate -inf score still counts
+                for i in tl.range(0, K):
+                    cand = tl.where(avail, S, float("-inf"))
+                    best = tl.max(cand, axis=0)
+                    idx = tl.min(tl.where(avail & (cand == best), blocks, NB_PAD), axis=0)
+                    result = tl.where((slots == i) & (idx < NB_PAD), idx, result)
+                    avail = avail & (blocks != idx)
+            tl.store(out_ptr + (row % H) * s_out_h + tok * s_out_t + slots * s_out_k, result, mask=slots < K)
 
 
 @triton.jit
@@ -431,7 +430,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         width = bt.shape[1]
         plan = decode_index_plan(cfg, nd, batch.decode_query_len, H, params.num_kv_heads, batch.num_decode_tokens,
                                  width, K, B, Di, params.init_blocks, params.local_blocks, index_q.dtype, ik.dtype,
-                                 sort_width, capturing(ik.device))
+                                 sort_width, capture_matters(cfg.algorithms.topk_in_last_program, ik.device))
         fast = cfg.algorithms.fast_launch
         ws = torch.empty((nd, plan.rows, width), dtype=torch.float32, device=ik.device)
         qsl, pos = batch.query_start_loc, batch.token_positions

@@ -10,7 +10,7 @@ oracle, they share no code with any backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -20,7 +20,10 @@ from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import make_case
 
 __all__ = ["GpuCase", "build_case", "block_scores", "selection_errors", "attention_reference",
-           "sample_tokens"]
+           "sample_tokens", "run_hooks_step", "assert_step_right", "POISON_TOPK"]
+
+#: what :func:`run_hooks_step` fills the top-k buffer with first (a row left so was not written)
+POISON_TOPK = -7
 
 FORCED_INIT, FORCED_LOCAL, NAN_SCORE = 1e30, 1e29, -1e30
 
@@ -212,3 +215,33 @@ def attention_reference(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
                 res[h * G:(h + 1) * G] = w @ vals
         out[t] = res
     return out
+
+
+def run_hooks_step(hooks: Any, params: SparseAttentionParams, case: Any, topk: TopkBuffer,
+                   out: torch.Tensor) -> None:
+    """A plugin's two hooks on ``case``'s step, into a poisoned top-k buffer and output (rows past
+    the step's tokens stay poisoned)."""
+    T = case.batch.num_tokens
+    topk.fill_(POISON_TOPK)
+    out.fill_(float("nan"))
+    rows = topk.rows(0, T)
+    hooks.index_topk(index_q=case.index_q, caches=case.caches, batch=case.batch, params=params, out=rows)
+    hooks.attention_forward(q=case.q, caches=case.caches, topk=rows, batch=case.batch, params=params, out=out[:T])
+
+
+def assert_step_right(case: Any, params: SparseAttentionParams, topk_storage: torch.Tensor, out: torch.Tensor,
+                      name: str, layout: str = "token_major", tol: float = 2e-2) -> None:
+    """A :func:`run_hooks_step` result against the fp64 references, on every decode token and a
+    spread of prefill tokens: the selection, the attention within ``tol``, and the rows past the
+    step's tokens untouched."""
+    T = case.batch.num_tokens
+    sel = TopkBuffer(topk_storage, layout).rows(0, T)
+    toks = sample_tokens(case.batch)
+    errors = selection_errors(sel, block_scores(case.index_q, case.caches, case.batch, params, toks), params)
+    assert not errors, f"{name}: " + "\n".join(errors[:5])
+    ref = attention_reference(case.q, case.caches, sel, case.batch, params, toks)
+    err = max((out[t].double() - ref[t]).abs().max().item() for t in toks)
+    assert err <= tol, f"{name}: {err} from the fp64 reference"
+    assert torch.isnan(out[T:]).all(), f"{name}: output rows past the step's tokens were written"
+    assert (TopkBuffer(topk_storage, layout).head_major()[:, T:] == POISON_TOPK).all(), \
+        f"{name}: top-k rows past the step's tokens were written"

@@ -26,7 +26,7 @@ import torch
 import mm3
 from mm3.testing.factories import make_case
 
-from gpu_reference import attention_reference, block_scores, sample_tokens, selection_errors
+from gpu_reference import assert_step_right, run_hooks_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -49,15 +49,6 @@ def _hooks(fast: bool):  # noqa: ANN202 - the plugin's hook tuple
     return make_hookimpls(replace(PLATFORM, launch=override(PLATFORM.launch, algorithms=dict(fast_launch=fast))))
 
 
-def _step(hooks, case, topk: mm3.TopkBuffer, out: torch.Tensor) -> None:  # noqa: ANN001
-    T = case.batch.num_tokens
-    topk.fill_(-7)
-    out.fill_(float("nan"))
-    rows = topk.rows(0, T)
-    hooks.index_topk(index_q=case.index_q, caches=case.caches, batch=case.batch, params=P, out=rows)
-    hooks.attention_forward(q=case.q, caches=case.caches, topk=rows, batch=case.batch, params=P, out=out[:T])
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fast_launch_writes_the_same_bits_as_tritons_launch(name: str) -> None:
     from mm3_backends.triton import fast_launch
@@ -71,20 +62,12 @@ def test_fast_launch_writes_the_same_bits_as_tritons_launch(name: str) -> None:
         for hooks in (plain, fast):
             topk = mm3.TopkBuffer.allocate(T + 5, P.num_kv_heads, P.topk, layout="token_major", device="cuda")
             out = torch.empty(T + 3, P.num_heads, P.head_dim, dtype=case.q.dtype, device="cuda")
-            _step(hooks, case, topk, out)
+            run_hooks_step(hooks, P, case, topk, out)
             torch.cuda.synchronize()
             got.append((topk.storage.clone(), out.clone()))
         assert torch.equal(got[0][0], got[1][0]), f"{name}: top-k rows differ"
         assert torch.equal(got[0][1].view(torch.int16), got[1][1].view(torch.int16)), f"{name}: outputs differ"
-        # and right: the fp64 reference on every decode token and a spread of prefill tokens
-        sel = mm3.TopkBuffer(got[1][0], "token_major").rows(0, T)
-        toks = sample_tokens(case.batch)
-        errors = selection_errors(sel, block_scores(case.index_q, case.caches, case.batch, P, toks), P)
-        assert not errors, "\n".join(errors[:5])
-        ref = attention_reference(case.q, case.caches, sel, case.batch, P, toks)
-        err = max((got[1][1][t].double() - ref[t]).abs().max().item() for t in toks)
-        assert err <= 2e-2, f"{name}: {err} from the fp64 reference"
-        assert torch.isnan(got[1][1][T:]).all() and (got[1][0][T:] == -7).all()   # rows past T untouched
+        assert_step_right(case, P, got[1][0], got[1][1], name)   # and right
     assert fast_launch._DEFAULT.stats()["direct"] > before, "no launch went the direct way"
 
 
@@ -94,12 +77,12 @@ def test_fast_launch_inside_cuda_graph_capture() -> None:
     T = case.batch.num_tokens
     topk = mm3.TopkBuffer.allocate(T, P.num_kv_heads, P.topk, layout="token_major", device="cuda")
     out = torch.empty_like(case.q)
-    _step(fast, case, topk, out)            # the Triton launches of the class, outside capture
-    _step(fast, case, topk, out)
+    run_hooks_step(fast, P, case, topk, out)   # the Triton launches of the class, outside capture
+    run_hooks_step(fast, P, case, topk, out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _step(fast, case, topk, out)
+        run_hooks_step(fast, P, case, topk, out)
     new = make_case(P, device="cuda", seed=4, decodes=[4000, 1000])   # new data and pages, same shapes
     case.batch.update_(new.batch)
     for mine, theirs in ((case.q, new.q), (case.index_q, new.index_q), (case.caches.k, new.caches.k),
@@ -109,7 +92,7 @@ def test_fast_launch_inside_cuda_graph_capture() -> None:
     torch.cuda.synchronize()
     ref_topk = mm3.TopkBuffer.allocate(T, P.num_kv_heads, P.topk, layout="token_major", device="cuda")
     ref_out = torch.empty_like(out)
-    _step(plain, new, ref_topk, ref_out)
+    run_hooks_step(plain, P, new, ref_topk, ref_out)
     torch.cuda.synchronize()
     assert torch.equal(topk.storage, ref_topk.storage)
     assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16))
