@@ -116,7 +116,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # session 2026-12-03 (5): the decode top-k and merge in the last program of their group
     # (backends/triton/arrivals.py): by launch.py's rules (eager steps on small grids, merges of <= 4
     # splits), always, or one of them always (NOTES §9)
-    "last": (dict(algorithms=dict(merge_in_last_program=None, topk_in_last_program=None)), ("decode",)),
+    "sep": (dict(algorithms=dict(merge_in_last_program=False, topk_in_last_program=False)), ("decode",)),
     "lastall": (dict(algorithms=dict(merge_in_last_program=True, topk_in_last_program=True)), ("decode",)),
     "lasttopk": (dict(algorithms=dict(topk_in_last_program=True)), ("decode",)),
     "lastmerge": (dict(algorithms=dict(merge_in_last_program=True)), ("decode",)),

@@ -46,11 +46,10 @@ NVIDIA_LAUNCH = LaunchConfig(
                           # compiled decode kernels launched directly (H200, TP8 b1 4K eager
                           # layer: 288 -> 179 us of host time; bit-exact, tests/gpu)
                           fast_launch=True,
-                          # the decode merge / top-k in the last program of their group: off until the
-                          # GPU suite and the compiled engine loop pass with it (None = launch.py's
-                          # rules, measured on the H200: eager TP8 b1 layer 120 -> 96 us of host time,
-                          # TP8 b64 graph step 279.6 -> 276.2 us; benchmarks/NOTES.md §9)
-                          merge_in_last_program=False, topk_in_last_program=False),
+                          # the decode merge / top-k in the last program of their group by launch.py's
+                          # rules (H200: eager TP8 b1 layer 120 -> 96 us of host time, TP8 b64 graph
+                          # step 279.6 -> 276.2 us; benchmarks/NOTES.md §9)
+                          merge_in_last_program=None, topk_in_last_program=None),
     # kv_fp8_as_f16: bf16 queries on fp8 K/V dotted in fp16 in the decode kernels (H200, TP1 b64
     # 64K attention 80.8 -> 70.0 us); the prefill kernels widen to bf16 (the fp16 path measured
     # 0.92x there: 8K chunk at 32K, 3.601 -> 3.920 ms)
