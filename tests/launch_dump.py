@@ -104,7 +104,7 @@ def dump_launches() -> dict[str, list]:
     """scenario -> the recorded launches (dicts of plain values), in launch order."""
     from mm3_backends.cuda import plugin as cuda_plugin
     from mm3_backends.rocm import plugin as rocm_plugin
-    from mm3_backends.triton import attention, indexer, prefill_attention, tl_utils
+    from mm3_backends.triton import attention, indexer, plugin_factory, prefill_attention, tl_utils
     try:  # the plan kernels have their own module since session 2026-12-03 (4)
         from mm3_backends.triton import prefill_plan
     except ImportError:
@@ -126,6 +126,8 @@ def dump_launches() -> dict[str, list]:
                 os.environ["TRITON_INTERPRET"] = "0"
                 with contextlib.ExitStack() as s2:
                     s2.enter_context(_patched(torch.version, "hip", hip))
+                    if hasattr(plugin_factory, "_kernels_interpreted"):  # kept per process since session 6
+                        s2.enter_context(_patched(plugin_factory, "_kernels_interpreted", lambda: False))
                     if hasattr(tl_utils, "_active_backend"):  # the code before issue 14 item 7
                         s2.enter_context(_patched(tl_utils, "_active_backend", lambda b=backend: b))
                     platform = plugins[plugin]

@@ -142,6 +142,6 @@ def test_gpu_counters_are_made_by_a_thread_of_their_own() -> None:
     from mm3_backends.triton import arrivals
 
     me = threading.get_ident()
-    assert arrivals._in_own_thread(threading.get_ident) != me
+    assert arrivals.in_own_thread(threading.get_ident) != me
     with pytest.raises(ValueError, match="boom"):
-        arrivals._in_own_thread(lambda: (_ for _ in ()).throw(ValueError("boom")))
+        arrivals.in_own_thread(lambda: (_ for _ in ()).throw(ValueError("boom")))

@@ -138,3 +138,56 @@ def test_launch_without_fast_is_the_plain_triton_call() -> None:
     k, x = _Jit(), torch.zeros(8)
     fl.launch(k, (2,), (x, 7, 16), {"BLOCK": 32}, {"num_warps": 4}, fast=False)
     assert k.calls == [("triton", (2,), (x, 7, 16), {"BLOCK": 32, "num_warps": 4})]
+
+
+def test_equal_constexprs_in_new_dicts_are_one_class_and_kept_dicts_are_known_by_identity() -> None:
+    fast, k, x = fl.FastLauncher(), _Jit(), torch.zeros(8)
+    for _ in range(3):   # a caller that builds its dicts per call still launches directly
+        fast(k, (1,), (x, 7, 16), {"BLOCK": 32}, {"num_warps": 4})
+    const, opts = {"BLOCK": 32}, {"num_warps": 4}
+    fast(k, (1,), (x, 7, 16), const, opts)
+    assert [c[0] for c in k.calls] == ["triton", "direct", "direct", "direct"]
+    kernel = fast._kernel(k)
+    assert kernel.static_token(const, opts) == kernel.static_token({"BLOCK": 32}, {"num_warps": 4})
+    assert kernel.static_token({"BLOCK": 64}, opts) != kernel.static_token(const, opts)
+
+
+class _Launcher:
+    """Triton 3.6's launcher object: scratch sizes, flags, and its C entry point ``launch``."""
+
+    def __init__(self, calls: list, scratch: int) -> None:
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self._calls = calls
+
+    def launch(self, *args: Any) -> None:
+        self._calls.append(("native", args))
+
+    def __call__(self, *args: Any) -> None:
+        self._calls.append(("launcher", args))
+
+
+@pytest.mark.parametrize("scratch", [0, 256])
+def test_a_known_triton_launcher_is_entered_at_its_c_entry_point_unless_it_needs_scratch(
+        monkeypatch: pytest.MonkeyPatch, scratch: int) -> None:
+    import triton
+
+    monkeypatch.setattr(fl, "_RAW_LAUNCH_VERSIONS", (triton.__version__,))
+    calls: list = []
+    binary = type("B", (), {})()
+    binary.run, binary.function, binary.packed_metadata = _Launcher(calls, scratch), "fn", "meta"
+    binary.src = type("Src", (), {"signature": {n: "x" for n in _Jit.arg_names}})()
+
+    class Jit(_Jit):
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            return lambda *a, **kw: binary
+
+    fast, x, k = fl.FastLauncher(), torch.zeros(8), Jit()
+    for _ in range(2):
+        fast(k, (3, 2), (x, 7, 16), {"BLOCK": 32}, {})
+    kind, args = calls[0]
+    if scratch:   # the launcher object allocates the scratch: Triton's own call
+        assert kind == "launcher" and args == (3, 2, 1, 1234, "fn", "meta", None, None, None, x, 7, 16, 32, True)
+    else:         # grid, stream, function, cooperative, pdl, two scratch pointers, then as the launcher passes
+        assert kind == "native"
+        assert args == (3, 2, 1, 1234, "fn", False, True, None, None, "meta", None, None, None, x, 7, 16, 32, True)

@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["arrival_counters", "capturing", "capture_matters", "MIN_COUNTERS"]
+__all__ = ["arrival_counters", "capturing", "capture_matters", "in_own_thread", "stream_key", "MIN_COUNTERS"]
 
 #: counters allocated at least (int32, 64 KB): enough for 16K (token, KV head) pairs, so a
 #: graph captured after a smaller eager step rarely finds them short
@@ -65,7 +65,7 @@ except ImportError:
         return torch.cuda.current_stream(index).cuda_stream
 
 
-def _stream_key(device: torch.device) -> tuple[torch.device, int]:
+def stream_key(device: torch.device) -> tuple[torch.device, int]:
     if device.type == "cuda":
         return device, _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     # CPU tensors (Triton's interpreter): no stream orders two threads' launches, so one set per thread
@@ -84,7 +84,7 @@ def capture_matters(rule: Optional[bool], device: torch.device) -> bool:
     return rule is None and capturing(device)
 
 
-def _in_own_thread(fn: Callable[[], Any]) -> Any:
+def in_own_thread(fn: Callable[[], Any]) -> Any:
     """``fn()`` run by a new thread (its result, or its exception raised here)."""
     box: list[Any] = []
 
@@ -116,7 +116,7 @@ def _zeros(device: torch.device, n: int) -> torch.Tensor:
                 z = torch.zeros(size, dtype=torch.int32, device=device)
                 torch.cuda.current_stream(device).synchronize()
             return z
-        t = _in_own_thread(alloc)
+        t = in_own_thread(alloc)
     _KEEP.append(t)
     return t
 
@@ -124,7 +124,7 @@ def _zeros(device: torch.device, n: int) -> torch.Tensor:
 def arrival_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
     """At least ``n`` zeroed int32 counters for a launch on ``device``'s current stream, or None
     during a CUDA graph capture that finds too few (then launch without them)."""
-    key = _stream_key(device)
+    key = stream_key(device)
     have = _COUNTERS.get(key)
     if have is not None and have.numel() >= n:
         return have

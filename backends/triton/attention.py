@@ -53,6 +53,7 @@ from .launch import LaunchConfig, next_pow2
 from .plans import decode_attention_plan
 from .tiles import load_query_rows, score_scale, softmax_weights, store_item, store_rows, token_rows
 from .arrivals import arrival_counters, capture_matters
+from .scratch import scratch_parts
 from .tl_utils import (arrive_last, dot_config, kv_scale, kv_scale_args, launch_options, load_page,
                        pdl_prologue)
 
@@ -416,10 +417,9 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
                                      capture_matters(cfg.algorithms.merge_in_last_program, q.device))
         fast = cfg.algorithms.fast_launch
         splits, g_pad = plan.splits, plan.g_pad
-        if splits > 1:   # [td, Hkv, splits, g_pad] maxima and sums, [..., D] accumulators: one allocation
+        if splits > 1:   # [td, Hkv, splits, g_pad] maxima and sums, [..., D] accumulators: one buffer
             n = td * Hkv * splits * g_pad
-            ws = torch.empty(n * (D + 2), dtype=torch.float32, device=q.device)
-            ws_m, ws_l, ws_acc = ws[:n], ws[n:2 * n], ws[2 * n:]
+            ws_m, ws_l, ws_acc = scratch_parts(q.device, "decode-partials", (n, n, n * D))
         else:  # never touched: the single-split kernel writes the output directly
             ws_m = ws_l = ws_acc = out
         so = out.stride()

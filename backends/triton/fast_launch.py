@@ -70,8 +70,11 @@ _HOOKS: Any = None
 
 def _hooks_installed() -> bool:
     """A launch enter/exit hook (a profiler) needs Triton's launch metadata: take its path then."""
-    h = _hook_holder()
-    return _installed(getattr(h, "launch_enter_hook", None)) or _installed(getattr(h, "launch_exit_hook", None))
+    h = _HOOKS if _HOOKS is not None else _hook_holder()
+    try:
+        return _installed(h.launch_enter_hook) or _installed(h.launch_exit_hook)
+    except AttributeError:
+        return False
 
 
 def _driver() -> Any:
@@ -99,6 +102,9 @@ class _Kernel:
         # (a wrapper, a test's recorder) is launched as it asks to be
         self.disabled = not (hasattr(fn, "device_caches") and self.names)
         self.split: Optional[tuple[Any, Any]] = None
+        #: (id(constexprs), id(options)) -> (the two dicts, their token); equal items -> one token
+        self.static: dict[tuple[int, int], tuple[Any, Any, int]] = {}
+        self.tokens: dict[tuple[Any, ...], int] = {}
 
     def arg_class(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """What Triton specializes the runtime arguments on (a superset): every non-tensor
@@ -114,6 +120,20 @@ class _Kernel:
         return (get_o(args)[:-1] if get_o is not None else (), tuple([t.dtype for t in ts]),
                 tuple([t.data_ptr() & 15 for t in ts]), len(args))
 
+    def static_token(self, kwargs: dict[str, Any], options: dict[str, Any]) -> int:
+        """A small int standing for the call's constexprs and options (the same for equal ones),
+        found by the two dicts' identity: hashing their items on every launch costs host time."""
+        ids = (id(kwargs), id(options))
+        seen = self.static.get(ids)
+        if seen is not None and seen[0] is kwargs and seen[1] is options:
+            return seen[2]
+        items = (tuple(kwargs.items()), tuple(options.items()))
+        token = self.tokens.setdefault(items, len(self.tokens))
+        if len(self.static) >= MAX_CLASSES:   # dicts made per call (not a plan's): start over
+            self.static.clear()
+        self.static[ids] = (kwargs, options, token)
+        return token
+
     def tail(self, n_args: int, kwargs: dict[str, Any]) -> Optional[tuple[Any, ...]]:
         """The values of parameters ``n_args..`` (constexprs) in order, or None if one is not known."""
         out = []
@@ -125,6 +145,30 @@ class _Kernel:
             else:
                 return None
         return tuple(out)
+
+
+def _entry(compiled: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``(launch, head)``: the kept binary's launch is ``launch(gx, gy, gz, stream, *head, *args)``.
+
+    Triton 3.6's launcher object allocates no scratch for kernels that need none, then calls its
+    C entry point: that entry point is called directly here (one Python frame less per launch);
+    on other versions, or with scratch, the launcher object (``CompiledKernel.run``) as Triton calls it.
+    """
+    import triton
+
+    run = compiled.run
+    native = getattr(run, "launch", None)
+    if (triton.__version__.startswith(_RAW_LAUNCH_VERSIONS) and native is not None
+            and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
+        return native, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                        compiled.packed_metadata, None, None, None)
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+#: Triton versions whose launcher's C entry point this module calls directly (checked on the H200
+#: by tests/gpu/test_fast_launch_gpu.py, bit for bit against Triton's own launch)
+_RAW_LAUNCH_VERSIONS = ("3.6.",)
 
 
 def _has_default(p: Any) -> bool:
@@ -157,14 +201,15 @@ class FastLauncher:
     def __call__(self, fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any],
                  options: dict[str, Any]) -> None:
         """``fn[grid](*args, **kwargs, **options)``; ``kwargs`` are the constexprs, ``options``
-        Triton's launch options (``num_warps``, ``launch_pdl``...)."""
+        Triton's launch options (``num_warps``, ``launch_pdl``...). Both are taken by identity once
+        seen (a plan's dicts, kept per shape class): a caller must not change them in place."""
         k = self._kernel(fn)
         if k.disabled or _hooks_installed():
             return self._through_triton(fn, grid, args, kwargs, options)
         try:
             active = _driver().active
             dev = active.get_current_device()
-            key = (dev, k.arg_class(args), tuple(kwargs.items()), tuple(options.items()))
+            key = (dev, k.arg_class(args), k.static_token(kwargs, options))
         except RuntimeError:   # no GPU driver (CPU tensors without the interpreter): Triton says why
             k.disabled = True
             return self._through_triton(fn, grid, args, kwargs, options)
@@ -184,14 +229,12 @@ class FastLauncher:
                 return
             if len(k.binaries) >= MAX_CLASSES:
                 k.binaries.clear()
-            k.binaries[key] = (compiled, tail)
+            k.binaries[key] = (_entry(compiled), tail)
             return
-        compiled, tail = kept
+        (run, head), tail = kept
         g = (*grid, 1, 1)
-        stream = active.get_current_stream(dev)
         try:
-            compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
-                         *args, *tail)
+            run(g[0], g[1], g[2], active.get_current_stream(dev), *head, *args, *tail)
         except Exception:   # the launcher's calling convention is not the one this Triton has
             k.disabled = True
             return self._through_triton(fn, grid, args, kwargs, options)

@@ -46,6 +46,7 @@ from .launch import LaunchConfig, next_pow2
 from .plans import decode_index_plan
 from .tiles import load_query_rows, token_rows
 from .arrivals import arrival_counters, capture_matters
+from .scratch import scratch
 from .tl_utils import arrive_last, dot_config, launch_options, load_page, pdl_prologue
 
 __all__ = ["index_topk"]
@@ -432,7 +433,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
                                  width, K, B, Di, params.init_blocks, params.local_blocks, index_q.dtype, ik.dtype,
                                  sort_width, capture_matters(cfg.algorithms.topk_in_last_program, ik.device))
         fast = cfg.algorithms.fast_launch
-        ws = torch.empty((nd, plan.rows, width), dtype=torch.float32, device=ik.device)
+        ws = scratch(ik.device, "decode-scores", (nd, plan.rows, width))
         qsl, pos = batch.query_start_loc, batch.token_positions
         counters = arrival_counters(ik.device, nd) if plan.topk_last else None
         score_constexprs = plan.score_constexprs if counters is not None else plan.score_constexprs_topk_launched

@@ -18,7 +18,7 @@ import functools
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -66,6 +66,21 @@ def interpreter_probe(backend: str) -> Probe:
         return Probe.no(f"{backend}: the Triton kernels were imported before TRITON_INTERPRET=1 was set, "
                         f"so they are compiled for a GPU; set it before importing mm3_backends.triton")
     return Probe.named_only("Triton interpreter on CPU tensors (TRITON_INTERPRET=1; test-only, slow)")
+
+
+def _kernels_interpreted() -> bool:
+    """The imported kernels run in Triton's interpreter (asked per step: the answer is kept once the
+    kernels are imported, as it cannot change after; before, whether TRITON_INTERPRET is set)."""
+    global _INTERPRETED
+    if _INTERPRETED is None:
+        mode = _loaded_kernel_mode()
+        if not mode:
+            return _interpreter_on()
+        _INTERPRETED = mode == "interpreted"
+    return _INTERPRETED
+
+
+_INTERPRETED: Optional[bool] = None
 
 
 def _loaded_kernel_mode() -> str:
@@ -141,7 +156,7 @@ class TritonPlatform:
 
     def launch_config(self, device: torch.device) -> LaunchConfig:
         """The launch config sized for ``device`` (its multiprocessor count), cached per device."""
-        if device.type != "cuda" or _interpreter_on():
+        if device.type != "cuda" or _kernels_interpreted():
             return INTERPRETER_CONFIG
         index = device.index if device.index is not None else torch.cuda.current_device()
         native = self.native()
@@ -161,6 +176,19 @@ def _sized_config(launch: LaunchConfig, device_index: int) -> LaunchConfig:
     # one device-properties query per (config, GPU); never inside a captured graph's hot path
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     return launch.for_device_sms(sms)
+
+
+def _kernel_modules() -> tuple[Any, Any, Any]:
+    """(checks, indexer, attention): imported at the first step, not with the plugin (they import
+    Triton), then kept (an import statement per hook call costs host time)."""
+    if not _MODULES:
+        from . import attention, checks, indexer
+
+        _MODULES.extend((checks, indexer, attention))
+    return _MODULES[0], _MODULES[1], _MODULES[2]
+
+
+_MODULES: list[Any] = []
 
 
 class TritonHooks(NamedTuple):
@@ -192,8 +220,7 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
     @hookimpl
     def index_topk(index_q: torch.Tensor, caches: "PagedKVCache", batch: "BatchMetadata",
                    params: "SparseAttentionParams", out: TopkBuffer) -> None:
-        from . import checks, indexer
-
+        checks, indexer, _ = _kernel_modules()
         # mm3's Backend checked the arguments and the declared limits; these are the plugin's own.
         checks.check_device(platform.name, caches.device, platform.device_problem)
         checks.check_index_q(platform.name, caps, index_q)
@@ -203,8 +230,7 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
     @hookimpl
     def attention_forward(q: torch.Tensor, caches: "PagedKVCache", topk: TopkBuffer, batch: "BatchMetadata",
                           params: "SparseAttentionParams", out: torch.Tensor) -> None:
-        from . import attention, checks
-
+        checks, _, attention = _kernel_modules()
         checks.check_device(platform.name, caches.device, platform.device_problem)
         if batch.num_tokens:
             attention.attention_forward(q, caches, topk, batch, params, out,
