@@ -52,7 +52,7 @@ from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .plans import decode_attention_plan
 from .tiles import load_query_rows, score_scale, softmax_weights, store_item, store_rows, token_rows
-from .arrivals import arrival_counters, capture_matters
+from .arrivals import arrival_counters
 from .scratch import scratch_parts
 from .tl_utils import (arrive_last, dot_config, kv_scale, kv_scale_args, launch_options, load_page,
                        pdl_prologue)
@@ -276,55 +276,27 @@ def merge_splits(out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, t
                  D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
                  CACHE: tl.constexpr):
     """Exact log-sum-exp merge of token ``t``'s KV head ``h``'s ``SPLITS`` partials into its output rows
-    (``CACHE``: the partials' load cache modifier, ``".cg"`` when other programs of this launch wrote them)."""
-    merge_rows(out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, t, h, num_h, tl.arange(0, G_PAD),
-               D, G_PAD, SPLITS, S_PAD, CACHE, False)
+    (``CACHE``: the partials' load cache modifier, ``".cg"`` when other programs of this launch wrote them).
 
-
-@triton.jit
-def merge_rows(out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, t, h, num_h, rows,
-               D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-               CACHE: tl.constexpr, PRELOAD: tl.constexpr):
-    """:func:`merge_splits` for the query rows ``rows`` (a vector, of the pair's ``G``).
-
-    Every merge path runs this arithmetic in this order (the splits summed one
-    after another), so a step's output has the same bits whichever merge a launch
-    rule picks: eager and graph-replayed steps may pick differently. The splits
-    are unrolled. With ``PRELOAD`` (a few rows: the ``[S_PAD, rows, D]`` tile fits
-    in registers) every partial is loaded at once, one memory round trip instead
-    of one per split, and split ``s`` is taken out of the tile by a masked sum
-    (exact: one value plus zeros; the sign of a zero never reaches the sums, which
-    start at +0).
-    """
+    The splits are unrolled: no partial's loads wait for the previous partial's sums, so
+    they can be in flight together (at batch 1, 16 splits of one program read from L2)."""
+    rows = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     splits = tl.arange(0, S_PAD)
-    live = (splits < SPLITS)[:, None]
     base = (t * num_h + h) * SPLITS
-    at = (base + splits)[:, None] * G_PAD + rows[None, :]
-    m_all = tl.load(ws_m_ptr + at, mask=live, other=float("-inf"), cache_modifier=CACHE)
+    m_all = tl.load(ws_m_ptr + (base + splits)[:, None] * G_PAD + rows[None, :],
+                    mask=(splits < SPLITS)[:, None], other=float("-inf"), cache_modifier=CACHE)
     m_max = tl.max(m_all, axis=0)
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-    if PRELOAD:
-        l_all = tl.load(ws_l_ptr + at, mask=live, other=0.0, cache_modifier=CACHE)
-        a_all = tl.load(ws_acc_ptr + at[:, :, None] * D + offs_d[None, None, :], mask=live[:, :, None],
-                        other=0.0, cache_modifier=CACHE)
-    l_tot = tl.zeros(rows.shape, tl.float32)
-    acc = tl.zeros([rows.shape[0], D], tl.float32)
+    l_tot = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
     for s in tl.static_range(SPLITS):
-        if PRELOAD:
-            pick = (splits == s)[:, None]
-            m_s = tl.sum(tl.where(pick, m_all, 0.0), axis=0)
-            l_s = tl.sum(tl.where(pick, l_all, 0.0), axis=0)
-            a_s = tl.sum(tl.where(pick[:, :, None], a_all, 0.0), axis=0)
-        else:
-            m_s = tl.load(ws_m_ptr + (base + s) * G_PAD + rows, cache_modifier=CACHE)
-            l_s = tl.load(ws_l_ptr + (base + s) * G_PAD + rows, cache_modifier=CACHE)
-            a_s = tl.load(ws_acc_ptr + ((base + s) * G_PAD + rows)[:, None] * D + offs_d[None, :],
-                          cache_modifier=CACHE)
+        m_s = tl.load(ws_m_ptr + (base + s) * G_PAD + rows, cache_modifier=CACHE)
         w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_ref))
-        l_tot += w * l_s
-        acc += w[:, None] * a_s
-    store_rows(out_ptr, tl.zeros(rows.shape, tl.int32) + t, h * G + rows, s_ot, s_oh, s_od, acc, l_tot,
+        l_tot += w * tl.load(ws_l_ptr + (base + s) * G_PAD + rows, cache_modifier=CACHE)
+        acc += w[:, None] * tl.load(ws_acc_ptr + ((base + s) * G_PAD + rows)[:, None] * D + offs_d[None, :],
+                                    cache_modifier=CACHE)
+    store_rows(out_ptr, tl.full([G_PAD], 0, tl.int32) + t, h * G + rows, s_ot, s_oh, s_od, acc, l_tot,
                rows < G, D)
 
 
@@ -333,13 +305,27 @@ def _merge_row_kernel(
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h,
     D: tl.constexpr, G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """:func:`_merge_kernel` for one query head per program (grid ``(tokens, KV heads, G)``): on a
-    small grid, G times the programs, each with all of its partials' loads in flight at once."""
+    """:func:`_merge_kernel` for one query head per program: every split's partial is loaded at
+    once (``[S_PAD, D]``), so the merge is one memory round trip instead of ``SPLITS`` dependent ones."""
     pdl_prologue(PDL)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
     g = tl.program_id(2)
     if g < G:
-        merge_rows(out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, tl.program_id(0),
-                   tl.program_id(1), num_h, g + tl.arange(0, 1), D, G_PAD, SPLITS, S_PAD, "", True)
+        offs_d = tl.arange(0, D)
+        splits = tl.arange(0, S_PAD)
+        live = splits < SPLITS
+        base = (t * num_h + h) * SPLITS
+        m = tl.load(ws_m_ptr + (base + splits) * G_PAD + g, mask=live, other=float("-inf"))
+        l = tl.load(ws_l_ptr + (base + splits) * G_PAD + g, mask=live, other=0.0)
+        acc = tl.load(ws_acc_ptr + ((base + splits) * G_PAD + g)[:, None] * D + offs_d[None, :],
+                      mask=live[:, None], other=0.0)
+        m_max = tl.max(m, axis=0)
+        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_ref))
+        l_tot = tl.sum(w * l, axis=0)
+        o = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_tot > 0, l_tot, 1.0)
+        tl.store(out_ptr + t * s_ot + (h * G + g) * s_oh + offs_d * s_od, o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -413,8 +399,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     npf = batch.num_prefills
     td = batch.num_decode_tokens
     if td > 0:
-        plan = decode_attention_plan(cfg, td, Hkv, G, K, B, D, q.dtype, k.dtype, kv_scaled,
-                                     capture_matters(cfg.algorithms.merge_in_last_program, q.device))
+        plan = decode_attention_plan(cfg, td, Hkv, G, K, B, D, q.dtype, k.dtype, kv_scaled)
         fast = cfg.algorithms.fast_launch
         splits, g_pad = plan.splits, plan.g_pad
         if splits > 1:   # [td, Hkv, splits, g_pad] maxima and sums, [..., D] accumulators: one buffer

@@ -39,7 +39,7 @@ from .prefill_config import PrefillAttentionConfig
 __all__ = ["LaunchConfig", "next_pow2", "override"]
 
 
-#: most splits the last program of a pair merges in a CUDA graph (:meth:`LaunchConfig.use_merge_in_last_program`)
+#: most splits the last program of a pair merges (:meth:`LaunchConfig.use_merge_in_last_program`)
 MERGE_LAST_MAX_SPLITS = 4
 
 
@@ -143,28 +143,27 @@ class LaunchConfig:
         """The (token, KV head) grid fills under a quarter of the device."""
         return 4 * num_tokens * num_kv_heads <= self.target_programs
 
-    def use_merge_in_last_program(self, num_tokens: int, num_kv_heads: int, splits: int, capturing: bool) -> bool:
+    def use_merge_in_last_program(self, num_tokens: int, num_kv_heads: int, splits: int) -> bool:
         """The flash-decoding merge done by the last split of each pair (``algorithms.merge_in_last_program``;
-        None = this rule): with at most :data:`MERGE_LAST_MAX_SPLITS` splits, and on every eager step of
-        a small grid.
+        None = this rule): with at most :data:`MERGE_LAST_MAX_SPLITS` splits.
 
         Measured on the H200 (64K context, CUDA graphs): TP8 b64 (4 splits) step 279.5 -> 274.8 us;
-        TP1 b1 (16 splits: one program reads 16 partials) attention 6.6 -> 10.1 us. Eagerly a launch
-        costs ~20 us of host time (TP8 b1 4K layer 168 -> 128 us with the top-k's launch gone too),
-        more than that loss, on the small grids whose steps wait on the host.
+        TP1 b1 (16 splits: one program reads 16 partials) attention 6.6 -> 10.1 us. Eager steps of many
+        splits keep their merge launch too (the ~10 us of host time it costs is left there): the
+        per-row merge kernel small grids take sums the splits in another order than the last
+        program, and a step replayed from a CUDA graph must give the eager step's bits, so the
+        choice depends on the shape only, never on a capture.
 
         Example:
             >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
             >>> rule = dict(merge_in_last_program=None, topk_in_last_program=None)
             >>> cfg = override(NVIDIA_LAUNCH.for_device_sms(132), algorithms=rule)
-            >>> [cfg.use_merge_in_last_program(1, 4, 16, capturing=c) for c in (True, False)]
-            [False, True]
-            >>> cfg.use_merge_in_last_program(64, 1, 4, capturing=True)
-            True
+            >>> cfg.use_merge_in_last_program(1, 4, 16), cfg.use_merge_in_last_program(64, 1, 4)
+            (False, True)
         """
         if self.algorithms.merge_in_last_program is not None:
             return self.algorithms.merge_in_last_program
-        return splits <= MERGE_LAST_MAX_SPLITS or (not capturing and self._small_grid(num_tokens, num_kv_heads))
+        return splits <= MERGE_LAST_MAX_SPLITS
 
     def use_topk_in_last_program(self, num_tokens: int, num_kv_heads: int, capturing: bool) -> bool:
         """The decode top-k done by each request's last score program (``algorithms.topk_in_last_program``;

@@ -79,10 +79,9 @@ class DecodeAttentionPlan(NamedTuple):
 
 
 def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, B: int, D: int,
-                          q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_scaled: bool,
-                          capturing: bool = False) -> DecodeAttentionPlan:
+                          q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_scaled: bool) -> DecodeAttentionPlan:
     """The launches of ``td`` decode tokens' attention (see :func:`.attention.attention_forward`);
-    ``capturing``: for a CUDA graph being captured."""
+    shapes only, so an eager step and its CUDA-graph replay launch the same kernels."""
     def make() -> DecodeAttentionPlan:
         dot_dtype, dot_prec, scale_q = dot_config(q_dtype, kv_dtype, cfg.numerics.kv_fp8_as_f16)
         fp8_kv = kv_dtype == torch.float8_e4m3fn
@@ -106,7 +105,7 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
             const["BRANCHLESS"] = cfg.algorithms.decode_attention_branchless
         merge, mgrid, mconst, mopts = "", (), {}, {}
         merge_last = (splits > 1 and cfg.algorithms.decode_attention_flat
-                      and cfg.use_merge_in_last_program(td, Hkv, splits, capturing))
+                      and cfg.use_merge_in_last_program(td, Hkv, splits))
         if cfg.algorithms.decode_attention_flat:
             const["S_PAD"] = next_pow2(splits)
             const["MERGE_LAST"] = False
@@ -115,14 +114,16 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
             const = dict(const, MERGE_LAST=True)
         if splits > 1:
             mconst = dict(D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), PDL=pdl)
-            if cfg.use_merge_per_row(td, Hkv):
+            # with the merge planned in the last program, its fallback (a capture short of counters)
+            # is the per-KV-head kernel: the same code, so the same bits as an eager step's
+            if cfg.use_merge_per_row(td, Hkv) and not merge_last:
                 merge, mgrid, mopts = "_merge_row_kernel", (td, Hkv, G), dict(num_warps=4, **dopts)
             else:
                 merge, mgrid, mopts = "_merge_kernel", (td, Hkv), dict(num_warps=dac.warps, **dopts)
         return DecodeAttentionPlan(kernel, grid, flat, splits, g_pad, const, opts, merge, mgrid, mconst, mopts,
                                    merge_last, launched)
 
-    return _cached(cfg, ("attention", td, Hkv, G, K, B, D, q_dtype, kv_dtype, kv_scaled, capturing), make)
+    return _cached(cfg, ("attention", td, Hkv, G, K, B, D, q_dtype, kv_dtype, kv_scaled), make)
 
 
 class DecodeIndexPlan(NamedTuple):
