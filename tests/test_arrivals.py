@@ -145,3 +145,28 @@ def test_gpu_counters_are_made_by_a_thread_of_their_own() -> None:
     assert arrivals.in_own_thread(threading.get_ident) != me
     with pytest.raises(ValueError, match="boom"):
         arrivals.in_own_thread(lambda: (_ for _ in ()).throw(ValueError("boom")))
+
+
+@pytest.mark.parametrize("target_programs,decodes", [(64, [150]), (96, [150, 17, 61, 300]), (16, [90, 40, 70])])
+def test_a_captured_step_runs_the_merge_of_its_eager_step(monkeypatch: pytest.MonkeyPatch, target_programs: int,
+                                                          decodes: list) -> None:
+    """By the rules (``None``), a step under capture and the same step eagerly launch the same merge
+    (kernel or last program: they sum the splits in other orders) and write the same bits; only the
+    top-k's place may differ (its bits never do). The H200 caught eager small grids merging in the
+    last program while their graphs launched the per-row kernel."""
+    from mm3_backends.triton import arrivals, scratch
+    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+
+    p = SparseAttentionParams(num_heads=8, num_kv_heads=2, head_dim=32, num_index_heads=2, index_head_dim=32,
+                              block_size=16, topk=8)
+    case = make_case(p, decodes=decodes, dtype="float16", index_dtype="float16", seed=5)
+    cfg = override(INTERPRETER_CONFIG, target_programs=target_programs,
+                   algorithms=dict(merge_in_last_program=None, topk_in_last_program=None))
+    sel_e, out_e, launched_e = _run(cfg, case, p, "token_major")
+    monkeypatch.setattr(arrivals, "capturing", lambda device: True)
+    monkeypatch.setattr(scratch, "capturing", lambda device: True)
+    sel_c, out_c, launched_c = _run(cfg, case, p, "token_major")
+    merges = [[n for n in launched if n.startswith("_merge")] for launched in (launched_e, launched_c)]
+    assert merges[0] == merges[1], f"eager merges {merges[0]}, captured {merges[1]}"
+    T = case.batch.num_tokens
+    assert torch.equal(sel_e, sel_c) and torch.equal(out_e[:T], out_c[:T])
