@@ -19,10 +19,10 @@ script measures an older checkout for the "before" column):
 * ``graph replay``: the step captured in a ``torch.cuda.CUDAGraph`` and replayed (GPU only);
 * ``layer, fast launch`` / ``plugin hooks, fast launch`` (``cuda`` backend, when the plugin has
   ``Algorithms.fast_launch``): the same with the compiled kernels launched directly;
-* ``layer, last-program top-k and merge`` / ``graph replay, last-program top-k and merge``
-  (``cuda`` backend): the decode top-k and merge in the last program of their group where
-  ``LaunchConfig``'s rules take them there (``Algorithms.topk_in_last_program``,
-  ``merge_in_last_program`` = None), not as launches of their own.
+* ``layer, top-k and merge launched`` / ``graph replay, top-k and merge launched`` (``cuda``
+  backend): the decode top-k and merge as launches of their own always
+  (``Algorithms.topk_in_last_program`` / ``merge_in_last_program`` = False), beside the default,
+  which takes them into the last program of their group where ``LaunchConfig``'s rules say.
 
 Within a call the rows are timed in turn in each of ``repeat`` rounds (the eager ones, then the
 replays), so rows of one call are side by side.
@@ -149,20 +149,20 @@ def measure_host_overhead(device: str = "cuda", backend: Optional[str] = None, t
             f_idx(index_q=iq, caches=c, batch=b, params=p, out=topk)
             f_att(q=q, caches=c, topk=topk, batch=b, params=p, out=out[:T])
         rows["plugin hooks, fast launch"] = fast_hooks
-    last = _variant_registry(merge_in_last_program=None, topk_in_last_program=None) if name == "cuda" else None
-    if last is not None:   # the decode top-k and merge in the last program by launch.py's rules
-        last_layer = mm3.SparseAttention(p, device=device, max_num_tokens=max(64, batch), backend="cuda",
-                                         registry=last)
-        rows["layer, last-program top-k and merge"] = lambda: last_layer(q, iq, c, b, out)
+    launched = _variant_registry(merge_in_last_program=False, topk_in_last_program=False) if name == "cuda" else None
+    if launched is not None:   # the decode top-k and merge as launches of their own, beside the rules
+        launched_layer = mm3.SparseAttention(p, device=device, max_num_tokens=max(64, batch), backend="cuda",
+                                             registry=launched)
+        rows["layer, top-k and merge launched"] = lambda: launched_layer(q, iq, c, b, out)
     result = _interleaved(rows, iters, repeat, sync)
     if device.startswith("cuda"):
         from mm3_benchmarks.timing import capture_graph
 
         graph = capture_graph(lambda: layer(q, iq, c, b, out), warmups=3)
         replays = {"graph replay": graph.replay}
-        if last is not None:
-            replays["graph replay, last-program top-k and merge"] = capture_graph(
-                lambda: last_layer(q, iq, c, b, out), warmups=3).replay
+        if launched is not None:
+            replays["graph replay, top-k and merge launched"] = capture_graph(
+                lambda: launched_layer(q, iq, c, b, out), warmups=3).replay
         result.update(_interleaved(replays, iters, repeat, sync))
     return result
 

@@ -114,8 +114,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "run128": (dict(prefill_attention=PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1)), ("prefill",)),
     "run4": (dict(prefill_attention=PrefillAttentionConfig(run_tiles=4)), ("prefill",)),
     # session 2026-12-03 (5): the decode top-k and merge in the last program of their group
-    # (backends/triton/arrivals.py): by launch.py's rules (eager steps on small grids, merges of <= 4
-    # splits), always, or one of them always (NOTES §9)
+    # (backends/triton/arrivals.py), beside the default (launch.py's rules: the top-k on eager small
+    # grids, merges of <= 4 splits): both launched, both always fused, or one of them always (NOTES §9)
     "sep": (dict(algorithms=dict(merge_in_last_program=False, topk_in_last_program=False)), ("decode",)),
     "lastall": (dict(algorithms=dict(merge_in_last_program=True, topk_in_last_program=True)), ("decode",)),
     "lasttopk": (dict(algorithms=dict(topk_in_last_program=True)), ("decode",)),

@@ -4,7 +4,8 @@ Under Triton's interpreter: the fused launches against the separate top-k and
 merge kernels (bit for bit: the same code computes both) and against the fp64
 oracle, on mixed batches with speculative rows and padding, in both top-k
 layouts; the counters left at zero after every launch; the fallback when no
-counters can be had (a CUDA graph capture that would need to allocate them).
+counters can be had (a CUDA graph capture that would need to allocate them);
+a captured step running the merge of its eager step (the same bits).
 """
 
 from __future__ import annotations

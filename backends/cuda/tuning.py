@@ -47,8 +47,9 @@ NVIDIA_LAUNCH = LaunchConfig(
                           # layer: 288 -> 179 us of host time; bit-exact, tests/gpu)
                           fast_launch=True,
                           # the decode merge / top-k in the last program of their group by launch.py's
-                          # rules (H200: eager TP8 b1 layer 120 -> 96 us of host time, TP8 b64 graph
-                          # step 279.6 -> 276.2 us; benchmarks/NOTES.md §9)
+                          # rules: the merge of <= 4 splits (H200, TP8 b64 graph step 278.0 -> 274.4 us),
+                          # the top-k on eager small grids (one launch less where the host is the
+                          # bound); benchmarks/NOTES.md §9-10
                           merge_in_last_program=None, topk_in_last_program=None),
     # kv_fp8_as_f16: bf16 queries on fp8 K/V dotted in fp16 in the decode kernels (H200, TP1 b64
     # 64K attention 80.8 -> 70.0 us); the prefill kernels widen to bf16 (the fp16 path measured

@@ -66,6 +66,8 @@ except ImportError:
 
 
 def stream_key(device: torch.device) -> tuple[torch.device, int]:
+    """What buffers kept for ``device``'s current stream are keyed by: the device and the raw stream
+    handle (no Stream object is made), or the calling thread for CPU tensors."""
     if device.type == "cuda":
         return device, _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     # CPU tensors (Triton's interpreter): no stream orders two threads' launches, so one set per thread
@@ -93,7 +95,7 @@ def in_own_thread(fn: Callable[[], Any]) -> Any:
             box.append((True, fn()))
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             box.append((False, e))
-    worker = threading.Thread(target=run, name="mm3-arrival-counters")
+    worker = threading.Thread(target=run, name="mm3-kept-buffers")
     worker.start()
     worker.join()
     ok, value = box[0]

@@ -2,8 +2,9 @@
 
 Few programs, because each is simulated in Python, but more than one split
 so the flash-decoding merge runs in CI too; 16-key inner tiles so the tiny
-test blocks still take several; the decode top-k and merge in the last
-program of their group (``Algorithms``; opt-in on the GPU), so CI runs them.
+test blocks still take several; the decode top-k and merge always in the last
+program of their group (the GPU plugins take them by rules or not at all), so
+CI runs them on every decode shape.
 Every other value is the cuda plugin's, so the interpreter runs the kernel
 variants the H200 runs.
 """

@@ -178,17 +178,13 @@ def _sized_config(launch: LaunchConfig, device_index: int) -> LaunchConfig:
     return launch.for_device_sms(sms)
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel_modules() -> tuple[Any, Any, Any]:
     """(checks, indexer, attention): imported at the first step, not with the plugin (they import
     Triton), then kept (an import statement per hook call costs host time)."""
-    if not _MODULES:
-        from . import attention, checks, indexer
+    from . import attention, checks, indexer
 
-        _MODULES.extend((checks, indexer, attention))
-    return _MODULES[0], _MODULES[1], _MODULES[2]
-
-
-_MODULES: list[Any] = []
+    return checks, indexer, attention
 
 
 class TritonHooks(NamedTuple):
