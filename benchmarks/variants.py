@@ -84,8 +84,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # (128-row tiles of 8 warps, no splits)
     "pis1": (dict(prefill_index=dict(_PI_PLAIN, max_splits=1)), ("prefill",)),
     "pi128": (dict(prefill_index=dict(_PI_PLAIN, rows=128, warps=8, max_splits=1)), ("prefill",)),
-    # issue 16: decode kernels launched through Triton's own launcher (the GPU time must not change)
-    "slowlaunch": (dict(algorithms=dict(fast_launch=False)), ("decode",)),
+    # issue 16: every kernel launched through Triton's own launcher (the GPU time must not change)
+    "slowlaunch": (dict(algorithms=dict(fast_launch=False)), ("decode", "prefill")),
     # issue 17 (NOTES.md §6): fp8 K/V. The old path (K/V widened to bf16); the fp16 dots with
     # 8-warp tiles one per SM (the first default, 0.68x) and with 4-warp 64-key tiles (0.94x).
     # None touches bf16 K/V, so the bf16 rows show the run's noise.

@@ -20,8 +20,9 @@ from mm3_backends.triton import fast_launch as fl  # noqa: E402
 
 
 class _Param:
-    def __init__(self, name: str, default: Any, constexpr: bool) -> None:
+    def __init__(self, name: str, default: Any, constexpr: bool, num: int = 0, free: bool = False) -> None:
         self.name, self.default, self.is_constexpr = name, default, constexpr
+        self.num, self.do_not_specialize = num, free
 
 
 class _Binary:
@@ -45,10 +46,11 @@ class _Jit:
     arg_names = ["x_ptr", "n", "s", "BLOCK", "FLAG"]
     device_caches: dict = {}
 
-    def __init__(self, raise_on_run: bool = False, old_triton: bool = False) -> None:
+    def __init__(self, raise_on_run: bool = False, old_triton: bool = False, free_n: bool = False) -> None:
         e = inspect.Parameter.empty
-        self.params = [_Param("x_ptr", e, False), _Param("n", e, False), _Param("s", e, False),
-                       _Param("BLOCK", e, True), _Param("FLAG", True, True)]
+        # free_n: ``n`` declared ``do_not_specialize`` (tl_utils.step_kernel)
+        self.params = [_Param("x_ptr", e, False, 0), _Param("n", e, False, 1, free_n), _Param("s", e, False, 2),
+                       _Param("BLOCK", e, True, 3), _Param("FLAG", True, True, 4)]
         self.calls: list = []
         self._raise, self._old = raise_on_run, old_triton
 
@@ -97,6 +99,36 @@ def test_anything_triton_specializes_on_makes_a_new_class(change: str) -> None:
         opts = {"num_warps": 8}
     fast(k, (1,), args, const, opts)
     assert [c[0] for c in k.calls] == ["triton", "triton"]
+
+
+def test_an_unspecialized_parameter_keeps_the_class_across_values_but_not_across_widths() -> None:
+    fast, k, x = fl.FastLauncher(), _Jit(free_n=True), torch.zeros(8)
+    for n in (7, 1, 32, 2**31 - 1, -2**31):   # one binary: Triton compiles n as an i32 whatever its value
+        fast(k, (1,), (x, n, 16), {"BLOCK": 32}, {"num_warps": 4})
+    assert [c[0] for c in k.calls] == ["triton"] + ["direct"] * 4
+    assert [c[2][1] for c in k.calls[1:]] == [1, 32, 2**31 - 1, -2**31]   # each launch passes its own value
+    fast(k, (1,), (x, 2**31, 16), {"BLOCK": 32}, {"num_warps": 4})    # an i64 is another binary
+    fast(k, (1,), (x, 7, 1), {"BLOCK": 32}, {"num_warps": 4})         # s is still specialized
+    assert [c[0] for c in k.calls[5:]] == ["triton", "triton"]
+
+
+def test_the_prefill_kernels_leave_their_per_step_counts_unspecialized() -> None:
+    """The step's offsets and counts (which change every prefill step) are ``do_not_specialize``:
+    without it every step is a new call class and the fast launch never goes direct."""
+    from mm3_backends.triton import attention, indexer, prefill_attention, prefill_plan
+    from mm3_backends.triton.tl_utils import unspecialized_params
+
+    per_step = {prefill_plan._pair_count_kernel: {"tok0", "Tc", "first_request", "num_req", "nb_max"},
+                prefill_plan._pair_place_kernel: {"tok0", "Tc", "first_request", "num_req", "nb_max"},
+                prefill_plan._segment_scan_kernel: {"S"},
+                prefill_attention._block_run_kernel: {"nb_max", "num_req"},
+                prefill_attention._block_tile_kernel: {"nb_max", "num_req"},
+                prefill_attention._merge_slots_kernel: {"tok0", "Tc"},
+                indexer._prefill_index_chunked_kernel: {"first_request", "s_ws_s", "first_token"},
+                indexer._prefill_index_merge_kernel: {"s_ws_s", "num_rows", "first_token"},
+                attention._prefill_attention_kernel: {"first_request"}}
+    for kernel, names in per_step.items():
+        assert unspecialized_params(kernel) == names, kernel
 
 
 def test_a_launcher_that_raises_falls_back_to_triton_for_good() -> None:

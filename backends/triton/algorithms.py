@@ -42,7 +42,7 @@ class Algorithms:
     #: the previous kernel's run; None = small grids only (``LaunchConfig.use_pdl``)
     pdl: Optional[bool]
     #: launch each kernel's compiled binary directly after the first launch of its call class,
-    #: without Triton's per-call argument binding (:mod:`.fast_launch`; decode launches)
+    #: without Triton's per-call argument binding (:mod:`.fast_launch`; every launch of the plugin)
     fast_launch: bool
     #: (persistent decode attention) the last program of a (token, KV head) to finish merges its
     #: splits (:mod:`.arrivals`) instead of a merge launch; None = by the step

@@ -49,7 +49,8 @@ class Launch:
         Like the JIT: an int argument equal to 1 becomes a constant, and ints
         divisible by 16 and (aligned) pointers carry ``tt.divisibility = 16``;
         without these the compiler cannot vectorize and the resource numbers
-        would be meaningless.
+        would be meaningless. A ``do_not_specialize`` int (:func:`.tl_utils.step_kernel`)
+        is neither.
         """
         names = list(self.kernel.arg_names)
         values = dict(zip(names, self.args))
@@ -58,6 +59,7 @@ class Launch:
         constexprs: dict[str, Any] = {}
         attrs: dict[tuple[int], list] = {}
         aligned = [["tt.divisibility", 16]]
+        free = {p.num for p in getattr(self.kernel, "params", ()) if getattr(p, "do_not_specialize", False)}
         for i, name in enumerate(names):
             v = values[name]
             if i in self.kernel.constexprs:
@@ -67,6 +69,8 @@ class Launch:
                 attrs[(i,)] = aligned
             elif isinstance(v, bool):
                 sig[name] = "i1"
+            elif isinstance(v, int) and i in free:
+                sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
             elif isinstance(v, int) and v == 1:
                 sig[name], constexprs[name] = "constexpr", 1
             elif isinstance(v, int):

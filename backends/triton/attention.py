@@ -55,7 +55,7 @@ from .tiles import load_query_rows, score_scale, softmax_weights, store_item, st
 from .arrivals import arrival_counters
 from .scratch import scratch_parts
 from .tl_utils import (arrive_last, dot_config, kv_scale, kv_scale_args, launch_options, load_page,
-                       pdl_prologue)
+                       pdl_prologue, step_kernel)
 
 __all__ = ["attention_forward"]
 
@@ -328,7 +328,7 @@ def _merge_row_kernel(
         tl.store(out_ptr + t * s_ot + (h * G + g) * s_oh + offs_d * s_od, o.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@step_kernel("first_request")
 def _prefill_attention_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, num_pages, qsl_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
@@ -438,14 +438,14 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
 
         prefill_attention_forward(q, caches, topk, batch, params, out, cfg.prefill_attention, qk_scale=qk_scale,
                                   dot_dtype=dot_dtype, dot_prec=dot_prec, scale_q=scale_q, platform_options=opts,
-                                  target_programs=cfg.target_programs)
+                                  target_programs=cfg.target_programs, fast=cfg.algorithms.fast_launch)
     else:
         tiles = cfg.prefill_tiles
         rows = max(tiles.rows, next_pow2(G), 16)
         m = rows // G
         common["BN"] = min(B, tiles.block_n)
-        _prefill_attention_kernel[(npf, triton.cdiv(batch.max_prefill_query_len, m), Hkv)](
-            *tensors, batch.query_start_loc, batch.token_positions,
-            topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale, *scales,
-            ROWS=rows, M=m, UNION=cfg.algorithms.prefill_attention_union, **common,
-            num_warps=tiles.warps, num_stages=tiles.num_stages, **opts)
+        launch(_prefill_attention_kernel, (npf, triton.cdiv(batch.max_prefill_query_len, m), Hkv),
+               (*tensors, batch.query_start_loc, batch.token_positions,
+                topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale, *scales),
+               dict(ROWS=rows, M=m, UNION=cfg.algorithms.prefill_attention_union, **common),
+               dict(num_warps=tiles.warps, num_stages=tiles.num_stages, **opts), cfg.algorithms.fast_launch)

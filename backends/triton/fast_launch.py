@@ -11,7 +11,11 @@ launches of that class call its launcher with the runtime arguments only.
 A *call class* is everything Triton specializes on, so the kept binary is the
 one Triton would pick: each runtime int's value (exactly; strides and counts
 of one shape class repeat), each tensor's dtype and 16-byte alignment, the
-constexprs, the launch options and the device. The current stream is read on
+constexprs, the launch options and the device. A parameter the kernel declares
+``do_not_specialize`` (a count or offset that changes every step, such as a
+prefill's first token or block count) is compiled the same for every value of
+one integer width, so only its width (32 or 64 bits) is in the class: a step
+with new such values still launches directly. The current stream is read on
 every launch, so launches inside CUDA-graph capture are captured as usual.
 
 Falls back to ``kernel[grid](...)`` for good (per kernel) when the kernel is
@@ -40,6 +44,8 @@ __all__ = ["FastLauncher", "launch", "MAX_CLASSES"]
 
 #: call classes kept per kernel before the memory starts over
 MAX_CLASSES = 1024
+
+_I32_END = 2**31
 
 
 def _installed(hook: Any) -> bool:
@@ -101,24 +107,35 @@ class _Kernel:
         # an InterpretedFunction has no device caches; anything else that is not a JIT function
         # (a wrapper, a test's recorder) is launched as it asks to be
         self.disabled = not (hasattr(fn, "device_caches") and self.names)
-        self.split: Optional[tuple[Any, Any]] = None
+        self.split: Optional[tuple[Any, Any, Any]] = None
+        #: positions of the runtime parameters Triton does not specialize (``do_not_specialize``)
+        self.free = frozenset(p.num for p in getattr(fn, "params", ())
+                              if getattr(p, "do_not_specialize", False) and not getattr(p, "is_constexpr", True))
         #: (id(constexprs), id(options)) -> (the two dicts, their token); equal items -> one token
         self.static: dict[tuple[int, int], tuple[Any, Any, int]] = {}
         self.tokens: dict[tuple[Any, ...], int] = {}
 
     def arg_class(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """What Triton specializes the runtime arguments on (a superset): every non-tensor
-        argument's value, each tensor's dtype and 16-byte alignment. Tensors sit at the same
-        positions in every call of a kernel (found on the first); else AttributeError."""
+        argument's value but the ``do_not_specialize`` ones' (of those, whether all fit 32 bits),
+        each tensor's dtype and 16-byte alignment. Tensors sit at the same positions in every
+        call of a kernel (found on the first); else AttributeError."""
         if self.split is None:
             at_t = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-            at_o = [i for i in range(len(args)) if i not in at_t]
+            at_f = [i for i in range(len(args)) if i not in at_t and i in self.free]
+            at_o = [i for i in range(len(args)) if i not in at_t and i not in self.free]
             # itemgetter of one index returns the item, not a 1-tuple: pad with a constant position
-            self.split = (itemgetter(*at_t, *at_t[:1]), itemgetter(*at_o, *at_t[:1]) if at_o else None)
-        get_t, get_o = self.split
+            self.split = (itemgetter(*at_t, *at_t[:1]), itemgetter(*at_o, *at_t[:1]) if at_o else None,
+                          itemgetter(*at_f, at_f[0]) if at_f else None)
+        get_t, get_o, get_f = self.split
         ts = get_t(args)
+        if get_f is not None:   # Triton types an unspecialized int i32 or i64 by its value
+            f = get_f(args)
+            width = max(f) < _I32_END and min(f) >= -_I32_END
+        else:
+            width = True
         return (get_o(args)[:-1] if get_o is not None else (), tuple([t.dtype for t in ts]),
-                tuple([t.data_ptr() & 15 for t in ts]), len(args))
+                tuple([t.data_ptr() & 15 for t in ts]), len(args), width)
 
     def static_token(self, kwargs: dict[str, Any], options: dict[str, Any]) -> int:
         """A small int standing for the call's constexprs and options (the same for equal ones),

@@ -47,7 +47,7 @@ from .plans import decode_index_plan
 from .tiles import load_query_rows, token_rows
 from .arrivals import arrival_counters, capture_matters
 from .scratch import scratch
-from .tl_utils import arrive_last, dot_config, launch_options, load_page, pdl_prologue
+from .tl_utils import arrive_last, dot_config, launch_options, load_page, pdl_prologue, step_kernel
 
 __all__ = ["index_topk"]
 
@@ -258,7 +258,7 @@ def _decode_topk_kernel(
             tl.store(out_ptr + (row % H) * s_out_h + tok * s_out_t + slots * s_out_k, result, mask=slots < K)
 
 
-@triton.jit
+@step_kernel("first_request")
 def _prefill_index_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages,
     qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
@@ -300,7 +300,7 @@ def _prefill_index_kernel(
                  tl.maximum(best_i, -1), mask=row_in[:, None] & (slots < K))
 
 
-@triton.jit
+@step_kernel("first_request", "s_ws_s", "first_token")
 def _prefill_index_chunked_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages,
     qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
@@ -384,7 +384,7 @@ def _prefill_index_chunked_kernel(
                      mask=row_in[:, None])
 
 
-@triton.jit
+@step_kernel("s_ws_s", "num_rows", "first_token")
 def _prefill_index_merge_kernel(ws_ptr, s_ws_s, s_ws_t, out_ptr, s_out_h, s_out_t, s_out_k, H, num_rows,
                                 first_token, R: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
                                 SPLITS: tl.constexpr):
@@ -473,15 +473,15 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
             extra_args = (ws, ws.stride(0), ws.stride(1) if splits > 1 else 0, t0)
         else:
             extra_args = ()
-        kernel[(npf, tiles, splits)](
-            index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages,
-            batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd, *extra_args,
-            ROWS=rows, M=m, K=K, K_PAD=k_pad,
-            INIT=params.init_blocks, LOCAL=params.local_blocks, BN=min(B, pic.block_n),
-            **common, **extra,
-            num_warps=pic.warps, num_stages=pic.num_stages, **opts)
+        fast = cfg.algorithms.fast_launch
+        launch(kernel, (npf, tiles, splits),
+               (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages,
+                batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd, *extra_args),
+               dict(ROWS=rows, M=m, K=K, K_PAD=k_pad, INIT=params.init_blocks, LOCAL=params.local_blocks,
+                    BN=min(B, pic.block_n), **common, **extra),
+               dict(num_warps=pic.warps, num_stages=pic.num_stages, **opts), fast)
         if splits > 1:
             r_merge = 16
-            _prefill_index_merge_kernel[(triton.cdiv(n_rows, r_merge),)](
-                ws, ws.stride(0), ws.stride(1), out.storage, sh, st, sk, H, n_rows, t0,
-                R=r_merge, K=K, K_PAD=k_pad, SPLITS=splits, num_warps=4, **opts)
+            launch(_prefill_index_merge_kernel, (triton.cdiv(n_rows, r_merge),),
+                   (ws, ws.stride(0), ws.stride(1), out.storage, sh, st, sk, H, n_rows, t0),
+                   dict(R=r_merge, K=K, K_PAD=k_pad, SPLITS=splits), dict(num_warps=4, **opts), fast)

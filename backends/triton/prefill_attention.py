@@ -45,11 +45,12 @@ from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.params import SparseAttentionParams
 
 from .attention import _attend_block
+from .fast_launch import launch
 from .launch import next_pow2
 from .prefill_config import PrefillAttentionConfig
 from .prefill_plan import plan_pairs
 from .tiles import load_query_rows, score_scale, store_rows
-from .tl_utils import kv_scale, kv_scale_args
+from .tl_utils import kv_scale, kv_scale_args, step_kernel
 
 __all__ = ["prefill_attention_forward"]
 
@@ -84,7 +85,7 @@ def _store_partials(ws_o_ptr, ws_lse_ptr, place, G, o, lse, row_ok, D: tl.conste
     tl.store(ws_lse_ptr + first + rows, lse, mask=row_ok)
 
 
-@triton.jit
+@step_kernel("nb_max", "num_req")
 def _block_tile_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     pos_ptr, tile_seg_ptr, tile_page_ptr, tile_tok_ptr, tile_pairs_ptr, tile_place_ptr, num_tiles_ptr, ws_o_ptr,
@@ -142,7 +143,7 @@ def _run_step(q, keys_t, vals, visible, qk_scale, DOT_DTYPE: tl.constexpr, DOT_P
     return m, tl.sum(p, axis=1), tl.dot(p.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
 
 
-@triton.jit
+@step_kernel("nb_max", "num_req")
 def _block_run_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb: tl.constexpr, s_kh, s_kd: tl.constexpr,
     v_ptr, s_vp, s_vb: tl.constexpr, s_vh, s_vd: tl.constexpr,
@@ -190,7 +191,7 @@ def _block_run_kernel(
                             m_i + tl.log2(l_safe), row_ok, D)
 
 
-@triton.jit
+@step_kernel("tok0", "Tc")
 def _merge_slots_kernel(
     out_ptr, s_ot, s_oh, s_od, place_ptr, ws_o_ptr, ws_lse_ptr, tok0, Tc, G,
     D: tl.constexpr, K: tl.constexpr, G_PAD: tl.constexpr,
@@ -229,11 +230,12 @@ def _blocks(seq_len: int, block_size: int) -> int:
 def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
                               params: SparseAttentionParams, out: torch.Tensor, cfg: PrefillAttentionConfig,
                               *, qk_scale: float, dot_dtype: object, dot_prec: str, scale_q: bool,
-                              platform_options: dict, target_programs: int) -> None:
+                              platform_options: dict, target_programs: int, fast: bool = False) -> None:
     """Attention of every prefill token of the step (rows after the decode tokens) into ``out``.
 
     ``dot_dtype``, ``dot_prec``, ``scale_q``: :func:`.tl_utils.dot_config`'s choice for the
-    step's queries and K/V; ``target_programs``: two per multiprocessor (sizes the persistent grid).
+    step's queries and K/V; ``target_programs``: two per multiprocessor (sizes the persistent grid);
+    ``fast``: launch through :mod:`.fast_launch` (``Algorithms.fast_launch``).
     """
     Hkv, G, K, B, D = params.num_kv_heads, params.gqa_group, params.topk, params.block_size, params.head_dim
     td, T, nd = batch.num_decode_tokens, batch.num_tokens, batch.num_decodes
@@ -249,31 +251,29 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
     scales, kv_scaled = kv_scale_args(caches, q)
     sel = topk.head_major()
     common = dict(B=B, D=D, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, SCALE_Q=scale_q)
+    run_options = dict(num_warps=cfg.warps, **platform_options)
+    merge_options = dict(num_warps=cfg.merge_warps, **platform_options)
     for a in range(td, T, cfg.max_tokens_per_pass):
         c = min(cfg.max_tokens_per_pass, T - a)
         pairs = Hkv * c * K
         per = m * max(1, cfg.run_tiles)
         max_tiles = min(pairs, pairs // per + Hkv * nb_sum)
         plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=per, max_tiles=max_tiles,
-                          num_pages=caches.num_pages)
+                          num_pages=caches.num_pages, fast=fast)
         # partial outputs in out's dtype (q's in production): fp32 ones doubled the attention time (NOTES.md §5)
         ws_o = torch.empty((pairs, G, D), dtype=out.dtype, device=q.device)
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
         programs = max(1, min(max_tiles, target_programs // 2 * cfg.programs_per_sm))
+        args = (q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
+                plan.tile_seg, plan.tile_page, plan.tile_tok, plan.tile_pairs, plan.tile_place, plan.num_tiles,
+                ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales)
         if cfg.run_tiles:
-            _block_run_kernel[(programs,)](
-                q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
-                plan.tile_seg, plan.tile_page, plan.tile_tok, plan.tile_pairs, plan.tile_place, plan.num_tiles,
-                ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales,
-                ROWS=rows, M=m, RUN=cfg.run_tiles, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
-                num_warps=cfg.warps, **platform_options)
+            launch(_block_run_kernel, (programs,), args,
+                   dict(ROWS=rows, M=m, RUN=cfg.run_tiles, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common),
+                   run_options, fast)
         else:
-            _block_tile_kernel[(programs,)](
-                q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
-                plan.tile_seg, plan.tile_page, plan.tile_tok, plan.tile_pairs, plan.tile_place, plan.num_tiles,
-                ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales,
-                BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common,
-                num_warps=cfg.warps, **platform_options)
-        _merge_slots_kernel[(c, Hkv)](
-            out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G,
-            K=K, **_merge_sizes(G, D), num_warps=cfg.merge_warps, **platform_options)
+            launch(_block_tile_kernel, (programs,), args,
+                   dict(BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common),
+                   run_options, fast)
+        launch(_merge_slots_kernel, (c, Hkv), (out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G),
+               dict(K=K, **_merge_sizes(G, D)), merge_options, fast)

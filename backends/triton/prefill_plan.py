@@ -18,8 +18,9 @@ import triton.language as tl
 
 from mm3.contract.batch import BatchMetadata
 
+from .fast_launch import launch
 from .launch import next_pow2
-from .tl_utils import load_page
+from .tl_utils import load_page, step_kernel
 
 __all__ = ["PLAN_ROWS", "SCAN_KERNEL_MAX", "PairPlan", "plan_pairs"]
 
@@ -54,6 +55,10 @@ class PairPlan:
 #: together (one row per one-warp program waited on one atomic round trip per program)
 PLAN_ROWS = 8
 
+# launch options of the plan kernels, one object each (the fast launcher knows them by identity)
+_ONE_WARP = dict(num_warps=1)
+_EIGHT_WARPS = dict(num_warps=8)
+
 
 @triton.jit
 def _plan_rows(tc0, Tc, K: tl.constexpr, K_PAD: tl.constexpr, R: tl.constexpr):
@@ -64,7 +69,7 @@ def _plan_rows(tc0, Tc, K: tl.constexpr, K_PAD: tl.constexpr, R: tl.constexpr):
     return tc, slots, (tc[:, None] < Tc) & (slots[None, :] < K)
 
 
-@triton.jit
+@step_kernel("tok0", "Tc", "first_request", "num_req", "nb_max")
 def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, within_ptr, count_ptr,
                        tok0, Tc, first_request, num_req, nb_max, B: tl.constexpr, K: tl.constexpr,
                        K_PAD: tl.constexpr, R: tl.constexpr):
@@ -89,7 +94,7 @@ def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, w
     tl.store(within_ptr + row, tl.atomic_add(count_ptr + seg, 1, mask=ok, sem="relaxed"), mask=ok)
 
 
-@triton.jit
+@step_kernel("tok0", "Tc", "first_request", "num_req", "nb_max")
 def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, within_ptr, count_ptr, tile_base_ptr,
                        pair_base_ptr, place_ptr, tile_seg_ptr, tile_page_ptr, tile_tok_ptr, tile_pairs_ptr,
                        tile_place_ptr, tok0, Tc, first_request, num_req, nb_max, K: tl.constexpr,
@@ -118,7 +123,7 @@ def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, wi
     tl.store(tile_page_ptr + tile, page, mask=opens)
 
 
-@triton.jit
+@step_kernel("S")
 def _segment_scan_kernel(count_ptr, tile_base_ptr, pair_base_ptr, num_tiles_ptr, S, M: tl.constexpr,
                          BLOCK: tl.constexpr):
     """One program: each segment's first tile and first place (exclusive prefix sums of its tile and
@@ -144,11 +149,11 @@ SCAN_BLOCK = 4096
 
 
 def _segment_scans(count: torch.Tensor, tile_base: torch.Tensor, pair_base: torch.Tensor, num_tiles: torch.Tensor,
-                   M: int, scan_kernel_max: int) -> None:
+                   M: int, scan_kernel_max: int, fast: bool = False) -> None:
     S = count.numel()
     if S <= scan_kernel_max:
-        _segment_scan_kernel[(1,)](count, tile_base, pair_base, num_tiles, S, M=M, BLOCK=min(SCAN_BLOCK, next_pow2(S)),
-                                   num_warps=8)
+        launch(_segment_scan_kernel, (1,), (count, tile_base, pair_base, num_tiles, S),
+               dict(M=M, BLOCK=min(SCAN_BLOCK, next_pow2(S))), _EIGHT_WARPS, fast)
         return
     tiles = (count + (M - 1)) // M
     torch.cumsum(tiles, dim=0, out=tile_base).sub_(tiles)
@@ -158,7 +163,7 @@ def _segment_scans(count: torch.Tensor, tile_base: torch.Tensor, pair_base: torc
 
 def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens: int, *, nb_max: int,
                tokens_per_tile: int, max_tiles: int, num_pages: int,
-               scan_kernel_max: int = SCAN_KERNEL_MAX) -> PairPlan:
+               scan_kernel_max: int = SCAN_KERNEL_MAX, fast: bool = False) -> PairPlan:
     """Group the pairs of prefill tokens ``tok0 .. tok0 + num_tokens - 1`` by (KV head, request, block).
 
     ``sel_hm``: the step's selection ``[H, T, K]`` (any strides); ``nb_max``:
@@ -175,7 +180,8 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     Four launches (a zero fill, the count, the prefix sums, the places) into
     one allocation: at M3 TP8 the step's GPU work is a few hundred
     microseconds, and eleven more small launches made it wait on the host.
-    ``scan_kernel_max``: segments up to which the prefix sums are one kernel.
+    ``scan_kernel_max``: segments up to which the prefix sums are one kernel; ``fast``:
+    launch through :mod:`.fast_launch` (``Algorithms.fast_launch``).
     """
     H, _, K = sel_hm.shape
     M, Tc, nd, R = tokens_per_tile, num_tokens, batch.num_decodes, batch.num_prefills
@@ -188,13 +194,14 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     rows = (triton.cdiv(Tc, PLAN_ROWS), H)
     # one warp per program: with four, a row's reductions crossed warps, and the barriers were 64%
     # of the count kernel's stalls (Nsight Compute, H200, TP1)
-    _pair_count_kernel[rows](sel_hm, *sel_hm.stride(), batch.token_positions, batch.token_to_request, clean, within,
-                             count, tok0, Tc, nd, R, nb_max, B=batch.block_size, K=K, K_PAD=next_pow2(K),
-                             R=PLAN_ROWS, num_warps=1)
-    _segment_scans(count, tile_base, pair_base, num_tiles, M, scan_kernel_max)
+    launch(_pair_count_kernel, rows,
+           (sel_hm, *sel_hm.stride(), batch.token_positions, batch.token_to_request, clean, within,
+            count, tok0, Tc, nd, R, nb_max), dict(B=batch.block_size, K=K, K_PAD=next_pow2(K), R=PLAN_ROWS),
+           _ONE_WARP, fast)
+    _segment_scans(count, tile_base, pair_base, num_tiles, M, scan_kernel_max, fast)
     bt = batch.block_table
-    _pair_place_kernel[rows](bt, *bt.stride(), num_pages, batch.token_to_request, clean, within, count, tile_base,
-                             pair_base, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place,
-                             tok0, Tc, nd, R, nb_max, K=K, K_PAD=next_pow2(K), M=M, R=PLAN_ROWS,
-                             num_warps=1)
+    launch(_pair_place_kernel, rows,
+           (bt, *bt.stride(), num_pages, batch.token_to_request, clean, within, count, tile_base,
+            pair_base, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place, tok0, Tc, nd, R, nb_max),
+           dict(K=K, K_PAD=next_pow2(K), M=M, R=PLAN_ROWS), _ONE_WARP, fast)
     return PairPlan(clean, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place, num_tiles)

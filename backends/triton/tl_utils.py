@@ -16,7 +16,8 @@ import triton.language as tl
 from .launch import LaunchConfig
 
 __all__ = ["dot_config", "launch_options", "decode_launch_options", "interpreting", "pdl_enabled", "pdl_prologue",
-           "TL_DTYPES", "kv_scale_args", "kv_scale", "load_page", "arrive_last"]
+           "TL_DTYPES", "kv_scale_args", "kv_scale", "load_page", "arrive_last", "step_kernel",
+           "unspecialized_params"]
 
 try:  # programmatic dependent launch (Hopper+): Triton >= 3.4 has these
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
@@ -29,6 +30,33 @@ TL_DTYPES: dict[torch.dtype, Any] = {
     torch.bfloat16: tl.bfloat16,
     torch.float32: tl.float32,
 }
+
+
+def step_kernel(*per_step: str) -> Any:
+    """``triton.jit`` for a kernel whose parameters ``per_step`` change from one step to the next
+    (a prefill's first token, token and request counts, block count): Triton compiles them
+    unspecialized (``do_not_specialize``: no constant 1, no divisibility hint), so one binary
+    serves every step and :mod:`.fast_launch` launches it directly on later steps instead of
+    binding every argument through Triton again.
+
+    Example:
+        >>> @step_kernel("n")
+        ... def fill(x_ptr, n, B: tl.constexpr):
+        ...     tl.store(x_ptr + tl.arange(0, B), n)
+        >>> unspecialized_params(fill)
+        {'n'}
+    """
+    return triton.jit(do_not_specialize=list(per_step))
+
+
+def unspecialized_params(kernel: Any) -> set[str]:
+    """The parameters ``kernel`` declares ``do_not_specialize`` (:func:`step_kernel`), compiled or
+    interpreted (the interpreter keeps the declaration, not Triton's parameter objects)."""
+    params = getattr(kernel, "params", None)
+    if params is not None:
+        return {p.name for p in params if p.do_not_specialize}
+    names = list(getattr(kernel, "arg_names", ()))
+    return {n if isinstance(n, str) else names[n] for n in getattr(kernel, "kwargs", {}).get("do_not_specialize") or ()}
 
 
 def interpreting() -> bool:

@@ -96,3 +96,30 @@ def test_fast_launch_inside_cuda_graph_capture() -> None:
     torch.cuda.synchronize()
     assert torch.equal(topk.storage, ref_topk.storage)
     assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16))
+
+
+def test_prefill_steps_of_new_lengths_launch_directly() -> None:
+    """A prefill step's counts and offsets change every step; the kernels leave them unspecialized
+    (``tl_utils.step_kernel``), so later steps of other lengths still launch directly and write
+    what Triton's launch writes."""
+    from mm3_backends.triton import fast_launch
+
+    plain, fast = _hooks(False), _hooks(True)
+    steps = [[(2000, 2300)], [(1500, 5000), (300, 300)], [(700, 9000)]]
+    direct = []
+    for i, prefills in enumerate(steps):
+        case = make_case(P, device="cuda", seed=10 + i, prefills=prefills)
+        T = case.batch.num_tokens
+        got = []
+        for hooks in (plain, fast):
+            topk = mm3.TopkBuffer.allocate(4096, P.num_kv_heads, P.topk, layout="token_major", device="cuda")
+            out = torch.empty(T + 3, P.num_heads, P.head_dim, dtype=case.q.dtype, device="cuda")
+            run_hooks_step(hooks, P, case, topk, out)
+            torch.cuda.synchronize()
+            got.append((topk.storage.clone(), out.clone()))
+        direct.append(fast_launch._DEFAULT.stats()["direct"])
+        assert torch.equal(got[0][0], got[1][0]), f"step {i}: top-k rows differ"
+        assert torch.equal(got[0][1].view(torch.int16), got[1][1].view(torch.int16)), f"step {i}: outputs differ"
+        assert_step_right(case, P, got[1][0], got[1][1], f"step {i}")
+    # at least the pair count, pair place, run and merge launches of each later step went direct
+    assert direct[1] - direct[0] >= 4 and direct[2] - direct[1] >= 4, direct
