@@ -137,3 +137,36 @@ def test_the_page_id_flag_reads_the_host_only_while_a_check_is_in_flight() -> No
     with pytest.raises(mm3.InputError, match="block_table\\[0, 1\\] = 9"):
         flag.raise_pending()
     flag.raise_pending()                      # reported once
+
+
+def test_an_eager_layer_step_decides_the_guard_and_checks_the_page_ids_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention takes the indexer's decision (same step, batch and caches): one policy call per
+    step, and the guarded pair still runs, both hooks of it, on the first step of each kind."""
+    from mm3.runtime.step import OpTarget
+
+    calls: list[bool] = []
+    guarded: list[str] = []
+    real_first, real_att = OpTarget._first, GuardedBackend.attention_forward
+
+    def first_counted(self: OpTarget, *a: Any, **k: Any) -> bool:
+        calls.append(k["start"])
+        return real_first(self, *a, **k)
+
+    def att_counted(self: GuardedBackend, *a: Any) -> None:
+        guarded.append(a[3].kind)
+        return real_att(self, *a)
+    monkeypatch.setattr(OpTarget, "_first", first_counted)
+    monkeypatch.setattr(GuardedBackend, "attention_forward", att_counted)
+    layer = _layer()
+    kinds = [STEP, STEP, dict(decodes=[50], dtype="float32"), STEP]
+    for seed, kw in enumerate(kinds):
+        case = make_case(P, seed=seed, **kw)
+        out = torch.full_like(case.q, float("nan"))
+        got = layer(case.q, case.index_q, case.caches, case.batch, out)
+        torch.testing.assert_close(got.double(), _want(case), rtol=1e-5, atol=1e-5)
+    assert calls == [True] * len(kinds)       # the indexer's only
+    assert guarded == ["mixed", "decode"]     # the attention of each kind's first step is guarded
+    # an op called on its own still decides for itself
+    case = make_case(P, seed=9, **STEP)
+    _ops(layer, case, torch.full_like(case.q, float("nan")))
+    assert calls[-2:] == [True, False]

@@ -239,8 +239,11 @@ class SparseAttention:
         # graph is captured) and the page-id check are the target's, as for the custom ops
         graph = capturing(q)
         topk = b.rows(T)
-        b.target.run_index_topk(index_q, caches, batch, topk, graph=graph, trusted=trusted)
-        b.target.run_attention(q, caches, self._for_attention(b, topk), batch, o, graph=graph, trusted=trusted)
+        # the attention reuses the indexer's decision: the same step, batch and caches (its own
+        # page-id check would find the table the indexer's just checked or recorded)
+        guarded = b.target.run_index_topk(index_q, caches, batch, topk, graph=graph, trusted=trusted)
+        b.target.run_attention(q, caches, self._for_attention(b, topk), batch, o, graph=graph, trusted=trusted,
+                               guarded=guarded)
         if not trusted and key is not None:
             remember(b.inputs_ok, key)
         return o

@@ -168,26 +168,30 @@ class OpTarget:
 
     # -- the two ops --------------------------------------------------------------------------
     def run_index_topk(self, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata, topk: TopkBuffer,
-                       *, graph: bool, trusted: bool = False) -> None:
-        """The indexer into ``topk.rows(0, T)``; ``trusted``: the caller checked this call's class already."""
+                       *, graph: bool, trusted: bool = False) -> bool:
+        """The indexer into ``topk.rows(0, T)``; ``trusted``: the caller checked this call's class already.
+        Returns whether the step is guarded (pass it to :meth:`run_attention` of the same step)."""
         rows = topk if topk.num_tokens == batch.num_tokens else topk.rows(0, batch.num_tokens)
         args = (index_q, caches, batch, self.params, rows)
         if self._first(batch, caches, graph, start=True):
             self.indexer.index_topk(*args)
-            return
+            return True
         be = self.plain[0]  # type: ignore[index]
         self._run_plain("index_topk", (index_q, caches, batch, rows), be.index_topk, be.index_topk_unchecked,
                         args, trusted)
+        return False
 
     def run_attention(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
-                      out: torch.Tensor, *, graph: bool, trusted: bool = False) -> None:
+                      out: torch.Tensor, *, graph: bool, trusted: bool = False, guarded: Optional[bool] = None) -> None:
         """The attention of rows ``[0, T)`` of ``topk`` into ``out[:T]``; a guarded step that
-        passes marks its batch kind checked (``"first"`` mode)."""
+        passes marks its batch kind checked (``"first"`` mode). ``guarded``: what
+        :meth:`run_index_topk` returned for this eager step (same batch and caches), whose page-id
+        check then covers this call too; None, or a step being captured: decided here."""
         T = batch.num_tokens
         rows = topk if topk.num_tokens == T else topk.rows(0, T)
         o = out if out.shape[0] == T else out[:T]
         args = (q, caches, rows, batch, self.params, o)
-        if self._first(batch, caches, graph, start=False):
+        if self._first(batch, caches, graph, start=False) if guarded is None or graph else guarded:
             self.attention.attention_forward(*args)
             if self.mode == "first":
                 self.checked.add(batch.shape_class[0])
