@@ -187,8 +187,12 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     M, Tc, nd, R = tokens_per_tile, num_tokens, batch.num_decodes, batch.num_prefills
     S, rows_k = H * R * nb_max, H * Tc * K
     sizes = [S, S, S, 1, rows_k, rows_k, rows_k, max_tiles, max_tiles, max_tiles * M, max_tiles, max_tiles]
+    # every array starts on a 16-byte boundary (4 int32): the kernels' alignment class then does not
+    # change with the step's sizes, so a new step's launches stay in the fast launcher's call class
+    padded = [-(-n // 4) * 4 for n in sizes]
+    parts = torch.empty(sum(padded), device=sel_hm.device, dtype=torch.int32).split(padded)
     count, tile_base, pair_base, num_tiles, clean, within, place, tile_seg, tile_page, tile_tok, tile_pairs, \
-        tile_place = torch.empty(sum(sizes), device=sel_hm.device, dtype=torch.int32).split(sizes)
+        tile_place = (part[:n] for part, n in zip(parts, sizes))
     clean, within, place = (x.view(H, Tc, K) for x in (clean, within, place))
     count.zero_()
     rows = (triton.cdiv(Tc, PLAN_ROWS), H)
