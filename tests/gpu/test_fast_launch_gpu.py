@@ -108,7 +108,11 @@ def test_prefill_steps_of_new_lengths_launch_directly() -> None:
     steps = [[(2000, 2300)], [(1500, 5000), (300, 300)], [(700, 9000)]]
     direct = []
     for i, prefills in enumerate(steps):
-        case = make_case(P, device="cuda", seed=10 + i, prefills=prefills)
+        # as an engine's: one page count and one block-table width for every step (both are
+        # specialized launch arguments), other lengths, requests and positions
+        need = [-(-s // P.block_size) for _, s in prefills]
+        case = make_case(P, device="cuda", seed=10 + i, prefills=prefills, extra_pages=80 - sum(need),
+                         extra_block_columns=72 - max(need))
         T = case.batch.num_tokens
         got = []
         for hooks in (plain, fast):
@@ -121,5 +125,6 @@ def test_prefill_steps_of_new_lengths_launch_directly() -> None:
         assert torch.equal(got[0][0], got[1][0]), f"step {i}: top-k rows differ"
         assert torch.equal(got[0][1].view(torch.int16), got[1][1].view(torch.int16)), f"step {i}: outputs differ"
         assert_step_right(case, P, got[1][0], got[1][1], f"step {i}")
-    # at least the pair count, pair place, run and merge launches of each later step went direct
-    assert direct[1] - direct[0] >= 4 and direct[2] - direct[1] >= 4, direct
+    # the indexer, pair count, pair place, run and merge launches of each later step went direct (the
+    # scan's tile width follows the step's segment count: a new class when it crosses a power of two)
+    assert direct[1] - direct[0] >= 5 and direct[2] - direct[1] >= 5, direct
