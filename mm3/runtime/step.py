@@ -28,8 +28,11 @@ Example:
     >>> target, c, b = layer.op_target, case.caches, case.batch
     >>> out = torch.zeros_like(case.q)
     >>> for _ in range(2):     # a guarded first step of its kind, then a plain one
-    ...     target.run_index_topk(case.index_q, c, b, layer.topk_buffer, graph=False)
-    ...     target.run_attention(case.q, c, layer.topk_buffer, b, out, graph=False)
+    ...     guarded = target.run_index_topk(case.index_q, c, b, layer.topk_buffer, graph=False)
+    ...     target.run_attention(case.q, c, layer.topk_buffer, b, out, graph=False, guarded=guarded)
+    ...     print(guarded)
+    True
+    False
     >>> sorted(target.checked), len(target.accepted)
     (['mixed'], 2)
 """
