@@ -194,7 +194,9 @@ class OpTarget:
         rows = topk if topk.num_tokens == T else topk.rows(0, T)
         o = out if out.shape[0] == T else out[:T]
         args = (q, caches, rows, batch, self.params, o)
-        if self._first(batch, caches, graph, start=False) if guarded is None or graph else guarded:
+        if guarded is None or graph:
+            guarded = self._first(batch, caches, graph, start=False)
+        if guarded:
             self.attention.attention_forward(*args)
             if self.mode == "first":
                 self.checked.add(batch.shape_class[0])
