@@ -348,12 +348,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--stub", action="store_true", help="mm3's and the Triton plugin's host code alone, on the CPU")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
-                    help="instead: N layer forwards under cProfile, the top functions by own time")
+                    help="instead: N layer forwards under cProfile, the top functions by own and cumulative time")
     ap.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                     help="instead: the host time of one eager prefill step of TOKENS new tokens after "
                          "--context cached ones (cuda backend; direct vs Triton's launches)")
     a = ap.parse_args(argv)
     if a.prefill:
+        if not a.device.startswith("cuda"):
+            ap.error(f"--prefill times the cuda backend's launches and needs a CUDA device, got --device "
+                     f"{a.device}; run it on a GPU machine (or drop --prefill for the decode rows)")
         res = measure_prefill_host(a.device, a.tp, a.prefill, a.context)
         print(f"host us per eager prefill step, TP{a.tp} {a.prefill} new tokens after {a.context}, {a.device}:")
         for k, v in res.items():

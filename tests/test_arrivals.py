@@ -137,9 +137,9 @@ def test_counters_grow_but_never_move_a_buffer_in_use(monkeypatch: pytest.Monkey
     assert got[0] is graph
 
 
-def test_gpu_counters_are_made_by_a_thread_of_their_own() -> None:
-    """On a GPU the counters come from another thread (graph trees pool the calling thread's
-    allocations), whose result comes back and whose error is raised in the caller."""
+def test_in_own_thread_runs_elsewhere_returns_the_result_and_raises_the_error() -> None:
+    """The helper GPU counters and scratch are allocated through (graph trees pool the calling
+    thread's allocations): another thread runs it, its result comes back, its error is raised here."""
     from mm3_backends.triton import arrivals
 
     me = threading.get_ident()

@@ -143,7 +143,7 @@ class LaunchConfig:
         """The (token, KV head) grid fills under a quarter of the device."""
         return 4 * num_tokens * num_kv_heads <= self.target_programs
 
-    def use_merge_in_last_program(self, num_tokens: int, num_kv_heads: int, splits: int) -> bool:
+    def use_merge_in_last_program(self, splits: int) -> bool:
         """The flash-decoding merge done by the last split of each pair (``algorithms.merge_in_last_program``;
         None = this rule): with at most :data:`MERGE_LAST_MAX_SPLITS` splits.
 
@@ -158,7 +158,7 @@ class LaunchConfig:
             >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
             >>> rule = dict(merge_in_last_program=None, topk_in_last_program=None)
             >>> cfg = override(NVIDIA_LAUNCH.for_device_sms(132), algorithms=rule)
-            >>> cfg.use_merge_in_last_program(1, 4, 16), cfg.use_merge_in_last_program(64, 1, 4)
+            >>> cfg.use_merge_in_last_program(16), cfg.use_merge_in_last_program(4)   # TP1 b1, TP8 b64
             (False, True)
         """
         if self.algorithms.merge_in_last_program is not None:

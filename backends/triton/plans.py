@@ -105,7 +105,7 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
             const["BRANCHLESS"] = cfg.algorithms.decode_attention_branchless
         merge, mgrid, mconst, mopts = "", (), {}, {}
         merge_last = (splits > 1 and cfg.algorithms.decode_attention_flat
-                      and cfg.use_merge_in_last_program(td, Hkv, splits))
+                      and cfg.use_merge_in_last_program(splits))
         if cfg.algorithms.decode_attention_flat:
             const["S_PAD"] = next_pow2(splits)
             const["MERGE_LAST"] = False
