@@ -353,7 +353,7 @@ ROWS: list[Row] = [
         "request 3, block 1: block_table[3, 1] = -3 is not a page id", _block_ids_outside_cache("never", -3)),
     Row("block-id-device-flag", "PageIdFlag.raise_pending (GPU steps)",
         "a bad entry recorded on the device by an earlier step", InputError,
-        "block_table[3, 1] = -7 is not a page id in [0, 13) (seq_len 30 uses 2 blocks); the cache has "
+        "request 3, block 1: block_table[3, 1] is not a page id in [0, 13); the cache has "
         "13 pages. Build the batch with", _page_id_flag),
     # out
     Row("out-type", FORWARD, "out is not a tensor", InputError, "out must be a torch.Tensor",

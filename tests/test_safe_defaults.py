@@ -30,7 +30,7 @@ import mm3.runtime.layer as layer_module
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import BatchMetadata, Settings, SparseAttentionParams
 from mm3.contract.errors import ContractViolation, InputError
-from mm3.contract.page_ids import PageIdFlag
+from mm3.contract.page_ids import PageIdFlag, check_page_ids
 from mm3.debug import GuardedBackend
 from mm3.runtime.layer import SparseAttention
 from mm3.runtime.registry import Registry
@@ -240,16 +240,33 @@ def test_device_flag_keeps_the_first_offence_and_reports_it_once() -> None:
     flag = PageIdFlag("cpu")
     flag.record(case.batch, pages)
     flag.raise_pending()                                            # a good table: nothing
-    flag.record(_with_page(case, 0, 2, pages), pages)
     flag.record(_with_page(case, 1, 0, -4), pages)
-    with pytest.raises(InputError, match=rf"request 0, block 2: block_table\[0, 2\] = {pages} .*found on the device"):
+    flag.record(_with_page(case, 0, 2, pages), pages)               # the smaller (request, block) wins
+    with pytest.raises(InputError, match=r"request 0, block 2: block_table\[0, 2\] is not a page id .*found on the device"):
         flag.raise_pending()
     flag.raise_pending()                                            # reported once
     again = _with_page(case, 1, 0, -4)
     flag.record(again, pages)
-    flag.record(again, pages)                                       # seen: skipped, verdict kept
-    with pytest.raises(InputError, match=r"block_table\[1, 0\] = -4"):
+    with pytest.raises(InputError, match=r"block_table\[1, 0\] is not a page id"):
+        flag.raise_pending()
+    flag.record(again, pages)                                       # this batch was recorded: skipped
+    flag.check()
+    flag.record(again, pages, always=True)                          # a capture records every time
+    with pytest.raises(InputError, match=r"block_table\[1, 0\] is not a page id"):
         flag.check()
+
+
+def test_a_refilled_batch_is_checked_again() -> None:
+    """The verdict is the batch's, dropped when its tensors are refilled through ``update_``."""
+    case = _case("mixed")
+    pages = case.caches.num_pages
+    b = case.batch
+    batch = BatchMetadata.build(b.query_lens, b.seq_lens_host, b.block_table.clone(), block_size=b.block_size,
+                                num_decodes=b.num_decodes, decode_query_len=b.decode_query_len)
+    check_page_ids(batch, pages)
+    batch.update_(_with_page(case, 1, 1, pages + 5))
+    with pytest.raises(InputError, match=rf"block_table\[1, 1\] = {pages + 5}"):
+        check_page_ids(batch, pages)
 
 
 class _NoHostReads(TorchDispatchMode):
@@ -268,29 +285,5 @@ def test_device_flag_records_without_reading_a_value_on_the_host() -> None:
     flag = PageIdFlag("cpu")
     with _NoHostReads():
         flag.record(_with_page(case, 1, 0, pages + 3), pages, always=True)
-    with pytest.raises(InputError, match=rf"block_table\[1, 0\] = {pages + 3}"):
-        flag.raise_pending()
-
-
-def test_a_captured_step_checks_its_table_once_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under capture (``always``) a layer's attention skips the table its indexer just recorded;
-    an attention captured on its own, or a new table, is checked."""
-    import mm3.contract.page_ids as page_ids
-
-    case = _case("mixed")
-    bad = _with_page(case, 1, 0, -2)
-    pages = case.caches.num_pages
-    checks: list[int] = []
-    real = page_ids._bad_entries
-    monkeypatch.setattr(page_ids, "_bad_entries", lambda *a: checks.append(1) or real(*a))
-    flag = PageIdFlag("cpu")
-    flag.record(case.batch, pages, always=True, start=True)         # the step's indexer
-    flag.record(case.batch, pages, always=True, start=False)        # its attention: same table
-    assert len(checks) == 1
-    flag.record(case.batch, pages, always=True, start=False)        # an attention on its own
-    assert len(checks) == 2
-    flag.record(case.batch, pages, always=True, start=True)
-    flag.record(bad, pages, always=True, start=False)               # another table: checked
-    assert len(checks) == 4
-    with pytest.raises(InputError, match=r"block_table\[1, 0\] = -2"):
+    with pytest.raises(InputError, match=r"block_table\[1, 0\] is not a page id"):
         flag.raise_pending()

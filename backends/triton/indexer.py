@@ -33,6 +33,8 @@ uses the host-side maximum prefill length.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -47,7 +49,7 @@ from .plans import decode_index_plan
 from .tiles import load_query_rows, token_rows
 from .arrivals import arrival_counters, capture_matters
 from .scratch import scratch
-from .tl_utils import arrive_last, dot_config, launch_options, load_page, pdl_prologue, step_kernel
+from .tl_utils import arrive_last, dot_config, launch_options, load_reported_page, pdl_prologue, step_kernel
 
 __all__ = ["index_topk"]
 
@@ -127,7 +129,7 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
 
 @triton.jit
 def _decode_score_kernel(
-    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages,
+    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
     qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H, out_ptr, s_out_h, s_out_t, s_out_k, cnt_ptr,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
     BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_A: tl.constexpr = False,
@@ -150,7 +152,7 @@ def _decode_score_kernel(
             q = tl.trans(q)
         rows = tl.arange(0, ROWS)
         for b in tl.range(b0, tl.minimum(b0 + BPS, nb_req)):
-            page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
+            page = load_reported_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages, faults_ptr, r, b)
             smax = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
                                      ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A, NAN_IN_MAX)
             tl.store(ws_ptr + r * s_ws_r + rows * s_ws_row + b, smax, mask=row_ok)
@@ -260,7 +262,7 @@ def _decode_topk_kernel(
 
 @step_kernel("first_request")
 def _prefill_index_kernel(
-    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages,
+    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
     qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
@@ -278,7 +280,7 @@ def _prefill_index_kernel(
         best_i = tl.where(slots < K, -1, -2) + tl.zeros([ROWS, K_PAD], tl.int32)
         best_v = tl.full([ROWS, K_PAD], float("inf"), tl.float32)
         for b in tl.range(0, nb_max):
-            page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
+            page = load_reported_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages, faults_ptr, r, b)
             sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
                                    ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, False, NAN_IN_MAX)
             sb = _forced(sb, b, nb_row, INIT, LOCAL)
@@ -302,7 +304,7 @@ def _prefill_index_kernel(
 
 @step_kernel("first_request", "s_ws_s", "first_token")
 def _prefill_index_chunked_kernel(
-    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages,
+    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
     qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
     ws_ptr, s_ws_s, s_ws_t, first_token,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
@@ -354,7 +356,7 @@ def _prefill_index_chunked_kernel(
                 chunk = tl.full([ROWS, CH], -9223372036854775807 - 1, tl.int64)
             for j in tl.range(0, tl.minimum(CH, hi - c0)):
                 b = c0 + j
-                page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
+                page = load_reported_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages, faults_ptr, r, b)
                 sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
                                        ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A, NAN_IN_MAX, pos_min, MASK_ALL)
                 if SORTED_MERGE:
@@ -414,8 +416,12 @@ def sort_width(k: int) -> int:
 
 
 def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
-               params: SparseAttentionParams, out: TopkBuffer, cfg: LaunchConfig) -> None:
+               params: SparseAttentionParams, out: TopkBuffer, cfg: LaunchConfig,
+               page_faults: Optional[torch.Tensor] = None) -> None:
     """Run the indexer for the whole step; writes rows ``[0, batch.num_tokens)`` of ``out``.
+
+    ``page_faults``: the word the kernels lower for a bad block-table entry
+    (:func:`.tl_utils.load_reported_page`); ``None``: a scratch word nobody reads.
 
     Inputs are assumed validated (see :mod:`.checks`). Decode launches depend
     on shapes only; the prefill launch uses ``batch.max_prefill_query_len``.
@@ -425,6 +431,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     ik = caches.index
     bt = batch.block_table
     sh, st, sk = out.strides()
+    faults = page_faults if page_faults is not None else scratch(ik.device, "page-faults", (1,), torch.int64)
 
     nd = batch.num_decodes
     if nd > 0 and batch.num_decode_tokens > 0:
@@ -438,7 +445,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         counters = arrival_counters(ik.device, nd) if plan.topk_last else None
         score_constexprs = plan.score_constexprs if counters is not None else plan.score_constexprs_topk_launched
         launch(_decode_score_kernel, plan.score_grid,
-               (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, qsl, pos, ws,
+               (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults, qsl, pos, ws,
                 ws.stride(0), ws.stride(1), H, out.storage, sh, st, sk, ws if counters is None else counters),
                score_constexprs, plan.score_options, fast)
         if counters is None:   # no top-k in the score kernel: a launch of its own
@@ -475,7 +482,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
             extra_args = ()
         fast = cfg.algorithms.fast_launch
         launch(kernel, (npf, tiles, splits),
-               (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages,
+               (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults,
                 batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd, *extra_args),
                dict(ROWS=rows, M=m, K=K, K_PAD=k_pad, INIT=params.init_blocks, LOCAL=params.local_blocks,
                     BN=min(B, pic.block_n), **common, **extra),

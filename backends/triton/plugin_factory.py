@@ -140,7 +140,7 @@ class TritonPlatform:
             kv_cache_dtypes={"bfloat16", "float16", "float32", "float8_e4m3fn"},
             head_dims=SUPPORTED_TILE_SIZES, index_head_dims=SUPPORTED_TILE_SIZES,
             block_sizes=SUPPORTED_TILE_SIZES, max_topk=64, max_gqa_group=64,
-            max_decode_query_len=self.max_decode_query_len, cuda_graph_safe=True)
+            max_decode_query_len=self.max_decode_query_len, cuda_graph_safe=True, reports_bad_page_ids=True)
 
     def device_problem(self, device: torch.device) -> str:
         """Why the kernels cannot run on tensors of ``device`` ('' if they can)."""
@@ -215,13 +215,14 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
 
     @hookimpl
     def index_topk(index_q: torch.Tensor, caches: "PagedKVCache", batch: "BatchMetadata",
-                   params: "SparseAttentionParams", out: TopkBuffer) -> None:
+                   params: "SparseAttentionParams", out: TopkBuffer, page_faults: Optional[torch.Tensor]) -> None:
         checks, indexer, _ = _kernel_modules()
         # mm3's Backend checked the arguments and the declared limits; these are the plugin's own.
         checks.check_device(platform.name, caches.device, platform.device_problem)
         checks.check_index_q(platform.name, caps, index_q)
         if batch.num_tokens:
-            indexer.index_topk(index_q, caches, batch, params, out, platform.launch_config(caches.device))
+            indexer.index_topk(index_q, caches, batch, params, out, platform.launch_config(caches.device),
+                               page_faults)
 
     @hookimpl
     def attention_forward(q: torch.Tensor, caches: "PagedKVCache", topk: TopkBuffer, batch: "BatchMetadata",

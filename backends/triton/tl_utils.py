@@ -162,8 +162,8 @@ def load_page(entry_ptr, num_pages, mask=None):
     as an address after this clamp. A bad id (negative, or past the cache) then
     reads a real page of the cache, whose values are wrong but whose address is
     valid, instead of memory outside it: an illegal access would poison the
-    whole CUDA context. The bad id itself is reported by the layer's device-side
-    check at the next step (mm3/contract/page_ids.py, docs/errors.md §2.6). Cost:
+    whole CUDA context. The bad id itself is reported by the indexer
+    (:func:`load_reported_page`), which reads every used entry. Cost:
     two integer ops on a value already loaded. ``mask`` as for ``tl.load``;
     masked-off lanes give page 0.
     """
@@ -171,6 +171,18 @@ def load_page(entry_ptr, num_pages, mask=None):
         page = tl.load(entry_ptr)
     else:
         page = tl.load(entry_ptr, mask=mask, other=0)
+    return tl.maximum(tl.minimum(page, num_pages - 1), 0).to(tl.int64)
+
+
+@triton.jit
+def load_reported_page(entry_ptr, num_pages, faults_ptr, request, block):
+    """:func:`load_page` of ``block_table[request, block]`` that also reports a bad id: it lowers
+    the word at ``faults_ptr`` to ``request << 32 | block`` (mm3.contract.page_ids), so the layer
+    learns of it with no check of its own. The indexer loads every used entry: it reports for
+    the step. Cost: a compare on a value already loaded; the atomic runs only for a bad id."""
+    page = tl.load(entry_ptr)
+    if (page < 0) | (page >= num_pages):
+        tl.atomic_min(faults_ptr, request.to(tl.int64) * 4294967296 + block)
     return tl.maximum(tl.minimum(page, num_pages - 1), 0).to(tl.int64)
 
 

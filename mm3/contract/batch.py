@@ -38,7 +38,7 @@ _HOST_INTS = ("num_decode_tokens", "max_query_len", "max_seq_len", "max_prefill_
               "max_prefill_context_len")
 _TENSORS = ("query_start_loc", "seq_lens", "context_lens", "block_table", "token_to_request", "token_positions")
 #: host facts read back from the tensors' contents (dropped when the contents change in place)
-READ_BACK = ("query_lens", "seq_lens_host", "max_seq_len", "max_prefill_context_len")
+READ_BACK = ("query_lens", "seq_lens_host", "max_seq_len", "max_prefill_context_len", "page_id_verdicts")
 
 IntSeq = Union[Sequence[int], torch.Tensor]
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -130,6 +130,12 @@ class BatchMetadata:
     # Host facts are cached: every layer, backend and check of a step asks for
     # them. A batch from device tensors has the engine's host ints pre-set
     # (:meth:`assemble`) and reads the per-request lengths back only on demand.
+    @cached_property
+    def page_id_verdicts(self) -> dict:
+        """This batch's page-id checks so far, by cache size (:mod:`mm3.contract.page_ids`): a
+        memo of its contents, so dropped when they are refilled in place (``update_``...)."""
+        return {}
+
     @cached_property
     def query_lens(self) -> tuple[int, ...]:
         """Per-request query lengths on the host (a device sync for a batch from device tensors)."""
@@ -442,6 +448,7 @@ class BatchMetadata:
             if dst.shape != src.shape:
                 raise InputError(f"update_: {f} shape {tuple(src.shape)} != captured {tuple(dst.shape)}")
             dst.copy_(src)
+        self.__dict__.pop("page_id_verdicts", None)
         return self
 
     def __repr__(self) -> str:

@@ -83,6 +83,10 @@ class BackendCapabilities(_Frozen):
     max_gqa_group: Optional[int] = Field(None, ge=1)
     max_decode_query_len: int = Field(1, ge=1, description="1 + draft tokens (speculative decoding)")
     cuda_graph_safe: bool = False
+    reports_bad_page_ids: bool = Field(
+        False, description="index_topk clamps every block-table entry it loads into the cache and lowers its "
+                           "page_faults word to the first bad one (mm3.contract.page_ids), so the layer "
+                           "runs no page-id check of its own on device tables")
 
     def accepts_topk(self, layout: str, dense: bool) -> bool:
         """Can this backend's hooks use a top-k buffer in ``layout`` (``dense`` or not) as it is?

@@ -29,7 +29,7 @@ Register it under the entry-point group ``mm3.backends`` in your
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import pluggy
 
@@ -111,10 +111,18 @@ def alloc_topk_buffer(num_tokens: int, num_heads: int, topk: int,
 
 @hookspec(firstresult=True)
 def index_topk(index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
-               params: "SparseAttentionParams", out: "TopkBuffer") -> None:
+               params: "SparseAttentionParams", out: "TopkBuffer",
+               page_faults: "Optional[torch.Tensor]") -> None:
     """The indexer (docs/spec.md §3): write rows ``[0, batch.num_tokens)`` of ``out``.
 
     ``index_q`` is ``[T, Hidx, Di]``; ``out`` holds exactly the step's rows.
+    ``page_faults``: ``None``, or (for a backend that declares
+    ``reports_bad_page_ids``) a one-element int64 tensor on the batch's device:
+    lower it (atomic min) to ``request << 32 | block`` for every used
+    block-table entry that is not a page id in ``[0, caches.num_pages)``, and
+    read such an entry's page as a clamped id, never as an address outside the
+    cache. Take the argument only if you declare the capability (a hook may
+    name any subset of its spec's arguments).
     """
 
 

@@ -248,16 +248,17 @@ class GuardedBackend:
 
     # -- index_topk ------------------------------------------------------------------------------
     def index_topk(self, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
-                   params: SparseAttentionParams, out: TopkBuffer) -> None:
+                   params: SparseAttentionParams, out: TopkBuffer,
+                   page_faults: Optional[torch.Tensor] = None) -> None:
         """The wrapped indexer, with ``topk.*`` rules checked on rows ``[0, T)`` afterwards."""
         if capturing(out.storage):
-            return self.inner.index_topk(index_q, caches, batch, params, out)
+            return self.inner.index_topk(index_q, caches, batch, params, out, page_faults)
         T = batch.num_tokens
         check_block_table(batch, caches)
         step = out.rows(0, T)
         fence = Fence(out.storage, step.storage)
         step.fill_(GUARD_SENTINEL)   # what the call leaves unwritten breaks topk.unwritten
-        self.inner.index_topk(index_q, caches, batch, params, out)
+        self.inner.index_topk(index_q, caches, batch, params, out, page_faults)
 
         hm = step.head_major()
         codes = row_codes(hm, batch.token_positions, params) if T else None

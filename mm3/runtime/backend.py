@@ -11,7 +11,7 @@ calls the plugin, which checks only what is its own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -34,7 +34,7 @@ __all__ = ["Backend", "DeviceLike"]
 
 #: the arguments of each op's hookspec, in order (docs/plugins.md)
 _SPEC_ARGS: dict[Op, tuple[str, ...]] = {
-    Op.INDEX_TOPK: ("index_q", "caches", "batch", "params", "out"),
+    Op.INDEX_TOPK: ("index_q", "caches", "batch", "params", "out", "page_faults"),
     Op.ATTENTION: ("q", "caches", "topk", "batch", "params", "out"),
 }
 
@@ -172,9 +172,13 @@ class Backend:
         fn = self._ops.get(op)
         if fn is None:
             return lambda *args: self._op(op)       # raises BackendUnavailableError
-        if tuple(fn.argnames) == _SPEC_ARGS[op]:
+        names, spec = tuple(fn.argnames), _SPEC_ARGS[op]
+        if names == spec:
             return fn.function
-        return lambda *args: call_hookimpl(fn, **dict(zip(_SPEC_ARGS[op], args)))
+        if names == spec[:len(names)]:     # the spec's first arguments (a hook without page_faults)
+            f, n = fn.function, len(names)
+            return lambda *args: f(*args[:n])
+        return lambda *args: call_hookimpl(fn, **dict(zip(spec, args)))
 
     def _op(self, op: Op) -> "pluggy.HookImpl":
         fn = self._ops.get(op)
@@ -186,12 +190,18 @@ class Backend:
         return fn
 
     def index_topk(self, index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
-                   params: "SparseAttentionParams", out: TopkBuffer) -> None:
-        """The indexer (docs/spec.md §3): the arguments checked once (:mod:`mm3.contract.checks`), then the hook."""
+                   params: "SparseAttentionParams", out: TopkBuffer,
+                   page_faults: "Optional[torch.Tensor]" = None) -> None:
+        """The indexer (docs/spec.md §3): the arguments checked once (:mod:`mm3.contract.checks`), then the hook.
+
+        ``page_faults`` reaches a backend that declares ``reports_bad_page_ids`` (else ``None``).
+        """
         fn = self._op(Op.INDEX_TOPK)
         check_index_args(self._where[Op.INDEX_TOPK], index_q, caches, batch, params, out)
         self._check_declared(Op.INDEX_TOPK, index_q.dtype, caches, batch, params, out)
-        self._call(Op.INDEX_TOPK.hook, fn, index_q=index_q, caches=caches, batch=batch, params=params, out=out)
+        faults = page_faults if self.capabilities.reports_bad_page_ids else None
+        self._call(Op.INDEX_TOPK.hook, fn, index_q=index_q, caches=caches, batch=batch, params=params, out=out,
+                   page_faults=faults)
 
     def attention_forward(self, q: "torch.Tensor", caches: "PagedKVCache", topk: TopkBuffer,
                           batch: "BatchMetadata", params: "SparseAttentionParams",
@@ -203,10 +213,12 @@ class Backend:
         self._call(Op.ATTENTION.hook, fn, q=q, caches=caches, topk=topk, batch=batch, params=params, out=out)
 
     def index_topk_unchecked(self, index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
-                             params: "SparseAttentionParams", out: TopkBuffer) -> None:
-        """The plugin's ``index_topk`` hook without mm3's argument checks (see :meth:`attention_forward_unchecked`)."""
+                             params: "SparseAttentionParams", out: TopkBuffer,
+                             page_faults: "Optional[torch.Tensor]" = None) -> None:
+        """The plugin's ``index_topk`` hook without mm3's argument checks (see :meth:`attention_forward_unchecked`);
+        ``page_faults`` only for a backend that declares ``reports_bad_page_ids``."""
         try:
-            self._index_fn(index_q, caches, batch, params, out)
+            self._index_fn(index_q, caches, batch, params, out, page_faults)
         except Exception as e:
             self._reraise(e, Op.INDEX_TOPK.hook)
 

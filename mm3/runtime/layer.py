@@ -63,7 +63,7 @@ class _Bound:
     topk: TopkBuffer
     convert_to: Optional[str]  # layout the attention needs, when a per-step copy is required
     target: OpTarget           # what torch.ops.mm3.* dispatch to for this choice
-    fast: OpTarget             # the unguarded pair, no policy, no page-id check
+    fast: OpTarget             # the unguarded pair, no policy (what compiled steps run)
     #: layer-level shape classes whose inputs passed every check of the step
     inputs_ok: set[Any] = field(default_factory=set)
     _rows: dict[int, TopkBuffer] = field(default_factory=dict)
@@ -170,7 +170,8 @@ class SparseAttention:
         mode = self.settings.check_contracts
         target = OpTarget(idx, att, p, buf.layout, convert_to or buf.layout, plain=fast if mode == "first" else None,
                           mode=mode, page_ids=self._page_ids)
-        return _Bound(sel, idx, att, buf, convert_to, target, OpTarget(*fast, p, buf.layout, convert_to or buf.layout))
+        plain = OpTarget(*fast, p, buf.layout, convert_to or buf.layout, page_ids=self._page_ids)
+        return _Bound(sel, idx, att, buf, convert_to, target, plain)
 
     @property
     def selection(self) -> Selection:

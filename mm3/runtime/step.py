@@ -9,8 +9,9 @@ the same ones:
   first step of each batch kind through the contract guard (never while a CUDA
   graph is captured), then the plain pair; ``"always"`` guards every step;
   ``"never"`` none;
-* **page ids** (docs/errors.md §2.6): every block table is checked against the
-  cache once per table and version (:mod:`mm3.contract.page_ids`);
+* **page ids** (docs/errors.md §2.6): by the indexer's own kernels where its
+  backend reports bad ids (no work of mm3's), else once per batch
+  (:mod:`mm3.contract.page_ids`);
 * **argument checks, once per shape class**: the bound backend checks shapes,
   dtypes and devices (:mod:`mm3.contract.checks`); those depend only on the
   *shape class* of a call (:func:`call_class`), so a plain call of a class
@@ -128,6 +129,10 @@ class OpTarget:
             self.plain = (self.indexer, self.attention)
         # a pair that is not guarded may skip the checks of a class it ran already
         self._trusting = self.mode in ("never", "plain") or self.plain[0] is not self.indexer
+        # page ids (mm3.contract.page_ids): the indexer's kernels may report bad ones themselves, and
+        # an attention of a backend that declares it clamps every id it loads
+        self._indexer_reports = self.indexer.capabilities.reports_bad_page_ids
+        self._attention_clamps = self.attention.capabilities.reports_bad_page_ids
         with _LOCK:
             self.handle = next(_NEXT)
             _TARGETS[self.handle] = self
@@ -152,22 +157,40 @@ class OpTarget:
         return buf.rows(0, num_tokens)
 
     # -- the policy ---------------------------------------------------------------------------
-    def _first(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool, start: bool) -> bool:
-        """Whether this call runs the checked pair; checks the page ids on the way. ``start``: the
-        step's first hook (the indexer), where a bad id an earlier step recorded is raised: never
-        between a step's indexer and its attention, whose own record may land in between."""
-        if self.mode == "plain":
+    def _guarded(self, batch: BatchMetadata, graph: bool) -> bool:
+        """Whether this step runs the checked pair (``"first"``: a batch kind's first eager step)."""
+        if graph or self.mode in ("plain", "never"):
             return False
-        first = not graph and batch.shape_class[0] not in self.checked
+        return self.mode == "always" or batch.shape_class[0] not in self.checked
+
+    def _index_page_ids(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool) -> Optional[torch.Tensor]:
+        """The page-id work of a step's first hook (:mod:`mm3.contract.page_ids`): raise what an
+        earlier step found, then check this step's table the cheapest way its indexer allows.
+        Returns the word to pass to an indexer that reports bad ids itself."""
         flag = self.page_ids
-        if flag is not None:
-            if start and not graph:
-                flag.raise_pending()
-            if (first and self.mode != "never") or batch.block_table.device.type == "cpu":
-                check_page_ids(batch, caches.num_pages)       # synchronises: guarded steps do anyway
-            else:
-                flag.record(batch, caches.num_pages, always=graph, start=start)
-        return first and self.mode != "never"
+        if flag is None:
+            return None
+        if not graph:
+            flag.raise_pending()
+        if self._indexer_reports:
+            flag.num_pages = caches.num_pages
+            return flag.word
+        if batch.block_table.device.type == "cpu":
+            check_page_ids(batch, caches.num_pages)     # host memory: no device to wait for
+        else:
+            flag.record(batch, caches.num_pages, always=graph)
+        return None
+
+    def _attention_page_ids(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool) -> None:
+        """An attention that may read an id as an address gets the table checked (once per batch:
+        after its indexer's check this is a dict lookup)."""
+        flag = self.page_ids
+        if flag is None or self._attention_clamps:
+            return
+        if batch.block_table.device.type == "cpu":
+            check_page_ids(batch, caches.num_pages)
+        else:
+            flag.record(batch, caches.num_pages, always=graph)
 
     # -- the two ops --------------------------------------------------------------------------
     def run_index_topk(self, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata, topk: TopkBuffer,
@@ -175,27 +198,30 @@ class OpTarget:
         """The indexer into ``topk.rows(0, T)``; ``trusted``: the caller checked this call's class already.
         Returns whether the step is guarded (pass it to :meth:`run_attention` of the same step)."""
         rows = topk if topk.num_tokens == batch.num_tokens else topk.rows(0, batch.num_tokens)
-        args = (index_q, caches, batch, self.params, rows)
-        if self._first(batch, caches, graph, start=True):
-            self.indexer.index_topk(*args)
-            return True
-        be = self.plain[0]  # type: ignore[index]
-        self._run_plain("index_topk", (index_q, caches, batch, rows), be.index_topk, be.index_topk_unchecked,
-                        args, trusted)
-        return False
+        faults = self._index_page_ids(batch, caches, graph)
+        guarded = self._guarded(batch, graph)
+        if guarded:
+            self.indexer.index_topk(index_q, caches, batch, self.params, rows, faults)
+        else:
+            be = self.plain[0]  # type: ignore[index]
+            self._run_plain("index_topk", (index_q, caches, batch, rows), be.index_topk, be.index_topk_unchecked,
+                            (index_q, caches, batch, self.params, rows, faults), trusted)
+        if faults is not None and not graph:
+            self.page_ids.after_step()  # type: ignore[union-attr]
+        return guarded
 
     def run_attention(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
                       out: torch.Tensor, *, graph: bool, trusted: bool = False, guarded: Optional[bool] = None) -> None:
         """The attention of rows ``[0, T)`` of ``topk`` into ``out[:T]``; a guarded step that
         passes marks its batch kind checked (``"first"`` mode). ``guarded``: what
-        :meth:`run_index_topk` returned for this eager step (same batch and caches), whose page-id
-        check then covers this call too; None, or a step being captured: decided here."""
+        :meth:`run_index_topk` returned for this step (same batch and caches); None: decided here."""
         T = batch.num_tokens
         rows = topk if topk.num_tokens == T else topk.rows(0, T)
         o = out if out.shape[0] == T else out[:T]
         args = (q, caches, rows, batch, self.params, o)
-        if guarded is None or graph:
-            guarded = self._first(batch, caches, graph, start=False)
+        self._attention_page_ids(batch, caches, graph)
+        if guarded is None:
+            guarded = self._guarded(batch, graph)
         if guarded:
             self.attention.attention_forward(*args)
             if self.mode == "first":
