@@ -20,10 +20,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     _interpreter_shortcuts()  # exact, and 2x faster interpreter tests: see tests/interpreter_shortcuts.py
 
-# The contract guard (mm3.debug.guard) checks every backend call the suite makes through
-# SparseAttention; production keeps it off (the default). Tests that need the
-# default clear MM3_* variables themselves.
-os.environ.setdefault("MM3_CHECK_CONTRACTS", "1")
+# The suite runs the production default (check_contracts="first": the guard checks the first
+# step of each batch kind); a test that needs the guard on every step passes
+# Settings(check_contracts="always") itself.
 
 # The Triton plugins' names as test parameters: such a test runs the kernels, through the
 # interpreter when there is no GPU.

@@ -52,9 +52,8 @@ class _Bound:
     """One resolved choice: the backends, their bound calls and the persistent buffer.
 
     ``indexer``/``attention`` are guarded unless ``check_contracts`` is
-    ``"never"``; ``target`` runs a step on them or on the unguarded pair by the
-    guard's policy (:mod:`mm3.runtime.step`); ``fast`` is the unguarded pair
-    with no policy (what compiled steps run).
+    ``"never"``; ``target`` runs every step (eager, compiled, the custom ops) on
+    them or on the unguarded pair by the guard's policy (:mod:`mm3.runtime.step`).
     """
 
     selection: Selection
@@ -63,7 +62,6 @@ class _Bound:
     topk: TopkBuffer
     convert_to: Optional[str]  # layout the attention needs, when a per-step copy is required
     target: OpTarget           # what torch.ops.mm3.* dispatch to for this choice
-    fast: OpTarget             # the unguarded pair, no policy (what compiled steps run)
     #: layer-level shape classes whose inputs passed every check of the step
     inputs_ok: set[Any] = field(default_factory=set)
     _rows: dict[int, TopkBuffer] = field(default_factory=dict)
@@ -170,8 +168,7 @@ class SparseAttention:
         mode = self.settings.check_contracts
         target = OpTarget(idx, att, p, buf.layout, convert_to or buf.layout, plain=fast if mode == "first" else None,
                           mode=mode, page_ids=self._page_ids)
-        plain = OpTarget(*fast, p, buf.layout, convert_to or buf.layout, page_ids=self._page_ids)
-        return _Bound(sel, idx, att, buf, convert_to, target, plain)
+        return _Bound(sel, idx, att, buf, convert_to, target)
 
     @property
     def selection(self) -> Selection:
@@ -214,8 +211,8 @@ class SparseAttention:
             self._check_inputs(b, q, index_q, caches, batch, out)
             T = batch.num_tokens
             out = torch.empty_like(q) if out is None else out
-            # the guard and the page-id check need the host: compiled steps take the plain pair
-            args, c, handle = batch_args(batch), caches, b.fast.handle
+            # the ops run the layer's own target: the same policy, guard and page-id checks as eager steps
+            args, c, handle = batch_args(batch), caches, b.target.handle
             torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, b.topk.storage, *args, handle, c.k_scale,
                                      c.v_scale)
             topk = self._for_attention(b, b.topk.rows(0, T))
