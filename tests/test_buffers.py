@@ -136,3 +136,36 @@ def test_storage_whose_elements_overlap_is_refused() -> None:
     """An expand()-ed buffer would have two heads write one row: not a layout at all."""
     with pytest.raises(InputError, match="not laid out"):
         TopkBuffer(torch.zeros(1, 5, 4, dtype=torch.int32).expand(3, 5, 4), "head_major")
+
+
+@pytest.mark.parametrize("storage", ["token_major", "head_major"])
+def test_a_buffer_built_from_the_callers_view_reads_right_whatever_its_storage(storage: str) -> None:
+    """The seed's case: T == H, token-major storage behind the head-major view an engine passes.
+    The view's strides carry the layout, so the attention reads each token's own rows."""
+    import mm3
+    from mm3.runtime.registry import default_registry
+    from mm3.testing.factories import make_case
+    from mm3.testing.oracle import oracle_attention, oracle_topk
+
+    p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16, num_index_heads=2,
+                                  index_head_dim=16, block_size=16, topk=4)
+    case = make_case(p, decodes=[40], prefills=[(1, 30)], dtype="float32", seed=5)   # T == H == 2
+    sel = oracle_topk(case.index_q, case.caches, case.batch, p)
+    T, H, K = case.batch.num_tokens, p.num_kv_heads, p.topk
+    assert T == H
+    memory = torch.full((T, H, K) if storage == "token_major" else (H, T, K), -1, dtype=torch.int32)
+    view = memory.permute(1, 0, 2) if storage == "token_major" else memory
+    view.copy_(sel.head_major())
+    buf = TopkBuffer.from_view(view)
+    assert buf.layout == storage and buf.storage.data_ptr() == memory.data_ptr()
+    out = torch.full_like(case.q, float("nan"))
+    default_registry().get("cpu_ref").attention_forward(case.q, case.caches, buf, case.batch, p, out)
+    torch.testing.assert_close(out.double(), oracle_attention(case.q, case.caches, sel, case.batch, p),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_from_view_refuses_what_is_not_a_view() -> None:
+    with pytest.raises(InputError, match=r"logical \[H, T, K\] view"):
+        TopkBuffer.from_view(torch.zeros(6, 4, dtype=torch.int32))
+    with pytest.raises(InputError, match="not laid out outermost-to-innermost"):
+        TopkBuffer.from_view(torch.zeros(2, 4, 6, dtype=torch.int32).transpose(1, 2))   # slots not innermost
