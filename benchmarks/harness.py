@@ -49,7 +49,7 @@ from mm3.contract import TopkBuffer
 from mm3.contract import SparseAttentionParams
 
 from . import counts, inputs, peers, report
-from .timing import Timer, ceilings, kernel_breakdown
+from .timing import Timer, Timing, ceilings, kernel_breakdown
 
 __all__ = ["add_arguments", "run", "main", "DecodeCfg", "PrefillCfg", "full_grid", "tiny_grid"]
 
@@ -354,6 +354,29 @@ def _time_parts(ctx: Context, be: Any, p: SparseAttentionParams, sets: list[inpu
     return out
 
 
+def _time_layer(ctx: Context, p: SparseAttentionParams, c: Any, sets: list[inputs.StepInputs],
+                graph: bool) -> Timing:
+    """The public path: ``mm3.SparseAttention`` on the bench's backend, called as an engine calls it
+    (under ``torch.inference_mode()``; decode steps captured in a CUDA graph as engines capture:
+    :func:`.timing.capture_graph`), so any cost of mm3's own beside the hooks shows against ``step``."""
+    import mm3
+
+    kv = None if c.kv_dtype == "bfloat16" else inputs.INDEX_DTYPES[c.kv_dtype]
+    layer = mm3.SparseAttention(p, device=ctx.device, dtype=torch.bfloat16,
+                                index_dtype=inputs.INDEX_DTYPES[getattr(c, "index_dtype", "bfloat16")],
+                                kv_dtype=kv,
+                                max_num_tokens=max(s.batch.num_tokens for s in sets),
+                                max_decode_query_len=max(1, getattr(c, "qlen", 1)),
+                                backend=ctx.backend.name, cuda_graph=graph and ctx.gpu)
+    with torch.inference_mode():
+        for s in sets:   # each batch kind's first step is guarded: the steady state is what is timed
+            layer(s.q, s.index_q, s.caches, s.batch, out=s.out)
+        t = ctx.timer.measure([lambda s=s: layer(s.q, s.index_q, s.caches, s.batch, out=s.out) for s in sets],
+                              graph=graph)
+    layer.check_page_ids()
+    return t
+
+
 def run_decode(ctx: Context, c: DecodeCfg) -> None:
     p = ctx.shapes[c.shape]
     S = _num_sets(ctx, p, c)
@@ -386,6 +409,8 @@ def run_decode(ctx: Context, c: DecodeCfg) -> None:
                                  kv_elt=_kv_elt(c), kv_tokens=kv_tokens, q_elt=2)
 
     tm = _time_parts(ctx, be, p, sets, bufs, ("indexer", "attention", "step"), graph=True)
+    tm["layer"] = _time_layer(ctx, p, c, sets, graph=True)
+    nbytes["layer"] = nbytes["step"]
     kernels = _kernels(ctx, c, lambda: (be.index_topk(s0.index_q, s0.caches, s0.batch, p, b0),
                                         be.attention_forward(s0.q, s0.caches, b0, s0.batch, p, s0.out)))
     summary = []
@@ -536,6 +561,9 @@ def run_prefill(ctx: Context, c: PrefillCfg) -> None:
     flops = {"indexer": cnt["index_flops"], "attention": cnt["sparse_flops"],
              "step": cnt["index_flops"] + cnt["sparse_flops"]}
     tm = _time_parts(ctx, be, p, [s], [buf], c.parts, graph=False)
+    if "step" in c.parts:
+        tm["layer"] = _time_layer(ctx, p, c, [s], graph=False)
+        flops["layer"], cnt["layer_bytes"] = flops["step"], cnt["step_bytes"]
     kernels = _kernels(ctx, c, lambda: (be.index_topk(s.index_q, s.caches, s.batch, p, buf),
                                         be.attention_forward(s.q, s.caches, buf, s.batch, p, s.out)))
     summary = []

@@ -122,11 +122,9 @@ class TopkBuffer:
     def from_view(cls, view: torch.Tensor) -> "TopkBuffer":
         """Wrap the logical ``[H, T, K]`` view a caller holds; the layout is read from its strides.
 
-        What an engine passes is a head-major *view* of whatever storage it
-        allocated: a token-major ``[T, H, K]`` tensor seen through
-        ``.permute(1, 0, 2)`` (vLLM's MiniMax-M3 buffer) is a ``token_major``
-        buffer, a contiguous ``[H, T, K]`` one ``head_major``; no label is
-        given, so none can be wrong. Slots must be innermost.
+        An engine passes a head-major *view* of its storage: token-major ``[T, H, K]`` memory seen
+        through ``.permute(1, 0, 2)`` (vLLM's MiniMax-M3 buffer) is ``token_major``, contiguous
+        ``[H, T, K]`` memory ``head_major``. No label is given, so none can be wrong.
 
         Example:
             >>> storage = torch.zeros(6, 2, 4, dtype=torch.int32)        # token-major memory [T, H, K]
@@ -137,11 +135,8 @@ class TopkBuffer:
         """
         if not isinstance(view, torch.Tensor) or view.dim() != 3:
             got = tuple(view.shape) if isinstance(view, torch.Tensor) else type(view).__name__
-            raise InputError(f"TopkBuffer.from_view needs the logical [H, T, K] view (a 3-D int32 tensor), "
-                             f"got {got}")
-        H, T, _ = view.shape
-        token_major = H > 1 and T > 1 and view.stride(0) < view.stride(1)
-        if token_major:
+            raise InputError(f"TopkBuffer.from_view needs the logical [H, T, K] view (a 3-D int32 tensor), got {got}")
+        if view.shape[0] > 1 and view.shape[1] > 1 and view.stride(0) < view.stride(1):
             return cls(view.permute(1, 0, 2), "token_major")
         return cls(view, "head_major")
 

@@ -1,0 +1,81 @@
+"""The rules of one step's per-request lengths (docs/spec.md §2), checked on host lists.
+
+:class:`~mm3.contract.batch.BatchMetadata` applies them when a batch is built
+and in ``validate()``.
+
+Example:
+    >>> check_lengths([1, 1, 5], [300, 129, 5], num_decodes=2, decode_query_len=None, block_size=128,
+    ...               max_blocks=3)
+    1
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from mm3.contract.errors import InputError
+
+__all__ = ["IntSeq", "INT32_MIN", "INT32_MAX", "to_list", "check_lengths"]
+
+IntSeq = Union[Sequence[int], torch.Tensor]
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+def to_list(name: str, v: IntSeq) -> list[int]:
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 1 or v.is_floating_point():
+            raise InputError(f"{name} must be a 1-D integer tensor or list, got {v.dtype} {tuple(v.shape)}")
+        return [int(x) for x in v.tolist()]
+    try:
+        out = [int(x) for x in v]
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{name} must be a sequence of ints: {e}") from None
+    return out
+
+
+def check_lengths(ql: list[int], sl: list[int], num_decodes: int, decode_query_len: Optional[int],
+                   block_size: int, max_blocks: int) -> int:
+    """The rules of one step's per-request lengths (docs/spec.md §2); returns the decode query length."""
+    n = len(ql)
+    if not (0 <= num_decodes <= n):
+        raise InputError(f"num_decodes={num_decodes} must be in [0, {n}] (number of requests)")
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise InputError(f"block_size must be a positive int, got {block_size!r}")
+
+    for r, (q, s) in enumerate(zip(ql, sl)):
+        if q < 0 or s < 0:
+            raise InputError(f"request {r}: negative length (query_len={q}, seq_len={s})")
+        if s > INT32_MAX:
+            raise InputError(f"request {r}: seq_len {s} does not fit int32 (max {INT32_MAX})")
+    dec_q = sorted({q for q in ql[:num_decodes] if q > 0})
+    if len(dec_q) > 1:
+        raise InputError(
+            f"decode query lengths must be uniform (1, or 1 + draft tokens) or 0 for padding; "
+            f"got lengths {dec_q}; run speculative and plain decodes with the same length")
+    if decode_query_len is None:
+        decode_query_len = dec_q[0] if dec_q else 1
+    elif dec_q and dec_q[0] != decode_query_len:
+        raise InputError(f"decodes have query length {dec_q[0]} but decode_query_len={decode_query_len}")
+    if decode_query_len < 1:
+        raise InputError(f"decode_query_len must be >= 1, got {decode_query_len}")
+    for r in range(n):
+        q, s = ql[r], sl[r]
+        is_dec = r < num_decodes
+        if is_dec and s == 0:
+            continue  # padding decode
+        if not is_dec and q < 1:
+            raise InputError(f"prefill request {r} has query_len {q}; prefills need >= 1 token "
+                             f"(drop empty requests, or list them among the decodes as padding)")
+        if s < q:
+            raise InputError(f"request {r}: seq_len {s} < query_len {q}; seq_len counts the cache "
+                             f"tokens including this step's")
+
+    for r, s in enumerate(sl):
+        need = -(-s // block_size)
+        if need > max_blocks:
+            raise InputError(
+                f"request {r}: seq_len {s} needs {need} blocks of {block_size} but block_table has "
+                f"only {max_blocks} columns; widen the block table")
+    return decode_query_len

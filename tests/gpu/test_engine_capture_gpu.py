@@ -1,0 +1,104 @@
+"""A decode step captured as engines capture it, on the GPU: the plugin's kernels and nothing else.
+
+An engine warms the model up on a side stream, then captures with
+``torch.cuda.graph(g)`` (a capture stream of its own, often a memory pool shared
+between graphs), under ``torch.inference_mode()`` with its tensors made there.
+Such a capture of ``mm3.SparseAttention`` must hold the same kernels as a
+capture of the bare plugin hooks (what ``mm3 bench``'s ``hooks`` rows time): no
+torch kernels of mm3's own; its replays must match the fp64 reference with new
+inputs refilled in place; and a bad page id in a replayed step must be reported
+by ``check_page_ids()`` without faulting the GPU.
+
+Run on a CUDA machine (skips elsewhere)::
+
+    pytest tests/gpu/test_engine_capture_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import mm3
+from gpu_reference import POISON_TOPK, assert_step_right, build_case
+
+GPU = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+
+P = mm3.SparseAttentionParams.minimax_m3(tp_size=8)
+STEP = dict(decodes=[3000, 700, 4100], prefills=[])
+
+
+def _capture(fn: Callable[[], None], pool: Any) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def _kernels(g: torch.cuda.CUDAGraph) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("shared_pool", [False, True], ids=["own-pool", "shared-pool"])
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "plain"])
+def test_an_engine_capture_runs_the_plugin_kernels_only(mode: str, shared_pool: bool, batch: int) -> None:
+    ctx = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad,
+           "plain": contextlib.nullcontext}[mode]
+    with ctx():
+        decodes = STEP["decodes"][:batch]
+        case = build_case(P, decodes=decodes, prefills=[], seed=1, num_pages=200)
+        step2 = build_case(P, decodes=[d + 77 for d in decodes], prefills=[], seed=2, num_pages=200,
+                           width=case.batch.block_table.shape[1])
+        layer = mm3.SparseAttention(P, device="cuda", max_num_tokens=8, backend="cuda", cuda_graph=True)
+        idx, att = layer.op_target.plain  # type: ignore[misc]
+        buf = layer.topk_buffer
+        out = torch.full_like(case.q, float("nan"))
+        pool = torch.cuda.graph_pool_handle() if shared_pool else None
+
+        def layer_step() -> None:
+            layer(case.q, case.index_q, case.caches, case.batch, out=out)
+
+        def hooks_step() -> None:
+            rows = buf.rows(0, case.batch.num_tokens)
+            idx.index_topk_unchecked(case.index_q, case.caches, case.batch, P, rows)
+            att.attention_forward_unchecked(case.q, case.caches, rows, case.batch, P, out)
+
+        g_hooks = _capture(hooks_step, pool)
+        g_layer = _capture(layer_step, pool)
+        assert _kernels(g_layer) == _kernels(g_hooks)
+        # a replay with the next step's inputs refilled in place, into poisoned outputs
+        case.q.copy_(step2.q)
+        case.index_q.copy_(step2.index_q)
+        case.batch.update_(step2.batch)
+        buf.fill_(POISON_TOPK)
+        out.fill_(float("nan"))
+        g_layer.replay()
+        torch.cuda.synchronize()
+        assert_step_right(step2, P, buf.storage, out, f"{mode} capture")
+        layer.check_page_ids()                                   # nothing bad so far
+        case.batch.block_table[0, 1] = case.caches.num_pages + 5  # a bad id in the next replay
+        g_layer.replay()
+        torch.cuda.synchronize()
+        with pytest.raises(mm3.InputError, match=r"request 0, block 1: block_table\[0, 1\] is not a page id"):
+            layer.check_page_ids()
+        torch.cuda.synchronize()                                  # the context is still healthy
