@@ -88,3 +88,59 @@ def test_a_bad_page_id_is_reported_under_inference_mode(backend: str) -> None:
                 layer(good.q, good.index_q, good.caches, good.batch)
         got = layer(good.q, good.index_q, good.caches, good.batch)   # usable again
         torch.testing.assert_close(got.double(), _want(good), rtol=1e-5, atol=1e-5)
+
+
+def test_the_triton_indexer_takes_page_faults_by_keyword() -> None:
+    """The Triton hook takes ``page_faults`` with a default (direct callers of the plugin need not
+    pass it); the bound backend finds it in pluggy's ``HookImpl.kwargnames`` and passes it by name."""
+    from mm3.contract.hookspecs import Op
+    from mm3.runtime.backend import Backend
+    from mm3.runtime.registry import default_registry
+
+    be = default_registry().get("cuda")
+    impl = be._ops[Op.INDEX_TOPK]
+    assert tuple(impl.argnames) == ("index_q", "caches", "batch", "params", "out")
+    assert tuple(impl.kwargnames) == ("page_faults",)
+    seen: list[Any] = []
+
+    def hook(index_q: Any, caches: Any, batch: Any, params: Any, out: Any, page_faults: Any = None) -> None:
+        seen.append(page_faults)
+    spy = type(impl)(impl.plugin, impl.plugin_name, hook, impl.opts)
+    word = torch.zeros(1, dtype=torch.int64)
+    Backend(be.plugin, be.capabilities, be.source, {**be._impls, "index_topk": spy}).index_topk_unchecked(
+        None, None, None, None, None, word)
+    assert seen == [word]
+
+
+def test_a_device_table_of_a_backend_that_does_not_report_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_ref reads ids as addresses and reports nothing: for a table in device memory the layer
+    records the check itself (torch ops, no sync) and raises at the next step. CPU tensors stand in
+    for device ones here."""
+    import mm3.runtime.step as step
+
+    monkeypatch.setattr(step, "on_host", lambda batch: False)
+    layer = _layer("cpu_ref")
+    good, other = _cases(True, "plain")
+    layer(good.q, good.index_q, good.caches, good.batch)
+    b = other.batch
+    bt = b.block_table.clone()
+    bt[0, 2] = -1
+    bad = mm3.BatchMetadata.build(b.query_lens, b.seq_lens_host, bt.clamp(min=0), block_size=b.block_size,
+                                  num_decodes=b.num_decodes)
+    bad.block_table[0, 2] = -1      # after build (which would catch it): cpu_ref's gather accepts -1
+    layer(other.q, other.index_q, other.caches, bad)
+    with pytest.raises(mm3.InputError, match=r"request 0, block 2: block_table\[0, 2\] .*earlier step"):
+        layer(good.q, good.index_q, good.caches, good.batch)
+
+
+def test_the_bound_backend_refuses_an_out_of_another_dtype() -> None:
+    """Backend.attention_forward is a boundary of its own (plugins, tests and tools call it directly)."""
+    from mm3.runtime.registry import default_registry
+
+    case = make_case(P, dtype="float32", **STEPS[0])
+    be = default_registry().get("cpu_ref")
+    buf = be.alloc_topk_buffer(case.batch.num_tokens, P.num_kv_heads, P.topk, "cpu")
+    be.index_topk(case.index_q, case.caches, case.batch, P, buf)
+    out = torch.empty(case.q.shape, dtype=torch.float64)
+    with pytest.raises(mm3.InputError, match="out dtype torch.float64 differs from q's torch.float32"):
+        be.attention_forward(case.q, case.caches, buf, case.batch, P, out)

@@ -215,7 +215,8 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
 
     @hookimpl
     def index_topk(index_q: torch.Tensor, caches: "PagedKVCache", batch: "BatchMetadata",
-                   params: "SparseAttentionParams", out: TopkBuffer, page_faults: Optional[torch.Tensor]) -> None:
+                   params: "SparseAttentionParams", out: TopkBuffer,
+                   page_faults: Optional[torch.Tensor] = None) -> None:
         checks, indexer, _ = _kernel_modules()
         # mm3's Backend checked the arguments and the declared limits; these are the plugin's own.
         checks.check_device(platform.name, caches.device, platform.device_problem)

@@ -172,12 +172,16 @@ class Backend:
         fn = self._ops.get(op)
         if fn is None:
             return lambda *args: self._op(op)       # raises BackendUnavailableError
-        names, spec = tuple(fn.argnames), _SPEC_ARGS[op]
+        names, spec, f = tuple(fn.argnames), _SPEC_ARGS[op], fn.function
+        n = len(names)
         if names == spec:
-            return fn.function
-        if names == spec[:len(names)]:     # the spec's first arguments (a hook without page_faults)
-            f, n = fn.function, len(names)
-            return lambda *args: f(*args[:n])
+            return f
+        if names == spec[:n]:   # the spec's first arguments, and maybe later ones with defaults
+            rest = tuple(k for k in spec[n:] if k in fn.kwargnames)
+            if not rest:
+                return lambda *args: f(*args[:n])
+            if rest == spec[n:]:
+                return lambda *args: f(*args[:n], **dict(zip(rest, args[n:])))
         return lambda *args: call_hookimpl(fn, **dict(zip(spec, args)))
 
     def _op(self, op: Op) -> "pluggy.HookImpl":

@@ -195,10 +195,12 @@ def call_hookimpl(impl: pluggy.HookImpl, **kwargs: Any) -> Any:
     """Call one plugin's hookimpl the way pluggy does: with the arguments it names.
 
     A hookimpl may take any subset of its spec's arguments, in any order;
-    pluggy parsed its names at registration (``impl.argnames``). This is that
+    pluggy parsed its names at registration (``impl.argnames``, and
+    ``impl.kwargnames`` for those it takes with a default). This is that
     call for exactly one plugin, without a ``pm.hook`` dispatch.
     """
-    return impl.function(*[kwargs[name] for name in impl.argnames])
+    return impl.function(*[kwargs[name] for name in impl.argnames],
+                         **{name: kwargs[name] for name in impl.kwargnames if name in kwargs})
 
 
 def entry_point_source(ep: Any) -> PluginSource:

@@ -164,7 +164,7 @@ class SparseAttention:
         buf = idx.alloc_topk_buffer(self.max_num_tokens, p.num_index_heads, p.topk, self.device)
         # What runs is what the trace says: both come from the selection's verdict on this buffer.
         sel = sel.for_buffer(buf)
-        convert_to = att.capabilities.topk_layout if sel.converts_topk else None
+        convert_to = sel.topk_convert_to
         mode = self.settings.check_contracts
         target = OpTarget(idx, att, p, buf.layout, convert_to or buf.layout, plain=fast if mode == "first" else None,
                           mode=mode, page_ids=self._page_ids)

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from mm3.runtime.registry import Registry
 
 __all__ = ["TraceEntry", "Selection", "select", "requirements_for", "describe_requirements",
-           "topk_conversion_note"]
+           "topk_conversion_target"]
 
 logger = logging.getLogger("mm3")
 
@@ -109,19 +109,33 @@ class Selection:
     attention: "Backend"
     requirements: Requirements
     device: str
-    topk_conversion: Optional[str] = None
+    #: the layout the core converts the top-k buffer to before each attention call, or None
+    topk_convert_to: Optional[str] = None
+    #: the layout and density of the buffer the indexer writes (what the conversion was judged on)
+    topk_written: tuple[str, bool] = ("head_major", True)
     trace: list[TraceEntry] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
     def converts_topk(self) -> bool:
         """True when the core copies the top-k buffer into the attention's layout each step."""
-        return self.topk_conversion is not None
+        return self.topk_convert_to is not None
+
+    @property
+    def topk_conversion(self) -> Optional[str]:
+        """The trace's sentence for :attr:`topk_convert_to` (None when there is no conversion)."""
+        if self.topk_convert_to is None:
+            return None
+        layout, dense = self.topk_written
+        written = layout if dense else f"non-dense {layout}"
+        return (f"indexer {self.indexer.name!r} writes a {written} top-k buffer but attention "
+                f"{self.attention.name!r} requires a contiguous {self.topk_convert_to} one, so the core "
+                f"copies the step's rows into {self.topk_convert_to} layout before each attention call")
 
     def for_buffer(self, topk: "TopkBuffer") -> "Selection":
-        """This selection with :attr:`topk_conversion` judged on the indexer's actual buffer."""
-        return replace(self, topk_conversion=topk_conversion_note(self.indexer, self.attention, topk.layout,
-                                                             topk.is_dense()))
+        """This selection with the conversion judged on the indexer's actual buffer."""
+        return replace(self, topk_convert_to=topk_conversion_target(self.attention, topk.layout, topk.is_dense()),
+                       topk_written=(topk.layout, topk.is_dense()))
 
     def entries(self, op: str) -> list[TraceEntry]:
         """Trace entries of one op (``"attention"`` or ``"index_topk"``), in the order considered."""
@@ -281,20 +295,12 @@ def _pick(op: Op, name: Optional[str], req: Requirements, registry: "Registry",
     return chosen
 
 
-def topk_conversion_note(indexer: "Backend", attention: "Backend", layout: str, dense: bool) -> Optional[str]:
-    """What the core does to the indexer's top-k buffer (``layout``, ``dense``) for the attention.
-
-    ``None`` when the attention accepts it as it is (:meth:`BackendCapabilities.accepts_topk`),
-    else the sentence the trace shows: the core copies the step's rows into
-    the attention's layout before each call.
-    """
+def topk_conversion_target(attention: "Backend", layout: str, dense: bool) -> Optional[str]:
+    """The layout the core copies the indexer's top-k buffer (``layout``, ``dense``) into before
+    each attention call: ``None`` when the attention accepts it as it is
+    (:meth:`BackendCapabilities.accepts_topk`), else the attention's own layout."""
     att = attention.capabilities
-    if att.accepts_topk(layout, dense):
-        return None
-    written = layout if dense else f"non-dense {layout}"
-    return (f"indexer {indexer.name!r} writes a {written} top-k buffer but attention "
-            f"{attention.name!r} requires a contiguous {att.topk_layout} one, so the core "
-            f"copies the step's rows into {att.topk_layout} layout before each attention call")
+    return None if att.accepts_topk(layout, dense) else att.topk_layout
 
 
 _logged: set[str] = set()
@@ -365,8 +371,9 @@ def select(requirements: Requirements, registry: "Registry", *, backend: str = "
                         trace, notes, setting="indexer_backend")
     # Before a buffer exists, assume the indexer allocates a dense one in its declared layout;
     # SparseAttention replaces this with the verdict on the buffer it got (Selection.for_buffer).
-    conversion = topk_conversion_note(indexer, attention, indexer.capabilities.topk_layout, dense=True)
+    written = indexer.capabilities.topk_layout
+    conversion = topk_conversion_target(attention, written, dense=True)
     sel = Selection(indexer=indexer, attention=attention, requirements=requirements,
-                    device=device_str, topk_conversion=conversion, trace=trace, notes=notes)
+                    device=device_str, topk_convert_to=conversion, topk_written=(written, True), trace=trace, notes=notes)
     _log_once(sel)
     return sel

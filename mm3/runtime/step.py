@@ -75,6 +75,11 @@ def remember(seen: set[Any], key: Any) -> None:
     seen.add(key)
 
 
+def on_host(batch: BatchMetadata) -> bool:
+    """Whether ``batch``'s block table lives in host memory (its page ids are then checked there)."""
+    return batch.block_table.device.type == "cpu"
+
+
 def call_class(x: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata, topk: TopkBuffer,
                out: Optional[torch.Tensor] = None) -> tuple[Any, ...]:
     """The shape class of one hook call: everything its argument checks read, and nothing else.
@@ -175,7 +180,7 @@ class OpTarget:
         if self._indexer_reports:
             flag.num_pages = caches.num_pages
             return flag.word
-        if batch.block_table.device.type == "cpu":
+        if on_host(batch):
             check_page_ids(batch, caches.num_pages)     # host memory: no device to wait for
         else:
             flag.record(batch, caches.num_pages, always=graph)
@@ -187,7 +192,7 @@ class OpTarget:
         flag = self.page_ids
         if flag is None or self._attention_clamps:
             return
-        if batch.block_table.device.type == "cpu":
+        if on_host(batch):
             check_page_ids(batch, caches.num_pages)
         else:
             flag.record(batch, caches.num_pages, always=graph)
