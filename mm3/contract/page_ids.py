@@ -44,6 +44,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+import numpy as np
 import torch
 
 from mm3.contract.errors import InputError
@@ -90,8 +91,9 @@ def _verdicts(batch: BatchMetadata) -> dict[Any, bool]:
 def check_page_ids(batch: BatchMetadata, num_pages: int, *, hint: bool = True) -> None:
     """Raise :class:`InputError` naming request, block and id when a used entry is not a page id.
 
-    Once per batch and ``num_pages``; one host read of the result (free when
-    the table lives in host memory). ``hint``: end the message with the advice
+    Once per batch and ``num_pages``; one host read of the result (for a table
+    in host memory, a few numpy operations on it, no copy: every custom-op call
+    of an engine on the CPU pays it). ``hint``: end the message with the advice
     to pass ``num_pages`` to ``BatchMetadata.build``.
     """
     if batch.num_requests == 0 or batch.block_table.shape[1] == 0:
@@ -99,9 +101,17 @@ def check_page_ids(batch: BatchMetadata, num_pages: int, *, hint: bool = True) -
     verdicts = _verdicts(batch)
     if verdicts.get(num_pages) == "host":
         return
-    bad, bt = _bad_entries(batch, num_pages)
-    if bool(bad.any()):
-        r, b = (int(v) for v in bad.nonzero()[0])
+    if batch.block_table.device.type == "cpu":
+        bt = batch.block_table.numpy()
+        need = (batch.seq_lens.numpy().astype(np.int64) + batch.block_size - 1) // batch.block_size
+        bad = (np.arange(bt.shape[1])[None, :] < need[:, None]) & ((bt < 0) | (bt >= num_pages))
+        found = bool(bad.any())
+    else:
+        bad_t, bt_t = _bad_entries(batch, num_pages)
+        found = bool(bad_t.any())
+        bad, bt = (bad_t.cpu().numpy(), bt_t.cpu().numpy()) if found else (None, None)
+    if found:
+        r, b = (int(v) for v in np.argwhere(bad)[0])
         raise InputError(_message(r, b, int(bt[r, b]), num_pages, int(batch.seq_lens[r]), batch.block_size,
                                   hint))
     verdicts[num_pages] = "host"

@@ -11,7 +11,7 @@ calls the plugin, which checks only what is its own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from mm3.contract.buffers import PagedKVCache
     from mm3.contract.params import SparseAttentionParams
 
-__all__ = ["Backend", "DeviceLike"]
+__all__ = ["Backend", "DeviceLike", "HookCall"]
 
 #: the arguments of each op's hookspec, in order (docs/plugins.md)
 _SPEC_ARGS: dict[Op, tuple[str, ...]] = {
@@ -39,6 +39,21 @@ _SPEC_ARGS: dict[Op, tuple[str, ...]] = {
 }
 
 DeviceLike = Union[str, torch.device]
+
+
+class HookCall(NamedTuple):
+    """A plugin hook called with its spec's arguments in order: ``fn(*args[:positional])``, and
+    the next one by keyword ``keyword`` when the hook takes it with a default (``page_faults``)."""
+
+    fn: Callable[..., Any]
+    positional: int
+    keyword: Optional[str]
+
+    def __call__(self, *args: Any) -> Any:
+        n = self.positional
+        if self.keyword is None:
+            return self.fn(*args[:n])
+        return self.fn(*args[:n], **{self.keyword: args[n]})
 
 
 class Backend:
@@ -76,8 +91,9 @@ class Backend:
         self._where = {op: f"{capabilities.name}.{op.hook}" for op in Op}
         # the hook functions as positional calls (pluggy lets a hookimpl name any subset of its
         # spec's arguments, in any order: those are called by name)
-        self._index_fn = self._positional(Op.INDEX_TOPK)
-        self._attention_fn = self._positional(Op.ATTENTION)
+        #: direct calls of the plugin's two op hooks (what a plain step runs: :mod:`mm3.runtime.step`)
+        self.index_call = self._plan(Op.INDEX_TOPK)
+        self.attention_call = self._plan(Op.ATTENTION)
         self._within_limits: set[tuple[Any, ...]] = set()
 
     # -- facts ------------------------------------------------------------------
@@ -168,21 +184,19 @@ class Backend:
                 f"[H={num_heads}, T={num_tokens}, K={topk}]")
         return buf
 
-    def _positional(self, op: Op) -> Any:
+    def _plan(self, op: Op) -> "HookCall":
+        """How to call the plugin's ``op`` hook directly with its spec's arguments in order."""
         fn = self._ops.get(op)
         if fn is None:
-            return lambda *args: self._op(op)       # raises BackendUnavailableError
-        names, spec, f = tuple(fn.argnames), _SPEC_ARGS[op], fn.function
-        n = len(names)
-        if names == spec:
-            return f
-        if names == spec[:n]:   # the spec's first arguments, and maybe later ones with defaults
-            rest = tuple(k for k in spec[n:] if k in fn.kwargnames)
-            if not rest:
-                return lambda *args: f(*args[:n])
-            if rest == spec[n:]:
-                return lambda *args: f(*args[:n], **dict(zip(rest, args[n:])))
-        return lambda *args: call_hookimpl(fn, **dict(zip(spec, args)))
+            return HookCall(lambda *args: self._op(op), len(_SPEC_ARGS[op]), None)   # raises
+        names, spec, n = tuple(fn.argnames), _SPEC_ARGS[op], len(fn.argnames)
+        if names == spec[:n]:   # the spec's first arguments, and maybe the last one with a default
+            if n == len(spec) - 1 and spec[-1] in fn.kwargnames:
+                return HookCall(fn.function, n, spec[-1])
+            if not set(spec[n:]) & set(fn.kwargnames):
+                return HookCall(fn.function, n, None)
+        # any other subset or order of the arguments (pluggy allows it): called by name
+        return HookCall(lambda *args: call_hookimpl(fn, **dict(zip(spec, args))), len(spec), None)
 
     def _op(self, op: Op) -> "pluggy.HookImpl":
         fn = self._ops.get(op)
@@ -222,9 +236,9 @@ class Backend:
         """The plugin's ``index_topk`` hook without mm3's argument checks (see :meth:`attention_forward_unchecked`);
         ``page_faults`` only for a backend that declares ``reports_bad_page_ids``."""
         try:
-            self._index_fn(index_q, caches, batch, params, out, page_faults)
+            self.index_call(index_q, caches, batch, params, out, page_faults)
         except Exception as e:
-            self._reraise(e, Op.INDEX_TOPK.hook)
+            self.reraise(e, Op.INDEX_TOPK.hook)
 
     def attention_forward_unchecked(self, q: "torch.Tensor", caches: "PagedKVCache", topk: TopkBuffer,
                                     batch: "BatchMetadata", params: "SparseAttentionParams",
@@ -237,18 +251,18 @@ class Backend:
         What the hook raises is named as in the checked call.
         """
         try:
-            self._attention_fn(q, caches, topk, batch, params, out)
+            self.attention_call(q, caches, topk, batch, params, out)
         except Exception as e:
-            self._reraise(e, Op.ATTENTION.hook)
+            self.reraise(e, Op.ATTENTION.hook)
 
     def _call(self, hook: str, fn: "pluggy.HookImpl", **kwargs: Any) -> Any:
-        """The plugin's ``hook``; what it raises is named by :meth:`_reraise`."""
+        """The plugin's ``hook``; what it raises is named by :meth:`reraise`."""
         try:
             return call_hookimpl(fn, **kwargs)
         except Exception as e:
-            self._reraise(e, hook)
+            self.reraise(e, hook)
 
-    def _reraise(self, e: Exception, hook: str) -> None:
+    def reraise(self, e: Exception, hook: str) -> None:
         """Raise what the plugin's ``hook`` raised, naming this backend and the hook (docs/errors.md §6).
 
         An mm3 error keeps its class (an ``InputError`` stays one) and gains a ``"name.hook: "``

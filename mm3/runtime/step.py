@@ -204,13 +204,20 @@ class OpTarget:
         Returns whether the step is guarded (pass it to :meth:`run_attention` of the same step)."""
         rows = topk if topk.num_tokens == batch.num_tokens else topk.rows(0, batch.num_tokens)
         faults = self._index_page_ids(batch, caches, graph)
+        args = (index_q, caches, batch, self.params, rows, faults)
         guarded = self._guarded(batch, graph)
-        if guarded:
-            self.indexer.index_topk(index_q, caches, batch, self.params, rows, faults)
+        be = self.indexer if guarded else self.plain[0]  # type: ignore[index]
+        key = None if guarded else False if trusted else self._unknown("index_topk", (index_q, caches, batch, rows))
+        if guarded or key is not False:
+            be.index_topk(*args)                         # checked, then the hook
+            if key:
+                remember(self.accepted, key)
         else:
-            be = self.plain[0]  # type: ignore[index]
-            self._run_plain("index_topk", (index_q, caches, batch, rows), be.index_topk, be.index_topk_unchecked,
-                            (index_q, caches, batch, self.params, rows, faults), trusted)
+            fn, n, kw = be.index_call                    # the hook itself: this class was checked
+            try:
+                fn(*args[:n], **{kw: faults}) if kw else fn(*args[:n])
+            except Exception as e:
+                be.reraise(e, "index_topk")
         if faults is not None and not graph:
             self.page_ids.after_step()  # type: ignore[union-attr]
         return guarded
@@ -227,29 +234,29 @@ class OpTarget:
         self._attention_page_ids(batch, caches, graph)
         if guarded is None:
             guarded = self._guarded(batch, graph)
-        if guarded:
-            self.attention.attention_forward(*args)
-            if self.mode == "first":
+        be = self.attention if guarded else self.plain[1]  # type: ignore[index]
+        key = None if guarded else False if trusted else self._unknown("attention", (q, caches, batch, rows, o))
+        if guarded or key is not False:
+            be.attention_forward(*args)
+            if key:
+                remember(self.accepted, key)
+            if guarded and self.mode == "first":
                 self.checked.add(batch.shape_class[0])
-            return
-        be = self.plain[1]  # type: ignore[index]
-        self._run_plain("attention", (q, caches, batch, rows, o), be.attention_forward,
-                        be.attention_forward_unchecked, args, trusted)
-
-    def _run_plain(self, op: str, class_args: tuple[Any, ...], checked: Any, unchecked: Any,
-                   args: tuple[Any, ...], trusted: bool) -> None:
-        """``unchecked(*args)`` if this call's shape class passed ``checked``'s checks before, else
-        ``checked(*args)`` (remembering the class when it passes)."""
-        key = None
-        if self._trusting and not trusted:
+        else:
+            fn, n, _ = be.attention_call
             try:
-                key = (op, call_class(*class_args))
-            except AttributeError:   # arguments of the wrong type: the checked call names them
-                pass
-            trusted = key in self.accepted
-        if trusted:
-            unchecked(*args)
-            return
-        checked(*args)
-        if key is not None:
-            remember(self.accepted, key)
+                fn(*args[:n])
+            except Exception as e:
+                be.reraise(e, "attention_forward")
+
+    def _unknown(self, op: str, class_args: tuple[Any, ...]) -> Any:
+        """``False`` when this plain call's shape class passed its checks before (call the hook
+        directly), else the key to remember once the checked call passes (``None``: nothing to
+        remember: a guarded pair checks every call, or the arguments are of the wrong type)."""
+        if not self._trusting:
+            return None
+        try:
+            key = (op, call_class(*class_args))
+        except AttributeError:   # arguments of the wrong type: the checked call names them
+            return None
+        return False if key in self.accepted else key
