@@ -3,7 +3,7 @@
 * :mod:`.guard` - :class:`GuardedBackend`: every backend call checked against the contract;
 * :mod:`.topk_rows` - docs/spec.md §3's row format rules, vectorised over a step;
 * :mod:`.fences` - snapshots proving nothing outside a writable view changed;
-* :mod:`.inputs` - block-table entries and the finiteness of a row's inputs.
+* :mod:`.inputs` - the finiteness of an output row's inputs.
 
 ``Settings.check_contracts`` (``MM3_CHECK_CONTRACTS``) says when a layer uses it:
 ``"first"`` (default), ``"always"`` or ``"never"``; wrap one backend by hand with
@@ -13,10 +13,9 @@
 from mm3.debug.guard import (
     GUARD_SENTINEL, RULES, GuardedBackend, check_topk_allocation, guard_backend, unguarded,
 )
-from mm3.debug.inputs import check_block_table
 from mm3.debug.topk_rows import TopkRowViolation, find_topk_violation
 
 __all__ = [
     "GUARD_SENTINEL", "RULES", "GuardedBackend", "guard_backend", "unguarded", "check_topk_allocation",
-    "check_block_table", "TopkRowViolation", "find_topk_violation",
+    "TopkRowViolation", "find_topk_violation",
 ]

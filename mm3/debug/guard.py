@@ -82,7 +82,7 @@ from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import ContractViolation
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.fences import Fence, false_flag, locate, mark_unwritten, still_marked
-from mm3.debug.inputs import check_block_table, finite_inputs
+from mm3.debug.inputs import finite_inputs
 from mm3.debug.topk_rows import GUARD_SENTINEL, describe_row, row_codes
 
 __all__ = [
@@ -254,7 +254,6 @@ class GuardedBackend:
         if capturing(out.storage):
             return self.inner.index_topk(index_q, caches, batch, params, out, page_faults)
         T = batch.num_tokens
-        check_block_table(batch, caches)
         step = out.rows(0, T)
         fence = Fence(out.storage, step.storage)
         step.fill_(GUARD_SENTINEL)   # what the call leaves unwritten breaks topk.unwritten
@@ -303,7 +302,6 @@ class GuardedBackend:
                 f"topk_layout={caps.topk_layout!r} (the caller, not the backend, broke the contract)",
                 fix=f"convert it first: buf.to_layout({caps.topk_layout!r})")
         T = batch.num_tokens
-        check_block_table(batch, caches)
         shape, dtype, ptr = tuple(out.shape), out.dtype, out.data_ptr()
         out_fence = Fence(out, out[:T])
         topk_fence = Fence(topk.storage, None)

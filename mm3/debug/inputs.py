@@ -1,4 +1,4 @@
-"""Input data the backends cannot check cheaply: block-table entries, finiteness of a row's inputs."""
+"""Input data the backends cannot check cheaply: the finiteness of an output row's inputs."""
 
 from __future__ import annotations
 
@@ -6,24 +6,14 @@ import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache
-from mm3.contract.page_ids import check_page_ids
 from mm3.contract.params import SparseAttentionParams
 
-__all__ = ["check_block_table", "finite_inputs"]
+__all__ = ["finite_inputs"]
 
 
 # Largest intermediate (elements) of the lazy non-finite attribution; it only
 # runs when an output is non-finite, but must not blow up memory on a big step.
 _ATTRIBUTION_BUDGET = 1 << 24
-
-
-def check_block_table(batch: BatchMetadata, caches: PagedKVCache) -> None:
-    """Raise :class:`InputError` when a request uses a block-table entry that is not a page of ``caches``.
-
-    :func:`mm3.contract.page_ids.check_page_ids` against the cache's page
-    count: once per block table, however many hooks get it. One host sync.
-    """
-    check_page_ids(batch, caches.num_pages)
 
 
 # -- non-finite output attribution (slow path) --------------------------------------------------

@@ -168,15 +168,19 @@ class OpTarget:
             return False
         return self.mode == "always" or batch.shape_class[0] not in self.checked
 
-    def _index_page_ids(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool) -> Optional[torch.Tensor]:
+    def _index_page_ids(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool,
+                        guarded: bool) -> Optional[torch.Tensor]:
         """The page-id work of a step's first hook (:mod:`mm3.contract.page_ids`): raise what an
-        earlier step found, then check this step's table the cheapest way its indexer allows.
-        Returns the word to pass to an indexer that reports bad ids itself."""
+        earlier step found, then check this step's table the cheapest way its indexer allows (a
+        guarded step, which waits for the device anyway, on the host at once). Returns the word to
+        pass to an indexer that reports bad ids itself."""
         flag = self.page_ids
         if flag is None:
             return None
         if not graph:
             flag.raise_pending()
+        if guarded:
+            check_page_ids(batch, caches.num_pages)
         if self._indexer_reports:
             flag.num_pages = caches.num_pages
             return flag.word
@@ -186,13 +190,14 @@ class OpTarget:
             flag.record(batch, caches.num_pages, always=graph)
         return None
 
-    def _attention_page_ids(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool) -> None:
+    def _attention_page_ids(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool,
+                            guarded: bool) -> None:
         """An attention that may read an id as an address gets the table checked (once per batch:
         after its indexer's check this is a dict lookup)."""
         flag = self.page_ids
         if flag is None or self._attention_clamps:
             return
-        if on_host(batch):
+        if on_host(batch) or guarded:
             check_page_ids(batch, caches.num_pages)
         else:
             flag.record(batch, caches.num_pages, always=graph)
@@ -203,9 +208,9 @@ class OpTarget:
         """The indexer into ``topk.rows(0, T)``; ``trusted``: the caller checked this call's class already.
         Returns whether the step is guarded (pass it to :meth:`run_attention` of the same step)."""
         rows = topk if topk.num_tokens == batch.num_tokens else topk.rows(0, batch.num_tokens)
-        faults = self._index_page_ids(batch, caches, graph)
-        args = (index_q, caches, batch, self.params, rows, faults)
         guarded = self._guarded(batch, graph)
+        faults = self._index_page_ids(batch, caches, graph, guarded)
+        args = (index_q, caches, batch, self.params, rows, faults)
         be = self.indexer if guarded else self.plain[0]  # type: ignore[index]
         key = None if guarded else False if trusted else self._unknown("index_topk", (index_q, caches, batch, rows))
         if guarded or key is not False:
@@ -231,9 +236,9 @@ class OpTarget:
         rows = topk if topk.num_tokens == T else topk.rows(0, T)
         o = out if out.shape[0] == T else out[:T]
         args = (q, caches, rows, batch, self.params, o)
-        self._attention_page_ids(batch, caches, graph)
         if guarded is None:
             guarded = self._guarded(batch, graph)
+        self._attention_page_ids(batch, caches, graph, guarded)
         be = self.attention if guarded else self.plain[1]  # type: ignore[index]
         key = None if guarded else False if trusted else self._unknown("attention", (q, caches, batch, rows, o))
         if guarded or key is not False:
