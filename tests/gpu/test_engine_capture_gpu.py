@@ -17,6 +17,7 @@ Run on a CUDA machine (skips elsewhere)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable
 
 import pytest
@@ -69,6 +70,7 @@ def test_an_engine_capture_runs_the_plugin_kernels_only(mode: str, shared_pool: 
         case = build_case(P, decodes=decodes, prefills=[], seed=1, num_pages=200)
         step2 = build_case(P, decodes=[d + 77 for d in decodes], prefills=[], seed=2, num_pages=200,
                            width=case.batch.block_table.shape[1])
+        assert step2.caches.num_pages == case.caches.num_pages   # its table's ids fit the captured caches
         layer = mm3.SparseAttention(P, device="cuda", max_num_tokens=8, backend="cuda", cuda_graph=True)
         idx, att = layer.op_target.plain  # type: ignore[misc]
         buf = layer.topk_buffer
@@ -85,7 +87,8 @@ def test_an_engine_capture_runs_the_plugin_kernels_only(mode: str, shared_pool: 
 
         g_hooks = _capture(hooks_step, pool)
         g_layer = _capture(layer_step, pool)
-        assert _kernels(g_layer) == _kernels(g_hooks)
+        got, want = _kernels(g_layer), _kernels(g_hooks)
+        assert got == want, f"layer capture {got}, hooks capture {want}"
         # a replay with the next step's inputs refilled in place, into poisoned outputs
         case.q.copy_(step2.q)
         case.index_q.copy_(step2.index_q)
@@ -94,7 +97,8 @@ def test_an_engine_capture_runs_the_plugin_kernels_only(mode: str, shared_pool: 
         out.fill_(float("nan"))
         g_layer.replay()
         torch.cuda.synchronize()
-        assert_step_right(step2, P, buf.storage, out, f"{mode} capture")
+        # the replay read the captured caches: the reference reads them too
+        assert_step_right(dataclasses.replace(step2, caches=case.caches), P, buf.storage, out, f"{mode} capture")
         layer.check_page_ids()                                   # nothing bad so far
         case.batch.block_table[0, 1] = case.caches.num_pages + 5  # a bad id in the next replay
         g_layer.replay()
