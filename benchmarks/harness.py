@@ -138,6 +138,7 @@ def full_grid() -> list:
         cfgs.append(c)
 
     add(DecodeCfg("TP8", 64, 64 * K, priority=1, peers=("sdpa", "flex")))
+    add(DecodeCfg("TP1", 64, 16 * K, priority=1, peers=()))
     add(DecodeCfg("TP1", 64, 64 * K, qlen=4, priority=1, peers=("sdpa", "flex")))
     add(DecodeCfg("TP8", 64, 64 * K, index_dtype=FP8, priority=1, peers=()))
     add(PrefillCfg("TP1", 64 * K, priority=1, peers=(), parts=("indexer", "step")))
