@@ -317,7 +317,7 @@ def _check_against_reference(ctx: Context, p: SparseAttentionParams, s: inputs.S
     mine = buf.head_major()[:, rows]
     same = _row_sets_equal(mine, rbuf.head_major()[:, :n])
     out = torch.empty_like(s.q[rows])
-    mine_buf = TopkBuffer(mine.contiguous(), "head_major")
+    mine_buf = TopkBuffer(mine.contiguous())
     ref.attention_forward(s.q[rows].contiguous(), s.caches, mine_buf, sub, p, out)
     err = (out.float() - s.out[rows].float()).abs()
     return {"sel_match": float(same.float().mean().item()), "rows_checked": int(same.numel()),

@@ -56,11 +56,13 @@ def test_to_layout_converts_contents(src: str, dst: str) -> None:
 
 def test_bad_buffers_are_rejected_with_reasons() -> None:
     with pytest.raises(InputError, match="int32"):
-        TopkBuffer(torch.zeros(2, 3, 4, dtype=torch.int64), "head_major")
+        TopkBuffer(torch.zeros(2, 3, 4, dtype=torch.int64))
     with pytest.raises(InputError, match="unknown top-k layout"):
-        TopkBuffer(torch.zeros(2, 3, 4, dtype=torch.int32), "HTK")
-    with pytest.raises(InputError, match="3-D"):
-        TopkBuffer(torch.zeros(6, 4, dtype=torch.int32), "token_major")
+        TopkBuffer.allocate(3, 2, 4, layout="HTK")
+    with pytest.raises(InputError, match=r"logical \[H, T, K\] view"):
+        TopkBuffer(torch.zeros(6, 4, dtype=torch.int32))
+    with pytest.raises(InputError, match="reads the layout from its strides"):
+        TopkBuffer(torch.zeros(2, 3, 4, dtype=torch.int32), "token_major")     # no label: the memory says it
     with pytest.raises(InputError, match="cannot copy"):
         TopkBuffer.allocate(3, 2, 4).copy_(TopkBuffer.allocate(4, 2, 4))
 
@@ -68,8 +70,8 @@ def test_bad_buffers_are_rejected_with_reasons() -> None:
 def test_non_dense_view_is_reported() -> None:
     # A token-major storage wrapped with a stride gap is not dense.
     big = torch.zeros(6, 2, 8, dtype=torch.int32)
-    buf = TopkBuffer(big[:, :, :4], "token_major")
-    assert not buf.is_dense()
+    buf = TopkBuffer(big[:, :, :4].permute(1, 0, 2))
+    assert buf.layout == "token_major" and not buf.is_dense()
 
 
 def test_paged_cache_layouts() -> None:
@@ -93,32 +95,36 @@ def test_paged_cache_rejects_mismatches() -> None:
         PagedKVCache(k, k.to(torch.float16), torch.zeros(3, 16, 8))
 
 
-# -- the label is the memory order -------------------------------------------------------------------
+# -- the memory is the layout ------------------------------------------------------------------------
 
-def test_vllm_allocation_bug_is_an_error_at_construction() -> None:
-    """Token-major [T, H, K] memory handed over as a permuted head-major view (vLLM's MiniMax-M3 bug)."""
+def test_the_seeds_memory_under_either_view_gets_its_own_layout() -> None:
+    """vLLM's MiniMax-M3 bug: token-major [T, H, K] memory handed over as a head-major view. Wrapped
+    as the view it is, it is a token_major buffer; nothing else can be said of it."""
     T, H, K = 9, 2, 4
     token_major = torch.full((T, H, K), -1, dtype=torch.int32)
+    buf = TopkBuffer(token_major.permute(1, 0, 2))
+    assert buf.layout == "token_major" and buf.storage.data_ptr() == token_major.data_ptr()
+    assert buf.head_major().shape == (H, T, K) and buf.strides() == (4, 8, 1)
+    with pytest.raises(InputError, match="reads the layout from its strides"):
+        TopkBuffer(token_major.permute(1, 0, 2), "head_major")   # the label a caller might get wrong
+
+
+def test_mm3s_own_storage_form_refuses_memory_that_contradicts_the_layout() -> None:
+    """The custom ops' storage argument is wrapped in the layout the layer allocated: a permuted
+    tensor of the other layout is refused, with the view constructor as the fix."""
+    token_major = torch.full((9, 2, 4), -1, dtype=torch.int32)
     with pytest.raises(InputError) as info:
-        TopkBuffer(token_major.permute(1, 0, 2), "head_major")
-    msg = str(info.value)
-    for fragment in ("(2, 9, 4)", "(4, 8, 1)", "'head_major' label", "vLLM",
-                     "TopkBuffer.allocate(..., layout='head_major')",
-                     "TopkBuffer(tensor.permute(1, 0, 2), 'token_major')"):
-        assert fragment in msg, msg
-    # ... and the reverse mislabel; the fix the message names works
-    with pytest.raises(InputError, match="'token_major' label"):
-        TopkBuffer(torch.zeros(H, T, K, dtype=torch.int32).permute(1, 0, 2), "token_major")
-    fixed = TopkBuffer(token_major.permute(1, 0, 2).permute(1, 0, 2), "token_major")
-    assert fixed.head_major().shape == (H, T, K)
+        TopkBuffer._wrap(token_major.permute(1, 0, 2), "head_major")
+    for fragment in ("(2, 9, 4)", "(4, 8, 1)", "'head_major' storage", "vLLM", "TopkBuffer(view)"):
+        assert fragment in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
-def test_one_head_makes_both_labels_the_same_memory(layout: str) -> None:
-    """With H = 1 the head axis has no memory extent: either label is true of either storage."""
+def test_one_head_makes_both_layouts_the_same_memory(layout: str) -> None:
+    """With H = 1 the head axis has no memory extent: either layout is true of either storage."""
     other = "token_major" if layout == "head_major" else "head_major"
     buf = TopkBuffer.allocate(7, 1, 4, other)
-    relabelled = TopkBuffer(buf.storage.permute(1, 0, 2), layout)
+    relabelled = TopkBuffer._wrap(buf.storage.permute(1, 0, 2), layout)
     assert relabelled.layout == layout and relabelled.strides()[1:] == buf.strides()[1:]
 
 
@@ -127,15 +133,15 @@ def test_row_views_and_padded_storage_stay_legal(layout: str) -> None:
     buf = TopkBuffer.allocate(10, 3, 4, layout)
     for start, stop in [(0, 10), (0, 6), (3, 9), (5, 6), (4, 4), (0, 0)]:
         assert buf.rows(start, stop).rows(0, stop - start).layout == layout
-    shape = (3, 10, 8) if layout == "head_major" else (10, 3, 8)
-    padded = TopkBuffer(torch.zeros(shape, dtype=torch.int32)[:, :, :4], layout)   # honest, not dense
-    assert not padded.is_dense() and padded.rows(2, 7).num_tokens == 5
+    memory = torch.zeros((3, 10, 8) if layout == "head_major" else (10, 3, 8), dtype=torch.int32)[:, :, :4]
+    padded = TopkBuffer(memory if layout == "head_major" else memory.permute(1, 0, 2))   # honest, not dense
+    assert padded.layout == layout and not padded.is_dense() and padded.rows(2, 7).num_tokens == 5
 
 
 def test_storage_whose_elements_overlap_is_refused() -> None:
     """An expand()-ed buffer would have two heads write one row: not a layout at all."""
     with pytest.raises(InputError, match="not laid out"):
-        TopkBuffer(torch.zeros(1, 5, 4, dtype=torch.int32).expand(3, 5, 4), "head_major")
+        TopkBuffer(torch.zeros(1, 5, 4, dtype=torch.int32).expand(3, 5, 4))
 
 
 @pytest.mark.parametrize("storage", ["token_major", "head_major"])
@@ -156,7 +162,7 @@ def test_a_buffer_built_from_the_callers_view_reads_right_whatever_its_storage(s
     memory = torch.full((T, H, K) if storage == "token_major" else (H, T, K), -1, dtype=torch.int32)
     view = memory.permute(1, 0, 2) if storage == "token_major" else memory
     view.copy_(sel.head_major())
-    buf = TopkBuffer.from_view(view)
+    buf = TopkBuffer(view)
     assert buf.layout == storage and buf.storage.data_ptr() == memory.data_ptr()
     out = torch.full_like(case.q, float("nan"))
     default_registry().get("cpu_ref").attention_forward(case.q, case.caches, buf, case.batch, p, out)
@@ -166,6 +172,6 @@ def test_a_buffer_built_from_the_callers_view_reads_right_whatever_its_storage(s
 
 def test_from_view_refuses_what_is_not_a_view() -> None:
     with pytest.raises(InputError, match=r"logical \[H, T, K\] view"):
-        TopkBuffer.from_view(torch.zeros(6, 4, dtype=torch.int32))
+        TopkBuffer(torch.zeros(6, 4, dtype=torch.int32))
     with pytest.raises(InputError, match="not laid out outermost-to-innermost"):
-        TopkBuffer.from_view(torch.zeros(2, 4, 6, dtype=torch.int32).transpose(1, 2))   # slots not innermost
+        TopkBuffer(torch.zeros(2, 4, 6, dtype=torch.int32).transpose(1, 2))   # slots not innermost

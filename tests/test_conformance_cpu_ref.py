@@ -95,7 +95,7 @@ def test_suite_catches_wrong_layout_storage_only_with_several_heads() -> None:
     for layout in ("head_major", "token_major"):
         failed = _failures("wrong_layout", layout)
         assert "buffer/sentinel_rows_h2:bfloat16" in failed          # the mislabelled buffer is refused
-        assert f"as the {layout!r} label promises" in failed["buffer/sentinel_rows_h2:bfloat16"]
+        assert f"as {layout!r} storage" in failed["buffer/sentinel_rows_h2:bfloat16"]
         assert "buffer/indexer_writes_other_layout_h2:bfloat16" in failed    # the layout-blind writer
         assert "buffer/sentinel_rows_h1:bfloat16" not in failed     # one head: same memory map
         assert "indexer/mixed_h1:bfloat16" not in failed

@@ -230,7 +230,7 @@ def _attention_property(name: str, step: Step) -> None:
     p, T = case.params, case.batch.num_tokens
     sel = oracle_topk(case.index_q, case.caches, case.batch, p).to_layout(step.reader)
     topk = TopkBuffer.allocate(T + step.spare_rows, p.num_kv_heads, p.topk, step.reader, DEVICE)
-    topk.rows(0, T).copy_(TopkBuffer(sel.storage.to(DEVICE), step.reader))
+    topk.rows(0, T).copy_(TopkBuffer._wrap(sel.storage.to(DEVICE), step.reader))
     out = torch.full((T + step.spare_rows, p.num_heads, p.head_dim), float("nan"),
                      dtype=TORCH_DTYPES[step.dtype], device=DEVICE)
     with _rocm_allowed():
@@ -294,7 +294,7 @@ def test_composed_layer_matches_oracle(indexer: str, attention: str) -> None:
         sel = layer.topk_buffer.rows(0, T)
         bad = check_topk(sel, case.index_q, case.caches, case.batch, p)
         assert not bad, "\n".join(map(str, bad[:5]))
-        ref = oracle_attention(case.q, case.caches, TopkBuffer(sel.storage.cpu(), sel.layout), case.batch, p)
+        ref = oracle_attention(case.q, case.caches, TopkBuffer._wrap(sel.storage.cpu(), sel.layout), case.batch, p)
         _check_attention(out, ref, step.dtype, T)
 
     prop()

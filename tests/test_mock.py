@@ -168,7 +168,7 @@ def test_fault_wrong_layout_is_harmless_with_one_head_and_refused_with_two(layou
     assert not check_topk(full.rows(0, T), case.index_q, case.caches, case.batch, case.params)
     # two heads: the storage contradicts the label, so the buffer is never built
     be = _bind(MockBackend(f"wl_2", topk_layout=layout, fault="wrong_layout"))
-    with pytest.raises(PluginError, match=f"as the {layout!r} label promises") as info:
+    with pytest.raises(PluginError, match=f"as {layout!r} storage") as info:
         be.alloc_topk_buffer(T + 5, 2, 4, "cpu")
     assert isinstance(info.value.__cause__, InputError)
 

@@ -30,7 +30,7 @@ class PaddedIndexer(MockBackend):
         layout = self.capabilities.topk_layout
         outer = (num_heads, num_tokens) if layout == "head_major" else (num_tokens, num_heads)
         padded = torch.full((*outer, 2 * topk), -1, dtype=torch.int32, device=device)
-        return TopkBuffer(padded[..., :topk], layout)
+        return TopkBuffer._wrap(padded[..., :topk], layout)
 
 
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "padded"])

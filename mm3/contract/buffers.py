@@ -65,31 +65,49 @@ def _in_storage_order(storage: torch.Tensor) -> bool:
 
 
 class TopkBuffer:
-    """An int32 top-k buffer with a declared storage layout.
+    """An int32 top-k buffer whose memory says its layout.
 
     Logical shape is always ``[H, T, K]`` (KV head, token, slot). Storage is
     ``[H, T, K]`` for ``head_major`` and ``[T, H, K]`` for ``token_major``.
     Slots hold logical block ids (0-based) as a prefix, then ``-1``.
 
-    Construct with :meth:`allocate`, or wrap an existing tensor with
-    ``TopkBuffer(tensor, layout)`` - the layout is always explicit, and the
-    tensor's memory must be in that order (its strides are checked, no device
-    sync): a permuted view cannot pass for the other layout.
+    Construct with :meth:`allocate`, or wrap memory you hold by passing its
+    logical ``[H, T, K]`` *view*: ``TopkBuffer(view)``. The layout is read from
+    the view's strides, never from a label, so it cannot be wrong: token-major
+    ``[T, H, K]`` memory seen through ``.permute(1, 0, 2)`` (vLLM's MiniMax-M3
+    buffer) is ``token_major``, contiguous ``[H, T, K]`` memory ``head_major``.
+    Slots must be innermost (no device sync: strides only).
 
     Example:
-        >>> tm = torch.zeros(6, 2, 4, dtype=torch.int32)          # token-major memory [T, H, K]
-        >>> TopkBuffer(tm.permute(1, 0, 2), "head_major")        # doctest: +ELLIPSIS
+        >>> memory = torch.zeros(6, 2, 4, dtype=torch.int32)           # token-major memory [T, H, K]
+        >>> TopkBuffer(memory.permute(1, 0, 2)).layout
+        'token_major'
+        >>> TopkBuffer(torch.zeros(2, 6, 4, dtype=torch.int32)).layout
+        'head_major'
+        >>> TopkBuffer(memory, "head_major")                          # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        mm3.contract.errors.InputError: top-k storage of shape (2, 6, 4) has strides (4, 8, 1): ...
-        >>> TopkBuffer(tm, "token_major").head_major().shape    # say what it is: fine
-        torch.Size([2, 6, 4])
+        mm3.contract.errors.InputError: TopkBuffer takes the logical [H, T, K] view of your memory...
     """
 
     __slots__ = ("_data", "_layout")
 
-    def __init__(self, data: torch.Tensor, layout: str) -> None:
-        self._layout = _check_layout(layout)
+    def __init__(self, view: torch.Tensor, layout: Optional[str] = None) -> None:
+        if layout is not None:
+            raise InputError(
+                "TopkBuffer takes the logical [H, T, K] view of your memory, and reads the layout from its "
+                "strides (a label could contradict the memory: vLLM's MiniMax-M3 bug); for token-major "
+                "[T, H, K] memory pass memory.permute(1, 0, 2), for head-major [H, T, K] memory the tensor itself")
+        if not isinstance(view, torch.Tensor) or view.dim() != 3:
+            got = tuple(view.shape) if isinstance(view, torch.Tensor) else type(view).__name__
+            raise InputError(f"TopkBuffer needs the logical [H, T, K] view (a 3-D int32 tensor), got {got}")
+        token_major = view.shape[0] > 1 and view.shape[1] > 1 and view.stride(0) < view.stride(1)
+        self._data = self._checked(view.permute(1, 0, 2) if token_major else view,
+                                   "token_major" if token_major else "head_major")
+        self._layout: TopkLayout = "token_major" if token_major else "head_major"
+
+    @staticmethod
+    def _checked(data: torch.Tensor, layout: str) -> torch.Tensor:
         if not isinstance(data, torch.Tensor):
             raise InputError(f"TopkBuffer needs a torch.Tensor, got {type(data).__name__}")
         if data.dtype != torch.int32:
@@ -99,47 +117,29 @@ class TopkBuffer:
             raise InputError(f"top-k storage must be 3-D ({'[H, T, K]' if layout == 'head_major' else '[T, H, K]'}"
                              f" for {layout}), got shape {tuple(data.shape)}")
         if not _in_storage_order(data):
-            other = "token_major" if layout == "head_major" else "head_major"
             raise InputError(
                 f"top-k storage of shape {tuple(data.shape)} has strides {tuple(data.stride())}: its memory is "
-                f"not laid out outermost-to-innermost as the {layout!r} label promises, so a kernel that "
-                f"trusts the label would write other tokens' rows (a token_major [T, H, K] tensor permuted "
-                f"to look head_major is vLLM's MiniMax-M3 bug); allocate with "
-                f"TopkBuffer.allocate(..., layout={layout!r}), or label the memory as it is: "
-                f"TopkBuffer(tensor.permute(1, 0, 2), {other!r})")
-        self._data = data
+                f"not laid out outermost-to-innermost as {layout!r} storage, so a kernel would write other "
+                f"tokens' rows (a token_major [T, H, K] tensor permuted to look head_major is vLLM's "
+                f"MiniMax-M3 bug); allocate with TopkBuffer.allocate(..., layout={layout!r}), or wrap the "
+                f"logical [H, T, K] view of the memory: TopkBuffer(view)")
+        return data
+
+    @classmethod
+    def _wrap(cls, storage: torch.Tensor, layout: str) -> "TopkBuffer":
+        """``storage`` in ``layout``'s own order (``[T, H, K]`` for token_major), checked: for mm3's
+        code that knows the layout it allocated (the custom ops' storage argument); callers wrap views."""
+        return cls._checked_before(cls._checked(storage, _check_layout(layout)), _check_layout(layout))
 
     @classmethod
     def _checked_before(cls, data: torch.Tensor, layout: TopkLayout) -> "TopkBuffer":
-        """``TopkBuffer(data, layout)`` without the checks: for a view of a checked buffer (rows of
-        it keep its memory order) or storage of shapes and strides already checked."""
+        """:meth:`_wrap` without the checks: for a view of a checked buffer (rows of it keep its
+        memory order) or storage of shapes and strides already checked."""
         buf = object.__new__(cls)
         buf._data, buf._layout = data, layout
         return buf
 
     # -- construction ---------------------------------------------------------
-    @classmethod
-    def from_view(cls, view: torch.Tensor) -> "TopkBuffer":
-        """Wrap the logical ``[H, T, K]`` view a caller holds; the layout is read from its strides.
-
-        An engine passes a head-major *view* of its storage: token-major ``[T, H, K]`` memory seen
-        through ``.permute(1, 0, 2)`` (vLLM's MiniMax-M3 buffer) is ``token_major``, contiguous
-        ``[H, T, K]`` memory ``head_major``. No label is given, so none can be wrong.
-
-        Example:
-            >>> storage = torch.zeros(6, 2, 4, dtype=torch.int32)        # token-major memory [T, H, K]
-            >>> TopkBuffer.from_view(storage.permute(1, 0, 2)).layout
-            'token_major'
-            >>> TopkBuffer.from_view(torch.zeros(2, 6, 4, dtype=torch.int32)).layout
-            'head_major'
-        """
-        if not isinstance(view, torch.Tensor) or view.dim() != 3:
-            got = tuple(view.shape) if isinstance(view, torch.Tensor) else type(view).__name__
-            raise InputError(f"TopkBuffer.from_view needs the logical [H, T, K] view (a 3-D int32 tensor), got {got}")
-        if view.shape[0] > 1 and view.shape[1] > 1 and view.stride(0) < view.stride(1):
-            return cls(view.permute(1, 0, 2), "token_major")
-        return cls(view, "head_major")
-
     @classmethod
     def allocate(cls, num_tokens: int, num_heads: int, topk: int,
                  layout: str = "head_major",
@@ -153,7 +153,7 @@ class TopkBuffer:
                                  f"{'non-negative' if label == 'num_tokens' else 'positive'} int, got {v!r}")
         shape = (num_heads, num_tokens, topk) if layout == "head_major" else (num_tokens, num_heads, topk)
         data = torch.full(shape, fill, dtype=torch.int32, device=device)
-        return cls(data, layout)
+        return cls._checked_before(data, layout)
 
     # -- facts ------------------------------------------------------------------
     @property
@@ -251,7 +251,7 @@ class TopkBuffer:
         return out.copy_(self)
 
     def clone(self) -> "TopkBuffer":
-        return TopkBuffer(self._data.clone(), self._layout)
+        return TopkBuffer._checked_before(self._data.clone(), self._layout)
 
     def __repr__(self) -> str:
         return (f"TopkBuffer(layout={self._layout!r}, H={self.num_heads}, T={self.num_tokens}, "

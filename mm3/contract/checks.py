@@ -172,7 +172,7 @@ def check_hook_args(where: str, caches: PagedKVCache, batch: BatchMetadata, para
         raise fail(f"batch must be an mm3.BatchMetadata (BatchMetadata.build(...)), got {type(batch).__name__}")
     if not isinstance(topk, TopkBuffer):
         raise fail(f"the top-k buffer must be an mm3.TopkBuffer, got {type(topk).__name__}; allocate it with "
-                   f"backend.alloc_topk_buffer(...) or wrap a tensor: TopkBuffer(tensor, layout)")
+                   f"backend.alloc_topk_buffer(...) or wrap the logical [H, T, K] view of your memory: TopkBuffer(view)")
     if not caches.block_size == batch.block_size == params.block_size:
         raise fail(f"block sizes disagree: cache pages hold {caches.block_size} tokens, batch.block_size="
                    f"{batch.block_size}, params.block_size={params.block_size}; the sparse block is the KV "

@@ -167,7 +167,7 @@ def check_topk_allocation(buf: Any, *, layout: str, num_tokens: int, num_heads: 
     """
     if not isinstance(buf, TopkBuffer):
         raise _violation(backend, hook, "alloc.type", f"got {type(buf).__name__}",
-                         fix="wrap the tensor: TopkBuffer(tensor, layout)")
+                         fix="wrap the logical [H, T, K] view of the memory: TopkBuffer(view)")
     if buf.storage.dtype != torch.int32:
         raise _violation(backend, hook, "alloc.dtype", f"got {buf.storage.dtype}")
     want = torch.device(device)

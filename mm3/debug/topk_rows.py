@@ -138,7 +138,7 @@ def find_topk_violation(topk: TopkBuffer, batch: BatchMetadata, params: SparseAt
         >>> b = BatchMetadata.build([1, 2], [20, 2], bt, block_size=16, num_decodes=1)
         >>> p = SparseAttentionParams(num_heads=1, num_kv_heads=1, head_dim=16,
         ...     num_index_heads=1, index_head_dim=16, block_size=16, topk=2)
-        >>> buf = TopkBuffer(torch.tensor([[[1, 1], [0, -1], [0, -1]]], dtype=torch.int32), "head_major")
+        >>> buf = TopkBuffer(torch.tensor([[[1, 1], [0, -1], [0, -1]]], dtype=torch.int32))
         >>> print(find_topk_violation(buf, b, p))
         topk.unique: head 0, token 0 (decode request 0, position 19, 2 visible blocks): row [1, 1] holds [1] more than once
     """

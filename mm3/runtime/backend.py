@@ -171,7 +171,7 @@ class Backend:
             raise PluginError(
                 f"backend {self.name!r} ({self.source}): alloc_topk_buffer returned "
                 f"{type(buf).__name__}, expected mm3.TopkBuffer; wrap the tensor with "
-                f"TopkBuffer(tensor, layout) or drop the hook to use the default allocation")
+                f"TopkBuffer(view) (the logical [H, T, K] view of its memory) or drop the hook to use the default allocation")
         if buf.layout != self.capabilities.topk_layout:
             raise PluginError(
                 f"backend {self.name!r} ({self.source}): alloc_topk_buffer returned a {buf.layout} "

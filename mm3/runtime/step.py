@@ -152,12 +152,12 @@ class OpTarget:
 
     # -- the custom ops' arguments -------------------------------------------------------------
     def topk_rows(self, storage: torch.Tensor, layout: str, num_tokens: int) -> TopkBuffer:
-        """``TopkBuffer(storage, layout).rows(0, num_tokens)``, its checks run once per storage
+        """``TopkBuffer._wrap(storage, layout).rows(0, num_tokens)``, its checks run once per storage
         shape, strides, dtype and layout (what they read)."""
         key = (storage.shape, storage.stride(), storage.dtype, layout)
         if key in self._topk_ok:
             return TopkBuffer._checked_before(storage, layout).rows(0, num_tokens)
-        buf = TopkBuffer(storage, layout)
+        buf = TopkBuffer._wrap(storage, layout)
         remember(self._topk_ok, key)
         return buf.rows(0, num_tokens)
 

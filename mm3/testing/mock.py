@@ -194,7 +194,7 @@ class MockBackend:
             # Memory laid out in the other order, labelled as the declared one: TopkBuffer
             # refuses it unless one head makes both orders the same memory map.
             real = TopkBuffer.allocate(num_tokens, num_heads, topk, _other(layout), device)
-            buf = TopkBuffer(real.storage.permute(1, 0, 2), layout)
+            buf = TopkBuffer._wrap(real.storage.permute(1, 0, 2), layout)
         else:
             buf = TopkBuffer.allocate(num_tokens, num_heads, topk, layout, device)
         self.allocated.append(buf)

@@ -235,7 +235,7 @@ def assert_step_right(case: Any, params: SparseAttentionParams, topk_storage: to
     spread of prefill tokens: the selection, the attention within ``tol``, and the rows past the
     step's tokens untouched."""
     T = case.batch.num_tokens
-    sel = TopkBuffer(topk_storage, layout).rows(0, T)
+    sel = TopkBuffer._wrap(topk_storage, layout).rows(0, T)
     toks = sample_tokens(case.batch)
     errors = selection_errors(sel, block_scores(case.index_q, case.caches, case.batch, params, toks), params)
     assert not errors, f"{name}: " + "\n".join(errors[:5])
@@ -243,5 +243,5 @@ def assert_step_right(case: Any, params: SparseAttentionParams, topk_storage: to
     err = max((out[t].double() - ref[t]).abs().max().item() for t in toks)
     assert err <= tol, f"{name}: {err} from the fp64 reference"
     assert torch.isnan(out[T:]).all(), f"{name}: output rows past the step's tokens were written"
-    assert (TopkBuffer(topk_storage, layout).head_major()[:, T:] == POISON_TOPK).all(), \
+    assert (TopkBuffer._wrap(topk_storage, layout).head_major()[:, T:] == POISON_TOPK).all(), \
         f"{name}: top-k rows past the step's tokens were written"
