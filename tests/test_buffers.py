@@ -170,7 +170,7 @@ def test_a_buffer_built_from_the_callers_view_reads_right_whatever_its_storage(s
                                rtol=1e-6, atol=1e-6)
 
 
-def test_from_view_refuses_what_is_not_a_view() -> None:
+def test_what_is_not_a_view_is_refused() -> None:
     with pytest.raises(InputError, match=r"logical \[H, T, K\] view"):
         TopkBuffer(torch.zeros(6, 4, dtype=torch.int32))
     with pytest.raises(InputError, match="not laid out outermost-to-innermost"):
