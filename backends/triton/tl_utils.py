@@ -64,6 +64,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+if interpreting():   # every kernel module imports this one: bf16 is right before any kernel runs
+    from .interpreter import install as _install_interpreter_fixes
+
+    _install_interpreter_fixes()
+
+
 def dot_config(a: torch.dtype, b: torch.dtype, fp8_as_f16: bool = False) -> tuple[Any, str, bool]:
     """``(operand dtype, input_precision, SCALE_Q)`` for a ``tl.dot`` of an ``a`` tile with a ``b`` tile.
 
