@@ -75,8 +75,10 @@ def test_last_program_matches_separate_launches(layout: str, q_len: int, h: int,
     assert _counters_sum() == 0
     # the separate merge as the per-KV-head kernel, whose code (merge_splits) the last program runs
     # (the per-row kernel sums the splits in another order: the same bits only by chance)
-    separate = override(fused, algorithms=dict(SEPARATE["algorithms"], merge_per_row=False))
-    sel_s, out_s, launched_s = _run(separate, case, p, layout)
+    separate = override(fused, **SEPARATE)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(separate), "use_merge_per_row", lambda self, num_tokens, num_kv_heads: False)
+        sel_s, out_s, launched_s = _run(separate, case, p, layout)
     assert "_decode_topk_kernel" not in launched_f and "_decode_topk_kernel" in launched_s
     assert "_merge_kernel" in launched_s and not [n for n in launched_f if n.startswith("_merge")]
     assert torch.equal(sel_f, sel_s)

@@ -122,9 +122,8 @@ def test_the_prefill_kernels_leave_their_per_step_counts_unspecialized() -> None
                 prefill_plan._pair_place_kernel: {"tok0", "Tc", "first_request", "num_req", "nb_max"},
                 prefill_plan._segment_scan_kernel: {"S"},
                 prefill_attention._block_run_kernel: {"nb_max", "num_req"},
-                prefill_attention._block_tile_kernel: {"nb_max", "num_req"},
                 prefill_attention._merge_slots_kernel: {"tok0", "Tc"},
-                indexer._prefill_index_chunked_kernel: {"first_request", "s_ws_s", "first_token"},
+                indexer._prefill_index_kernel: {"first_request", "s_ws_s", "first_token"},
                 indexer._prefill_index_merge_kernel: {"s_ws_s", "num_rows", "first_token"},
                 attention._prefill_attention_kernel: {"first_request"}}
     for kernel, names in per_step.items():

@@ -37,8 +37,7 @@ PATHS = {
     "sorted": (dict(sorted_merge=True), {}),
     "stride": (dict(static_key_stride=True), {}),
     "all": (ALL, {}),
-    # the keys as the dot's A operand (the transposed mask), and the tiles split over programs
-    "all_keys_a": (ALL, dict(algorithms=dict(index_keys_as_a=True))),
+    # the tiles split over programs
     "all_splits": (dict(ALL, max_splits=2), dict(target_programs=256)),
 }
 
@@ -83,10 +82,10 @@ def _select(case, p: SparseAttentionParams, fields: dict, other: dict) -> torch.
 
 
 @pytest.mark.parametrize("kind, paths", [
-    ("random", ["all_splits"]),   # one flag at a time, all three, keys as A: the cases below
+    ("random", ["all_splits"]),   # one flag at a time and all three: the cases below
     ("local", ["sorted", "all"]),
     ("ties", ["sorted", "all_splits"]),
-    ("nan", ["unmasked", "all_keys_a"]),
+    ("nan", ["unmasked", "all"]),
     ("strided", ["stride", "all"]),
 ])
 def test_optional_paths_equal_the_plain_kernel(kind: str, paths: list[str]) -> None:

@@ -279,21 +279,22 @@ def test_rocm_probe_on_non_rocm_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not probe.available and rocm_plugin.ALLOW_NON_ROCM_ENV in probe.reason
 
 
-# Every kernel path a LaunchConfig can select, so none of them is only ever run on a GPU:
-# the pre-tuning paths ("legacy") and each opt-in alternative, against the fp64 oracle.
+# Every kernel path a LaunchConfig can select, so none of them is only ever run on a GPU, against
+# the fp64 oracle.
 KERNEL_PATHS = {
-    # prefill_attention=None: the token-tile prefill kernel (the rocm plugin's path)
-    "legacy": dict(algorithms=dict(decode_attention_branchless=False, topk_sort=False, decode_attention_flat=False),
-                   decode_attention=dict(programs_factor=1), prefill_index=dict(chunk=0),
-                   numerics=dict(nan_in_max=False), prefill_attention=None),
     "defaults": {},
-    "alternatives": dict(algorithms=dict(merge_per_row=True, index_keys_as_a=True, prefill_attention_union=True,
-                                         decode_attention_flat=False),
-                         decode_attention=dict(programs_factor=8, stages=3), decode_index=dict(programs_factor=4),
-                         prefill_index=dict(chunk=16), prefill_attention=None),
+    # the rocm plugin's kernels: the grid decode attention, the token-tile prefill attention, the
+    # NaN count beside the max, one decode split per program's worth of work
+    "grid_decode+token_tiles": dict(algorithms=dict(decode_attention_flat=False), numerics=dict(nan_in_max=False),
+                                    decode_attention=dict(programs_factor=1), prefill_attention=None),
+    # the grid decode attention split over the selection (the merge kernels), a deeper pipeline,
+    # many indexer splits, short prefill-index chunks
+    "grid_decode_split": dict(algorithms=dict(decode_attention_flat=False),
+                              decode_attention=dict(programs_factor=8, stages=3), decode_index=dict(programs_factor=4),
+                              prefill_index=dict(chunk=16), prefill_attention=None),
     # persistent decode attention (items straddling programs, several splits), NaN-carrying max,
     # deeper indexer pipeline, prefill key tiles of their own size
-    "flat_attention": dict(algorithms=dict(decode_attention_flat=True, index_keys_as_a=True),
+    "flat_attention": dict(algorithms=dict(decode_attention_flat=True),
                            decode_attention=dict(flat_programs_per_sm=2), target_programs=64,
                            numerics=dict(nan_in_max=True), decode_index=dict(num_stages=3),
                            prefill_index=dict(block_n=16)),
@@ -439,10 +440,10 @@ def test_bad_page_id_never_reads_outside_the_cache(backend: str) -> None:
     _bad_page_run(plugin.index_topk, plugin.attention_forward, plugin.PLATFORM.topk_layout)
 
 
-@pytest.mark.parametrize("path", ["legacy", "alternatives"])
+@pytest.mark.parametrize("path", ["grid_decode+token_tiles", "grid_decode_split"])
 def test_bad_page_id_never_reads_outside_the_cache_on_other_paths(path: str) -> None:
-    """The same on the kernels the plugins' default configs do not launch (branching and grid decode
-    attention, token-tile prefill attention with and without the union walk, both prefill indexers)."""
+    """The same on the kernels the cuda plugin's config does not launch (the grid decode attention
+    with and without splits, the token-tile prefill attention)."""
     from functools import partial
 
     from mm3_backends.triton import attention, indexer

@@ -19,18 +19,16 @@ from .prefill_config import PrefillAttentionConfig
 __all__ = ["INTERPRETER_CONFIG"]
 
 INTERPRETER_CONFIG = LaunchConfig(
-    target_programs=8, warp_size=32,
+    target_programs=8,
     decode_index=DecodeIndexConfig(min_blocks=1, max_blocks=128, warps=4, topk_warps=4, programs_factor=2,
                                    block_n=16, num_stages=2),
     prefill_index=PrefillIndexConfig(rows=32, warps=8, block_n=64, chunk=32, num_stages=2, max_splits=4,
                                      unmasked_full=True, sorted_merge=True, static_key_stride=True),
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
                                            flat_programs_per_sm=2, block_n=16),
-    decode_attention_fp8=None,
-    prefill_attention=PrefillAttentionConfig(rows=32, block_n=16),
+    prefill_attention=PrefillAttentionConfig(rows=32, warps=4, programs_per_sm=2, stages=4, run_tiles=8,
+                                             merge_warps=4, max_tokens_per_pass=16384),
     prefill_tiles=TokenTileAttentionConfig(rows=32, warps=8, block_n=64, num_stages=2),
-    algorithms=Algorithms(decode_attention_flat=True, decode_attention_branchless=True, merge_per_row=None,
-                          topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=None,
-                          fast_launch=False, merge_in_last_program=True,
+    algorithms=Algorithms(decode_attention_flat=True, pdl=None, fast_launch=False, merge_in_last_program=True,
                           topk_in_last_program=True),
-    numerics=Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True, kv_fp8_as_f16_prefill=True))
+    numerics=Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True))

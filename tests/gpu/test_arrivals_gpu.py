@@ -51,10 +51,17 @@ def _hooks(last: bool):  # noqa: ANN202 - the plugin's hook tuple
     from mm3_backends.triton.launch import override
     from mm3_backends.triton.plugin_factory import make_hookimpls
 
-    # the separate merge as the per-KV-head kernel, whose code the last program runs (the per-row
-    # kernel small grids take sums the splits in another order: not the same bits)
-    algos = dict(merge_in_last_program=last, topk_in_last_program=last, merge_per_row=False)
+    algos = dict(merge_in_last_program=last, topk_in_last_program=last)
     return make_hookimpls(replace(PLATFORM, launch=override(PLATFORM.launch, algorithms=algos)))
+
+
+@pytest.fixture(autouse=True)
+def _merge_per_kv_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The separate merge as the per-KV-head kernel, whose code the last program runs (the per-row
+    kernel that small grids take sums the splits in another order: not the same bits)."""
+    from mm3_backends.triton.launch import LaunchConfig
+
+    monkeypatch.setattr(LaunchConfig, "use_merge_per_row", lambda self, num_tokens, num_kv_heads: False)
 
 
 def _all_counters_zero() -> bool:
