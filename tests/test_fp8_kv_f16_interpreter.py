@@ -37,7 +37,9 @@ BF16_TOL = (2e-2, 3e-4)
 
 
 def _configs() -> dict[str, object]:
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG as base
+    from mm3_backends.cuda.plugin import PLATFORM
+
+    base = PLATFORM.launch_config(torch.device("cpu"))   # the cuda plugin's, interpreted
 
     # the fp16 path in both decode kernels (the cuda plugin's persistent one, the grid one)
     assert base.numerics.kv_fp8_as_f16

@@ -31,7 +31,9 @@ ATTN_TOL = {torch.float16: (1e-2, 1.5e-4), torch.float32: (1e-5, 1e-5)}
 
 
 def _configs() -> dict[str, object]:
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG as base
+    from mm3_backends.cuda.plugin import PLATFORM
+
+    base = PLATFORM.launch_config(torch.device("cpu"))   # the cuda plugin's, interpreted
 
     return {
         "persistent_decode+block_grouped_prefill": base,

@@ -99,12 +99,14 @@ def test_plan_puts_every_pair_in_one_tile(scan_kernel_max: int, scan_block: int,
 
 def _forward(case, sel, changes: dict | None) -> torch.Tensor:
     from mm3_backends.triton import attention
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+    from mm3_backends.cuda.plugin import PLATFORM
 
-    shipped = INTERPRETER_CONFIG.prefill_attention
+    base = PLATFORM.launch_config(torch.device("cpu"))   # the cuda plugin's, interpreted
+
+    shipped = base.prefill_attention
     out = torch.full_like(case.q, float("nan"))
     attention.attention_forward(case.q, case.caches, sel, case.batch, case.params, out,
-                                replace(INTERPRETER_CONFIG,
+                                replace(base,
                                         prefill_attention=None if changes is None else replace(shipped, **changes)))
     return out
 

@@ -67,11 +67,13 @@ def _case(kind: str):  # noqa: ANN202 - (Case, params)
 def _select(case, p: SparseAttentionParams, fields: dict, other: dict) -> torch.Tensor:  # noqa: ANN001
     from mm3_backends.triton import indexer
     from mm3_backends.triton.launch import override
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+    from mm3_backends.cuda.plugin import PLATFORM
+
+    base = PLATFORM.launch_config(torch.device("cpu"))   # the cuda plugin's, interpreted
 
     plain = dict(chunk=4, block_n=16, max_splits=1, unmasked_full=False, sorted_merge=False,
                  static_key_stride=False)
-    cfg = override(INTERPRETER_CONFIG, prefill_index=dict(plain, **fields), **other)
+    cfg = override(base, prefill_index=dict(plain, **fields), **other)
     T = case.batch.num_tokens
     buf = TopkBuffer.allocate(T + 2, p.num_kv_heads, p.topk, "token_major", fill=SENTINEL)
     indexer.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, T), cfg)
