@@ -11,14 +11,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from interpreter_sort import install as _numpy_sort_for_the_interpreter
-
-    _numpy_sort_for_the_interpreter()  # exact, and 4x faster indexer tests: see tests/interpreter_sort.py
-    from interpreter_shortcuts import install as _interpreter_shortcuts
-
-    _interpreter_shortcuts()  # exact, and 2x faster interpreter tests: see tests/interpreter_shortcuts.py
+# (Under the interpreter, the kernel modules' import makes its bf16 right and takes its exact
+# shortcuts: mm3_backends.triton.interpreter and .interpreter_speed, the code `mm3 check` runs.)
 
 # The suite runs the production default (check_contracts="first": the guard checks the first
 # step of each batch kind); a test that needs the guard on every step passes

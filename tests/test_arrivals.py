@@ -63,20 +63,24 @@ def _counters_sum() -> int:
 @pytest.mark.parametrize("q_len,h,g", [(1, 2, 4), (3, 1, 8), (2, 2, 3)])
 def test_last_program_matches_separate_launches(layout: str, q_len: int, h: int, g: int) -> None:
     """Same top-k and bit-identical outputs as the separate kernels, two launches fewer, counters back to 0."""
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+    from mm3_backends.cuda.plugin import PLATFORM
+
+    base = PLATFORM.launch_config(torch.device("cpu"))   # the cuda plugin's, interpreted
 
     p = SparseAttentionParams(num_heads=h * g, num_kv_heads=h, head_dim=32, num_index_heads=h, index_head_dim=32,
                               block_size=16, topk=4, init_blocks=1)
     case = make_case(p, decodes=[150, 17, 61, 300], decode_query_len=q_len, padding_decodes=1,
                      prefills=[(9, 90)], dtype="float16", index_dtype="float16", seed=11 + q_len)
-    fused = override(INTERPRETER_CONFIG, target_programs=96)   # several splits per (token, KV head)
-    assert fused.algorithms.merge_in_last_program and fused.algorithms.topk_in_last_program
+    # several splits per (token, KV head); the top-k and merge always in the last program
+    fused = override(base, target_programs=96, algorithms=dict(merge_in_last_program=True, topk_in_last_program=True))
     sel_f, out_f, launched_f = _run(fused, case, p, layout)
     assert _counters_sum() == 0
     # the separate merge as the per-KV-head kernel, whose code (merge_splits) the last program runs
     # (the per-row kernel sums the splits in another order: the same bits only by chance)
-    separate = override(fused, algorithms=dict(SEPARATE["algorithms"], merge_per_row=False))
-    sel_s, out_s, launched_s = _run(separate, case, p, layout)
+    separate = override(fused, **SEPARATE)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(separate), "use_merge_per_row", lambda self, num_tokens, num_kv_heads: False)
+        sel_s, out_s, launched_s = _run(separate, case, p, layout)
     assert "_decode_topk_kernel" not in launched_f and "_decode_topk_kernel" in launched_s
     assert "_merge_kernel" in launched_s and not [n for n in launched_f if n.startswith("_merge")]
     assert torch.equal(sel_f, sel_s)
@@ -97,12 +101,14 @@ def test_last_program_matches_separate_launches(layout: str, q_len: int, h: int,
 def test_no_counters_falls_back_to_the_separate_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     """When no counters can be had (a capture that would allocate), the top-k and merge launch on their own."""
     from mm3_backends.triton import arrivals, attention, indexer
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+    from mm3_backends.cuda.plugin import PLATFORM
+
+    base = PLATFORM.launch_config(torch.device("cpu"))   # the cuda plugin's, interpreted
 
     p = SparseAttentionParams(num_heads=8, num_kv_heads=2, head_dim=32, num_index_heads=2, index_head_dim=32,
                               block_size=16, topk=4)
     case = make_case(p, decodes=[150, 61], dtype="float16", index_dtype="float16", seed=3)
-    cfg = override(INTERPRETER_CONFIG, target_programs=32)
+    cfg = override(base, target_programs=32, algorithms=dict(merge_in_last_program=True, topk_in_last_program=True))
     sel_f, out_f, _ = _run(cfg, case, p, "token_major")
     monkeypatch.setattr(attention, "arrival_counters", lambda device, n: None)
     monkeypatch.setattr(indexer, "arrival_counters", lambda device, n: None)
@@ -156,12 +162,14 @@ def test_a_captured_step_runs_the_merge_of_its_eager_step(monkeypatch: pytest.Mo
     top-k's place may differ (its bits never do). The H200 caught eager small grids merging in the
     last program while their graphs launched the per-row kernel."""
     from mm3_backends.triton import arrivals, scratch
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+    from mm3_backends.cuda.plugin import PLATFORM
+
+    base = PLATFORM.launch_config(torch.device("cpu"))   # the cuda plugin's, interpreted
 
     p = SparseAttentionParams(num_heads=8, num_kv_heads=2, head_dim=32, num_index_heads=2, index_head_dim=32,
                               block_size=16, topk=8)
     case = make_case(p, decodes=decodes, dtype="float16", index_dtype="float16", seed=5)
-    cfg = override(INTERPRETER_CONFIG, target_programs=target_programs,
+    cfg = override(base, target_programs=target_programs,
                    algorithms=dict(merge_in_last_program=None, topk_in_last_program=None))
     sel_e, out_e, launched_e = _run(cfg, case, p, "token_major")
     monkeypatch.setattr(arrivals, "capturing", lambda device: True)

@@ -99,3 +99,20 @@ def test_cli_help_lists_bench_options(mode: str, capsys: pytest.CaptureFixture[s
     assert main(["bench", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--tiny" in out and "--budget-s" in out
+
+
+def test_every_variant_is_a_choice_the_cuda_config_does_not_make() -> None:
+    """``mm3 bench --variants ALL`` builds every variant, and each changes the cuda plugin's config
+    (a variant equal to the default, or naming a field that is gone, fails here)."""
+    pytest.importorskip("triton")
+    from mm3_backends.cuda.plugin import PLATFORM
+    from mm3_backends.triton.launch import override
+    from mm3_benchmarks.variants import VARIANTS, make_variants
+
+    built = make_variants("ALL")
+    assert [v.name for v in built] == [f"cuda[{n}]" for n in VARIANTS]
+    for v in built:
+        assert override(PLATFORM.launch, **v.overrides) != PLATFORM.launch, v.name
+        assert set(v.kinds) <= {"decode", "prefill"} and v.kinds, v.name
+    with pytest.raises(KeyError, match="unknown variant 'v0'; known: slowlaunch"):
+        make_variants("v0")

@@ -147,3 +147,48 @@ def test_console_script(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == EXIT_UNUSABLE
     assert "unknown backend 'no_such_backend'; known backends:" in r.stderr and "cpu_ref" in r.stderr
+
+
+def test_the_quick_plan_runs_every_step_and_every_dtype_and_full_every_pair() -> None:
+    """Quick (the default): each step once, the dtypes (composed: dtype pairs) taken in turn, so every
+    step and every dtype runs; full: every step in every dtype, and the larger shapes."""
+    from mm3.runtime.registry import Registry
+    from mm3.testing.conformance import plan_cases
+    from mm3.testing.conformance.cases import (ATTENTION_STEPS, BUFFER_CASES, COMPOSED_STEPS, INDEXER_STEPS,
+                                               LARGE_STEPS)
+    from mm3.testing.conformance.suite import DEFAULT_DTYPES, DEFAULT_INDEX_DTYPES
+    from mm3_backends.cpu_ref import plugin as cpu_ref
+
+    be = Registry([cpu_ref], entry_points=False).get("cpu_ref")
+
+    def split(plan: list) -> dict[str, list[tuple[str, str]]]:
+        kinds: dict[str, list[tuple[str, str]]] = {}
+        for c in plan:
+            kind, rest = c.name.split("/")
+            kinds.setdefault(kind, []).append(tuple(rest.split(":")))
+        return kinds
+
+    quick, full = split(plan_cases(be)), split(plan_cases(be, quick=False))
+    for kind, steps in (("indexer", INDEXER_STEPS), ("attention", ATTENTION_STEPS), ("composed", COMPOSED_STEPS),
+                        ("buffer", BUFFER_CASES)):
+        assert {s for s, _ in quick[kind]} == set(steps), kind
+        assert {s for s, _ in full[kind]} == set(steps) | (set(LARGE_STEPS) if kind != "buffer" else set()), kind
+    assert {d for _, d in quick["attention"]} == set(DEFAULT_DTYPES) == {d for _, d in full["attention"]}
+    assert {d for _, d in quick["indexer"]} == set(DEFAULT_INDEX_DTYPES)
+    pairs = {d for _, d in full["composed"]}
+    assert {d for _, d in quick["composed"]} == pairs and len(pairs) == 4
+    assert len(quick["attention"]) == len(ATTENTION_STEPS)
+    assert len(full["attention"]) == (len(ATTENTION_STEPS) + len(LARGE_STEPS)) * len(DEFAULT_DTYPES)
+
+
+def test_full_runs_the_larger_shapes(mm3_registry, mock_backend, capsys) -> None:
+    mm3_registry(mock_backend("good", ops={"attention"}), installed=["cpu_ref"])
+    quick = json.loads(check(capsys, "good", *FAST, "--json")[1])["cases"]
+    full = json.loads(check(capsys, "good", *FAST, "--json", "--full")[1])["cases"]
+    added = {c["name"]: c["status"] for c in full if c["name"] not in {q["name"] for q in quick}}
+    assert set(added) == {f"{kind}/{step}:{dt}" for kind, dt in (("indexer", "bfloat16"), ("attention", "float32"),
+                                                                ("composed", "float32+bfloat16"))
+                          for step in ("large", "large_kv_fp8")}, added
+    # the attention-only backend runs the larger attention steps and skips the others
+    assert [n for n, status in added.items() if status == "pass"] == ["attention/large:float32",
+                                                                      "attention/large_kv_fp8:float32"], added

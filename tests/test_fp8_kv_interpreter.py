@@ -1,10 +1,8 @@
 """The Triton kernels on fp8 K/V caches with scales, through Triton's interpreter (CPU, fp16/fp32 compute).
 
-One case per attention path: the persistent decode kernel with the
-block-grouped prefill (NVIDIA's defaults: fp16 and fp32, and with
-``decode_attention_fp8`` stated as None), the grid decode kernel (branchless)
-with the token-tile prefill (ROCm's), and the branching decode with the
-token-tile prefill's union walk. Each is a mixed batch (speculative decodes, a
+Both attention paths: the persistent decode kernel with the block-grouped
+prefill (NVIDIA's), and the grid decode kernel with the token-tile prefill
+(ROCm's), in fp16 and fp32. Each is a mixed batch (speculative decodes, a
 padding decode, a chunked and a fresh prefill) on a NaN-poisoned output,
 against the fp64 oracle on the dequantized cache; per-KV-head scales (HND)
 and a per-tensor scale (NHD, a stride-0 view) both run. The interpreter's
@@ -33,26 +31,23 @@ ATTN_TOL = {torch.float16: (1e-2, 1.5e-4), torch.float32: (1e-5, 1e-5)}
 
 
 def _configs() -> dict[str, object]:
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG as base
+    from mm3_backends.cuda.plugin import PLATFORM
+
+    base = PLATFORM.launch_config(torch.device("cpu"))   # the cuda plugin's, interpreted
 
     return {
         "persistent_decode+block_grouped_prefill": base,
-        "shared_persistent_decode+block_grouped_prefill": override(base, decode_attention_fp8=None),
         "grid_decode+token_tile_prefill": override(base, algorithms=dict(decode_attention_flat=False),
-                                                   decode_attention_fp8=None, prefill_attention=None),
-        "branching_decode+union_prefill": override(base, prefill_attention=None, decode_attention_fp8=None,
-                                                   algorithms=dict(decode_attention_flat=False,
-                                                                   decode_attention_branchless=False,
-                                                                   prefill_attention_union=True)),
+                                                   prefill_attention=None),
     }
 
 
 @pytest.mark.parametrize("path, dtype, kv_scale, layout", [
     ("persistent_decode+block_grouped_prefill", "float16", "head", "HND"),
     ("persistent_decode+block_grouped_prefill", "float32", "tensor", "NHD"),
-    ("shared_persistent_decode+block_grouped_prefill", "float16", "tensor", "NHD"),
+    ("persistent_decode+block_grouped_prefill", "float16", "tensor", "NHD"),
     ("grid_decode+token_tile_prefill", "float32", "tensor", "NHD"),
-    ("branching_decode+union_prefill", "float16", "head", "NHD"),
+    ("grid_decode+token_tile_prefill", "float16", "head", "NHD"),
 ])
 def test_fp8_kv_attention_matches_oracle(path: str, dtype: str, kv_scale: str, layout: str) -> None:
     from mm3_backends.triton import attention

@@ -56,7 +56,7 @@ _COMMON: dict[str, Any] = dict(deadline=None, database=None, print_blob=True, de
                                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                       HealthCheck.filter_too_much])
 # examples per property and backend: (ci, gpu). The interpreter's examples cost 2-8 s each before
-# the interpreter shortcuts (tests/interpreter_shortcuts.py), about a third of that since; CI draws
+# the interpreter shortcuts (backends/triton/interpreter_speed.py), about a third of that since; CI draws
 # a few of them, the GPU profile (and MM3_TEST_FUZZ_EXAMPLES) many more
 EXAMPLES = {"indexer": {"cpu_ref": (40, 300), "triton": (10, 300)},
             "attention": {"cpu_ref": (40, 300), "triton": (8, 300)},

@@ -1,10 +1,11 @@
-"""tests/interpreter_shortcuts.py computes what Triton's interpreter computes, bit for bit.
+"""backends/triton/interpreter_speed.py computes what Triton's interpreter computes, bit for bit.
 
-Each kernel here runs twice, through the shortcuts (installed by conftest.py)
-and through the interpreter's own code (``bypassed()``), on inputs with NaN,
-signed zeros and infinities, and the outputs must be equal bit for bit. The
-shortcuts must also still be taken (else the suite silently slows down) and
-leave ``triton.language`` as the interpreter leaves it.
+Each kernel here runs twice, through the shortcuts (installed by the kernel
+modules' import) and through the interpreter's own code (``bypassed()``), on
+inputs with NaN, signed zeros and infinities, and the outputs must be equal
+bit for bit. The shortcuts must also still be taken on this Triton (else
+``mm3 check`` and the suite silently slow down) and leave ``triton.language``
+as the interpreter leaves it.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 if os.environ.get("TRITON_INTERPRET") == "1":
     import triton
     import triton.language as tl
-    from interpreter_shortcuts import _originals, bypassed, is_elementwise
     from triton.runtime import interpreter
 
     from mm3_backends.triton.indexer import _max_keep_nan
+    from mm3_backends.triton.interpreter_speed import _originals, bypassed, is_elementwise, missing
 
     @triton.jit
     def _argmax_combine(v1, i1, v2, i2):
@@ -72,6 +73,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     @triton.jit
     def _overflow_kernel(out_ptr, a):
         tl.store(out_ptr, a * 3)
+
+    @triton.jit
+    def _sort_kernel(x_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr, K: tl.constexpr):
+        rows, cols = tl.arange(0, R), tl.arange(0, C)
+        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :])
+        tl.store(out_ptr + rows[:, None] * C + cols[None, :], tl.sort(x, descending=True))
+        tl.store(out_ptr + R * C + rows[:, None] * K + tl.arange(0, K)[None, :], tl.topk(x, K))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -151,3 +159,24 @@ def test_int32_overflow_is_still_caught_in_debug_mode(monkeypatch: pytest.Monkey
                         dataclasses.replace(interpreter.interpreter_builder.options, debug=True))
     with pytest.raises(Exception, match="int32 overflow"):
         _overflow_kernel[(1,)](out, 2**30)
+
+
+def test_every_shortcut_is_taken_on_this_triton() -> None:
+    assert missing() == [], f"Triton {triton.__version__}'s interpreter lacks what these replace: {missing()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
+def test_sorts_equal_the_interpreters_network(dtype: torch.dtype) -> None:
+    """Integer keys (the indexer's packed ones, with ties) are sorted by numpy; a float sort keeps the
+    interpreter's network. Either way: the network's values."""
+    R, C, K = 4, 32, 8
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(-50, 50, (R, C), generator=g).to(dtype)   # many ties
+
+    def run():
+        out = torch.zeros(R * C + R * K, dtype=dtype)
+        _sort_kernel[(1,)](x, out, R, C, K)
+        return out
+    fast, slow = _both(run)
+    assert torch.equal(fast, slow)
+    assert torch.equal(fast[:R * C].view(R, C), x.sort(dim=1, descending=True).values)

@@ -1,10 +1,10 @@
 """Every launch of both Triton plugins keeps the launch parameters recorded in tests/data.
 
-The golden file was written before ``LaunchConfig`` was split into per-kernel
-configs (issue 14, item 7), so a regrouping of the configs that changes any
-grid, constexpr or launch option of any kernel, on either plugin and on
-either platform, fails here. No kernel runs (tests/launch_dump.py); rewrite
-the file only for an intended tuning change: ``python tests/launch_dump.py``.
+A change of the configs or the launchers that changes any grid, constexpr,
+argument or launch option of any kernel, on either plugin, on either platform
+or under the interpreter, fails here. No kernel runs (tests/launch_dump.py);
+rewrite the file only for an intended change of what the GPU runs:
+``python tests/launch_dump.py``.
 """
 
 from __future__ import annotations
@@ -29,3 +29,19 @@ def test_launch_parameters_match_the_recorded_ones() -> None:
     assert sorted(got) == sorted(want)
     for scenario in want:
         assert got[scenario] == want[scenario], scenario
+
+
+def test_a_decode_plan_is_derived_once_per_shape_class() -> None:
+    """The launch parameters of a decode step depend on shapes only: a plan is derived on the first
+    step of a shape class and the same object is handed back after (a step pays a dict lookup)."""
+    import torch
+
+    from mm3_backends.cuda.tuning import NVIDIA_LAUNCH
+    from mm3_backends.triton.plans import decode_attention_plan
+
+    cfg = NVIDIA_LAUNCH.for_device_sms(132)
+    shape = (cfg, 1, 1, 8, 16, 128, 128, torch.bfloat16, torch.bfloat16, False)
+    plan = decode_attention_plan(*shape)
+    assert decode_attention_plan(*shape) is plan
+    assert (plan.flat, plan.splits, plan.merge) == (True, 16, True)
+    assert decode_attention_plan(cfg, 2, *shape[2:]) is not plan

@@ -6,11 +6,12 @@
   visible range are dropped; the pairs' places number them densely, a
   tile's pairs consecutive from its first place;
 * the kernels through Triton's interpreter (fp32 / fp16, tiny shapes) against
-  the fp64 oracle: pipelined and not, several tiles per program, a
-  GQA group that is not a power of two, passes smaller than the step, a
-  messy selection (including a row that selects nothing), a mixed batch
-  with decodes before the prefills, both page layouts; and the token-tile
-  kernel it replaces on NVIDIA (the rocm plugin's path).
+  the fp64 oracle: pipelined and not, runs of one and of several tiles,
+  several runs per program, a GQA group that is not a power of two, passes
+  smaller than the step, a messy selection (including a row that selects
+  nothing), a mixed batch with decodes before the prefills, both page
+  layouts; and the token-tile kernel it replaces on NVIDIA (the rocm
+  plugin's path).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from mm3.testing.oracle import oracle_attention, oracle_topk
 
 from mm3_backends.triton import prefill_plan
 from mm3_backends.triton.prefill_plan import SCAN_KERNEL_MAX, plan_pairs
-from mm3_backends.triton.prefill_config import PrefillAttentionConfig
 
 ATTN_TOL = {torch.float16: (1e-2, 1.5e-4), torch.float32: (1e-5, 1e-5)}
 interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -97,13 +97,17 @@ def test_plan_puts_every_pair_in_one_tile(scan_kernel_max: int, scan_block: int,
     assert all(a.data_ptr() % 16 == 0 for a in arrays), [a.data_ptr() % 16 for a in arrays]
 
 
-def _forward(case, sel, cfg: PrefillAttentionConfig | None) -> torch.Tensor:
+def _forward(case, sel, changes: dict | None) -> torch.Tensor:
     from mm3_backends.triton import attention
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+    from mm3_backends.cuda.plugin import PLATFORM
 
+    base = PLATFORM.launch_config(torch.device("cpu"))   # the cuda plugin's, interpreted
+
+    shipped = base.prefill_attention
     out = torch.full_like(case.q, float("nan"))
     attention.attention_forward(case.q, case.caches, sel, case.batch, case.params, out,
-                                replace(INTERPRETER_CONFIG, prefill_attention=cfg))
+                                replace(base,
+                                        prefill_attention=None if changes is None else replace(shipped, **changes)))
     return out
 
 
@@ -116,22 +120,19 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.interpreter
 @interp
-@pytest.mark.parametrize("dtype,cfg,block,layout", [
-    ("float32", PrefillAttentionConfig(rows=16, block_n=16, programs_per_sm=3, stages=1, run_tiles=0), 16, "NHD"),
-    ("float16", PrefillAttentionConfig(rows=32, block_n=16, stages=2, max_tokens_per_pass=11, run_tiles=0), 16,
-     "NHD"),
+@pytest.mark.parametrize("dtype,changes,block,layout", [
+    ("float32", dict(rows=16, programs_per_sm=3, stages=1, run_tiles=1), 16, "NHD"),
+    ("float16", dict(rows=32, stages=2, max_tokens_per_pass=11, run_tiles=1), 16, "NHD"),
     ("float16", None, 16, "NHD"),
-    ("float32", PrefillAttentionConfig(rows=16, run_tiles=2, stages=1, programs_per_sm=3), 16, "NHD"),
-    ("float16", PrefillAttentionConfig(rows=32, run_tiles=3, max_tokens_per_pass=11), 32, "HND"),
+    ("float32", dict(rows=16, run_tiles=2, stages=1, programs_per_sm=3), 16, "NHD"),
+    ("float16", dict(rows=32, run_tiles=3, max_tokens_per_pass=11), 32, "HND"),
 ], ids=["tiles_unpipelined_fp32", "tiles_passes_fp16", "token_tiles_fp16", "runs_fp32", "runs_passes_fp16"])
-def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionConfig | None, block: int,
-                                              layout: str) -> None:
+def test_block_grouped_prefill_matches_oracle(dtype: str, changes: dict | None, block: int, layout: str) -> None:
     """A mixed step (2 decodes + padding, 3 prefills, G = 3) with a messy selection.
 
-    ``None``: the token-tile kernel the rocm plugin keeps (the interpreter config takes the
-    block-grouped path for both plugins, so this is where the other one runs in CI). ``runs``: runs of
-    several tiles per block (one K/V load per run, the default); ``tiles``: one tile per loop step;
-    one prefill row that selects nothing must come out as zeros."""
+    ``changes``: fields of the block-grouped config changed; ``None``: the token-tile kernel
+    the rocm plugin keeps. ``runs``: runs of several tiles per block (one K/V load per run);
+    ``tiles``: runs of one tile; one prefill row that selects nothing must come out as zeros."""
     p = _params(3, block)
     case = make_case(p, decodes=[70, 33], prefills=[(20, 130), (3, 3), (17, 60)], padding_decodes=1,
                      dtype=dtype, index_dtype=dtype, kv_layout=layout, seed=9)
@@ -143,4 +144,4 @@ def test_block_grouped_prefill_matches_oracle(dtype: str, cfg: PrefillAttentionC
     view[0, empty] = -1                                                      # a row that selects nothing
     ref = oracle_attention(case.q, case.caches, sel, case.batch, p)
     assert (ref[empty, :3] == 0).all() and ref[empty, 3:].abs().sum() > 0
-    _assert_close(_forward(case, sel, cfg), ref)
+    _assert_close(_forward(case, sel, changes), ref)

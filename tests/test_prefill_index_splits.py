@@ -31,9 +31,11 @@ SENTINEL = -7
 
 def _config(max_splits: int):  # noqa: ANN202 - a LaunchConfig
     from mm3_backends.triton.launch import override
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+    from mm3_backends.cuda.plugin import PLATFORM
 
-    return override(INTERPRETER_CONFIG, target_programs=256, prefill_index=dict(chunk=4, max_splits=max_splits))
+    base = PLATFORM.launch_config(torch.device("cpu"))   # the cuda plugin's, interpreted
+
+    return override(base, target_programs=256, prefill_index=dict(chunk=4, max_splits=max_splits))
 
 
 def _select(case, p: SparseAttentionParams, max_splits: int, layout: str) -> TopkBuffer:  # noqa: ANN001

@@ -37,8 +37,7 @@ PATHS = {
     "sorted": (dict(sorted_merge=True), {}),
     "stride": (dict(static_key_stride=True), {}),
     "all": (ALL, {}),
-    # the keys as the dot's A operand (the transposed mask), and the tiles split over programs
-    "all_keys_a": (ALL, dict(algorithms=dict(index_keys_as_a=True))),
+    # the tiles split over programs
     "all_splits": (dict(ALL, max_splits=2), dict(target_programs=256)),
 }
 
@@ -68,11 +67,13 @@ def _case(kind: str):  # noqa: ANN202 - (Case, params)
 def _select(case, p: SparseAttentionParams, fields: dict, other: dict) -> torch.Tensor:  # noqa: ANN001
     from mm3_backends.triton import indexer
     from mm3_backends.triton.launch import override
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+    from mm3_backends.cuda.plugin import PLATFORM
+
+    base = PLATFORM.launch_config(torch.device("cpu"))   # the cuda plugin's, interpreted
 
     plain = dict(chunk=4, block_n=16, max_splits=1, unmasked_full=False, sorted_merge=False,
                  static_key_stride=False)
-    cfg = override(INTERPRETER_CONFIG, prefill_index=dict(plain, **fields), **other)
+    cfg = override(base, prefill_index=dict(plain, **fields), **other)
     T = case.batch.num_tokens
     buf = TopkBuffer.allocate(T + 2, p.num_kv_heads, p.topk, "token_major", fill=SENTINEL)
     indexer.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, T), cfg)
@@ -83,10 +84,10 @@ def _select(case, p: SparseAttentionParams, fields: dict, other: dict) -> torch.
 
 
 @pytest.mark.parametrize("kind, paths", [
-    ("random", ["all_splits"]),   # one flag at a time, all three, keys as A: the cases below
+    ("random", ["all_splits"]),   # one flag at a time and all three: the cases below
     ("local", ["sorted", "all"]),
     ("ties", ["sorted", "all_splits"]),
-    ("nan", ["unmasked", "all_keys_a"]),
+    ("nan", ["unmasked", "all"]),
     ("strided", ["stride", "all"]),
 ])
 def test_optional_paths_equal_the_plain_kernel(kind: str, paths: list[str]) -> None:

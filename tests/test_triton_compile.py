@@ -11,14 +11,17 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "aot_check.py"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_all_launches_compile_for_sm90_and_gfx942() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "mm3_backends.triton.aot_check"],
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(TOOL)],
                           env=env, capture_output=True, text=True, timeout=900)
     print(proc.stdout[-6000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

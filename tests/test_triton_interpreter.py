@@ -12,6 +12,7 @@ in different layouts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 from dataclasses import dataclass, field
@@ -279,21 +280,22 @@ def test_rocm_probe_on_non_rocm_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not probe.available and rocm_plugin.ALLOW_NON_ROCM_ENV in probe.reason
 
 
-# Every kernel path a LaunchConfig can select, so none of them is only ever run on a GPU:
-# the pre-tuning paths ("legacy") and each opt-in alternative, against the fp64 oracle.
+# Every kernel path a LaunchConfig can select, so none of them is only ever run on a GPU, against
+# the fp64 oracle.
 KERNEL_PATHS = {
-    # prefill_attention=None: the token-tile prefill kernel (the rocm plugin's path)
-    "legacy": dict(algorithms=dict(decode_attention_branchless=False, topk_sort=False, decode_attention_flat=False),
-                   decode_attention=dict(programs_factor=1), prefill_index=dict(chunk=0),
-                   numerics=dict(nan_in_max=False), prefill_attention=None),
     "defaults": {},
-    "alternatives": dict(algorithms=dict(merge_per_row=True, index_keys_as_a=True, prefill_attention_union=True,
-                                         decode_attention_flat=False),
-                         decode_attention=dict(programs_factor=8, stages=3), decode_index=dict(programs_factor=4),
-                         prefill_index=dict(chunk=16), prefill_attention=None),
+    # the rocm plugin's kernels: the grid decode attention, the token-tile prefill attention, the
+    # NaN count beside the max, one decode split per program's worth of work
+    "grid_decode+token_tiles": dict(algorithms=dict(decode_attention_flat=False), numerics=dict(nan_in_max=False),
+                                    decode_attention=dict(programs_factor=1), prefill_attention=None),
+    # the grid decode attention split over the selection (the merge kernels), a deeper pipeline,
+    # many indexer splits, short prefill-index chunks
+    "grid_decode_split": dict(algorithms=dict(decode_attention_flat=False),
+                              decode_attention=dict(programs_factor=8, stages=3), decode_index=dict(programs_factor=4),
+                              prefill_index=dict(chunk=16), prefill_attention=None),
     # persistent decode attention (items straddling programs, several splits), NaN-carrying max,
     # deeper indexer pipeline, prefill key tiles of their own size
-    "flat_attention": dict(algorithms=dict(decode_attention_flat=True, index_keys_as_a=True),
+    "flat_attention": dict(algorithms=dict(decode_attention_flat=True),
                            decode_attention=dict(flat_programs_per_sm=2), target_programs=64,
                            numerics=dict(nan_in_max=True), decode_index=dict(num_stages=3),
                            prefill_index=dict(block_n=16)),
@@ -309,9 +311,9 @@ KERNEL_PATHS = {
 def test_every_kernel_path_against_the_oracle(path: str) -> None:
     """Spec decode, padding, and a prefill long enough that the chunked top-K merges several chunks."""
     from mm3_backends.triton import attention, indexer
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+    base = cuda_plugin.PLATFORM.launch_config(CPU)   # the cuda plugin's, interpreted
 
-    cfg = override(INTERPRETER_CONFIG, **KERNEL_PATHS[path])
+    cfg = override(base, **KERNEL_PATHS[path])
     p = _params(2, 2, d=32, init_blocks=1)
     case = make_case(p, decodes=[150, 17, 61], prefills=[(24, 700), (5, 5)], decode_query_len=3,
                      padding_decodes=1, dtype="float16", index_dtype="float8_e4m3fn", seed=31)
@@ -337,7 +339,7 @@ def test_fp8_cache_dotted_in_fp16_keeps_extreme_rows() -> None:
     the interpreter computes correctly.
     """
     from mm3_backends.triton import indexer
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+    base = cuda_plugin.PLATFORM.launch_config(CPU)   # the cuda plugin's, interpreted
 
     p = _params(2, 2, d=32, init_blocks=1)
     case = make_case(p, decodes=[150, 61], prefills=[(24, 300)], decode_query_len=2, padding_decodes=1,
@@ -347,7 +349,7 @@ def test_fp8_cache_dotted_in_fp16_keeps_extreme_rows() -> None:
     index_q = (case.index_q.float().reshape(-1, p.index_head_dim) * scales[rows, None])
     index_q = index_q.reshape(case.index_q.shape).to(torch.bfloat16)
     T = case.batch.num_tokens
-    cfg = override(INTERPRETER_CONFIG, numerics=dict(fp8_as_f16=True, nan_in_max=True))
+    cfg = override(base, numerics=dict(fp8_as_f16=True, nan_in_max=True))
     for layout in ("token_major", "head_major"):
         buf = TopkBuffer.allocate(T + 2, p.num_kv_heads, p.topk, layout, fill=SENTINEL)
         step = buf.rows(0, T)
@@ -439,15 +441,63 @@ def test_bad_page_id_never_reads_outside_the_cache(backend: str) -> None:
     _bad_page_run(plugin.index_topk, plugin.attention_forward, plugin.PLATFORM.topk_layout)
 
 
-@pytest.mark.parametrize("path", ["legacy", "alternatives"])
+@pytest.mark.parametrize("path", ["grid_decode+token_tiles", "grid_decode_split"])
 def test_bad_page_id_never_reads_outside_the_cache_on_other_paths(path: str) -> None:
-    """The same on the kernels the plugins' default configs do not launch (branching and grid decode
-    attention, token-tile prefill attention with and without the union walk, both prefill indexers)."""
+    """The same on the kernels the cuda plugin's config does not launch (the grid decode attention
+    with and without splits, the token-tile prefill attention)."""
     from functools import partial
 
     from mm3_backends.triton import attention, indexer
-    from mm3_backends.triton.plugin_factory import INTERPRETER_CONFIG
+    base = cuda_plugin.PLATFORM.launch_config(CPU)   # the cuda plugin's, interpreted
 
-    cfg = override(INTERPRETER_CONFIG, **KERNEL_PATHS[path])
+    cfg = override(base, **KERNEL_PATHS[path])
     _bad_page_run(partial(indexer.index_topk, cfg=cfg), partial(attention.attention_forward, cfg=cfg),
                   "head_major")
+
+
+# --- the interpreter runs each plugin's own switches --------------------------------------------------------
+
+def _differences(a: object, b: object, prefix: str = "") -> set[str]:
+    """The dotted names of the fields where two (nested) config dataclasses differ."""
+    if not dataclasses.is_dataclass(a) or not dataclasses.is_dataclass(b):
+        return set() if a == b else {prefix.rstrip(".")}
+    out: set[str] = set()
+    for f in dataclasses.fields(a):
+        out |= _differences(getattr(a, f.name), getattr(b, f.name), f"{prefix}{f.name}.")
+    return out
+
+
+@pytest.mark.parametrize("backend", sorted(PLUGINS))
+def test_the_interpreter_config_is_the_plugins_with_small_tiles(backend: str) -> None:
+    """Under the interpreter a plugin launches with its own config but for the program count and tile
+    sizes, so CI runs the switches (kernel choices, numerics, rules) the plugin's GPU runs."""
+    from mm3_backends.triton.interpreter_config import for_interpreter
+
+    platform = PLUGINS[backend].PLATFORM
+    cfg = platform.launch_config(CPU)
+    assert cfg == for_interpreter(platform.launch) and cfg is platform.launch_config(CPU)
+    sizes = {"target_programs", "decode_index.block_n", "decode_attention.block_n", "prefill_index.rows",
+             "prefill_tiles.rows", "prefill_attention.rows"}
+    changed = _differences(cfg, platform.launch)
+    assert changed <= sizes and "target_programs" in changed, changed
+    assert cfg.algorithms == platform.launch.algorithms and cfg.numerics == platform.launch.numerics
+
+
+def test_what_the_interpreter_cannot_run_is_skipped_and_said() -> None:
+    """The cuda plugin's config asks for direct launches and PDL (small grids) and AMD's launch options
+    are the rocm plugin's: under the interpreter none of them can run, so the kernels launch through
+    Triton (the fast launcher counts them as such), without PDL and without platform options."""
+    from mm3_backends.triton import fast_launch, tl_utils
+
+    cfg = cuda_plugin.PLATFORM.launch_config(CPU)
+    assert cfg.algorithms.fast_launch and cfg.use_pdl(1, 1)
+    assert not tl_utils.pdl_enabled(cfg, 1, 1), "PDL has no instruction under the interpreter"
+    assert rocm_plugin.PLATFORM.launch_config(CPU).launch_options and \
+        tl_utils.launch_options(rocm_plugin.PLATFORM.launch_config(CPU)) == {}
+    before = fast_launch._DEFAULT.stats()
+    case = _small()
+    buf = cuda_plugin.alloc_topk_buffer(case.batch.num_tokens, 2, 4, CPU)
+    cuda_plugin.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
+    after = fast_launch._DEFAULT.stats()
+    assert after["direct"] == before["direct"], "an interpreted kernel cannot be launched directly"
+    assert after["disabled"] > before["disabled"], "the fast launcher did not see the launches"

@@ -5,7 +5,7 @@ Grouped by :class:`.launch.LaunchConfig` beside the per-kernel tile configs
 variant proven on one vendor's GPUs may not have run on the other's.
 
 Example:
-    >>> Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True, kv_fp8_as_f16_prefill=False).kv_fp8_as_f16
+    >>> Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True).kv_fp8_as_f16
     True
 """
 
@@ -24,20 +24,6 @@ class Algorithms:
     #: persistent decode attention: each program walks a run of (token, KV head, split) items as one
     #: pipelined loop; False = one program per (token, KV head, split)
     decode_attention_flat: bool
-    #: (grid kernel) masked loads instead of a data-dependent branch, so the next block's page, K
-    #: and V loads can be in flight
-    decode_attention_branchless: bool
-    #: flash-decoding merge with one program per (token, query head) instead of per KV head;
-    #: None = when the per-KV-head grid is small (``LaunchConfig.use_merge_per_row``)
-    merge_per_row: Optional[bool]
-    #: decode top-k by one bitonic ``tl.topk`` over packed (score, id) keys instead of K arg-max rounds
-    topk_sort: bool
-    #: indexer dots as ``keys @ q^T`` (keys are the register operand): an fp8 key tile is widened
-    #: in registers and feeds the tensor cores without a shared-memory round trip
-    index_keys_as_a: bool
-    #: (token-tile prefill attention) visit only the union of the tile's selected blocks instead
-    #: of scanning every visible block for members
-    prefill_attention_union: bool
     #: programmatic dependent launch of the decode kernels (NVIDIA Hopper+): each launch overlaps
     #: the previous kernel's run; None = small grids only (``LaunchConfig.use_pdl``)
     pdl: Optional[bool]
@@ -49,8 +35,7 @@ class Algorithms:
     #: (``LaunchConfig.use_merge_in_last_program``)
     merge_in_last_program: Optional[bool]
     #: the decode indexer's last score program of a request selects its top-k (:mod:`.arrivals`)
-    #: instead of a top-k launch (needs ``topk_sort``); None = by the step
-    #: (``LaunchConfig.use_topk_in_last_program``)
+    #: instead of a top-k launch; None = by the step (``LaunchConfig.use_topk_in_last_program``)
     topk_in_last_program: Optional[bool]
 
 
@@ -63,9 +48,8 @@ class Numerics:
     fp8_as_f16: bool
     #: carry NaN scores through the block max (one row reduction instead of two)
     nan_in_max: bool
-    #: bf16 queries against an fp8 K/V cache: both attention dots in fp16 (K and V widened
+    #: bf16 queries against an fp8 K/V cache: both decode attention dots in fp16 (K and V widened
     #: e4m3 -> fp16 exactly, query rows scaled per row by a power of two whose inverse joins the
-    #: score scale, P in fp16) instead of widening K/V to bf16: the decode kernels
+    #: score scale, P in fp16) instead of widening K/V to bf16. The prefill kernels always widen
+    #: K/V to the queries' dtype
     kv_fp8_as_f16: bool
-    #: the same for the prefill kernels (token tiles and block-grouped)
-    kv_fp8_as_f16_prefill: bool

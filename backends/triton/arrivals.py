@@ -17,10 +17,10 @@ CUDA graph.
 
 Counters are kept per device *and stream* (per thread for CPU tensors under
 the interpreter): two launches that run at once must not count into the same
-slots. They are allocated (by a thread of their own, on a GPU: see
-``_zeros``) outside CUDA graph captures only (zeroing one during
-a capture would only happen when the graph replays), and never freed or moved
-while the process runs: a captured graph keeps their address. A capture uses
+slots. They are allocated by a thread of their own on a GPU (:func:`in_own_thread`
+says why), outside CUDA graph captures only (zeroing one during a capture
+would only happen when the graph replays), and never freed or moved while the
+process runs: a captured graph keeps their address (``_KEEP``). A capture uses
 its stream's counters if that stream ran a decode step eagerly before, else
 the device's *graph* counters, which every eager allocation on the device
 also sizes; so graphs that replay at the same time on two streams must not
@@ -53,7 +53,11 @@ MIN_COUNTERS = 16384
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 #: per device: the counters of captures on a stream that has none of its own
 _GRAPH_COUNTERS: dict[torch.device, torch.Tensor] = {}
-#: every buffer ever handed out stays alive: a captured graph may still use a replaced one
+#: every buffer ever handed out stays alive for the process: a CUDA graph captured with one holds its
+#: address and launches on it at each replay, and nothing tells this module when the last such graph
+#: is gone, so freeing a replaced buffer would let a replay count into memory the allocator gave to
+#: someone else. Bounded: a buffer only grows (by powers of two from 64 KB), one per stream used for
+#: decode steps and one per device for captures
 _KEEP: list[torch.Tensor] = []
 _LOCK = threading.Lock()
 
@@ -87,7 +91,18 @@ def capture_matters(rule: Optional[bool], device: torch.device) -> bool:
 
 
 def in_own_thread(fn: Callable[[], Any]) -> Any:
-    """``fn()`` run by a new thread (its result, or its exception raised here)."""
+    """``fn()`` run by a new thread (its result, or its exception raised here): the allocations of buffers
+    kept across steps (these counters, :mod:`.scratch`'s buffers).
+
+    Why: CUDA memory pools are routed per thread. torch.compile's CUDA-graph trees
+    (``mode="reduce-overhead"``) send every allocation the *calling* thread makes during a warm-up
+    run into the graphs' private pool (``torch.cuda.use_mem_pool`` routes the same way). A buffer
+    carved from that pool and kept after the run is memory the tree takes back for its next
+    recording: a later replay writes over the counters (or the tree finds a tensor of its pool alive
+    that it did not hand out, and fails). A thread of its own is routed nowhere, so its allocation
+    comes from the device's general pool, as outside a warm-up (another stream on the calling thread
+    is not enough: the routing does not look at streams). tests/gpu/test_arrivals_gpu.py shows both
+    allocations side by side inside ``use_mem_pool``."""
     box: list[Any] = []
 
     def run() -> None:
@@ -109,10 +124,8 @@ def _zeros(device: torch.device, n: int) -> torch.Tensor:
     if device.type != "cuda":
         t = torch.zeros(size, dtype=torch.int32, device=device)
     else:
-        # allocated and zeroed by a thread of our own, which then waits for the zeros: torch.compile's
-        # CUDA-graph trees send every allocation of the *calling thread* during a warm-up run to the
-        # graphs' pool, where a tensor kept for good is an error (seen on the H200 with a stream of
-        # our own instead, which the pool's routing does not look at)
+        # allocated and zeroed outside the calling thread's pool routing (in_own_thread), which
+        # then waits for the zeros: the first launch that counts must find them
         def alloc() -> torch.Tensor:
             with torch.cuda.device(device):
                 z = torch.zeros(size, dtype=torch.int32, device=device)

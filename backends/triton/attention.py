@@ -12,9 +12,14 @@ second ``tl.dot`` as in flash attention.
     that token's top-k slots. It runs an online softmax over those blocks (the
     causal mask only bites in the token's own, partially filled block) and
     either writes the output (one split) or its partial ``(max, sum, acc)``.
+    The rocm plugin's decode kernel (``Algorithms.decode_attention_flat=False``).
 
-``_merge_kernel`` grid ``(decode tokens, KV heads)``
-    Exact log-sum-exp merge of the splits' partials.
+``_decode_attention_flat_kernel`` grid ``(programs,)``
+    The same work items, persistent: each program walks a run of (token, KV
+    head, split) items as one software-pipelined loop (the cuda plugin's).
+
+``_merge_kernel`` grid ``(decode tokens, KV heads)``, ``_merge_row_kernel`` ``(..., query heads)``
+    Exact log-sum-exp merge of the splits' partials (per row on small grids).
 
 ``_prefill_attention_kernel`` grid ``(prefill requests, token tiles, KV heads)``
     One program takes ``M`` consecutive tokens of one prefill request times the
@@ -30,9 +35,11 @@ Scaled fp8 K/V caches (docs/spec.md §1) are loaded as fp8 (half the bytes) and
 widened to the dot dtype; the K scale of the program's KV head is folded into
 ``qk_scale`` and the V scale multiplies the accumulator once before it is
 stored (:func:`.tl_utils.kv_scale`). With bf16 queries and
-``numerics.kv_fp8_as_f16`` (decode kernels) / ``kv_fp8_as_f16_prefill`` (prefill kernels) the dot dtype is fp16 (``SCALE_Q``: e4m3 -> fp16 is
-one native conversion; each query row is scaled by a power of two into fp16's
-range and the inverse joins its score scale, :func:`.tiles.score_scale`).
+``numerics.kv_fp8_as_f16`` the decode kernels' dot dtype is fp16 (``SCALE_Q``:
+e4m3 -> fp16 is one native conversion; each query row is scaled by a power of
+two into fp16's range and the inverse joins its score scale,
+:func:`.tiles.score_scale`); the prefill kernels widen fp8 K/V to the queries'
+dtype.
 
 Rows and slots that hold no valid block (``-1``, ids ``>= nb``, repeated ids)
 contribute nothing; a token with no visible key (padding) outputs zeros.
@@ -48,12 +55,13 @@ from mm3.contract import BatchMetadata
 from mm3.contract import PagedKVCache, TopkBuffer
 from mm3.contract import SparseAttentionParams
 
+from .arrivals import arrival_counters
 from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .plans import decode_attention_plan
-from .tiles import load_query_rows, score_scale, softmax_weights, store_item, store_rows, token_rows
-from .arrivals import arrival_counters
+from .prefill_attention import prefill_attention_forward
 from .scratch import scratch_parts
+from .tiles import load_query_rows, load_rows, score_scale, softmax_weights, store_item, store_rows, token_rows
 from .tl_utils import (arrive_last, dot_config, kv_scale, kv_scale_args, launch_options, load_page,
                        pdl_prologue, step_kernel)
 
@@ -123,9 +131,8 @@ def _decode_attention_kernel(
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BRANCHLESS: tl.constexpr = False,
-    STAGES: tl.constexpr = 2, PDL: tl.constexpr = False, KV_SCALED: tl.constexpr = False,
-    SCALE_Q: tl.constexpr = False,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 2, PDL: tl.constexpr = False,
+    KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     t = tl.program_id(0)
@@ -150,29 +157,19 @@ def _decode_attention_kernel(
         slots = tl.arange(0, K_PAD)
         sel_row = sel_ptr + h * s_sel_h + t * s_sel_t
         sel = tl.load(sel_row + slots * s_sel_k, mask=slots < K, other=-1)
-        if BRANCHLESS:
-            # No data-dependent branch: an unusable slot (-1, id >= nb, a repeat) is a row mask
-            # of all False, its page lookup is clamped to block 0 and its K/V loads are masked
-            # off (no memory traffic), so the loop body is the same every iteration and the
-            # next slot's page, K and V loads can be issued before this one's math.
-            for i in tl.range(sp * KPS, sp * KPS + KPS, num_stages=STAGES):
-                blk = tl.load(sel_row + i * s_sel_k, mask=i < K, other=-1)
-                repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
-                use = (blk >= 0) & (blk < nb) & (repeated == 0)
-                page = load_page(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b, num_pages)
-                m_i, l_i, acc = _attend_block_masked(
-                    q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                    s_kb, s_kd, s_vb, s_vd, row_ok & use, pos_rows, blk, use, qk, B, BN, D,
-                    DOT_DTYPE, DOT_PREC)
-        else:
-            for i in tl.range(sp * KPS, sp * KPS + KPS):
-                blk = tl.load(sel_row + i * s_sel_k, mask=i < K, other=-1)
-                repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
-                if (blk >= 0) & (blk < nb) & (repeated == 0):
-                    page = load_page(bt_ptr + r * s_bt_r + blk * s_bt_b, num_pages)
-                    m_i, l_i, acc = _attend_block(
-                        q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                        s_kb, s_kd, s_vb, s_vd, row_ok, pos_rows, blk, qk, B, BN, D, DOT_DTYPE, DOT_PREC)
+        # No data-dependent branch: an unusable slot (-1, id >= nb, a repeat) is a row mask
+        # of all False, its page lookup is clamped to block 0 and its K/V loads are masked
+        # off (no memory traffic), so the loop body is the same every iteration and the
+        # next slot's page, K and V loads can be issued before this one's math.
+        for i in tl.range(sp * KPS, sp * KPS + KPS, num_stages=STAGES):
+            blk = tl.load(sel_row + i * s_sel_k, mask=i < K, other=-1)
+            repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
+            use = (blk >= 0) & (blk < nb) & (repeated == 0)
+            page = load_page(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b, num_pages)
+            m_i, l_i, acc = _attend_block_masked(
+                q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
+                s_kb, s_kd, s_vb, s_vd, row_ok & use, pos_rows, blk, use, qk, B, BN, D,
+                DOT_DTYPE, DOT_PREC)
     acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
     if SPLITS == 1:
         store_rows(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
@@ -335,7 +332,7 @@ def _prefill_attention_kernel(
     out_ptr, s_ot, s_oh, s_od, G, first_request, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    UNION: tl.constexpr = False, KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False,
+    KV_SCALED: tl.constexpr = False,
 ):
     r = first_request + tl.program_id(0)
     h = tl.program_id(2)
@@ -345,8 +342,7 @@ def _prefill_attention_kernel(
     if tl.max(row_in.to(tl.int32), axis=0) > 0:
         nb_max = tl.max(nb_row, axis=0)
         qh = h * G + gi
-        q, undo = load_query_rows(q_ptr, tok, qh, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
-        qk = score_scale(qk_scale, undo, SCALE_Q)
+        q = load_rows(q_ptr, tok, qh, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
         slots = tl.arange(0, K_PAD)
         sel = tl.load(sel_ptr + h * s_sel_h + tok[:, None] * s_sel_t + slots[None, :] * s_sel_k,
                       mask=row_ok[:, None] & (slots < K)[None, :], other=-1)
@@ -355,28 +351,13 @@ def _prefill_attention_kernel(
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
-        if UNION:
-            # Walk the tile's M x K top-k slots (token-major) instead of every visible block:
-            # slot i names block b; it is attended once, for every row whose token selected b,
-            # at the first slot that names it (later repeats are skipped).
-            slot_of = (tl.arange(0, ROWS) // G)[:, None] * K + slots[None, :]
-            for i in tl.range(0, M * K):
-                b = tl.max(tl.where(slot_of == i, sel, -1))
-                first = tl.max(((sel == b) & (slot_of < i)).to(tl.int32)) == 0
-                if (b >= 0) & first:
-                    member = tl.max((sel == b).to(tl.int32), axis=1) > 0
-                    page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
-                    m_i, l_i, acc = _attend_block(
-                        q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                        s_kb, s_kd, s_vb, s_vd, member, pos, b, qk, B, BN, D, DOT_DTYPE, DOT_PREC)
-        else:
-            for b in tl.range(0, nb_max):
-                member = tl.max((sel == b).to(tl.int32), axis=1) > 0
-                if tl.max(member.to(tl.int32), axis=0) > 0:
-                    page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
-                    m_i, l_i, acc = _attend_block(
-                        q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                        s_kb, s_kd, s_vb, s_vd, member, pos, b, qk, B, BN, D, DOT_DTYPE, DOT_PREC)
+        for b in tl.range(0, nb_max):
+            member = tl.max((sel == b).to(tl.int32), axis=1) > 0
+            if tl.max(member.to(tl.int32), axis=0) > 0:
+                page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
+                m_i, l_i, acc = _attend_block(
+                    q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
+                    s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
         acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
         store_rows(out_ptr, tok, qh, s_ot, s_oh, s_od, acc, l_i, row_in, D)
 
@@ -411,41 +392,41 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         head = (*tensors, batch.token_to_request, batch.token_positions, topk.storage, sh, st, sk, out, *so,
                 ws_m, ws_l, ws_acc, G)
         constexprs, merge = plan.constexprs, plan.merge
-        if plan.flat_ints:
+        if plan.flat:
             counters = arrival_counters(q.device, td * Hkv) if plan.merge_last else None
             if counters is None:   # no merge in the kernel: the merge launch below does it
                 constexprs = plan.constexprs_merge_launched
             else:
-                merge = ""
-            tail = (Hkv, *plan.flat_ints, qk_scale, *scales, ws_m if counters is None else counters)
+                merge = False
+            launch(_decode_attention_flat_kernel, plan.grid,
+                   (*head, Hkv, *plan.flat_ints, qk_scale, *scales, ws_m if counters is None else counters),
+                   constexprs, plan.options, fast)
         else:
-            tail = (qk_scale, *scales)
-        launch(globals()[plan.kernel], plan.grid, head + tail, constexprs, plan.options, fast)
-        if merge:
-            extra = (Hkv,) if merge == "_merge_row_kernel" else ()
-            launch(globals()[merge], plan.merge_grid, (out, *so, ws_m, ws_l, ws_acc, G, *extra),
+            launch(_decode_attention_kernel, plan.grid, (*head, qk_scale, *scales), constexprs, plan.options, fast)
+        if merge and plan.merge_per_row:
+            launch(_merge_row_kernel, plan.merge_grid, (out, *so, ws_m, ws_l, ws_acc, G, Hkv),
+                   plan.merge_constexprs, plan.merge_options, fast)
+        elif merge:
+            launch(_merge_kernel, plan.merge_grid, (out, *so, ws_m, ws_l, ws_acc, G),
                    plan.merge_constexprs, plan.merge_options, fast)
 
     if npf == 0:
         return
-    # prefill: launch parameters from host lengths, derived per step (a step's prefills vary)
-    dot_dtype, dot_prec, scale_q = dot_config(q.dtype, k.dtype, cfg.numerics.kv_fp8_as_f16_prefill)
+    # prefill: launch parameters from host lengths, derived per step (a step's prefills vary); the
+    # prefill kernels widen fp8 K/V to the queries' dtype
+    dot_dtype, dot_prec, _ = dot_config(q.dtype, k.dtype)
     opts = launch_options(cfg)
-    common = dict(B=B, D=D, K=K, K_PAD=next_pow2(K),
-                  DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, KV_SCALED=kv_scaled, SCALE_Q=scale_q)
     if cfg.prefill_attention is not None:
-        from .prefill_attention import prefill_attention_forward  # imports this module's helpers
-
         prefill_attention_forward(q, caches, topk, batch, params, out, cfg.prefill_attention, qk_scale=qk_scale,
-                                  dot_dtype=dot_dtype, dot_prec=dot_prec, scale_q=scale_q, platform_options=opts,
+                                  dot_dtype=dot_dtype, dot_prec=dot_prec, platform_options=opts,
                                   target_programs=cfg.target_programs, fast=cfg.algorithms.fast_launch)
     else:
         tiles = cfg.prefill_tiles
         rows = max(tiles.rows, next_pow2(G), 16)
         m = rows // G
-        common["BN"] = min(B, tiles.block_n)
         launch(_prefill_attention_kernel, (npf, triton.cdiv(batch.max_prefill_query_len, m), Hkv),
                (*tensors, batch.query_start_loc, batch.token_positions,
                 topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale, *scales),
-               dict(ROWS=rows, M=m, UNION=cfg.algorithms.prefill_attention_union, **common),
+               dict(ROWS=rows, M=m, B=B, BN=min(B, tiles.block_n), D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype,
+                    DOT_PREC=dot_prec, KV_SCALED=kv_scaled),
                dict(num_warps=tiles.warps, num_stages=tiles.num_stages, **opts), cfg.algorithms.fast_launch)

@@ -18,12 +18,21 @@ one integer width, so only its width (32 or 64 bits) is in the class: a step
 with new such values still launches directly. The current stream is read on
 every launch, so launches inside CUDA-graph capture are captured as usual.
 
-Falls back to ``kernel[grid](...)`` for good (per kernel) when the kernel is
-interpreted (``TRITON_INTERPRET=1``), when the installed Triton lacks what
-this needs (a compiled kernel returned by the launch, ``CompiledKernel.run``
-taking every parameter, constexprs included: Triton >= 3.3), or when the
-first direct launch raises; and per call while a launch hook (a profiler) is
-installed.
+The one adapter to Triton's internals: the kept binary's launcher
+(``CompiledKernel.run``) is called as Triton's own JIT calls it,
+``run(grid_x, grid_y, grid_z, stream, function, packed_metadata,
+launch_metadata, enter_hook, exit_hook, *every_parameter)`` (Triton 3.3 to
+3.9, NVIDIA and AMD launchers alike), with no launch metadata and no hooks.
+:func:`launcher_problem` checks a launcher against that call before its first
+use. Where the installed Triton's launcher does not take it, or its launcher
+passes the runtime parameters only (Triton < 3.3), or the first direct launch
+raises, the kernel falls back to ``kernel[grid](...)`` for good and a
+:class:`FastLaunchWarning` says so, once per reason: the launches stay
+right, only slower. tests/test_fast_launch.py fails on a Triton whose
+launchers take another call. Interpreted kernels (``TRITON_INTERPRET=1``)
+take Triton's path silently (nothing is compiled), and so does every call
+while a launch hook (a profiler) is installed, which needs Triton's launch
+metadata.
 
 Example:
     >>> fast = FastLauncher()
@@ -35,12 +44,13 @@ from __future__ import annotations
 
 import inspect
 import threading
+import warnings
 from operator import itemgetter
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["FastLauncher", "launch", "MAX_CLASSES"]
+__all__ = ["FastLauncher", "FastLaunchWarning", "launch", "launcher_problem", "MAX_CLASSES", "LAUNCH_HEAD"]
 
 #: call classes kept per kernel before the memory starts over
 MAX_CLASSES = 1024
@@ -103,7 +113,8 @@ class _Kernel:
         self.fn = fn
         self.names: list[str] = list(getattr(fn, "arg_names", ()))
         self.defaults = {p.name: p.default for p in getattr(fn, "params", ()) if _has_default(p)}
-        self.binaries: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
+        #: call class -> (the binary's launcher, its leading arguments, the constexprs' values)
+        self.binaries: dict[Any, tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = {}
         # an InterpretedFunction has no device caches; anything else that is not a JIT function
         # (a wrapper, a test's recorder) is launched as it asks to be
         self.disabled = not (hasattr(fn, "device_caches") and self.names)
@@ -164,28 +175,48 @@ class _Kernel:
         return tuple(out)
 
 
-def _entry(compiled: Any) -> tuple[Any, tuple[Any, ...]]:
-    """``(launch, head)``: the kept binary's launch is ``launch(gx, gy, gz, stream, *head, *args)``.
-
-    Triton 3.6's launcher object allocates no scratch for kernels that need none, then calls its
-    C entry point: that entry point is called directly here (one Python frame less per launch);
-    on other versions, or with scratch, the launcher object (``CompiledKernel.run``) as Triton calls it.
-    """
-    import triton
-
-    run = compiled.run
-    native = getattr(run, "launch", None)
-    if (triton.__version__.startswith(_RAW_LAUNCH_VERSIONS) and native is not None
-            and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
-            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
-        return native, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                        compiled.packed_metadata, None, None, None)
-    return run, (compiled.function, compiled.packed_metadata, None, None, None)
+#: the launcher's leading parameters: grid (3), stream, function, packed metadata, launch metadata
+#: and the enter/exit hooks; the kernel's parameters follow as ``*args``
+LAUNCH_HEAD = 9
 
 
-#: Triton versions whose launcher's C entry point this module calls directly (checked on the H200
-#: by tests/gpu/test_fast_launch_gpu.py, bit for bit against Triton's own launch)
-_RAW_LAUNCH_VERSIONS = ("3.6.",)
+class FastLaunchWarning(RuntimeWarning):
+    """The direct launch is off for a kernel: it launches through Triton's own binding (slower host)."""
+
+
+_PROBLEMS: dict[type, str] = {}
+_WARNED: set[str] = set()
+
+
+def launcher_problem(launcher_type: type) -> str:
+    """'' when a compiled kernel's launcher (an instance of ``launcher_type``) can take the call this
+    module makes (:data:`LAUNCH_HEAD` positional arguments, then the kernel's), else why it cannot."""
+    problem = _PROBLEMS.get(launcher_type)
+    if problem is None:
+        try:
+            params = list(inspect.signature(launcher_type.__call__).parameters.values())[1:]   # after self
+            positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            rest = any(p.kind == p.VAR_POSITIONAL for p in params)
+            keywords = [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+            problem = "" if rest and len(positional) <= LAUNCH_HEAD and not keywords else (
+                f"{launcher_type.__qualname__}({', '.join(map(str, params))}) does not take "
+                f"{LAUNCH_HEAD} launch arguments then the kernel's, as Triton's JIT passes them")
+        except (TypeError, ValueError) as e:
+            problem = f"the signature of {launcher_type!r} cannot be read ({e})"
+        _PROBLEMS[launcher_type] = problem
+    return problem
+
+
+def _fall_back(kernel: "_Kernel", why: str) -> None:
+    """Turn the direct launch off for ``kernel``, and say why (once per reason and process)."""
+    kernel.disabled = True
+    if why not in _WARNED:
+        _WARNED.add(why)
+        import triton
+
+        warnings.warn(f"mm3_backends.triton.fast_launch: {why} (Triton {triton.__version__}); kernels such as "
+                      f"{getattr(kernel.fn, '__name__', kernel.fn)!s} launch through Triton's own binding, right "
+                      f"but with more host time per launch", FastLaunchWarning, stacklevel=3)
 
 
 def _has_default(p: Any) -> bool:
@@ -242,18 +273,22 @@ class FastLauncher:
             # Triton >= 3.3 launches with every parameter, constexprs included (their launcher skips
             # them); an older one wants the runtime ones only: keep its path
             if tail is None or not hasattr(compiled, "function") or sig is None or len(sig) != len(k.names):
-                k.disabled = True
-                return
+                return _fall_back(k, "the compiled kernel's source signature does not list every parameter, "
+                                     "constexprs included (Triton < 3.3 launches the runtime ones only)")
+            run = compiled.run
+            problem = launcher_problem(type(run))
+            if problem:
+                return _fall_back(k, problem)
             if len(k.binaries) >= MAX_CLASSES:
                 k.binaries.clear()
-            k.binaries[key] = (_entry(compiled), tail)
+            k.binaries[key] = (run, (compiled.function, compiled.packed_metadata, None, None, None), tail)
             return
-        (run, head), tail = kept
+        run, head, tail = kept
         g = (*grid, 1, 1)
         try:
             run(g[0], g[1], g[2], active.get_current_stream(dev), *head, *args, *tail)
-        except Exception:   # the launcher's calling convention is not the one this Triton has
-            k.disabled = True
+        except Exception as e:   # the launcher's calling convention is not the one this Triton has
+            _fall_back(k, f"a direct launch raised {type(e).__name__}: {e}")
             return self._through_triton(fn, grid, args, kwargs, options)
         self._counts["direct"] += 1
 

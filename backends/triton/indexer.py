@@ -1,6 +1,6 @@
 """Triton indexer kernels (docs/spec.md §3): block scores, forced blocks and top-k selection.
 
-Three kernels, all stride-generic (index queries, the paged index cache, the
+Four kernels, all stride-generic (index queries, the paged index cache, the
 block table and the top-k buffer are addressed through their element strides,
 so head-major and token-major buffers work without copies):
 
@@ -15,17 +15,19 @@ so head-major and token-major buffers work without copies):
 ``_decode_topk_kernel``   grid ``(decode requests, rows)``
     Loads one row of block scores, applies the forced init/local blocks and
     selects ``min(K, nb)`` blocks (ties: lowest block id) by one bitonic
-    ``tl.topk`` over packed (score, -id) keys, or with ``SORT=False`` by
-    ``K`` rounds of arg-max; writes a prefix of ids then ``-1``. With
+    ``tl.topk`` over packed (score, -id) keys; writes a prefix of ids then ``-1``. With
     ``Algorithms.topk_in_last_program`` it is not launched: the last score
     program of each request does the same selection (:mod:`.arrivals`).
 
-``_prefill_index_kernel`` grid ``(prefill requests, token tiles)``
+``_prefill_index_kernel`` grid ``(prefill requests, token tiles, splits)``
     One program takes a tile of consecutive query tokens of one prefill request
     for all index heads, walks the visible blocks once (``tl.dot`` on
     ``[tokens*heads, Di] x [Di, B]`` tiles, causal mask inside each block) and
-    keeps a running top-K per row in registers, so no ``[H, T, blocks]`` score
-    matrix is ever written, whatever the context length.
+    keeps a running top-K per row in registers, as packed keys merged once per
+    chunk of blocks, so no ``[H, T, blocks]`` score matrix is ever written,
+    whatever the context length. When the tiles alone do not fill the device,
+    each tile's blocks are split over programs and ``_prefill_index_merge_kernel``
+    merges their top-K.
 
 Decode grids depend only on shapes (CUDA-graph capturable); the prefill grid
 uses the host-side maximum prefill length.
@@ -65,29 +67,22 @@ def _max_keep_nan(a, b):
 
 
 @triton.jit
-def _causal_mask(s, key_pos, pos, KEYS_A: tl.constexpr):
-    """Scores (``[BN, ROWS]`` with ``KEYS_A``, else ``[ROWS, BN]``) set to -inf where the key comes after the row."""
-    if KEYS_A:
-        s = tl.where(key_pos[:, None] <= pos[None, :], s, float("-inf"))
-    else:
-        s = tl.where(key_pos[None, :] <= pos[:, None], s, float("-inf"))
-    return s
+def _causal_mask(s, key_pos, pos):
+    """Scores ``[ROWS, BN]`` set to -inf where the key comes after the row."""
+    return tl.where(key_pos[None, :] <= pos[:, None], s, float("-inf"))
 
 
 @triton.jit
 def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
                       ROWS: tl.constexpr, B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr,
-                      DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_A: tl.constexpr = False,
-                      NAN_IN_MAX: tl.constexpr = False, pos_min=0, MASK_ALL: tl.constexpr = True):
+                      DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, NAN_IN_MAX: tl.constexpr = False,
+                      pos_min=0, MASK_ALL: tl.constexpr = True):
     """Max over block ``b``'s visible keys (``j <= pos``) of ``<q_row, key_j>``, per row; NaN -> -1e30.
 
-    Keys are read ``BN`` at a time to bound register use. With ``KEYS_A`` the
-    caller passes ``q`` transposed (``[DI, ROWS]``) and the dot is
-    ``keys @ q^T``: the key tile is the register operand, so a widened fp8
-    tile goes to the tensor cores without a shared-memory round trip.
-    ``row_scale`` (fp32, ``[ROWS]``, positive) undoes a per-row scaling of
-    ``q`` (see :func:`.tiles.load_query_rows`); the max commutes with it.
-    With ``NAN_IN_MAX`` a NaN score is carried by the max itself (one row
+    Keys are read ``BN`` at a time to bound register use. ``row_scale``
+    (fp32, ``[ROWS]``, positive) undoes a per-row scaling of ``q`` (see
+    :func:`.tiles.load_query_rows`); the max commutes with it. With
+    ``NAN_IN_MAX`` a NaN score is carried by the max itself (one row
     reduction per key tile instead of two). Without ``MASK_ALL`` a key tile
     that every row sees whole (its last key at or before ``pos_min``, the
     smallest position of the rows that count) skips the causal mask: in a
@@ -100,28 +95,16 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
     for c in tl.static_range(0, B, BN):
         offs_j = c + tl.arange(0, BN)
         keys = tl.load(page_ptr + offs_j[:, None] * s_ik_b + offs_d[None, :] * s_ik_d)
-        if KEYS_A:
-            st = tl.dot(keys.to(DOT_DTYPE), q, input_precision=DOT_PREC)           # [BN, ROWS] fp32
-            if MASK_ALL:
-                st = _causal_mask(st, b * B + offs_j, pos, KEYS_A)
-            elif b * B + c + BN - 1 > pos_min:
-                st = _causal_mask(st, b * B + offs_j, pos, KEYS_A)
-            if NAN_IN_MAX:
-                smax = _max_keep_nan(smax, tl.reduce(st, 0, _max_keep_nan))
-            else:
-                smax = tl.maximum(smax, tl.max(st, axis=0))
-                nans += tl.max((st != st).to(tl.int32), axis=0)
+        s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PREC)  # [ROWS, BN] fp32
+        if MASK_ALL:
+            s = _causal_mask(s, b * B + offs_j, pos)
+        elif b * B + c + BN - 1 > pos_min:
+            s = _causal_mask(s, b * B + offs_j, pos)
+        if NAN_IN_MAX:
+            smax = _max_keep_nan(smax, tl.reduce(s, 1, _max_keep_nan))
         else:
-            s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PREC)  # [ROWS, BN] fp32
-            if MASK_ALL:
-                s = _causal_mask(s, b * B + offs_j, pos, KEYS_A)
-            elif b * B + c + BN - 1 > pos_min:
-                s = _causal_mask(s, b * B + offs_j, pos, KEYS_A)
-            if NAN_IN_MAX:
-                smax = _max_keep_nan(smax, tl.reduce(s, 1, _max_keep_nan))
-            else:
-                smax = tl.maximum(smax, tl.max(s, axis=1))
-                nans += tl.max((s != s).to(tl.int32), axis=1)
+            smax = tl.maximum(smax, tl.max(s, axis=1))
+            nans += tl.max((s != s).to(tl.int32), axis=1)
     if NAN_IN_MAX:
         nans = (smax != smax).to(tl.int32)
     return tl.where(nans > 0, NAN_SCORE, smax * row_scale)
@@ -132,7 +115,7 @@ def _decode_score_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
     qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H, out_ptr, s_out_h, s_out_t, s_out_k, cnt_ptr,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
-    BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_A: tl.constexpr = False,
+    BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, PDL: tl.constexpr = False,
     TOPK_LAST: tl.constexpr = False, K: tl.constexpr = 1, K_PAD: tl.constexpr = 1, NB_PAD: tl.constexpr = 1,
     INIT: tl.constexpr = 0, LOCAL: tl.constexpr = 0, R_TK: tl.constexpr = 1, TK_ROWS: tl.constexpr = 1,
@@ -148,13 +131,11 @@ def _decode_score_kernel(
     nb_req = tl.max(nb, axis=0)
     if b0 < nb_req:
         q, row_scale = load_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
-        if KEYS_A:
-            q = tl.trans(q)
         rows = tl.arange(0, ROWS)
         for b in tl.range(b0, tl.minimum(b0 + BPS, nb_req)):
             page = load_reported_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages, faults_ptr, r, b)
             smax = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
-                                     ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A, NAN_IN_MAX)
+                                     ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, NAN_IN_MAX)
             tl.store(ws_ptr + r * s_ws_r + rows * s_ws_row + b, smax, mask=row_ok)
     if TOPK_LAST:
         if arrive_last(cnt_ptr, r, tl.num_programs(1)):
@@ -169,17 +150,6 @@ def _forced(S, blocks, nb, INIT: tl.constexpr, LOCAL: tl.constexpr):
     (docs/spec.md §3.4: the first ``INIT`` and the last ``LOCAL`` visible blocks always win)."""
     S = tl.where(blocks < INIT, FORCED_INIT, S)
     return tl.where(blocks >= nb - LOCAL, FORCED_LOCAL, S)
-
-
-@triton.jit
-def _forced_row_scores(row_ptr, pos, B: tl.constexpr, NB_PAD: tl.constexpr,
-                       INIT: tl.constexpr, LOCAL: tl.constexpr):
-    """One decode row's visible block scores with the forced init/local blocks applied (:func:`_forced`)."""
-    nb = pos // B + 1
-    blocks = tl.arange(0, NB_PAD)
-    avail = blocks < nb
-    S = tl.load(row_ptr + blocks, mask=avail, other=float("-inf"))
-    return blocks, avail, _forced(S, blocks, nb, INIT, LOCAL)
 
 
 @triton.jit
@@ -231,91 +201,30 @@ def _select_rows(scores_ptr, s_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t,
 def _decode_topk_kernel(
     ws_ptr, s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H,
     B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-    INIT: tl.constexpr, LOCAL: tl.constexpr, SORT: tl.constexpr = True, PDL: tl.constexpr = False,
+    INIT: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    """Top-k of row ``program_id(1)`` of decode request ``program_id(0)`` (:func:`_select_rows`)."""
     pdl_prologue(PDL)
     r = tl.program_id(0)
     row = tl.program_id(1)
-    if SORT:   # one bitonic top-k over packed (score, -id) keys
-        _select_rows(ws_ptr + r * s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, r, row,
-                     row + 1, B, K, K_PAD, NB_PAD, INIT, LOCAL, 1, "")
-    else:
-        qi = row // H
-        start = tl.load(qsl_ptr + r)
-        if qi < tl.load(qsl_ptr + r + 1) - start:
-            tok = start + qi
-            pos = tl.load(pos_ptr + tok)
-            slots = tl.arange(0, K_PAD)
-            result = tl.full([K_PAD], -1, tl.int32)
-            if pos >= 0:
-                blocks, avail, S = _forced_row_scores(ws_ptr + r * s_ws_r + row * s_ws_row, pos,
-                                                      B, NB_PAD, INIT, LOCAL)
-                # K rounds of arg-max; availability is a mask, so a legitimate -inf score still counts
-                for i in tl.range(0, K):
-                    cand = tl.where(avail, S, float("-inf"))
-                    best = tl.max(cand, axis=0)
-                    idx = tl.min(tl.where(avail & (cand == best), blocks, NB_PAD), axis=0)
-                    result = tl.where((slots == i) & (idx < NB_PAD), idx, result)
-                    avail = avail & (blocks != idx)
-            tl.store(out_ptr + (row % H) * s_out_h + tok * s_out_t + slots * s_out_k, result, mask=slots < K)
-
-
-@step_kernel("first_request")
-def _prefill_index_kernel(
-    iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
-    qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
-    B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
-    K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SCALE_Q: tl.constexpr = False,
-    NAN_IN_MAX: tl.constexpr = False,
-):
-    r = first_request + tl.program_id(0)
-    tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H,
-                                                      ROWS, M, B)
-    if tl.max(row_in.to(tl.int32), axis=0) > 0:
-        nb_max = tl.max(nb_row, axis=0)
-        q, row_scale = load_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
-        slots = tl.arange(0, K_PAD)[None, :]
-        # Running top-K per row. Slot ids: -1 = empty, -2 = padding slot (>= K, never used).
-        best_i = tl.where(slots < K, -1, -2) + tl.zeros([ROWS, K_PAD], tl.int32)
-        best_v = tl.full([ROWS, K_PAD], float("inf"), tl.float32)
-        for b in tl.range(0, nb_max):
-            page = load_reported_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages, faults_ptr, r, b)
-            sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
-                                   ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, False, NAN_IN_MAX)
-            sb = _forced(sb, b, nb_row, INIT, LOCAL)
-            eligible = b < nb_row
-            empty = best_i == -1
-            has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
-            first_empty = tl.min(tl.where(empty, slots, K_PAD), axis=1)
-            filled = best_i >= 0
-            min_v = tl.min(tl.where(filled, best_v, float("inf")), axis=1)
-            min_slot = tl.min(tl.where(filled & (best_v == min_v[:, None]), slots, K_PAD), axis=1)
-            # strict '>' keeps the lower block id on ties (blocks arrive in increasing order)
-            take = eligible & (has_empty | (sb > min_v))
-            target = tl.where(has_empty, first_empty, min_slot)
-            upd = (slots == target[:, None]) & take[:, None]
-            best_v = tl.where(upd, sb[:, None], best_v)
-            best_i = tl.where(upd, b, best_i)
-        # empty slots are a suffix (filled lowest-first, never emptied): the ids form a prefix
-        tl.store(out_ptr + hh[:, None] * s_out_h + tok[:, None] * s_out_t + slots * s_out_k,
-                 tl.maximum(best_i, -1), mask=row_in[:, None] & (slots < K))
+    _select_rows(ws_ptr + r * s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, r, row,
+                 row + 1, B, K, K_PAD, NB_PAD, INIT, LOCAL, 1, "")
 
 
 @step_kernel("first_request", "s_ws_s", "first_token")
-def _prefill_index_chunked_kernel(
+def _prefill_index_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
     qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
     ws_ptr, s_ws_s, s_ws_t, first_token,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, CH: tl.constexpr, KEYS_A: tl.constexpr = False,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, CH: tl.constexpr,
     SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, SPLITS: tl.constexpr = 1,
     MASK_ALL: tl.constexpr = True, SORTED_MERGE: tl.constexpr = False, KEY_ROW: tl.constexpr = 0,
 ):
-    """Same contract as :func:`_prefill_index_kernel`; the running top-K is kept as packed keys and
-    updated once per ``CH`` blocks (one bitonic top-k of the chunk, one of the merge) instead of
-    a dozen row reductions per block. Still no score matrix in memory.
+    """Top-k of a tile of ``M`` tokens of prefill request ``first_request + program_id(0)`` for all index
+    heads (rows ``(token, head)``); the running top-K is kept as packed keys and updated once per
+    ``CH`` blocks (one bitonic top-k of the chunk, one of the merge), not by row reductions per block.
 
     ``MASK_ALL=False``: the causal mask only on key tiles some row sees in part
     (:func:`_block_max_scores`). ``SORTED_MERGE``: the chunk holds fp32 block
@@ -344,8 +253,6 @@ def _prefill_index_chunked_kernel(
         lo = tl.program_id(2) * span
         hi = tl.minimum(lo + span, nb_max)
         q, row_scale = load_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
-        if KEYS_A:
-            q = tl.trans(q)
         pos_min = tl.min(tl.where(row_ok, pos, 2147483647), axis=0)  # rows without a token never count
         cols = tl.arange(0, CH)[None, :]
         best = tl.full([ROWS, K_PAD], -9223372036854775807 - 1, tl.int64)
@@ -358,7 +265,7 @@ def _prefill_index_chunked_kernel(
                 b = c0 + j
                 page = load_reported_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages, faults_ptr, r, b)
                 sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
-                                       ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, KEYS_A, NAN_IN_MAX, pos_min, MASK_ALL)
+                                       ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, NAN_IN_MAX, pos_min, MASK_ALL)
                 if SORTED_MERGE:
                     chunk = tl.where(cols == j, sb[:, None], chunk)
                 else:
@@ -462,30 +369,21 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         pic = cfg.prefill_index
         rows = max(pic.rows, next_pow2(H), 16)
         m = rows // H
-        extra = {}
-        kernel = _prefill_index_kernel
-        k_pad = next_pow2(K)
+        k_pad = sort_width(K)
         tiles = triton.cdiv(batch.max_prefill_query_len, m)
-        splits = 1
-        if pic.chunk:
-            kernel = _prefill_index_chunked_kernel
-            k_pad = sort_width(K)
-            splits = cfg.prefill_index_splits(npf * tiles, bt.shape[1])
-            t0, n_rows = batch.num_decode_tokens, batch.num_prefill_tokens * H
-            ws = out.storage if splits == 1 else \
-                torch.empty((splits, n_rows, k_pad), dtype=torch.int64, device=ik.device)
-            extra = dict(CH=max(pic.chunk, k_pad), KEYS_A=cfg.algorithms.index_keys_as_a, SPLITS=splits,
-                         MASK_ALL=not pic.unmasked_full, SORTED_MERGE=pic.sorted_merge,
-                         KEY_ROW=ik.stride(1) if pic.static_key_stride else 0)
-            extra_args = (ws, ws.stride(0), ws.stride(1) if splits > 1 else 0, t0)
-        else:
-            extra_args = ()
+        splits = cfg.prefill_index_splits(npf * tiles, bt.shape[1])
+        t0, n_rows = batch.num_decode_tokens, batch.num_prefill_tokens * H
+        ws = out.storage if splits == 1 else \
+            torch.empty((splits, n_rows, k_pad), dtype=torch.int64, device=ik.device)
         fast = cfg.algorithms.fast_launch
-        launch(kernel, (npf, tiles, splits),
+        launch(_prefill_index_kernel, (npf, tiles, splits),
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults,
-                batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd, *extra_args),
+                batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd,
+                ws, ws.stride(0), ws.stride(1) if splits > 1 else 0, t0),
                dict(ROWS=rows, M=m, K=K, K_PAD=k_pad, INIT=params.init_blocks, LOCAL=params.local_blocks,
-                    BN=min(B, pic.block_n), **common, **extra),
+                    BN=min(B, pic.block_n), **common, CH=max(pic.chunk, k_pad), SPLITS=splits,
+                    MASK_ALL=not pic.unmasked_full, SORTED_MERGE=pic.sorted_merge,
+                    KEY_ROW=ik.stride(1) if pic.static_key_stride else 0),
                dict(num_warps=pic.warps, num_stages=pic.num_stages, **opts), fast)
         if splits > 1:
             r_merge = 16

@@ -1,36 +1,40 @@
-"""The launch configuration of both plugins under Triton's CPU interpreter (tests only).
+"""A plugin's launch configuration under Triton's CPU interpreter: its own, with small tiles.
 
-Few programs, because each is simulated in Python, but more than one split
-so the flash-decoding merge runs in CI too; 16-key inner tiles so the tiny
-test blocks still take several; the decode top-k and merge always in the last
-program of their group (the GPU plugins take them by rules or not at all), so
-CI runs them on every decode shape.
-Every other value is the cuda plugin's, so the interpreter runs the kernel
-variants the H200 runs.
+Each program is simulated in Python, one after another, so the interpreter
+wants few programs and small tiles; nothing else changes. Every switch
+(which kernel runs, its numerics, the last-program rules) is the plugin's, so
+the interpreter runs the code paths the plugin's GPU runs: the cuda plugin's
+persistent decode attention and block-grouped prefill, the rocm plugin's grid
+decode attention and token-tile prefill. Eight programs still make more than
+one flash-decoding split on small decode grids, so the merges run too;
+16-key inner tiles make the tiny test blocks take several.
+
+What the interpreter cannot run it skips by itself, whatever the config
+says: programmatic dependent launch (:func:`.tl_utils.pdl_enabled`), the
+platform launch options (:func:`.tl_utils.launch_options`) and the direct
+launch of compiled kernels (:mod:`.fast_launch` launches an interpreted
+kernel through Triton); tests/test_triton_interpreter.py shows each, and that
+both plugins' interpreter configs differ from their own in these sizes only.
 """
 
 from __future__ import annotations
 
-from .algorithms import Algorithms, Numerics
-from .kernel_configs import DecodeAttentionConfig, DecodeIndexConfig, PrefillIndexConfig, TokenTileAttentionConfig
-from .launch import LaunchConfig
-from .prefill_config import PrefillAttentionConfig
+from .launch import LaunchConfig, override
 
-__all__ = ["INTERPRETER_CONFIG"]
+__all__ = ["for_interpreter", "INTERPRETER_PROGRAMS", "INTERPRETER_ROWS", "INTERPRETER_KEYS"]
 
-INTERPRETER_CONFIG = LaunchConfig(
-    target_programs=8, warp_size=32,
-    decode_index=DecodeIndexConfig(min_blocks=1, max_blocks=128, warps=4, topk_warps=4, programs_factor=2,
-                                   block_n=16, num_stages=2),
-    prefill_index=PrefillIndexConfig(rows=32, warps=8, block_n=64, chunk=32, num_stages=2, max_splits=4,
-                                     unmasked_full=True, sorted_merge=True, static_key_stride=True),
-    decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
-                                           flat_programs_per_sm=2, block_n=16),
-    decode_attention_fp8=None,
-    prefill_attention=PrefillAttentionConfig(rows=32, block_n=16),
-    prefill_tiles=TokenTileAttentionConfig(rows=32, warps=8, block_n=64, num_stages=2),
-    algorithms=Algorithms(decode_attention_flat=True, decode_attention_branchless=True, merge_per_row=None,
-                          topk_sort=True, index_keys_as_a=False, prefill_attention_union=False, pdl=None,
-                          fast_launch=False, merge_in_last_program=True,
-                          topk_in_last_program=True),
-    numerics=Numerics(fp8_as_f16=True, nan_in_max=True, kv_fp8_as_f16=True, kv_fp8_as_f16_prefill=True))
+#: programs that "fill" the interpreter
+INTERPRETER_PROGRAMS = 8
+#: query rows of a prefill tile (indexer, token tiles, block-grouped tiles)
+INTERPRETER_ROWS = 32
+#: keys of an inner tile (decode indexer, decode attention)
+INTERPRETER_KEYS = 16
+
+
+def for_interpreter(launch: LaunchConfig) -> LaunchConfig:
+    """``launch`` with the interpreter's program count and tile sizes; every other field is ``launch``'s."""
+    rows = dict(rows=INTERPRETER_ROWS)
+    grouped = {} if launch.prefill_attention is None else dict(prefill_attention=rows)
+    return override(launch, target_programs=INTERPRETER_PROGRAMS, decode_index=dict(block_n=INTERPRETER_KEYS),
+                    decode_attention=dict(block_n=INTERPRETER_KEYS), prefill_index=rows, prefill_tiles=rows,
+                    **grouped)

@@ -49,21 +49,20 @@ class PrefillIndexConfig:
     warps: int
     #: keys per inner tile (its tiles hold many rows, so it wants fewer keys than the decode one)
     block_n: int
-    #: 0 = running top-K updated per block; n = packed-key top-K merged every n blocks
-    #: (a power of two >= topk)
+    #: blocks scored between two merges of the running packed-key top-K (a power of two; raised
+    #: to the top-k's sort width when smaller)
     chunk: int
     num_stages: int
     #: most programs one token tile's visible blocks are split over when the tiles alone do not
-    #: fill the device (each split keeps its own top-K, a small kernel merges them; chunked
-    #: kernel only). 1 = never split
+    #: fill the device (each split keeps its own top-K, a small kernel merges them). 1 = never split
     max_splits: int
-    #: (chunked kernel) the causal mask only on key tiles that some row of the tile sees in part;
+    #: the causal mask only on key tiles that some row of the tile sees in part;
     #: False = on every tile (the masks' compare and select per score: a quarter of the loop)
     unmasked_full: bool
-    #: (chunked kernel) fp32 chunk scores packed once per chunk, and an ascending running top-K
+    #: fp32 chunk scores packed once per chunk, and an ascending running top-K
     #: merged with the chunk's top-K by a bitonic merge instead of a second top-k (same result)
     sorted_merge: bool
-    #: (chunked kernel) the index cache's row stride compiled in (one specialization per stride):
+    #: the index cache's row stride compiled in (one specialization per stride):
     #: each thread's key addresses become one register plus immediates
     static_key_stride: bool
 

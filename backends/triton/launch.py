@@ -11,20 +11,12 @@ query length, block-table width, top-k) and the device's multiprocessor
 count, never from tensor contents, so the decode path can be captured in a
 CUDA graph and replayed with new lengths and positions.
 
+The rules' decisions at the cuda plugin's values are the examples of
+``backends/cuda/tuning.py``; tests/test_triton_interpreter.py checks them too.
+
 Example:
-    >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
-    >>> cfg = override(NVIDIA_LAUNCH, target_programs=264)
-    >>> cfg.decode_index_blocks_per_split(num_requests=64, table_width=512)
-    64
-    >>> cfg.decode_attention_splits(num_tokens=64, num_kv_heads=4, topk=16)
-    1
-    >>> cfg.decode_attention_splits(num_tokens=1, num_kv_heads=4, topk=16)
-    16
-    >>> override(cfg, decode_attention=dict(warps=8)).decode_attention.warps
-    8
-    >>> fp8 = override(cfg, decode_attention_fp8=replace(cfg.decode_attention, flat_programs_per_sm=4))
-    >>> fp8.decode_attention_splits(num_tokens=64, num_kv_heads=4, topk=16, fp8_kv=True)
-    2
+    >>> next_pow2(5), next_pow2(16), next_pow2(0)
+    (8, 16, 1)
 """
 
 from __future__ import annotations
@@ -60,14 +52,9 @@ class LaunchConfig:
 
     #: programs that fill the device (2 x SMs on NVIDIA, 2 x CUs on AMD)
     target_programs: int
-    #: warp (wavefront) width of the platform; informative, Triton knows it
-    warp_size: int
     decode_index: DecodeIndexConfig
     prefill_index: PrefillIndexConfig
     decode_attention: DecodeAttentionConfig
-    #: decode attention on an fp8 K/V cache (half the bytes per block, so other tile and grid
-    #: choices may win); None = ``decode_attention``
-    decode_attention_fp8: Optional[DecodeAttentionConfig]
     #: prefill attention grouped by selected block (:mod:`.prefill_attention`): each block is read
     #: once per tile of the tokens that chose it. None = the token-tile kernel (``prefill_tiles``)
     prefill_attention: Optional[PrefillAttentionConfig]
@@ -112,17 +99,9 @@ class LaunchConfig:
         context 4 splits of 128-row tiles 490 -> 273 us; splitting where the tiles
         already fill the SMs (TP1) or where the table is short (context 0) was
         slower (TP1 ctx 0, 2 splits: 152 -> 206 us), hence both conditions.
-
-        Example:
-            >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
-            >>> cfg = override(NVIDIA_LAUNCH, target_programs=264, prefill_index=dict(chunk=32, max_splits=8))
-            >>> cfg.prefill_index_splits(num_tiles=64, table_width=320), cfg.prefill_index_splits(128, 320)
-            (4, 2)
-            >>> cfg.prefill_index_splits(num_tiles=128, table_width=64), cfg.prefill_index_splits(256, 320)
-            (1, 1)
         """
         pic = self.prefill_index
-        if pic.max_splits <= 1 or not pic.chunk or 2 * num_tiles >= self.target_programs:
+        if pic.max_splits <= 1 or 2 * num_tiles >= self.target_programs:
             return 1
         wanted = -(-self.target_programs // max(1, num_tiles))
         by_width = max(1, table_width // (2 * pic.chunk))
@@ -135,8 +114,6 @@ class LaunchConfig:
         Measured on the H200 (TP1, 64K): batch 1 merge 12.4 -> 8.2 us per row; batch 64
         95 -> 102 us (the per-KV-head merge wins once the grid is full).
         """
-        if self.algorithms.merge_per_row is not None:
-            return self.algorithms.merge_per_row
         return self._small_grid(num_tokens, num_kv_heads)
 
     def _small_grid(self, num_tokens: int, num_kv_heads: int) -> bool:
@@ -153,13 +130,6 @@ class LaunchConfig:
         per-row merge kernel small grids take sums the splits in another order than the last
         program, and a step replayed from a CUDA graph must give the eager step's bits, so the
         choice depends on the shape only, never on a capture.
-
-        Example:
-            >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
-            >>> rule = dict(merge_in_last_program=None, topk_in_last_program=None)
-            >>> cfg = override(NVIDIA_LAUNCH.for_device_sms(132), algorithms=rule)
-            >>> cfg.use_merge_in_last_program(16), cfg.use_merge_in_last_program(4)   # TP1 b1, TP8 b64
-            (False, True)
         """
         if self.algorithms.merge_in_last_program is not None:
             return self.algorithms.merge_in_last_program
@@ -173,32 +143,17 @@ class LaunchConfig:
         program sorts the request's 4 rows), TP1 b64 252.9 -> 259.4 us, TP8 b64 251.2 -> 249.9 us.
         It pays only where the host is the bound: an eager step of a small grid, where a launch
         costs ~20 us of host time.
-
-        Example:
-            >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
-            >>> rule = dict(merge_in_last_program=None, topk_in_last_program=None)
-            >>> cfg = override(NVIDIA_LAUNCH.for_device_sms(132), algorithms=rule)
-            >>> [cfg.use_topk_in_last_program(1, 4, capturing=c) for c in (True, False)]
-            [False, True]
-            >>> cfg.use_topk_in_last_program(64, 4, capturing=False)
-            False
         """
         if self.algorithms.topk_in_last_program is not None:
             return self.algorithms.topk_in_last_program
         return not capturing and self._small_grid(num_tokens, num_kv_heads)
 
-    def decode_attention_for(self, fp8_kv: bool) -> DecodeAttentionConfig:
-        """The decode attention's config for a bf16/fp16/fp32 (``fp8_kv=False``) or an fp8 K/V cache."""
-        if fp8_kv and self.decode_attention_fp8 is not None:
-            return self.decode_attention_fp8
-        return self.decode_attention
+    def _flat_programs(self) -> int:
+        return max(1, self.target_programs // 2) * self.decode_attention.flat_programs_per_sm
 
-    def _flat_programs(self, fp8_kv: bool) -> int:
-        return max(1, self.target_programs // 2) * self.decode_attention_for(fp8_kv).flat_programs_per_sm
-
-    def decode_attention_flat_items_per_program(self, items: int, fp8_kv: bool = False) -> int:
+    def decode_attention_flat_items_per_program(self, items: int) -> int:
         """Work items (token, KV head, split) one persistent decode-attention program walks."""
-        return -(-items // self._flat_programs(fp8_kv))
+        return -(-items // self._flat_programs())
 
     def use_pdl(self, num_tokens: int, num_kv_heads: int) -> bool:
         """Programmatic dependent launch for this decode step (``algorithms.pdl``; None = small grids only).
@@ -210,16 +165,16 @@ class LaunchConfig:
             return self.algorithms.pdl
         return self._small_grid(num_tokens, num_kv_heads)
 
-    def decode_attention_splits(self, num_tokens: int, num_kv_heads: int, topk: int, fp8_kv: bool = False) -> int:
+    def decode_attention_splits(self, num_tokens: int, num_kv_heads: int, topk: int) -> int:
         """Flash-decoding splits over the selected blocks (1 = no merge pass).
 
         Persistent kernel: the fewest splits that still give each program an item
         (rounded down: a few idle program slots cost less than a merge pass).
         """
-        dac = self.decode_attention_for(fp8_kv)
+        dac = self.decode_attention
         if self.algorithms.decode_attention_flat:
             pairs = max(1, num_tokens * num_kv_heads)
-            return max(1, min(self._flat_programs(fp8_kv) // pairs, topk, dac.max_splits))
+            return max(1, min(self._flat_programs() // pairs, topk, dac.max_splits))
         programs = max(1, num_tokens * num_kv_heads)
         splits = -(-self.target_programs * dac.programs_factor // programs)
         return max(1, min(splits, topk, dac.max_splits))

@@ -9,17 +9,8 @@ a launcher adds the step's tensors and strides.
 
 Plans are keyed by the config object's identity (each plugin sizes its config
 once per device, ``TritonPlatform.launch_config``) and held with it, so a key
-cannot outlive its config.
-
-Example:
-    >>> import torch
-    >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH
-    >>> cfg = NVIDIA_LAUNCH.for_device_sms(132)
-    >>> a = decode_attention_plan(cfg, 1, 1, 8, 16, 128, 128, torch.bfloat16, torch.bfloat16, False)
-    >>> a is decode_attention_plan(cfg, 1, 1, 8, 16, 128, 128, torch.bfloat16, torch.bfloat16, False)
-    True
-    >>> a.splits, a.kernel
-    (16, '_decode_attention_flat_kernel')
+cannot outlive its config (tests/test_launch_parameters.py shows a plan
+derived once per shape class).
 """
 
 from __future__ import annotations
@@ -59,16 +50,20 @@ def _cached(cfg: LaunchConfig, key: tuple[Any, ...], make: Callable[[], Any]) ->
 
 
 class DecodeAttentionPlan(NamedTuple):
-    """The decode attention's launches for one shape class (``kernel`` names a module-level kernel)."""
+    """The decode attention's launches for one shape class (the launcher picks the kernels by these flags)."""
 
-    kernel: str                    # "_decode_attention_flat_kernel" or "_decode_attention_kernel"
+    #: the persistent kernel (``Algorithms.decode_attention_flat``), else the grid kernel
+    flat: bool
     grid: tuple[int, ...]
     flat_ints: tuple[int, ...]     # (items, items per program) of the flat kernel, else ()
     splits: int
     g_pad: int
     constexprs: dict[str, Any]
     options: dict[str, Any]
-    merge: str                     # "" (one split), "_merge_row_kernel" or "_merge_kernel"
+    #: a merge launch follows (several splits); per (token, query head) when ``merge_per_row``,
+    #: else per (token, KV head)
+    merge: bool
+    merge_per_row: bool
     merge_grid: tuple[int, ...]
     merge_constexprs: dict[str, Any]
     merge_options: dict[str, Any]
@@ -84,44 +79,42 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
     shapes only, so an eager step and its CUDA-graph replay launch the same kernels."""
     def make() -> DecodeAttentionPlan:
         dot_dtype, dot_prec, scale_q = dot_config(q_dtype, kv_dtype, cfg.numerics.kv_fp8_as_f16)
-        fp8_kv = kv_dtype == torch.float8_e4m3fn
         pdl = pdl_enabled(cfg, td, Hkv)
         dopts = decode_launch_options(cfg, pdl)
-        splits = cfg.decode_attention_splits(td, Hkv, K, fp8_kv)
+        splits = cfg.decode_attention_splits(td, Hkv, K)
         kps = -(-K // splits)
         splits = -(-K // kps)
         g_pad = max(16, next_pow2(G))
-        dac = cfg.decode_attention_for(fp8_kv)
+        dac = cfg.decode_attention
         const = dict(G_PAD=g_pad, SPLITS=splits, KPS=kps, STAGES=dac.stages, PDL=pdl, B=B,
                      BN=min(B, dac.block_n), D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype,
                      DOT_PREC=dot_prec, KV_SCALED=kv_scaled, SCALE_Q=scale_q)
         opts = dict(num_warps=dac.warps, num_stages=dac.num_stages, **dopts)
-        if cfg.algorithms.decode_attention_flat:
+        flat = cfg.algorithms.decode_attention_flat
+        if flat:
             items = td * Hkv * splits
-            ipp = cfg.decode_attention_flat_items_per_program(items, fp8_kv)
-            kernel, grid, flat = "_decode_attention_flat_kernel", (-(-items // ipp),), (items, ipp)
-        else:
-            kernel, grid, flat = "_decode_attention_kernel", (td, Hkv, splits), ()
-            const["BRANCHLESS"] = cfg.algorithms.decode_attention_branchless
-        merge, mgrid, mconst, mopts = "", (), {}, {}
-        merge_last = (splits > 1 and cfg.algorithms.decode_attention_flat
-                      and cfg.use_merge_in_last_program(splits))
-        if cfg.algorithms.decode_attention_flat:
+            ipp = cfg.decode_attention_flat_items_per_program(items)
+            grid, flat_ints = (-(-items // ipp),), (items, ipp)
             const["S_PAD"] = next_pow2(splits)
             const["MERGE_LAST"] = False
+        else:
+            grid, flat_ints = (td, Hkv, splits), ()
+        merge_last = splits > 1 and flat and cfg.use_merge_in_last_program(splits)
         launched = const
         if merge_last:
             const = dict(const, MERGE_LAST=True)
+        # with the merge planned in the last program, its fallback (a capture short of counters)
+        # is the per-KV-head kernel: the same code, so the same bits as an eager step's
+        per_row = splits > 1 and cfg.use_merge_per_row(td, Hkv) and not merge_last
+        mgrid, mconst, mopts = (), {}, {}
         if splits > 1:
             mconst = dict(D=D, G_PAD=g_pad, SPLITS=splits, S_PAD=next_pow2(splits), PDL=pdl)
-            # with the merge planned in the last program, its fallback (a capture short of counters)
-            # is the per-KV-head kernel: the same code, so the same bits as an eager step's
-            if cfg.use_merge_per_row(td, Hkv) and not merge_last:
-                merge, mgrid, mopts = "_merge_row_kernel", (td, Hkv, G), dict(num_warps=4, **dopts)
+            if per_row:
+                mgrid, mopts = (td, Hkv, G), dict(num_warps=4, **dopts)
             else:
-                merge, mgrid, mopts = "_merge_kernel", (td, Hkv), dict(num_warps=dac.warps, **dopts)
-        return DecodeAttentionPlan(kernel, grid, flat, splits, g_pad, const, opts, merge, mgrid, mconst, mopts,
-                                   merge_last, launched)
+                mgrid, mopts = (td, Hkv), dict(num_warps=dac.warps, **dopts)
+        return DecodeAttentionPlan(flat, grid, flat_ints, splits, g_pad, const, opts, splits > 1, per_row, mgrid,
+                                   mconst, mopts, merge_last, launched)
 
     return _cached(cfg, ("attention", td, Hkv, G, K, B, D, q_dtype, kv_dtype, kv_scaled), make)
 
@@ -157,11 +150,10 @@ def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_
         bps = cfg.decode_index_blocks_per_split(nd, width)
         pdl = pdl_enabled(cfg, num_decode_tokens, Hkv)
         dopts = decode_launch_options(cfg, pdl)
-        k_pad = sort_width(K) if cfg.algorithms.topk_sort else next_pow2(K)
+        k_pad = sort_width(K)
         nb_pad = max(next_pow2(width), k_pad)
-        score = dict(ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, KEYS_A=cfg.algorithms.index_keys_as_a,
-                     BN=min(B, dic.block_n), PDL=pdl, **common)
-        topk_last = cfg.algorithms.topk_sort and cfg.use_topk_in_last_program(num_decode_tokens, Hkv, capturing)
+        score = dict(ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, BN=min(B, dic.block_n), PDL=pdl, **common)
+        topk_last = cfg.use_topk_in_last_program(num_decode_tokens, Hkv, capturing)
         # rows selected together by the last program: at most TOPK_LAST_KEYS packed keys held at once
         r_tk = max(1, min(next_pow2(rows), TOPK_LAST_KEYS // nb_pad))
         score.update(TOPK_LAST=False, K=K, K_PAD=k_pad, NB_PAD=nb_pad, INIT=init, LOCAL=local, R_TK=r_tk,
@@ -171,8 +163,7 @@ def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_
             (nd, -(-width // bps)), fused,
             dict(num_warps=dic.warps, num_stages=dic.num_stages, **dopts),
             (nd, rows),
-            dict(B=B, K=K, K_PAD=k_pad, NB_PAD=nb_pad, INIT=init, LOCAL=local, SORT=cfg.algorithms.topk_sort,
-                 PDL=pdl),
+            dict(B=B, K=K, K_PAD=k_pad, NB_PAD=nb_pad, INIT=init, LOCAL=local, PDL=pdl),
             dict(num_warps=dic.topk_warps, **dopts),
             rows, topk_last, score)
 

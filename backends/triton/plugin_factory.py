@@ -27,7 +27,7 @@ from mm3.contract import BackendCapabilities, KVCacheLayout, Probe, TopkLayout
 from mm3.contract import hookimpl
 from mm3.contract import MINIMAX_M3_MAX_DECODE_QUERY_LEN
 
-from .interpreter_config import INTERPRETER_CONFIG
+from .interpreter_config import for_interpreter
 from .launch import LaunchConfig
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from mm3.contract import SparseAttentionParams
 
 __all__ = ["TritonPlatform", "TritonHooks", "make_hookimpls", "triton_missing", "interpreter_probe",
-           "INTERPRETER_CONFIG", "SUPPORTED_TILE_SIZES"]
+           "SUPPORTED_TILE_SIZES"]
 
 #: head dims, index head dims and block sizes the kernels tile (powers of two >= 16)
 SUPPORTED_TILE_SIZES = frozenset({16, 32, 64, 128, 256})
@@ -155,16 +155,21 @@ class TritonPlatform:
         return f"device type {device.type!r} is not supported (cuda, or cpu under the Triton interpreter)"
 
     def launch_config(self, device: torch.device) -> LaunchConfig:
-        """The launch config sized for ``device`` (its multiprocessor count), cached per device."""
-        if device.type != "cuda" or _kernels_interpreted():
-            return INTERPRETER_CONFIG
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        native = self.native()
+        """The launch config for ``device``: sized for its multiprocessor count, or the interpreter's
+        (:func:`.interpreter_config.for_interpreter`) for CPU tensors; cached per device."""
+        interpreted = device.type != "cuda" or _kernels_interpreted()
+        if interpreted:
+            index, native = -1, True
+        else:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            native = self.native()
         # every step asks: a dict lookup by the config's identity, not a hash of the whole config
         key = (id(self.launch), index, native)
         hit = _SIZED.get(key)
         if hit is None or hit[0] is not self.launch:
-            hit = _SIZED[key] = (self.launch, _sized_config(self.launch if native else self.launch.portable(), index))
+            cfg = for_interpreter(self.launch) if interpreted else \
+                _sized_config(self.launch if native else self.launch.portable(), index)
+            hit = _SIZED[key] = (self.launch, cfg)
         return hit[1]
 
 

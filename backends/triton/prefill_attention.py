@@ -14,14 +14,13 @@ block, and the work is done in three steps:
    slot) pairs by *segment* (KV head, request, block), number them segment
    after segment (each pair's *place*) and cut each segment into tiles of
    ``M`` pairs.
-2. ``_block_run_kernel`` (default), persistent programs walking *runs* (up
-   to ``run_tiles`` tiles of one segment): per run the block's K/V are loaded
+2. ``_block_run_kernel``, persistent programs walking *runs* (up to
+   ``run_tiles`` tiles of one segment): per run the block's K/V are loaded
    once; per tile the ``M`` tokens' query rows (``M x G`` rows, a full
    tensor-core tile) against them; it stores each row's partial result
    (output normalized by its own softmax sum, and the base-2 log-sum-exp) in
    a workspace laid out in plan order, so a tile's partials are one
-   contiguous block. ``_block_tile_kernel`` (``run_tiles=0``, the previous
-   default) loads K/V per tile.
+   contiguous block.
 3. ``_merge_slots_kernel``, one program per (token, KV head): merges the
    token's ``K`` partials (found through the plan's place of each pair) by
    their log-sum-exp into the output.
@@ -44,12 +43,11 @@ from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.params import SparseAttentionParams
 
-from .attention import _attend_block
 from .fast_launch import launch
 from .launch import next_pow2
 from .prefill_config import PrefillAttentionConfig
 from .prefill_plan import plan_pairs
-from .tiles import load_query_rows, score_scale, store_rows
+from .tiles import load_rows, store_rows
 from .tl_utils import kv_scale, kv_scale_args, step_kernel
 
 __all__ = ["prefill_attention_forward"]
@@ -85,39 +83,6 @@ def _store_partials(ws_o_ptr, ws_lse_ptr, place, G, o, lse, row_ok, D: tl.conste
     tl.store(ws_lse_ptr + first + rows, lse, mask=row_ok)
 
 
-@step_kernel("nb_max", "num_req")
-def _block_tile_kernel(
-    q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
-    pos_ptr, tile_seg_ptr, tile_page_ptr, tile_tok_ptr, tile_pairs_ptr, tile_place_ptr, num_tiles_ptr, ws_o_ptr,
-    ws_lse_ptr, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
-    B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-    M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 1,
-    KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False,
-):
-    """Tiles ``program_id, program_id + programs, ...`` as one software-pipelined loop: the next
-    tile's pairs, query rows and K/V are loaded while this one's math runs."""
-    gi = tl.arange(0, ROWS) % G
-    for i in tl.range(tl.program_id(0), tl.load(num_tiles_ptr), tl.num_programs(0), num_stages=STAGES):
-        seg = tl.load(tile_seg_ptr + i)
-        page = tl.load(tile_page_ptr + i).to(tl.int64)
-        row_ok, tok, pos = _tile_rows(tile_tok_ptr + i * M, pos_ptr, tl.load(tile_pairs_ptr + i), G, ROWS, M)
-        b = seg % nb_max
-        h = seg // nb_max // num_req
-        q, undo = load_query_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, D], tl.float32)
-        m_i, l_i, acc = _attend_block(
-            q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-            s_kb, s_kd, s_vb, s_vd, row_ok, pos, b,
-            score_scale(qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED), undo, SCALE_Q), B, BN, D, DOT_DTYPE, DOT_PREC)
-        acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)  # fp8 K/V: the K scale is in the logits' factor
-        # a valid pair's block holds key b * B <= pos, so l > 0 in every stored row
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        _store_partials(ws_o_ptr, ws_lse_ptr, tl.load(tile_place_ptr + i), G, acc / l_safe[:, None],
-                        m_i + tl.log2(l_safe), row_ok, D)
-
-
 @triton.jit
 def _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, B: tl.constexpr, D: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """A block's K^T (the dot's B operand as loaded, so the compiler keeps it in shared memory
@@ -133,8 +98,9 @@ def _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, B: tl.constexpr, D: tl.con
 def _run_step(q, keys_t, vals, visible, qk_scale, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
     """The softmax (base 2, scale folded in) of a row's only key tile, given as K^T: ``(m, l, acc)``.
 
-    :func:`.attention.online_softmax_step` from the empty state, the same numbers without its
-    rescaling of a zero accumulator (a ``ROWS x D`` multiply whose operand stayed live in registers).
+    An online-softmax step from the empty state (:func:`.tiles.softmax_weights`), the same numbers
+    without its rescaling of a zero accumulator (a ``ROWS x D`` multiply whose operand stayed live
+    in registers).
     """
     s = tl.where(visible, tl.dot(q, keys_t, input_precision=DOT_PREC) * qk_scale, float("-inf"))
     m = tl.max(s, axis=1)
@@ -151,7 +117,6 @@ def _block_run_kernel(
     ws_lse_ptr, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr, RUN: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 4, KV_SCALED: tl.constexpr = False,
-    SCALE_Q: tl.constexpr = False,
 ):
     """Runs ``program_id, program_id + programs, ...``; a run is up to ``RUN`` tiles of one segment.
 
@@ -181,10 +146,10 @@ def _block_run_kernel(
         key_pos = b * B + tl.arange(0, B)
         for r in tl.range(0, tl.cdiv(n, M), num_stages=STAGES):
             row_ok, tok, pos = _tile_rows(run_tok_ptr + i * (M * RUN) + r * M, pos_ptr, n - r * M, G, ROWS, M)
-            q, undo = load_query_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
+            q = load_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
             # (pos = -1 in rows without a pair: nothing visible)
-            m_i, l_i, acc = _run_step(q, keys_t, vals, key_pos[None, :] <= pos[:, None],
-                                      score_scale(run_qk_scale, undo, SCALE_Q), DOT_DTYPE, DOT_PREC)
+            m_i, l_i, acc = _run_step(q, keys_t, vals, key_pos[None, :] <= pos[:, None], run_qk_scale,
+                                      DOT_DTYPE, DOT_PREC)
             # a valid pair's block holds key b * B <= pos, so l > 0 in every stored row
             l_safe = tl.where(l_i > 0, l_i, 1.0)
             _store_partials(ws_o_ptr, ws_lse_ptr, place + r * M, G, acc * (v_scale / l_safe)[:, None],
@@ -229,13 +194,13 @@ def _blocks(seq_len: int, block_size: int) -> int:
 
 def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
                               params: SparseAttentionParams, out: torch.Tensor, cfg: PrefillAttentionConfig,
-                              *, qk_scale: float, dot_dtype: object, dot_prec: str, scale_q: bool,
-                              platform_options: dict, target_programs: int, fast: bool = False) -> None:
+                              *, qk_scale: float, dot_dtype: object, dot_prec: str, platform_options: dict,
+                              target_programs: int, fast: bool = False) -> None:
     """Attention of every prefill token of the step (rows after the decode tokens) into ``out``.
 
-    ``dot_dtype``, ``dot_prec``, ``scale_q``: :func:`.tl_utils.dot_config`'s choice for the
-    step's queries and K/V; ``target_programs``: two per multiprocessor (sizes the persistent grid);
-    ``fast``: launch through :mod:`.fast_launch` (``Algorithms.fast_launch``).
+    ``dot_dtype``, ``dot_prec``: :func:`.tl_utils.dot_config`'s choice for the step's queries and
+    K/V; ``target_programs``: two per multiprocessor (sizes the persistent grid); ``fast``: launch
+    through :mod:`.fast_launch` (``Algorithms.fast_launch``).
     """
     Hkv, G, K, B, D = params.num_kv_heads, params.gqa_group, params.topk, params.block_size, params.head_dim
     td, T, nd = batch.num_decode_tokens, batch.num_tokens, batch.num_decodes
@@ -250,13 +215,12 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
     k, v = caches.k, caches.v
     scales, kv_scaled = kv_scale_args(caches, q)
     sel = topk.head_major()
-    common = dict(B=B, D=D, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, SCALE_Q=scale_q)
     run_options = dict(num_warps=cfg.warps, **platform_options)
     merge_options = dict(num_warps=cfg.merge_warps, **platform_options)
     for a in range(td, T, cfg.max_tokens_per_pass):
         c = min(cfg.max_tokens_per_pass, T - a)
         pairs = Hkv * c * K
-        per = m * max(1, cfg.run_tiles)
+        per = m * cfg.run_tiles
         max_tiles = min(pairs, pairs // per + Hkv * nb_sum)
         plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=per, max_tiles=max_tiles,
                           num_pages=caches.num_pages, fast=fast)
@@ -264,16 +228,12 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         ws_o = torch.empty((pairs, G, D), dtype=out.dtype, device=q.device)
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
         programs = max(1, min(max_tiles, target_programs // 2 * cfg.programs_per_sm))
-        args = (q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
+        launch(_block_run_kernel, (programs,),
+               (q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
                 plan.tile_seg, plan.tile_page, plan.tile_tok, plan.tile_pairs, plan.tile_place, plan.num_tiles,
-                ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales)
-        if cfg.run_tiles:
-            launch(_block_run_kernel, (programs,), args,
-                   dict(ROWS=rows, M=m, RUN=cfg.run_tiles, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common),
-                   run_options, fast)
-        else:
-            launch(_block_tile_kernel, (programs,), args,
-                   dict(BN=min(B, cfg.block_n), ROWS=rows, M=m, STAGES=cfg.stages, KV_SCALED=kv_scaled, **common),
-                   run_options, fast)
+                ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales),
+               dict(ROWS=rows, M=m, RUN=cfg.run_tiles, STAGES=cfg.stages, KV_SCALED=kv_scaled, B=B, D=D,
+                    DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec),
+               run_options, fast)
         launch(_merge_slots_kernel, (c, Hkv), (out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G),
                dict(K=K, **_merge_sizes(G, D)), merge_options, fast)

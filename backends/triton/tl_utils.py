@@ -64,6 +64,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+if interpreting():   # every kernel module imports this one: both are in force before any kernel runs
+    from . import interpreter, interpreter_speed
+
+    interpreter.install()          # bf16 and e4m3 NaNs as a GPU computes them
+    interpreter_speed.install()    # exact shortcuts through the interpreter's own machinery
+
+
 def dot_config(a: torch.dtype, b: torch.dtype, fp8_as_f16: bool = False) -> tuple[Any, str, bool]:
     """``(operand dtype, input_precision, SCALE_Q)`` for a ``tl.dot`` of an ``a`` tile with a ``b`` tile.
 

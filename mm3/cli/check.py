@@ -15,7 +15,7 @@ Exit status:
 Example:
     $ mm3 check cpu_ref
     $ mm3 check torch_sdpa_sparse --dtype float32 --show-skipped
-    $ TRITON_INTERPRET=1 mm3 check cuda --device cpu --dtype float32   # the GPU code on a laptop
+    $ TRITON_INTERPRET=1 mm3 check cuda --device cpu                  # the GPU code on a laptop
     $ mm3 check cuda --device cuda --full --json > report.json
 
 The same cases run under pytest with
@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="torch device the inputs live on (default: the current accelerator, else cpu)")
     parser.add_argument("--full", action="store_true",
-                        help="also run the larger shapes (slower; the quick set is the default)")
+                        help="every case in every dtype, and the larger shapes (slower; by default each case "
+                             "runs once, the dtypes taken in turn)")
     parser.add_argument("--dtype", action="append", default=None, metavar="DTYPE",
                         help="attention dtype to test (repeatable; default bfloat16, float16, float32)")
     parser.add_argument("--index-dtype", action="append", default=None, metavar="DTYPE",

@@ -52,7 +52,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mm3-device", default="cpu", metavar="DEVICE",
                     help="torch device the mm3 conformance suite runs on (default: cpu)")
     group.addoption("--mm3-full", action="store_true", default=False,
-                    help="mm3 conformance: add the bigger shapes (default: tiny shapes only)")
+                    help="mm3 conformance: every step in every dtype, and the bigger shapes (default: each "
+                         "step once, the dtypes in turn)")
     group.addoption("--mm3-dtype", action="append", default=[], metavar="DTYPE",
                     help="mm3 conformance: attention dtype(s) to try (repeatable; default bf16, fp16, fp32)")
     group.addoption("--mm3-index-dtype", action="append", default=[], metavar="DTYPE",

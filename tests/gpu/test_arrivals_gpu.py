@@ -15,7 +15,9 @@ launch starts from the counters the first left), the counters are all zero
 after, and the rows pass the fp64 reference. A decode step captured in a CUDA
 graph (on torch's capture stream, after an eager step on the current one) uses
 the fused path and, replayed 6 times on new inputs, equals the separate
-launches' eager step each time.
+launches' eager step each time. The counters and the decode scratch are
+allocated outside a memory pool the calling thread is routed to (what
+torch.compile's CUDA-graph trees do during warm-up runs).
 """
 
 from __future__ import annotations
@@ -51,10 +53,17 @@ def _hooks(last: bool):  # noqa: ANN202 - the plugin's hook tuple
     from mm3_backends.triton.launch import override
     from mm3_backends.triton.plugin_factory import make_hookimpls
 
-    # the separate merge as the per-KV-head kernel, whose code the last program runs (the per-row
-    # kernel small grids take sums the splits in another order: not the same bits)
-    algos = dict(merge_in_last_program=last, topk_in_last_program=last, merge_per_row=False)
+    algos = dict(merge_in_last_program=last, topk_in_last_program=last)
     return make_hookimpls(replace(PLATFORM, launch=override(PLATFORM.launch, algorithms=algos)))
+
+
+@pytest.fixture(autouse=True)
+def _merge_per_kv_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The separate merge as the per-KV-head kernel, whose code the last program runs (the per-row
+    kernel that small grids take sums the splits in another order: not the same bits)."""
+    from mm3_backends.triton.launch import LaunchConfig
+
+    monkeypatch.setattr(LaunchConfig, "use_merge_per_row", lambda self, num_tokens, num_kv_heads: False)
 
 
 def _all_counters_zero() -> bool:
@@ -124,3 +133,28 @@ def test_graph_capture_uses_the_last_program_and_replays_right(monkeypatch: pyte
         assert torch.equal(topk.storage, ref_topk.storage), f"replay {seed}: top-k rows differ"
         assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16)), f"replay {seed}: outputs differ"
     assert _all_counters_zero()
+
+
+def test_kept_buffers_are_not_carved_from_a_pool_the_calling_thread_is_routed_to() -> None:
+    """Why the counters and the decode scratch are allocated by a thread of their own (arrivals.in_own_thread):
+    a pool routing (torch.compile's CUDA-graph trees during a warm-up run; ``torch.cuda.use_mem_pool``
+    here) takes every allocation of the calling thread, so a buffer allocated there and kept for good
+    would be memory the pool's owner takes back. Inside the routing, a tensor the calling thread
+    allocates is in the pool; the counters and the scratch are not."""
+    if not hasattr(torch.cuda, "use_mem_pool") or not hasattr(torch.cuda.MemPool, "snapshot"):
+        pytest.skip("this PyTorch has no public memory-pool routing to show it with")
+    from mm3_backends.triton import arrivals, scratch
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        routed = torch.zeros(1 << 20, dtype=torch.int32, device=dev)
+        counters = arrivals._zeros(dev, 1 << 20)
+        kept = scratch._allocate(dev, 1 << 20, torch.float32)
+    segments = [(s["address"], s["address"] + s["total_size"]) for s in pool.snapshot()]
+
+    def in_pool(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in segments)
+    assert in_pool(routed), "the premise: the calling thread's allocation is routed into the pool"
+    assert not in_pool(counters), "the arrival counters were carved from the routed pool"
+    assert not in_pool(kept), "the kept scratch was carved from the routed pool"

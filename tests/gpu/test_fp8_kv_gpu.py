@@ -2,8 +2,7 @@
 
 * The cuda plugin dots bf16 queries against fp8 K/V in fp16 (``numerics.kv_fp8_as_f16``:
   query rows scaled per row by a power of two, K/V widened e4m3 -> fp16, P in fp16)
-  and, on fp8 K/V, launches the decode attention with its own tiles
-  (``LaunchConfig.decode_attention_fp8``). Checked against the fp64 reference at M3
+  in the decode kernels. Checked against the fp64 reference at M3
   TP1 and TP8 shapes, mixed decode + prefill steps (speculative decodes, a padding
   row, a chunked and a fresh prefill), bf16 and fp8 index caches, NHD and HND pages,
   beside the previous path (K/V widened to bf16, ``kv_fp8_as_f16=False``), and with
@@ -49,7 +48,7 @@ def _hooks(path: str) -> Any:
     from mm3_backends.triton.launch import override
     from mm3_backends.triton.plugin_factory import make_hookimpls
 
-    launch = override(cuda_plugin.PLATFORM.launch, numerics=dict(kv_fp8_as_f16=False), decode_attention_fp8=None)
+    launch = override(cuda_plugin.PLATFORM.launch, numerics=dict(kv_fp8_as_f16=False))
     return make_hookimpls(replace(cuda_plugin.PLATFORM, launch=launch))
 
 

@@ -39,6 +39,10 @@ def _config(prefill: PrefillAttentionConfig | None):
     return replace(cuda_plugin.PLATFORM.launch_config(torch.device("cuda")), prefill_attention=prefill)
 
 
+#: the cuda plugin's block-grouped prefill config (the shapes below change some of its fields)
+SHIPPED = cuda_plugin.PLATFORM.launch.prefill_attention
+
+
 def _step(tp: int, context: int, correlated: bool, seed: int):
     p = SparseAttentionParams.minimax_m3(tp_size=tp)
     case = build_case(p, decodes=[3000, 700], prefills=[(K8, context + K8)], seed=seed)
@@ -86,20 +90,16 @@ def _check(p, case, buf, out: torch.Tensor, incumbent: torch.Tensor) -> None:
                                                    (8, 0, True), (8, K32, False)])
 def test_block_grouped_prefill_at_m3_shapes(tp: int, context: int, correlated: bool) -> None:
     p, case, buf = _step(tp, context, correlated, seed=tp + context // 1024 + correlated)
-    out = _run(p, case, buf, PrefillAttentionConfig())
+    out = _run(p, case, buf, SHIPPED)
     _check(p, case, buf, out, _run(p, case, buf, None))
 
 
-#: the one-tile-per-step kernel (the default before runs of tiles), with 64- and 128-key steps
-TILES = PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=2, run_tiles=0)
-
-
 @pytest.mark.parametrize("tp,cfg", [
-    (1, TILES), (1, replace(TILES, block_n=128)), (8, TILES), (1, PrefillAttentionConfig(run_tiles=16)),
-    (1, PrefillAttentionConfig(rows=128, warps=8, programs_per_sm=1, stages=5)),
-], ids=["tiles", "tiles_bn128", "tiles_tp8", "runs16", "runs_rows128"])
+    (1, replace(SHIPPED, run_tiles=1)), (8, replace(SHIPPED, run_tiles=1)), (1, replace(SHIPPED, run_tiles=16)),
+    (1, replace(SHIPPED, rows=128, warps=8, programs_per_sm=1, stages=5)),
+], ids=["runs1", "runs1_tp8", "runs16", "runs_rows128"])
 def test_block_grouped_prefill_tile_shapes(tp: int, cfg: PrefillAttentionConfig) -> None:
-    """Other tile shapes: the one-tile-per-step kernel; longer runs; 128-row runs (8 warps)."""
+    """Other tile shapes: runs of one tile (K/V loaded per tile); longer runs; 128-row runs (8 warps)."""
     p, case, buf = _step(tp, K32, True, seed=11)
     _check(p, case, buf, _run(p, case, buf, cfg), _run(p, case, buf, None))
 
@@ -117,7 +117,7 @@ def test_block_grouped_prefill_messy_selection_and_small_passes() -> None:
     empty = case.batch.num_decode_tokens  # the prefill's first token: sampled by _check
     view[1, empty] = -1
     _poison_free_memory()
-    out = _run(p, case, buf, PrefillAttentionConfig(max_tokens_per_pass=3000))
+    out = _run(p, case, buf, replace(SHIPPED, max_tokens_per_pass=3000))
     torch.cuda.empty_cache()
     G = p.gqa_group
     assert (out[empty, G:2 * G] == 0).all(), "a row that selects nothing must be zeros"

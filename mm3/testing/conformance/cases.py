@@ -22,7 +22,8 @@ entries), runs the backend on it and compares with the fp64 oracle:
   the allocated layout, and writers/readers in different layouts.
 
 Shapes are tiny (block 16, top-4 for the indexer, head dims 32/64) so an
-interpreted GPU backend runs the quick suite in minutes. Attention and
+interpreted GPU backend runs the quick plan (each step once, the dtypes in
+turn) in a few minutes on two cores. Attention and
 composed cases use top-16 (M3's value) and contexts of 300-600 tokens, so most
 tokens attend to 256 keys, as most tokens of a real step attend to many keys.
 This matters for docs/spec.md §4's *absolute* tolerances: with N(0, 1) inputs an

@@ -98,7 +98,10 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
     ``dtypes`` (attention) and ``index_dtypes`` (index cache) restrict the
     expansion (defaults :data:`DEFAULT_DTYPES`, :data:`DEFAULT_INDEX_DTYPES`);
     a requested dtype the backend does not declare yields skipped cases.
-    ``quick=False`` adds the larger shapes of :data:`.cases.LARGE_STEPS`.
+    ``quick`` (the default): each step once, the requested dtypes (or dtype
+    pairs, for composed steps) taken in turn, so every step and every dtype
+    runs at least once; ``quick=False``: every step in every requested dtype,
+    and the larger shapes of :data:`.cases.LARGE_STEPS` too.
     ``seed`` varies every case's random inputs (each case is reproducible per seed).
     """
     be = _resolve(backend)
@@ -128,22 +131,27 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
                               needs_any_layout=kind == "indexer_other", salt=seed))
 
     large = {} if quick else LARGE_STEPS
-    for step_name, step in {**INDEXER_STEPS, **large}.items():
-        for idx in want_idx:
-            add("indexer", f"indexer/{step_name}:{idx}", step, q_dtype_for_index(idx), idx, {"index_topk"})
+
+    def expanded(steps: dict[str, Step], options: Sequence) -> list[tuple[str, Step, object]]:
+        """(step name, step, option): every pair, or (quick) each step and each option at least once."""
+        named = list(steps.items())
+        if not quick:
+            return [(name, step, o) for name, step in named for o in options]
+        return [(*named[i % len(named)], options[i % len(options)]) for i in range(max(len(named), len(options)))]
+
+    for step_name, step, idx in expanded({**INDEXER_STEPS, **large}, want_idx):
+        add("indexer", f"indexer/{step_name}:{idx}", step, q_dtype_for_index(idx), idx, {"index_topk"})
     for case_name, (kind, step, extra) in BUFFER_CASES.items():
         if kind.startswith("indexer"):
             add(kind, f"buffer/{case_name}:{base_idx}", step, q_dtype_for_index(base_idx), base_idx,
                 {"index_topk"}, **extra)
         else:
             add(kind, f"buffer/{case_name}:{base_dt}", step, base_dt, base_idx, {"attention"}, **extra)
-    for step_name, step in {**ATTENTION_STEPS, **large}.items():
-        for dt in want_dt:
-            add("attention", f"attention/{step_name}:{dt}", step, dt, base_idx, {"attention"})
+    for step_name, step, dt in expanded({**ATTENTION_STEPS, **large}, want_dt):
+        add("attention", f"attention/{step_name}:{dt}", step, dt, base_idx, {"attention"})
     pairs = [(dt, base_idx) for dt in want_dt] + [(base_dt, i) for i in want_idx if i != base_idx]
-    for step_name, step in {**COMPOSED_STEPS, **large}.items():
-        for dt, idx in pairs:
-            add("composed", f"composed/{step_name}:{dt}+{idx}", step, dt, idx, {"index_topk", "attention"})
+    for step_name, step, (dt, idx) in expanded({**COMPOSED_STEPS, **large}, pairs):
+        add("composed", f"composed/{step_name}:{dt}+{idx}", step, dt, idx, {"index_topk", "attention"})
 
     probe = be.probe(dev)
     planned = []
@@ -178,7 +186,8 @@ def run_conformance(backend: Union["Backend", str], *, device: Union[str, torch.
         backend: a bound :class:`~mm3.runtime.backend.Backend` (or a name in the
             default registry).
         device: where the inputs live (``"cpu"``, ``"cuda"``...).
-        quick: tiny shapes only; ``False`` adds bigger ones.
+        quick: each step once, the dtypes in turn (see :func:`plan_cases`); ``False``: every step in
+            every dtype, and bigger shapes.
         dtypes / index_dtypes: restrict the attention / index cache dtypes.
         reference_indexer: a backend whose selection the attention cases use
             instead of the fp64 oracle's (faster for big shapes).

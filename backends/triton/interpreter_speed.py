@@ -1,13 +1,16 @@
-"""Three shortcuts through Triton's interpreter, each computing exactly what it computes.
+"""Four shortcuts through Triton's interpreter, each computing exactly what it computes.
 
 Under ``TRITON_INTERPRET=1`` every kernel runs in Python, one program of the
-grid at a time; profiled on the slowest interpreter tests, three pieces of
-the interpreter's own machinery were about half of their time while adding
-nothing to what the kernels compute. Each shortcut below is taken only where
-the result is the interpreter's, bit for bit (tests/test_interpreter_shortcuts.py
-runs both paths side by side); the kernels' own operations all still run
-through the interpreter. On a GPU nothing is patched. (tl.sort / tl.topk:
-see tests/interpreter_sort.py.)
+grid at a time; profiled on the slowest interpreter runs, four pieces of the
+interpreter's own machinery were most of their time while adding nothing to
+what the kernels compute. Each shortcut below is taken only where the result
+is the interpreter's, bit for bit (tests/test_interpreter_shortcuts.py runs
+both paths side by side); the kernels' own operations all still run through
+the interpreter. The kernel modules install them when they are imported under
+the interpreter (:mod:`.tl_utils`, beside :mod:`.interpreter`'s bf16 fix), so
+``mm3 check`` and the test suite run the same code at the same speed (a
+conformance run of the cuda plugin about five times faster). On a GPU
+nothing is patched.
 
 1. **Overflow checks nobody reads.** On every int32 ``+ - *`` the interpreter
    widens both operands to int64, redoes the operation and compares it with
@@ -43,6 +46,15 @@ see tests/interpreter_sort.py.)
    block true), so the fold is taken only when the function's body is
    straight-line code calling nothing but ``tl.*``; any other combine
    function keeps the interpreter's loop.
+
+4. **A sorting network one numpy operation at a time.** ``tl.topk`` and
+   ``tl.sort`` run a bitonic network as element-wise numpy operations (three
+   quarters of an indexer step's time). Both return *values* (sorted, the
+   largest ``k`` for top-k), never positions, so no tie can come out in
+   another order: a numpy sort of the same values is the same tensor. The
+   indexer sorts int64 keys that pack (score, block id) exactly for this. Only
+   integer values take the shortcut: a float sort keeps the interpreter's
+   network (NaN ordering is where a numpy sort and the network could differ).
 """
 
 from __future__ import annotations
@@ -58,7 +70,7 @@ import numpy as np
 import triton.language as tl
 from triton.runtime import interpreter
 
-__all__ = ["install", "bypassed", "is_elementwise"]
+__all__ = ["install", "bypassed", "is_elementwise", "missing"]
 
 _originals: dict[tuple[Any, str], Any] = {}   # (object, attribute) -> the interpreter's own
 
@@ -211,13 +223,67 @@ def _install_column_fold() -> None:
     _replace(interpreter.ReduceOps, "generic_reduce", generic_reduce)
 
 
-def install() -> None:
-    """Install the three shortcuts (call only when the interpreter is on; a second call does nothing).
+# -- 4. sorts -----------------------------------------------------------------------------------------
 
-    A shortcut whose interpreter internals this Triton lacks is left out (the suite is then slower,
-    not wrong); tests/test_interpreter_shortcuts.py fails so that it shows."""
+def _value(c: Any) -> Any:
+    return getattr(c, "value", c)
+
+
+def _install_numpy_sorts() -> None:
+    if not hasattr(interpreter, "TensorHandle") or not hasattr(tl, "topk") or not hasattr(tl, "standard"):
+        return
+    network_topk, network_sort = tl.topk, tl.sort
+
+    def sorted_values(x: Any, k: Any, dim: Any, descending: bool) -> Any:
+        data = x.handle.data
+        out = np.sort(data, axis=-1)
+        if descending:
+            out = out[..., ::-1]
+        if k is not None:
+            out = out[..., :k]
+        out = np.ascontiguousarray(out)
+        return tl.tensor(interpreter.TensorHandle(out, x.handle.dtype), tl.block_type(x.dtype, list(out.shape)))
+
+    def exact(x: Any, dim: Any) -> bool:
+        dim = _value(dim)
+        data = getattr(getattr(x, "handle", None), "data", None)
+        return isinstance(data, np.ndarray) and np.issubdtype(data.dtype, np.integer) and \
+            dim in (None, -1, data.ndim - 1)
+
+    def topk(x: Any, k: Any, dim: Any = None, descending: Any = True, **kwargs: Any) -> Any:
+        if kwargs or not exact(x, dim):
+            return network_topk(x, k, dim=dim, descending=descending, **kwargs)
+        return sorted_values(x, _value(k), dim, bool(_value(descending)))
+
+    def sort(x: Any, dim: Any = None, descending: Any = False, **kwargs: Any) -> Any:
+        if kwargs or not exact(x, dim):
+            return network_sort(x, dim=dim, descending=descending, **kwargs)
+        return sorted_values(x, None, dim, bool(_value(descending)))
+
+    for module in (tl, tl.standard):
+        _replace(module, "topk", topk)
+        _replace(module, "sort", sort)
+
+
+#: each shortcut: its installer, and the name of one thing it replaces (kept in ``_originals`` when taken)
+_SHORTCUTS = {"unread overflow checks": (_install_unread_checks_skipped, "binary_op_sanitize_overflow_impl"),
+              "helper calls patched once": (_install_patch_once, "_patch_lang"),
+              "column fold": (_install_column_fold, "generic_reduce"),
+              "numpy sorts": (_install_numpy_sorts, "topk")}
+
+
+def missing() -> list[str]:
+    """The shortcuts :func:`install` left out, because this Triton's interpreter lacks what they replace."""
+    taken = {name for _, name in _originals}
+    return [shortcut for shortcut, (_, name) in _SHORTCUTS.items() if name not in taken]
+
+
+def install() -> None:
+    """Install the shortcuts (call only when the interpreter is on; a second call does nothing).
+
+    A shortcut whose interpreter internals this Triton lacks is left out (the interpreter is then
+    slower, not wrong); tests/test_interpreter_shortcuts.py fails so that it shows."""
     if _originals:
         return
-    _install_unread_checks_skipped()
-    _install_patch_once()
-    _install_column_fold()
+    for setup, _ in _SHORTCUTS.values():
+        setup()

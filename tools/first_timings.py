@@ -15,9 +15,10 @@ Measures, in one run on one GPU:
 Before timing it checks a sample of tokens against the fp64 GPU reference of
 tests/gpu, so a fast wrong kernel cannot report a number.
 
-Run on a GPU machine::
+Run on a GPU machine, from the repository (it takes the reference from tests/gpu, so it is a
+tool, not part of the installed benchmarks)::
 
-    python benchmarks/first_timings.py --json first_timings.json
+    python tools/first_timings.py --json first_timings.json
 """
 
 from __future__ import annotations

@@ -2,15 +2,17 @@
 
 The interpreter proves the kernels' arithmetic on the CPU, but not that they
 *compile* for a GPU (tile minimums of ``tl.dot``, layouts, register limits).
-This module runs the real launchers of :mod:`.indexer`, :mod:`.attention` and :mod:`.prefill_attention` (and its :mod:`.prefill_plan`)
-on CPU tensors at MiniMax-M3 shapes with each plugin's launch configuration,
-records every launch instead of running it, and compiles each recorded launch
-with Triton's own compiler for both targets. For NVIDIA it also reports
-registers and stack (spill) bytes from the cubin.
+This tool runs the real launchers of ``mm3_backends.triton`` (the indexer, the
+attention, the block-grouped prefill and its plan) on CPU tensors at
+MiniMax-M3 shapes with each plugin's launch configuration, records every
+launch instead of running it, and compiles each recorded launch with Triton's
+own compiler for both targets. For NVIDIA it also reports registers and stack
+(spill) bytes from the cubin. It is a developer's tool, not part of the
+installed packages (tests/test_triton_compile.py runs it).
 
-Run (Triton's interpreter must be off: it replaces the kernels)::
+Run from the repository (Triton's interpreter must be off: it replaces the kernels)::
 
-    python -m mm3_backends.triton.aot_check
+    python tools/aot_check.py
 
 Exit status 0 when everything compiled.
 """
@@ -49,8 +51,8 @@ class Launch:
         Like the JIT: an int argument equal to 1 becomes a constant, and ints
         divisible by 16 and (aligned) pointers carry ``tt.divisibility = 16``;
         without these the compiler cannot vectorize and the resource numbers
-        would be meaningless. A ``do_not_specialize`` int (:func:`.tl_utils.step_kernel`)
-        is neither.
+        would be meaningless. A ``do_not_specialize`` int
+        (``mm3_backends.triton.tl_utils.step_kernel``) is neither.
         """
         names = list(self.kernel.arg_names)
         values = dict(zip(names, self.args))
@@ -95,12 +97,10 @@ class _Recorder:
 
 def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
     """Every launch the plugin's hooks make on a mixed M3 step per shape variant (nothing runs)."""
-    from mm3.contract import TopkBuffer
-    from mm3.contract import SparseAttentionParams
+    from mm3.contract import SparseAttentionParams, TopkBuffer
     from mm3.testing.factories import make_case
-
-    from . import attention, indexer, prefill_attention, prefill_plan
-    from .launch import override
+    from mm3_backends.triton import attention, indexer, prefill_attention, prefill_plan
+    from mm3_backends.triton.launch import override
 
     sink: list[Launch] = []
     kernels = {m: [n for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
