@@ -33,8 +33,9 @@ if __name__ == "__main__" and not torch.cuda.is_available():  # as tests/conftes
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import mm3_backends.cpu_ref.plugin as cpu_ref
-from mm3 import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, Settings, SparseAttentionParams,
-                 TopkBuffer, hookimpl)
+from mm3.plugin import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, SparseAttentionParams, TopkBuffer,
+                        hookimpl)
+from mm3.runtime.config import Settings
 from mm3.contract.page_ids import PageIdFlag
 from mm3.contract.errors import (BackendUnavailableError, ConfigError, ContractViolation, InputError, NoBackendError,
                         PluginError, UnknownBackendError)

@@ -14,7 +14,7 @@ from plugin_fakes import FakeEntryPoint
 
 import mm3.cli as cli
 import mm3.runtime.discovery as discovery
-from mm3 import BackendCapabilities, Probe, hookimpl
+from mm3.plugin import BackendCapabilities, Probe, hookimpl
 from mm3.runtime.registry import reset_default_registry
 
 

@@ -95,7 +95,7 @@ STEP = textwrap.dedent("""
     import json, torch
     from mm3 import Settings
     from mm3.runtime.layer import SparseAttention
-    from mm3.testing.fixtures import CaseFactory, default_params
+    from mm3.testing.helpers import CaseFactory, default_params
     from mm3.testing.oracle import check_topk, oracle_attention
 
     p = default_params()

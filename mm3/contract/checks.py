@@ -7,7 +7,7 @@ Two callers, two sets of checks:
   step's inputs;
 * :func:`check_index_args` / :func:`check_attention_args`,
   :func:`check_declared` and :func:`check_topk_accepted` are every check of
-  one hook call, run once by the bound backend (:class:`mm3.Backend`) before
+  one hook call, run once by the bound backend (:class:`~mm3.runtime.backend.Backend`) before
   the plugin's hook: :func:`check_hook_args` (what every backend needs:
   argument types, the block size and KV-head count that caches, batch and
   params must agree on, one device for every input, per-token tensors with
@@ -29,7 +29,7 @@ Example:
     >>> check_index_args("mine.index_topk", case.index_q, case.caches, case.batch, p,
     ...                  mm3.TopkBuffer.allocate(1, 1, 4))
     1
-    >>> caps = mm3.BackendCapabilities(name="mine", ops={"index_topk"}, device_types={"cpu"},
+    >>> caps = BackendCapabilities(name="mine", ops={"index_topk"}, device_types={"cpu"},
     ...     topk_layout="head_major", block_sizes={128})
     >>> check_declared("mine.index_topk", caps, "index_topk", device_type="cpu", dtype=case.q.dtype,
     ...                index_dtype=case.caches.index_dtype, params=p, decode_query_len=1)

@@ -424,7 +424,7 @@ def default_settings() -> Settings:
     :class:`Settings` of their own; reading the environment and the config
     file once means every layer of a model sees the same configuration. After
     changing ``MM3_*`` variables or the config file in-process, call
-    :func:`reset_default_settings` (``mm3.reset_default_registry()`` does).
+    :func:`reset_default_settings` (``reset_default_registry()`` does).
 
     Example:
         >>> default_settings() is default_settings()
