@@ -35,7 +35,7 @@ if __name__ == "__main__" and not torch.cuda.is_available():  # as tests/conftes
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3.plugin import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, SparseAttentionParams, TopkBuffer,
                         hookimpl)
-from mm3.runtime.config import Settings
+from mm3.runtime.config import Settings, reset_default_settings
 from mm3.contract.page_ids import PageIdFlag
 from mm3.contract.errors import (BackendUnavailableError, ConfigError, ContractViolation, InputError, NoBackendError,
                         PluginError, UnknownBackendError)
@@ -181,6 +181,19 @@ def clean_env(files: Optional[dict[str, str]] = None, **env: str) -> Iterator[Pa
             os.environ.update(old_env)
 
 
+def _layer_in_env(files: Optional[dict[str, str]] = None, env: Optional[dict[str, str]] = None) -> Callable[[], Any]:
+    """A layer whose settings come from this environment and these files only (no ``settings=`` argument)."""
+    def call() -> Any:
+        c = ctx()
+        with clean_env(files, **(env or {})):
+            reset_default_settings()
+            try:
+                return SparseAttention(c.p, dtype=F32, index_dtype=F32, max_num_tokens=64)
+            finally:
+                reset_default_settings()
+    return call
+
+
 def _settings(files: Optional[dict[str, str]] = None, env: Optional[dict[str, str]] = None,
               **kw: Any) -> Callable[[], Any]:
     def call() -> Any:
@@ -241,6 +254,13 @@ def _block_ids_outside_cache(mode: str, page: int) -> Callable[[], Any]:
         layer = _layer(backend="cpu_ref", settings=Settings(check_contracts=mode))
         return layer(c.case.q, c.case.index_q, c.case.caches, c.rebatch(block_table=bt))
     return call
+
+
+def _prefill_first() -> Any:
+    """A 9-token prompt placed first and counted as the one decode: it reads as a 9-token decode."""
+    c = ctx()
+    batch = BatchMetadata.build([9, 1], [9, 40], c.case.batch.block_table[:2], block_size=16, num_decodes=1)
+    return c.forward(q=c.case.q[:10], index_q=c.case.index_q[:10], batch=batch)
 
 
 def _page_id_flag() -> Any:
@@ -345,6 +365,9 @@ ROWS: list[Row] = [
         "decode query length 2 exceeds the layer's max_decode_query_len 1",
         lambda: (lambda c: _layer(backend="cpu_ref")(c.q, c.index_q, c.caches, c.batch))(
             make_case(ctx().p, decodes=[40, 20], decode_query_len=2, dtype=F32, index_dtype=F32))),
+    Row("prefill-first-as-decode", FORWARD, "a prefill placed first, counted by num_decodes=1", InputError,
+        "if one of them is a prefill, the batch is not decode-first",
+        lambda: _prefill_first()),
     Row("block-ids-outside-cache-guarded", FORWARD + " (check_contracts)",
         "block-table entry past the cache, batch built without num_pages", InputError,
         "request 3, block 1: block_table[3, 1] = 18 is not a page id in [0, 13)",
@@ -396,6 +419,9 @@ ROWS: list[Row] = [
                                     is_decode=[True, False])),
     Row("num-decodes-range", BUILD, "num_decodes > requests", InputError, "num_decodes=5 must be in [0, 2]",
         lambda: BatchMetadata.build([1, 4], [5, 9], _bt([0], [1]), block_size=16, num_decodes=5)),
+    Row("prefill-among-decodes", BUILD, "a prefill placed before a decode, with num_decodes", InputError,
+        "If request 1 (query_len 9) is a prefill, the batch is not decode-first",
+        lambda: BatchMetadata.build([1, 9, 1], [50, 9, 40], _bt([0], [1], [2]), block_size=16, num_decodes=2)),
     Row("decode-lens-non-uniform", BUILD, "decodes of different lengths", InputError,
         "decode query lengths must be uniform", lambda: BatchMetadata.build([1, 2], [5, 9], _bt([0], [1]),
                                                                             block_size=16, num_decodes=2)),
@@ -428,6 +454,9 @@ ROWS: list[Row] = [
     Row("lengths-float", BUILD, "query_lens as a float tensor", InputError,
         "query_lens must be a 1-D integer tensor or list", lambda: BatchMetadata.build(torch.tensor([1.0]), [5], _bt([0]),
                                                                                        block_size=16)),
+    Row("lengths-fractional", BUILD, "a fractional seq_len", InputError,
+        "seq_lens[1] is 30.5: lengths count tokens, so they must be ints",
+        lambda: BatchMetadata.build([1, 4], [5, 30.5], _bt([0, 1], [2, 3]), block_size=16, num_decodes=1)),
     Row("lengths-not-ints", BUILD, "query_lens not a sequence of ints", InputError,
         "query_lens must be a sequence of ints", lambda: BatchMetadata.build(None, [5], _bt([0]), block_size=16)),
     Row("block-size-invalid", BUILD, "block_size 0", InputError, "block_size must be a positive int, got 0",
@@ -480,13 +509,18 @@ ROWS: list[Row] = [
         "unsupported request: index_cache_dtype", lambda: _layer(backend="cpu_ref", index_dtype=torch.int8)),
     # selection: backends that cannot serve
     Row("unknown-backend", LAYER, "backend name nobody provides", UnknownBackendError,
-        "unknown backend 'nope'; known backends:", lambda: _layer(backend="nope")),
+        "unknown backend 'nope' (backend, from argument); known backends:", lambda: _layer(backend="nope")),
+    Row("unknown-backend-env", LAYER, "MM3_BACKEND names a backend nobody provides", UnknownBackendError,
+        "unknown backend 'nope' (backend, from env MM3_BACKEND)", _layer_in_env(env={"MM3_BACKEND": "nope"})),
+    Row("unknown-backend-file", LAYER, "mm3.toml names a backend nobody provides", UnknownBackendError,
+        "unknown backend 'nope' (indexer_backend, from file ",
+        _layer_in_env(files={"mm3.toml": 'indexer_backend = "nope"\n'})),
     Row("unknown-backend-typo", LAYER, "misspelled backend name", UnknownBackendError, "did you mean 'cpu_ref'?",
         lambda: _layer(backend="cpu_rf")),
     Row("unknown-indexer-backend", LAYER, "unknown indexer_backend", UnknownBackendError, "unknown backend 'nope'",
         lambda: _layer(backend="cpu_ref", indexer_backend="nope")),
     Row("unknown-backend-scope", "use_backend(...)", "unknown name in a scope", UnknownBackendError,
-        "unknown backend 'nope'", lambda: _scoped_layer("nope")),
+        "unknown backend 'nope' (from use_backend)", lambda: _scoped_layer("nope")),
     Row("unknown-backend-registry", "Registry.get", "unknown name", UnknownBackendError, "unknown backend 'nope'",
         lambda: default_registry().get("nope")),
     Row("unknown-backend-select", "select(...)", "unknown name", UnknownBackendError, "unknown backend 'nope'",

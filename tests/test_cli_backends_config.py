@@ -298,3 +298,4 @@ def test_help_prints_no_warning():
     r = subprocess.run([sys.executable, "-m", "mm3.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "backends" in r.stdout
     assert r.stderr == "", r.stderr
+

@@ -10,14 +10,6 @@ Two kinds of padding decode exist, both common inside CUDA graphs:
 * ``seq_len == 0`` with ``query_len == decode_query_len``: the request keeps its
   slots in the flat batch, but they are padding tokens (position ``-1``): their
   top-k rows are all ``-1`` and their outputs are zero.
-
-Example:
-    >>> import torch
-    >>> bt = torch.arange(12, dtype=torch.int32).reshape(3, 4)
-    >>> b = BatchMetadata.build(query_lens=[1, 1, 5], seq_lens=[300, 129, 5],
-    ...                         block_table=bt, block_size=128, num_decodes=2)
-    >>> b.num_tokens, b.num_decode_tokens, b.token_positions.tolist()
-    (7, 2, [299, 128, 0, 1, 2, 3, 4])
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mm3.contract.errors import InputError
+from mm3.contract.lengths import INT32_MAX, INT32_MIN, IntSeq, check_lengths, to_int_list
 from mm3.contract.page_ids import check_page_ids
 
 __all__ = ["BatchMetadata"]
@@ -39,67 +32,6 @@ _HOST_INTS = ("num_decode_tokens", "max_query_len", "max_seq_len", "max_prefill_
 _TENSORS = ("query_start_loc", "seq_lens", "context_lens", "block_table", "token_to_request", "token_positions")
 #: host facts read back from the tensors' contents (dropped when the contents change in place)
 READ_BACK = ("query_lens", "seq_lens_host", "max_seq_len", "max_prefill_context_len")
-
-IntSeq = Union[Sequence[int], torch.Tensor]
-_INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
-
-
-def _to_list(name: str, v: IntSeq) -> list[int]:
-    if isinstance(v, torch.Tensor):
-        if v.dim() != 1 or v.is_floating_point():
-            raise InputError(f"{name} must be a 1-D integer tensor or list, got {v.dtype} {tuple(v.shape)}")
-        return [int(x) for x in v.tolist()]
-    try:
-        out = [int(x) for x in v]
-    except (TypeError, ValueError) as e:
-        raise InputError(f"{name} must be a sequence of ints: {e}") from None
-    return out
-
-
-def _check_lengths(ql: list[int], sl: list[int], num_decodes: int, decode_query_len: Optional[int],
-                   block_size: int, max_blocks: int) -> int:
-    """The rules of one step's per-request lengths (docs/spec.md §2); returns the decode query length."""
-    n = len(ql)
-    if not (0 <= num_decodes <= n):
-        raise InputError(f"num_decodes={num_decodes} must be in [0, {n}] (number of requests)")
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise InputError(f"block_size must be a positive int, got {block_size!r}")
-
-    for r, (q, s) in enumerate(zip(ql, sl)):
-        if q < 0 or s < 0:
-            raise InputError(f"request {r}: negative length (query_len={q}, seq_len={s})")
-        if s > _INT32_MAX:
-            raise InputError(f"request {r}: seq_len {s} does not fit int32 (max {_INT32_MAX})")
-    dec_q = sorted({q for q in ql[:num_decodes] if q > 0})
-    if len(dec_q) > 1:
-        raise InputError(
-            f"decode query lengths must be uniform (1, or 1 + draft tokens) or 0 for padding; "
-            f"got lengths {dec_q}; run speculative and plain decodes with the same length")
-    if decode_query_len is None:
-        decode_query_len = dec_q[0] if dec_q else 1
-    elif dec_q and dec_q[0] != decode_query_len:
-        raise InputError(f"decodes have query length {dec_q[0]} but decode_query_len={decode_query_len}")
-    if decode_query_len < 1:
-        raise InputError(f"decode_query_len must be >= 1, got {decode_query_len}")
-    for r in range(n):
-        q, s = ql[r], sl[r]
-        is_dec = r < num_decodes
-        if is_dec and s == 0:
-            continue  # padding decode
-        if not is_dec and q < 1:
-            raise InputError(f"prefill request {r} has query_len {q}; prefills need >= 1 token "
-                             f"(drop empty requests, or list them among the decodes as padding)")
-        if s < q:
-            raise InputError(f"request {r}: seq_len {s} < query_len {q}; seq_len counts the cache "
-                             f"tokens including this step's")
-
-    for r, s in enumerate(sl):
-        need = -(-s // block_size)
-        if need > max_blocks:
-            raise InputError(
-                f"request {r}: seq_len {s} needs {need} blocks of {block_size} but block_table has "
-                f"only {max_blocks} columns; widen the block table")
-    return decode_query_len
 
 
 @dataclass(frozen=True)
@@ -112,6 +44,14 @@ class BatchMetadata:
     the lengths :meth:`build` was given; a batch from device tensors reads them
     back from the tensors on first use (a device sync, so the decode path of
     the GPU backends never asks for them).
+
+    Example:
+        >>> import torch
+        >>> bt = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+        >>> b = BatchMetadata.build(query_lens=[1, 1, 5], seq_lens=[300, 129, 5],
+        ...                         block_table=bt, block_size=128, num_decodes=2)
+        >>> b.num_tokens, b.num_decode_tokens, b.token_positions.tolist()
+        (7, 2, [299, 128, 0, 1, 2, 3, 4])
     """
 
     num_decodes: int
@@ -225,8 +165,8 @@ class BatchMetadata:
         ``num_pages`` is given, every block-table entry a request uses is
         checked to lie in ``[0, num_pages)``.
         """
-        ql = _to_list("query_lens", query_lens)
-        sl = _to_list("seq_lens", seq_lens)
+        ql = to_int_list("query_lens", query_lens)
+        sl = to_int_list("seq_lens", seq_lens)
         if len(ql) != len(sl):
             raise InputError(f"query_lens has {len(ql)} requests but seq_lens has {len(sl)}")
         n = len(ql)
@@ -261,11 +201,11 @@ class BatchMetadata:
         if block_table.dtype != torch.int32 and block_table.numel():
             # Stored as int32: a wider id would wrap around silently (one host sync, only here).
             lo, hi = int(block_table.min()), int(block_table.max())
-            if lo < _INT32_MIN or hi > _INT32_MAX:
-                raise InputError(f"block_table holds {hi if hi > _INT32_MAX else lo}, which does not fit "
+            if lo < INT32_MIN or hi > INT32_MAX:
+                raise InputError(f"block_table holds {hi if hi > INT32_MAX else lo}, which does not fit "
                                  f"the int32 page ids mm3 uses")
         dev = torch.device(device) if device is not None else block_table.device
-        decode_query_len = _check_lengths(ql, sl, num_decodes, decode_query_len, block_size,
+        decode_query_len = check_lengths(ql, sl, num_decodes, decode_query_len, block_size,
                                           block_table.shape[1])
 
         starts = [0]
@@ -409,7 +349,7 @@ class BatchMetadata:
         capturing a graph), not every step. Raises :class:`InputError`; returns ``self``.
         """
         ql, sl = list(self.query_lens), list(self.seq_lens_host)
-        _check_lengths(ql, sl, self.num_decodes, self.decode_query_len if self.num_decodes else None,
+        check_lengths(ql, sl, self.num_decodes, self.decode_query_len if self.num_decodes else None,
                        self.block_size, self.block_table.shape[1])
         facts = {"num_tokens": sum(ql), "num_decode_tokens": sum(ql[:self.num_decodes])}
         for name, want in facts.items():

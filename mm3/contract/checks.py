@@ -140,7 +140,11 @@ def check_step_inputs(params: SparseAttentionParams, q: torch.Tensor, index_q: t
                          f"with max_num_tokens >= {T}")
     if batch.num_decodes and batch.decode_query_len > max_decode_query_len:
         raise InputError(f"decode query length {batch.decode_query_len} exceeds the layer's "
-                         f"max_decode_query_len {max_decode_query_len}; build it with a larger one")
+                         f"max_decode_query_len {max_decode_query_len}; if the first "
+                         f"num_decodes={batch.num_decodes} requests are decodes with draft tokens, build "
+                         f"the layer with a larger one; if one of them is a prefill, the batch is not "
+                         f"decode-first: put every decode before the first prefill (is_decode= checks "
+                         f"the order)")
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise InputError(f"out must be a torch.Tensor, got {type(out).__name__}")

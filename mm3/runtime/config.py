@@ -71,8 +71,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - pyproject pins tomli for 3.10
     import tomli as tomllib
 
-__all__ = ["Settings", "default_settings", "reset_default_settings", "explain_settings", "ENV_PREFIX",
-           "CONFIG_FILE_NAME", "PYPROJECT_TABLE", "RESERVED_ENV_PREFIXES"]
+__all__ = ["Settings", "BackendName", "default_settings", "reset_default_settings", "explain_settings",
+           "ENV_PREFIX", "CONFIG_FILE_NAME", "PYPROJECT_TABLE", "RESERVED_ENV_PREFIXES"]
 
 ENV_PREFIX = "MM3_"
 CONFIG_FILE_NAME = "mm3.toml"
@@ -87,6 +87,26 @@ def _split_names(value: Any) -> Any:
     if isinstance(value, str):
         return [part.strip() for part in value.split(",") if part.strip()]
     return value
+
+
+class BackendName(str):
+    """A backend name read by :class:`Settings`, carrying where it came from (``source``).
+
+    It is the name itself (a ``str``) wherever it goes; selection reads
+    ``source`` to say, when nobody provides that backend, which setting to fix.
+
+    Example:
+        >>> name = BackendName("cuda", "env MM3_BACKEND")
+        >>> name == "cuda", name.source
+        (True, 'env MM3_BACKEND')
+    """
+
+    source: str
+
+    def __new__(cls, name: str, source: str) -> "BackendName":
+        self = super().__new__(cls, name)
+        self.source = source
+        return self
 
 
 class _ConfigFile:
@@ -280,6 +300,10 @@ class Settings(BaseSettings):
                 e, fields=list(type(self).model_fields), sources=prov, item="setting")) from None
         cfg = _locate_config(values)
         self._provenance = _provenance(type(self), values, cfg)
+        for key in ("backend", "indexer_backend"):
+            name = getattr(self, key)
+            if name is not None and name != "auto":  # frozen model: the validated value, relabelled
+                self.__dict__[key] = BackendName(name, self._provenance[key])
         # A discovered pyproject.toml without [tool.mm3] configures nothing: don't claim it.
         used = cfg.explicit or not cfg.pyproject or any(
             src.startswith("file ") for src in self._provenance.values()) or _has_table(cfg)

@@ -55,7 +55,7 @@ def use_backend(backend: str, indexer_backend: Optional[str] = None, *,
     reg = registry if registry is not None else default_registry()
     for name in (backend, indexer_backend):
         if name is not None and name != "auto":
-            reg.get(name)
+            reg.get(name, origin="from use_backend")
     token = _SCOPE.set(BackendScope(backend, indexer_backend))
     try:
         yield _SCOPE.get()  # type: ignore[misc]

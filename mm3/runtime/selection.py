@@ -262,7 +262,8 @@ def _pick(op: Op, name: Optional[str], req: Requirements, registry: "Registry",
         if chosen is None:
             raise _no_backend(op, req, registry, device, trace)
         return chosen
-    be = registry.get(name)  # UnknownBackendError / PluginError (duplicate) propagate
+    # UnknownBackendError / PluginError (duplicate) propagate; a name from Settings knows its source
+    be = registry.get(name, origin=f"{setting}, from {getattr(name, 'source', 'argument')}")
     entry = _evaluate(be, op, req, device, note=f"named by {setting}")
     if entry.accepted:
         trace.append(_mark(entry))

@@ -1,0 +1,93 @@
+"""The host-side rules of one step's per-request lengths (docs/spec.md §2), before any tensor is built.
+
+Example:
+    >>> check_lengths(to_int_list("query_lens", [1, 1, 5]), [300, 129, 5], num_decodes=2,
+    ...               decode_query_len=None, block_size=128, max_blocks=4)
+    1
+    >>> to_int_list("seq_lens", [300, 30.5])
+    Traceback (most recent call last):
+    ...
+    mm3.contract.errors.InputError: seq_lens[1] is 30.5: lengths count tokens, so they must be ints
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from mm3.contract.errors import InputError
+
+__all__ = ["IntSeq", "to_int_list", "check_lengths", "INT32_MIN", "INT32_MAX"]
+
+IntSeq = Union[Sequence[int], torch.Tensor]
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+def to_int_list(name: str, v: IntSeq) -> list[int]:
+    """``v`` (a 1-D integer tensor, or a sequence of ints) as a list; ``name`` is for the error."""
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 1 or v.is_floating_point():
+            raise InputError(f"{name} must be a 1-D integer tensor or list, got {v.dtype} {tuple(v.shape)}")
+        return [int(x) for x in v.tolist()]
+    try:
+        items = list(v)
+    except TypeError as e:
+        raise InputError(f"{name} must be a sequence of ints: {e}") from None
+    for r, x in enumerate(items):
+        if isinstance(x, float):  # int() would truncate 30.5 to 30 without a word
+            raise InputError(f"{name}[{r}] is {x!r}: lengths count tokens, so they must be ints")
+    try:
+        return [int(x) for x in items]
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{name} must be a sequence of ints: {e}") from None
+
+
+def check_lengths(ql: list[int], sl: list[int], num_decodes: int, decode_query_len: Optional[int],
+                   block_size: int, max_blocks: int) -> int:
+    """The rules of one step's per-request lengths (docs/spec.md §2); returns the decode query length."""
+    n = len(ql)
+    if not (0 <= num_decodes <= n):
+        raise InputError(f"num_decodes={num_decodes} must be in [0, {n}] (number of requests)")
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise InputError(f"block_size must be a positive int, got {block_size!r}")
+
+    for r, (q, s) in enumerate(zip(ql, sl)):
+        if q < 0 or s < 0:
+            raise InputError(f"request {r}: negative length (query_len={q}, seq_len={s})")
+        if s > INT32_MAX:
+            raise InputError(f"request {r}: seq_len {s} does not fit int32 (max {INT32_MAX})")
+    dec_q = sorted({q for q in ql[:num_decodes] if q > 0})
+    if len(dec_q) > 1:
+        longest = next(r for r in range(num_decodes) if ql[r] == dec_q[-1])
+        raise InputError(
+            f"decode query lengths must be uniform (1, or 1 + draft tokens) or 0 for padding; "
+            f"got lengths {dec_q} among the first num_decodes={num_decodes} requests. If request "
+            f"{longest} (query_len {dec_q[-1]}) is a prefill, the batch is not decode-first: put every "
+            f"decode before the first prefill (is_decode= checks the order); otherwise run speculative "
+            f"and plain decodes with the same length")
+    if decode_query_len is None:
+        decode_query_len = dec_q[0] if dec_q else 1
+    elif dec_q and dec_q[0] != decode_query_len:
+        raise InputError(f"decodes have query length {dec_q[0]} but decode_query_len={decode_query_len}")
+    if decode_query_len < 1:
+        raise InputError(f"decode_query_len must be >= 1, got {decode_query_len}")
+    for r in range(n):
+        q, s = ql[r], sl[r]
+        is_dec = r < num_decodes
+        if is_dec and s == 0:
+            continue  # padding decode
+        if not is_dec and q < 1:
+            raise InputError(f"prefill request {r} has query_len {q}; prefills need >= 1 token "
+                             f"(drop empty requests, or list them among the decodes as padding)")
+        if s < q:
+            raise InputError(f"request {r}: seq_len {s} < query_len {q}; seq_len counts the cache "
+                             f"tokens including this step's")
+
+    for r, s in enumerate(sl):
+        need = -(-s // block_size)
+        if need > max_blocks:
+            raise InputError(
+                f"request {r}: seq_len {s} needs {need} blocks of {block_size} but block_table has "
+                f"only {max_blocks} columns; widen the block table")
+    return decode_query_len
