@@ -22,9 +22,8 @@ Example:
     'cpu_ref'
 """
 
-import importlib
-import warnings
-from typing import Any
+import importlib as _importlib
+import warnings as _warnings
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
@@ -66,11 +65,11 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     """A moved name still resolves, with a ``DeprecationWarning`` that says where it lives now."""
     if name not in _MOVED:
         raise AttributeError(f"module 'mm3' has no attribute {name!r}")
     home = _MOVED[name]
-    warnings.warn(f"mm3.{name} moved: import it from {home} (mm3 itself keeps the engine's API)",
+    _warnings.warn(f"mm3.{name} moved: import it from {home} (mm3 itself keeps the engine's API)",
                   DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(home), name)
+    return getattr(_importlib.import_module(home), name)
