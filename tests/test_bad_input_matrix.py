@@ -5,7 +5,7 @@ an input that is wrong in one way, the public call that receives it, and the
 exception type and message fragment the caller gets. A test checks that the
 table in the docs and the rows here agree, so neither can drift.
 
-Regenerate the docs table (after adding a row) with::
+Regenerate the docs' tables (after adding a row) with::
 
     python tests/test_bad_input_matrix.py > /tmp/rows.md
 
@@ -651,12 +651,12 @@ def test_row_ids_are_unique() -> None:
 
 
 def _doc_rows() -> dict[str, tuple[str, str]]:
-    """id -> (exception, message) from the table in docs/errors.md."""
+    """id -> (exception, message and fix) from the tables in docs/errors.md."""
     rows = {}
     for line in DOCS.read_text().splitlines():
-        m = re.match(r"\|\s*\d+\s*\|\s*`([^`]+)`\s*\|.*\|\s*`(\w+)`\s*\|\s*(.*)\|\s*$", line)
+        m = re.match(r"^\| (.*) \| `(\w+)` \| .*\(`([^`]+)`\) \| (.*) \|$", line)
         if m:
-            rows[m.group(1)] = (m.group(2), m.group(3).strip())
+            rows[m.group(3)] = (m.group(2), f"{m.group(1)} {m.group(4)}")
     return rows
 
 
@@ -665,10 +665,16 @@ def test_docs_table_matches_the_rows() -> None:
     ids = {r.id for r in ROWS}
     assert set(doc) == ids, f"only in docs: {sorted(set(doc) - ids)}; only in tests: {sorted(ids - set(doc))}"
     for r in ROWS:
-        exc, message = doc[r.id]
+        exc, text = doc[r.id]
         assert exc == r.exc.__name__, f"{r.id}: docs say {exc}, test expects {r.exc.__name__}"
-        unescaped = message.replace("\\|", "|")
-        assert r.fragment in unescaped, f"{r.id}: docs message {message!r} lacks {r.fragment!r}"
+        assert r.fragment in text.replace("\\|", "|"), f"{r.id}: docs {text!r} lack {r.fragment!r}"
+
+
+def test_every_row_says_how_to_fix_it() -> None:
+    """The docs' fix column: the message's own ("...; do this"), or FIXES."""
+    silent = [r.id for r in ROWS if r.id not in FIXES and not _message(r)[1].partition("; ")[2]]
+    assert not silent, f"add a FIXES entry (or a fix in the message) for {silent}"
+    assert set(FIXES) <= {r.id for r in ROWS}, sorted(set(FIXES) - {r.id for r in ROWS})
 
 
 # -- accepted inputs that must not crash ------------------------------------------------------------------------
@@ -771,23 +777,122 @@ def test_contiguous_backend_gets_a_converted_buffer_through_the_layer() -> None:
 
 # -- the docs table -----------------------------------------------------------------------------------------------
 
+# How to fix each rejected input whose message does not end in its fix ("...; do this"). A new row needs one
+# or a message that says it (test_every_row_says_how_to_fix_it).
+FIXES = {
+    "q-type": "pass a tensor", "index_q-type": "pass a tensor", "out-type": "pass a tensor, or no out",
+    "q-rank": "q is [num_tokens, num_heads, head_dim]", "q-heads": "q is [num_tokens, num_heads, head_dim]",
+    "q-tokens": "q has one row per token of the batch", "q-head-dim": "q is [num_tokens, num_heads, head_dim]",
+    "index_q-rank": "index_q is [num_tokens, num_index_heads, index_head_dim]",
+    "index_q-heads": "index_q is [num_tokens, num_index_heads, index_head_dim]",
+    "kv-rank": "k and v are [num_pages, block_size, Hkv, D]", "kv-shape-mismatch": "give k and v the same shape",
+    "kv-dtype-mismatch": "give k and v the same dtype", "kv-devices": "put k, v and index on one device",
+    "index-rank": "the index cache is [num_pages, block_size, index_head_dim]",
+    "index-pages": "allocate the index cache with the KV caches' pages and block size",
+    "kv-heads": "the caches hold params.num_kv_heads heads (per rank under tensor parallelism)",
+    "kv-head-dim": "the K/V caches' last axis is params.head_dim",
+    "index-head-dim": "the index cache's last axis is params.index_head_dim",
+    "batch-type": "build it with BatchMetadata.build(...) or BatchMetadata.from_device(...)",
+    "decode-len-layer": "build the layer with max_decode_query_len >= 1 + draft tokens",
+    "prefill-first-as-decode": "decodes first, then prefills; num_decodes counts the first requests",
+    "block-ids-outside-cache-guarded": "fix the block table; BatchMetadata.build(..., num_pages=) checks it early",
+    "block-id-negative-unguarded": "fix the block table; BatchMetadata.build(..., num_pages=) checks it early",
+    "block-id-device-flag": "fix the block table: the step that used it gave invalid output",
+    "lengths-count": "one query_len and one seq_len per request",
+    "query-len-negative": "lengths are >= 0", "seq-len-negative": "lengths are >= 0",
+    "seq-len-overflow": "sequences longer than 2**31 - 1 tokens are not supported",
+    "is-decode-count": "one flag per request", "num-decodes-disagrees": "give one of the two, or agreeing ones",
+    "num-decodes-range": "num_decodes counts the first requests of the batch",
+    "prefill-among-decodes": "decodes first, then prefills (is_decode= checks the order); or one decode length",
+    "decode-lens-non-uniform": "give every decode the same 1 + draft tokens (or 0: a padding slot)",
+    "decode-query-len-disagrees": "drop decode_query_len, or match the decodes",
+    "decode-query-len-zero": "1, or 1 + draft tokens",
+    "block-id-outside-cache": "every block a request uses must be a page of the cache",
+    "block-id-negative": "every block a request uses must be a page of the cache",
+    "block-table-float": "pass int32 (or int64) page ids", "block-table-rank": "one row of page ids per request",
+    "block-table-rows": "one row of page ids per request",
+    "block-table-ragged": "pad the rows to one width (unused entries are never read)",
+    "block-table-overflow": "page ids fit int32", "lengths-float": "pass an integer tensor or a list of ints",
+    "lengths-fractional": "pass whole token counts", "lengths-not-ints": "pass an integer tensor or a list of ints",
+    "block-size-invalid": "the cache's page size, e.g. 128",
+    "update-shape": "replay a batch of the captured shape class, or capture a new graph",
+    "topk-rank": "wrap a [H, T, K] (head_major) or [T, H, K] (token_major) tensor",
+    "topk-allocate": "sizes are non-negative ints", "topk-copy": "copy between buffers of one shape",
+    "index-heads-ne-kv-heads": "num_index_heads = num_kv_heads (index head h selects for KV head h)",
+    "heads-not-multiple": "num_heads = G x num_kv_heads", "params-non-positive": "sizes are positive ints",
+    "params-unknown-field": "spell the field as the message suggests",
+    "forced-exceed-topk": "init_blocks + local_blocks <= topk", "params-tp-size": "tp_size 1, 2, 4 or 8",
+    "layer-params-type": "pass SparseAttentionParams(...) or SparseAttentionParams.minimax_m3(tp)",
+    "max-num-tokens": "the largest step's token count", "max-decode-query-len": "1, or 1 + draft tokens",
+    "device-name": "a torch device: \"cpu\", \"cuda\", \"cuda:1\"...",
+    "dtype-unsupported": "bfloat16, float16 or float32", "index-dtype-unsupported-layer":
+        "bfloat16 or float8_e4m3fn (float16/float32 on the reference backend)",
+    **dict.fromkeys(["unknown-backend", "unknown-backend-env", "unknown-backend-file", "unknown-backend-typo",
+                     "unknown-indexer-backend", "unknown-backend-scope", "unknown-backend-registry",
+                     "unknown-backend-select"],
+                    "fix the name where the message says it came from; `mm3 backends` lists the installed ones"),
+    **dict.fromkeys(["topk-too-large", "topk-too-large-cuda", "block-size-unserved", "head-dim-unserved",
+                     "index-head-dim-unserved", "gqa-group-unserved", "decode-len-unserved", "dtype-unserved",
+                     "index-dtype-unserved", "device-type-unserved", "backend-unavailable", "op-not-provided",
+                     "cuda-graph-unsafe"],
+                    "another backend (auto picks one that can), another shape; or allow_fallback"),
+    "no-backend": "install or enable a backend that serves it (`mm3 backends`), or change dtype/shape",
+    "topk-not-dense-guarded": "let SparseAttention call it (it converts), or convert: buf.to_layout(...)",
+    "settings-unknown-key": "spell the setting as the message suggests",
+    "settings-bad-mode": "\"first\", \"always\", \"never\" or a boolean",
+    "settings-bad-name": "an installed backend's name (`mm3 backends`) or \"auto\"",
+    "settings-bad-list": "a list of names (comma-separated in the environment)",
+    "env-bad-value": "1/0, true/false, yes/no, on/off",
+    "file-unknown-key": "spell the key as the message suggests", "file-bad-value": "a TOML boolean: true/false",
+    "pyproject-unknown-key": "spell the key as the message suggests",
+}
+
+SECTIONS = [  # (heading, entry points whose rows it lists)
+    ("Building a batch", ("BatchMetadata",)),
+    ("Caches, top-k buffers, parameters", ("PagedKVCache", "TopkBuffer", "SparseAttentionParams")),
+    ("Building a layer, choosing a backend", ("SparseAttention(", "use_backend", "Registry", "select", "Backend.")),
+    ("Calling the layer", ("SparseAttention.forward", "PageIdFlag")),
+    ("Settings", ("Settings",)),
+]
+_SHORT = 110
+
+
+def _message(row: Row) -> tuple[str, str]:
+    """The row's exception name and first message line (temporary paths as ``<tmp>``)."""
+    try:
+        row.call()
+        return "-", "(not raised!)"
+    except BaseException as e:  # noqa: BLE001 - we print whatever comes
+        return type(e).__name__, re.sub(r"/tmp/\S+?(/|\b)", "<tmp>/", str(e).splitlines()[0])
+
+
+def _cells(row: Row, msg: str) -> tuple[str, str]:
+    """(message, fix): the message up to its fix (or past the row's fragment), and the fix."""
+    head, _, tail = msg.partition("; ")
+    end = msg.find(row.fragment) + len(row.fragment)
+    shown = head if end <= len(head) else msg[:end]
+    if len(shown) > _SHORT:
+        shown = shown[:max(_SHORT, end)] + " …"
+    fix = FIXES.get(row.id) or tail
+    return shown, fix if len(fix) <= _SHORT else fix[:_SHORT] + " …"
+
+
+def _section(entry: str) -> str:
+    return next(title for title, prefixes in SECTIONS if entry.startswith(prefixes))
+
+
 def markdown_rows() -> str:
-    """The docs table, generated from ROWS by running each row."""
-    lines = ["| # | id | entry point | rejected input | exception | message |",
-             "|---|---|---|---|---|---|"]
-    for i, row in enumerate(ROWS, 1):
-        try:
-            row.call()
-            msg, name = "(not raised!)", "-"
-        except BaseException as e:  # noqa: BLE001 - we print whatever comes
-            msg, name = str(e).splitlines()[0], type(e).__name__
-        msg = re.sub(r"/tmp/\S+?(/|\b)", "<tmp>/", msg)
-        if len(msg) > 150:
-            cut = msg.find(row.fragment) + len(row.fragment)
-            msg = msg[:max(150, cut)] + " …"
-        msg = msg.replace("|", "\\|")
-        lines.append(f"| {i} | `{row.id}` | {row.entry} | {row.input} | `{name}` | {msg} |")
-    return "\n".join(lines)
+    """The docs' tables, generated from ROWS by running each row."""
+    out: dict[str, list[str]] = {title: [] for title, _ in SECTIONS}
+    for row in ROWS:
+        name, msg = _message(row)
+        shown, fix = _cells(row, msg)
+        cells = [shown, f"`{name}`", f"{row.input} (`{row.id}`)", fix]
+        out[_section(row.entry)].append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines: list[str] = []
+    for title, rows in out.items():
+        lines += [f"### {title}", "", "| message | error | cause | fix |", "|---|---|---|---|", *rows, ""]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 if __name__ == "__main__":
