@@ -69,7 +69,7 @@ def test_tiny_run_writes_every_output(tmp_path: Path) -> None:
 
 
 def test_minimal_byte_counts_match_the_notes() -> None:
-    """The counts BENCHMARKS.md and NOTES.md quote for M3 TP1, batch 64, 64K context."""
+    """The counts docs/performance.md quotes for M3 TP1, batch 64, 64K context."""
     counts = bench.load_harness().counts
     from mm3.contract.params import SparseAttentionParams
 
