@@ -87,6 +87,12 @@ def test_discovered_with_provenance(site: Path, tmp_path: Path) -> None:
     # An attention-only backend composes: auto takes its attention and another backend's indexer.
     assert data["auto"] == {"attention": BACKEND, "indexer": "cpu_ref"}, data["auto"]
     assert "top-k buffer converted each step" in r.stdout
+    # That installing it changes what auto picks is the plugin guide's word, where a reader meets it.
+    auto = next(line for line in r.stdout.splitlines() if line.startswith("auto picks"))
+    assert auto.startswith(f"auto picks attention={BACKEND}, indexer=cpu_ref ")
+    guide = " ".join((Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text().split())
+    assert "**Installing it changes what `auto` picks.**" in guide
+    assert f"`auto picks attention={BACKEND}, indexer=cpu_ref ... (top-k buffer converted each step)`" in guide
 
 
 # Runs one step through SparseAttention as configured by env/files, checks it against the fp64
