@@ -33,9 +33,9 @@ _CASES = (
      dict(prefills=[(50, 500)], dtype="bfloat16", index_dtype="float8_e4m3fn", kv_dtype="float8_e4m3fn")),
 )
 
-# (scenario, plugin, torch.version.hip, the Triton backend the old code asked for)
-_SCENARIOS = (("cuda", "cuda", None, "cuda"), ("rocm", "rocm", "6.2", "hip"),
-              ("rocm_on_nvidia", "rocm", None, "cuda"), ("cuda_on_rocm", "cuda", "6.2", "hip"))
+# (scenario, plugin, torch.version.hip): each plugin on its own platform and on the other one
+_SCENARIOS = (("cuda", "cuda", None), ("rocm", "rocm", "6.2"), ("rocm_on_nvidia", "rocm", None),
+              ("cuda_on_rocm", "cuda", "6.2"))
 
 
 def _plain(v: Any) -> Any:
@@ -104,45 +104,34 @@ def dump_launches() -> dict[str, list]:
     """scenario -> the recorded launches (dicts of plain values), in launch order."""
     from mm3_backends.cuda import plugin as cuda_plugin
     from mm3_backends.rocm import plugin as rocm_plugin
-    from mm3_backends.triton import attention, indexer, plugin_factory, prefill_attention, tl_utils
-    try:  # the plan kernels have their own module since session 2026-12-03 (4)
-        from mm3_backends.triton import prefill_plan
-    except ImportError:
-        prefill_plan = None
+    from mm3_backends.triton import attention, indexer, plugin_factory, prefill_attention, prefill_plan
 
     plugins = {"cuda": cuda_plugin.PLATFORM, "rocm": rocm_plugin.PLATFORM}
     out: dict[str, list] = {}
     sink: list = []
     with contextlib.ExitStack() as stack:
         for m in (indexer, attention, prefill_attention, prefill_plan):
-            if m is None:
-                continue
             for n in [n for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]:
                 stack.enter_context(_patched(m, n, _Recorder(n, sink)))
         stack.enter_context(_patched(torch.cuda, "get_device_properties", lambda i: _Props()))
         env = os.environ.get("TRITON_INTERPRET")
         try:
-            for scenario, plugin, hip, backend in _SCENARIOS:
+            for scenario, plugin, hip in _SCENARIOS:
                 os.environ["TRITON_INTERPRET"] = "0"
                 with contextlib.ExitStack() as s2:
                     s2.enter_context(_patched(torch.version, "hip", hip))
-                    if hasattr(plugin_factory, "_kernels_interpreted"):  # kept per process since session 6
-                        s2.enter_context(_patched(plugin_factory, "_kernels_interpreted", lambda: False))
-                    if hasattr(tl_utils, "_active_backend"):  # the code before issue 14 item 7
-                        s2.enter_context(_patched(tl_utils, "_active_backend", lambda b=backend: b))
+                    # the plugin keeps its answer per process: these launches are for a GPU
+                    s2.enter_context(_patched(plugin_factory, "_kernels_interpreted", lambda: False))
                     platform = plugins[plugin]
                     cfg = platform.launch_config(torch.device("cuda", 0))
                     sink.clear()
                     _run_cases(cfg, platform.topk_layout, sink)
                     out[scenario] = list(sink)
             os.environ["TRITON_INTERPRET"] = "1"
-            with contextlib.ExitStack() as s2:
-                if hasattr(tl_utils, "_active_backend"):
-                    s2.enter_context(_patched(tl_utils, "_active_backend", lambda: "interpreter"))
-                for plugin, platform in plugins.items():
-                    sink.clear()
-                    _run_cases(platform.launch_config(torch.device("cpu")), platform.topk_layout, sink)
-                    out[f"{plugin}_interpreter"] = list(sink)
+            for plugin, platform in plugins.items():
+                sink.clear()
+                _run_cases(platform.launch_config(torch.device("cpu")), platform.topk_layout, sink)
+                out[f"{plugin}_interpreter"] = list(sink)
         finally:
             if env is None:
                 os.environ.pop("TRITON_INTERPRET", None)

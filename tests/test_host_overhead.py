@@ -1,4 +1,4 @@
-"""Host work once per shape class, not per step (issue 16), without losing a guarantee.
+"""Host work once per shape class, not per step, without losing a guarantee.
 
 * the eager custom ops make the layer's decisions: the guard runs on the first
   step of each batch kind only, and their results match the fp64 oracle;

@@ -1,9 +1,8 @@
 """Every launch of both Triton plugins keeps the launch parameters recorded in tests/data.
 
-The golden file was written before ``LaunchConfig`` was split into per-kernel
-configs (issue 14, item 7), so a regrouping of the configs that changes any
-grid, constexpr or launch option of any kernel, on either plugin and on
-either platform, fails here. No kernel runs (tests/launch_dump.py); rewrite
+The golden file pins the effective launches, not the shape of the config
+objects, so a regrouping of the configs that changes any grid, constexpr or
+launch option of any kernel, on either plugin and on either platform, fails here. No kernel runs (tests/launch_dump.py); rewrite
 the file only for an intended tuning change: ``python tests/launch_dump.py``.
 """
 
