@@ -1,32 +1,17 @@
 """Settings: which backend to use and which plugins to load, from arguments, env or a file.
 
-Precedence, highest first (docs/configuration.md):
-
-1. arguments: ``Settings(backend="cuda")``;
-2. environment: ``MM3_BACKEND``, ``MM3_INDEXER_BACKEND``, ``MM3_PLUGINS``,
-   ``MM3_DISABLE_PLUGINS``, ``MM3_NO_PLUGIN_AUTOLOAD``, ``MM3_CHECK_CONTRACTS``,
-   ``MM3_ALLOW_FALLBACK``, ``MM3_CONFIG`` (names are matched case-insensitively);
-3. one config file: the ``config`` argument / ``MM3_CONFIG`` path if given
-   (it must exist), else ``./mm3.toml``, else the ``[tool.mm3]`` table of
-   ``./pyproject.toml``. Files are not merged: the first that applies is used.
-   An ``mm3.toml`` holds the keys at top level; a file named
-   ``pyproject.toml`` is read from its ``[tool.mm3]`` table;
-4. defaults.
-
-List settings (``plugins``, ``disable_plugins``) take a TOML list or a
-comma-separated string (``MM3_PLUGINS=cpu_ref,cuda``). An empty
-``MM3_BACKEND`` means ``"auto"``; an empty ``MM3_INDEXER_BACKEND`` or
-``MM3_PLUGINS`` means unset. Booleans accept ``1/0``, ``true/false``,
-``yes/no``, ``on/off``.
+Precedence, highest first: arguments (``Settings(backend="cuda")``), the
+``MM3_*`` environment variables, one config file (the ``config`` argument or
+``MM3_CONFIG``, else ``./mm3.toml``, else ``[tool.mm3]`` of
+``./pyproject.toml``; never merged), defaults. docs/configuration.md has every
+setting, its variable and its value syntax.
 
 Mistakes are errors, never ignored: an unknown key in a file, an unknown
-``MM3_*`` environment variable (``MM3_BACKEDN``), malformed TOML or an invalid
-value raises :class:`~mm3.contract.errors.ConfigError` naming the key, the file and the
-valid choices. Two ``MM3_*`` namespaces are not settings and pass through:
-``MM3_<PLUGIN>_*`` where ``<PLUGIN>`` is an installed backend entry-point name
-(a plugin's own knobs, e.g. ``MM3_ROCM_ALLOW_NON_ROCM``), and
-:data:`RESERVED_ENV_PREFIXES` (``MM3_TEST_*``, ``MM3_GPU_*``, ``MM3_BENCH_*``)
-for test suites and benchmarks.
+``MM3_*`` variable (``MM3_BACKEDN``), malformed TOML or an invalid value raises
+:class:`~mm3.contract.errors.ConfigError` naming the key, where it came from
+and the valid choices. Two ``MM3_*`` namespaces are not settings and pass
+through: ``MM3_<PLUGIN>_*`` for an installed backend's entry point (a
+plugin's own knobs) and :data:`RESERVED_ENV_PREFIXES` (tests, benchmarks).
 
 Example:
     >>> s = Settings(backend="cpu_ref")
@@ -34,12 +19,6 @@ Example:
     'cpu_ref'
     >>> dict((k, src) for k, _, src in explain_settings(s))["backend"]
     'argument'
-
-``mm3.toml``::
-
-    backend = "cuda"
-    disable_plugins = ["rocm"]
-    allow_fallback = true
 """
 
 from __future__ import annotations
