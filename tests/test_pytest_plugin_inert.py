@@ -83,3 +83,11 @@ def test_the_entry_point_module_imports_nothing_of_mm3(module: str) -> None:
                         "print([m for m in sys.modules if m.split('.')[0] in ('mm3', 'torch')])"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_the_plain_helpers_need_no_pytest() -> None:
+    """docs/plugins.md's try-it step runs where only mm3 is installed: its helpers import no pytest."""
+    code = ("import sys, mm3.testing.helpers, mm3.testing.oracle, mm3.testing.factories; "
+            "print([m for m in sys.modules if m.split('.')[0] in ('pytest', '_pytest')])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
