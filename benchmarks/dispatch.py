@@ -1,6 +1,6 @@
 """Dispatch overhead: pluggy's ``pm.hook``, the plugin's own function, and mm3's checked boundary.
 
-mm3 binds each backend's own hook functions once (:class:`mm3.Backend`)
+mm3 binds each backend's own hook functions once (:class:`~mm3.runtime.backend.Backend`)
 instead of calling ``pm.hook`` per forward, and that bound call checks its
 arguments once (:mod:`mm3.contract.checks`) before the plugin runs. This
 measures, on a hookimpl that returns at once and a small MiniMax-M3 TP8 step
@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from mm3 import BackendCapabilities, Registry, SparseAttentionParams, TopkBuffer, hookimpl
+from mm3.plugin import BackendCapabilities, SparseAttentionParams, TopkBuffer, hookimpl
+from mm3.runtime.registry import Registry
 from mm3.testing.factories import make_case
 
 __all__ = ["measure_dispatch"]

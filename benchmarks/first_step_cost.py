@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-from mm3 import Settings, SparseAttention, SparseAttentionParams
+from mm3 import SparseAttention, SparseAttentionParams
+from mm3.runtime.config import Settings
 from mm3.contract.page_ids import PageIdFlag
 from mm3.testing.factories import make_case
 

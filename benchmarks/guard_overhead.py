@@ -25,7 +25,8 @@ from typing import Any, Sequence
 
 import torch
 
-from mm3 import Settings, SparseAttention, SparseAttentionParams, TopkBuffer
+from mm3 import SparseAttention, SparseAttentionParams, TopkBuffer
+from mm3.runtime.config import Settings
 from mm3.debug.guard import GuardedBackend
 from mm3.testing.factories import make_case
 

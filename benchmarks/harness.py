@@ -118,7 +118,7 @@ def full_grid() -> list:
         PrefillCfg("TP1", 32 * K, priority=0, blockmap=True),
         PrefillCfg("TP1", 32 * K, locality=0.9, priority=0, peers=("flex",), blockmap=True),
         PrefillCfg("TP1", 0, locality=0.9, priority=0, peers=("flex",)),
-        # fp8 K/V (issue 17), beside the bf16 rows above: same shapes, same run
+        # fp8 K/V, beside the bf16 rows above: same shapes, same run
         DecodeCfg("TP1", 64, 64 * K, kv_dtype=FP8, priority=0, peers=()),
         DecodeCfg("TP1", 64, 64 * K, index_dtype=FP8, kv_dtype=FP8, priority=0, peers=()),
         DecodeCfg("TP1", 1, 64 * K, kv_dtype=FP8, priority=0, peers=()),
@@ -329,7 +329,7 @@ def _time_parts(ctx: Context, be: Any, p: SparseAttentionParams, sets: list[inpu
                 max_reps: Optional[int] = None) -> dict[str, Any]:
     # The calls were checked once by the caller's warm-up step: time the plugin's hooks, as the
     # variants are timed and as a layer's steady state runs them (the checks read shapes only,
-    # yet their host time showed in eager prefill parts under ~0.3 ms: NOTES.md §5)
+    # yet their host time showed in eager prefill parts under ~0.3 ms)
     index = getattr(be, "index_topk_unchecked", be.index_topk)
     attend = getattr(be, "attention_forward_unchecked", be.attention_forward)
 

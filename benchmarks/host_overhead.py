@@ -56,6 +56,8 @@ from typing import Callable, Optional
 import torch
 
 import mm3
+from mm3.plugin import BackendCapabilities, hookimpl
+from mm3.runtime.registry import Registry, default_registry
 from mm3.testing.factories import make_case
 
 __all__ = ["measure_host_overhead"]
@@ -74,7 +76,7 @@ def _ops_row(layer: "mm3.SparseAttention", q: torch.Tensor, iq: torch.Tensor, c:
     return ops
 
 
-def _variant_registry(**algorithms: bool) -> Optional[mm3.Registry]:
+def _variant_registry(**algorithms: bool) -> Optional[Registry]:
     """A registry whose ``cuda`` backend runs with these ``Algorithms`` fields (None: this plugin has not them)."""
     from dataclasses import replace
     from types import SimpleNamespace
@@ -87,7 +89,7 @@ def _variant_registry(**algorithms: bool) -> Optional[mm3.Registry]:
     if not set(algorithms) <= set(getattr(Algorithms, "__dataclass_fields__", {})):
         return None
     hooks = make_hookimpls(replace(PLATFORM, launch=override(PLATFORM.launch, algorithms=algorithms)))
-    return mm3.Registry([SimpleNamespace(**hooks._asdict())], entry_points=False)
+    return Registry([SimpleNamespace(**hooks._asdict())], entry_points=False)
 
 
 def _interleaved(rows: dict[str, Callable[[], object]], iters: int, repeat: int,
@@ -217,20 +219,20 @@ class _StubPlugin:
     real = True
 
     def __init__(self) -> None:
-        self._ref = mm3.default_registry().get("cpu_ref").plugin
+        self._ref = default_registry().get("cpu_ref").plugin
 
-    @mm3.hookimpl
-    def backend_capabilities(self) -> mm3.BackendCapabilities:
-        return mm3.BackendCapabilities(name="stub", ops={"index_topk", "attention"}, device_types={"cpu"},
-                                       topk_layout="head_major", max_decode_query_len=8,
-                                       kv_cache_dtypes={"bfloat16", "float16", "float32"})
+    @hookimpl
+    def backend_capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(name="stub", ops={"index_topk", "attention"}, device_types={"cpu"},
+                                   topk_layout="head_major", max_decode_query_len=8,
+                                   kv_cache_dtypes={"bfloat16", "float16", "float32"})
 
-    @mm3.hookimpl
+    @hookimpl
     def index_topk(self, index_q: torch.Tensor, caches: object, batch: object, params: object, out: object) -> None:
         if self.real:
             self._ref.index_topk(index_q=index_q, caches=caches, batch=batch, params=params, out=out)
 
-    @mm3.hookimpl
+    @hookimpl
     def attention_forward(self, q: torch.Tensor, caches: object, topk: object, batch: object, params: object,
                           out: torch.Tensor) -> None:
         if self.real:
@@ -257,7 +259,7 @@ def measure_stub_overhead(tp: int = 8, batch: int = 1, context: int = 4096, iter
     p = mm3.SparseAttentionParams.minimax_m3(tp_size=tp)
     stub = _StubPlugin()
     layer = mm3.SparseAttention(p, max_num_tokens=max(64, batch), backend="stub",
-                                registry=mm3.Registry([stub], entry_points=False))
+                                registry=Registry([stub], entry_points=False))
     case = make_case(p, decodes=[context] * batch, seed=0)
     q, iq, c, b = case.q, case.index_q, case.caches, case.batch
     out = torch.empty_like(q)

@@ -29,6 +29,7 @@ import torch
 
 import mm3
 from mm3.contract import SparseAttentionParams
+from mm3.runtime.registry import default_registry
 
 from . import inputs
 from .timing import capture_graph, kernel_breakdown
@@ -43,7 +44,7 @@ def step_of(case: str, backend: str = "cuda", device: str = "cuda") -> Callable[
     """The step (indexer, then attention) of a ``prefill-*`` / ``decode-*`` case, ready to call."""
     kind, tp, rest = case.split("-", 2)
     p = SparseAttentionParams.minimax_m3(tp_size=int(tp[2:]))
-    be = mm3.default_registry().get(backend)
+    be = default_registry().get(backend)
     if kind == "prefill":
         context = int(rest.rstrip("K")) * 1024
         pool = inputs.Pool(p, -(-(context + 8192) // p.block_size) + 8, torch.device(device))

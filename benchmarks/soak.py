@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from mm3 import BatchMetadata, PagedKVCache, Settings, SparseAttention, SparseAttentionParams
+from mm3 import BatchMetadata, PagedKVCache, SparseAttention, SparseAttentionParams
+from mm3.runtime.config import Settings
 
 __all__ = ["soak"]
 

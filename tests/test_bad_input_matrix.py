@@ -5,7 +5,7 @@ an input that is wrong in one way, the public call that receives it, and the
 exception type and message fragment the caller gets. A test checks that the
 table in the docs and the rows here agree, so neither can drift.
 
-Regenerate the docs table (after adding a row) with::
+Regenerate the docs' tables (after adding a row) with::
 
     python tests/test_bad_input_matrix.py > /tmp/rows.md
 
@@ -33,8 +33,9 @@ if __name__ == "__main__" and not torch.cuda.is_available():  # as tests/conftes
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import mm3_backends.cpu_ref.plugin as cpu_ref
-from mm3 import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, Settings, SparseAttentionParams,
-                 TopkBuffer, hookimpl)
+from mm3.plugin import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, SparseAttentionParams, TopkBuffer,
+                        hookimpl)
+from mm3.runtime.config import Settings, reset_default_settings
 from mm3.contract.page_ids import PageIdFlag
 from mm3.contract.errors import (BackendUnavailableError, ConfigError, ContractViolation, InputError, NoBackendError,
                         PluginError, UnknownBackendError)
@@ -180,6 +181,19 @@ def clean_env(files: Optional[dict[str, str]] = None, **env: str) -> Iterator[Pa
             os.environ.update(old_env)
 
 
+def _layer_in_env(files: Optional[dict[str, str]] = None, env: Optional[dict[str, str]] = None) -> Callable[[], Any]:
+    """A layer whose settings come from this environment and these files only (no ``settings=`` argument)."""
+    def call() -> Any:
+        c = ctx()
+        with clean_env(files, **(env or {})):
+            reset_default_settings()
+            try:
+                return SparseAttention(c.p, dtype=F32, index_dtype=F32, max_num_tokens=64)
+            finally:
+                reset_default_settings()
+    return call
+
+
 def _settings(files: Optional[dict[str, str]] = None, env: Optional[dict[str, str]] = None,
               **kw: Any) -> Callable[[], Any]:
     def call() -> Any:
@@ -240,6 +254,13 @@ def _block_ids_outside_cache(mode: str, page: int) -> Callable[[], Any]:
         layer = _layer(backend="cpu_ref", settings=Settings(check_contracts=mode))
         return layer(c.case.q, c.case.index_q, c.case.caches, c.rebatch(block_table=bt))
     return call
+
+
+def _prefill_first() -> Any:
+    """A 9-token prompt placed first and counted as the one decode: it reads as a 9-token decode."""
+    c = ctx()
+    batch = BatchMetadata.build([9, 1], [9, 40], c.case.batch.block_table[:2], block_size=16, num_decodes=1)
+    return c.forward(q=c.case.q[:10], index_q=c.case.index_q[:10], batch=batch)
 
 
 def _page_id_flag() -> Any:
@@ -344,6 +365,9 @@ ROWS: list[Row] = [
         "decode query length 2 exceeds the layer's max_decode_query_len 1",
         lambda: (lambda c: _layer(backend="cpu_ref")(c.q, c.index_q, c.caches, c.batch))(
             make_case(ctx().p, decodes=[40, 20], decode_query_len=2, dtype=F32, index_dtype=F32))),
+    Row("prefill-first-as-decode", FORWARD, "a prefill placed first, counted by num_decodes=1", InputError,
+        "if one of them is a prefill, the batch is not decode-first",
+        lambda: _prefill_first()),
     Row("block-ids-outside-cache-guarded", FORWARD + " (check_contracts)",
         "block-table entry past the cache, batch built without num_pages", InputError,
         "request 3, block 1: block_table[3, 1] = 18 is not a page id in [0, 13)",
@@ -395,6 +419,9 @@ ROWS: list[Row] = [
                                     is_decode=[True, False])),
     Row("num-decodes-range", BUILD, "num_decodes > requests", InputError, "num_decodes=5 must be in [0, 2]",
         lambda: BatchMetadata.build([1, 4], [5, 9], _bt([0], [1]), block_size=16, num_decodes=5)),
+    Row("prefill-among-decodes", BUILD, "a prefill placed before a decode, with num_decodes", InputError,
+        "If request 1 (query_len 9) is a prefill, the batch is not decode-first",
+        lambda: BatchMetadata.build([1, 9, 1], [50, 9, 40], _bt([0], [1], [2]), block_size=16, num_decodes=2)),
     Row("decode-lens-non-uniform", BUILD, "decodes of different lengths", InputError,
         "decode query lengths must be uniform", lambda: BatchMetadata.build([1, 2], [5, 9], _bt([0], [1]),
                                                                             block_size=16, num_decodes=2)),
@@ -427,6 +454,9 @@ ROWS: list[Row] = [
     Row("lengths-float", BUILD, "query_lens as a float tensor", InputError,
         "query_lens must be a 1-D integer tensor or list", lambda: BatchMetadata.build(torch.tensor([1.0]), [5], _bt([0]),
                                                                                        block_size=16)),
+    Row("lengths-fractional", BUILD, "a fractional seq_len", InputError,
+        "seq_lens[1] is 30.5: lengths count tokens, so they must be ints",
+        lambda: BatchMetadata.build([1, 4], [5, 30.5], _bt([0, 1], [2, 3]), block_size=16, num_decodes=1)),
     Row("lengths-not-ints", BUILD, "query_lens not a sequence of ints", InputError,
         "query_lens must be a sequence of ints", lambda: BatchMetadata.build(None, [5], _bt([0]), block_size=16)),
     Row("block-size-invalid", BUILD, "block_size 0", InputError, "block_size must be a positive int, got 0",
@@ -482,13 +512,18 @@ ROWS: list[Row] = [
         "unsupported request: index_cache_dtype", lambda: _layer(backend="cpu_ref", index_dtype=torch.int8)),
     # selection: backends that cannot serve
     Row("unknown-backend", LAYER, "backend name nobody provides", UnknownBackendError,
-        "unknown backend 'nope'; known backends:", lambda: _layer(backend="nope")),
+        "unknown backend 'nope' (backend, from argument); known backends:", lambda: _layer(backend="nope")),
+    Row("unknown-backend-env", LAYER, "MM3_BACKEND names a backend nobody provides", UnknownBackendError,
+        "unknown backend 'nope' (backend, from env MM3_BACKEND)", _layer_in_env(env={"MM3_BACKEND": "nope"})),
+    Row("unknown-backend-file", LAYER, "mm3.toml names a backend nobody provides", UnknownBackendError,
+        "unknown backend 'nope' (indexer_backend, from file ",
+        _layer_in_env(files={"mm3.toml": 'indexer_backend = "nope"\n'})),
     Row("unknown-backend-typo", LAYER, "misspelled backend name", UnknownBackendError, "did you mean 'cpu_ref'?",
         lambda: _layer(backend="cpu_rf")),
     Row("unknown-indexer-backend", LAYER, "unknown indexer_backend", UnknownBackendError, "unknown backend 'nope'",
         lambda: _layer(backend="cpu_ref", indexer_backend="nope")),
     Row("unknown-backend-scope", "use_backend(...)", "unknown name in a scope", UnknownBackendError,
-        "unknown backend 'nope'", lambda: _scoped_layer("nope")),
+        "unknown backend 'nope' (from use_backend)", lambda: _scoped_layer("nope")),
     Row("unknown-backend-registry", "Registry.get", "unknown name", UnknownBackendError, "unknown backend 'nope'",
         lambda: default_registry().get("nope")),
     Row("unknown-backend-select", "select(...)", "unknown name", UnknownBackendError, "unknown backend 'nope'",
@@ -619,12 +654,12 @@ def test_row_ids_are_unique() -> None:
 
 
 def _doc_rows() -> dict[str, tuple[str, str]]:
-    """id -> (exception, message) from the table in docs/errors.md."""
+    """id -> (exception, message and fix) from the tables in docs/errors.md."""
     rows = {}
     for line in DOCS.read_text().splitlines():
-        m = re.match(r"\|\s*\d+\s*\|\s*`([^`]+)`\s*\|.*\|\s*`(\w+)`\s*\|\s*(.*)\|\s*$", line)
+        m = re.match(r"^\| (.*) \| `(\w+)` \| .*\(`([^`]+)`\) \| (.*) \|$", line)
         if m:
-            rows[m.group(1)] = (m.group(2), m.group(3).strip())
+            rows[m.group(3)] = (m.group(2), f"{m.group(1)} {m.group(4)}")
     return rows
 
 
@@ -633,10 +668,16 @@ def test_docs_table_matches_the_rows() -> None:
     ids = {r.id for r in ROWS}
     assert set(doc) == ids, f"only in docs: {sorted(set(doc) - ids)}; only in tests: {sorted(ids - set(doc))}"
     for r in ROWS:
-        exc, message = doc[r.id]
+        exc, text = doc[r.id]
         assert exc == r.exc.__name__, f"{r.id}: docs say {exc}, test expects {r.exc.__name__}"
-        unescaped = message.replace("\\|", "|")
-        assert r.fragment in unescaped, f"{r.id}: docs message {message!r} lacks {r.fragment!r}"
+        assert r.fragment in text.replace("\\|", "|"), f"{r.id}: docs {text!r} lack {r.fragment!r}"
+
+
+def test_every_row_says_how_to_fix_it() -> None:
+    """The docs' fix column: the message's own ("...; do this"), or FIXES."""
+    silent = [r.id for r in ROWS if r.id not in FIXES and not _message(r)[1].partition("; ")[2]]
+    assert not silent, f"add a FIXES entry (or a fix in the message) for {silent}"
+    assert set(FIXES) <= {r.id for r in ROWS}, sorted(set(FIXES) - {r.id for r in ROWS})
 
 
 # -- accepted inputs that must not crash ------------------------------------------------------------------------
@@ -739,23 +780,122 @@ def test_contiguous_backend_gets_a_converted_buffer_through_the_layer() -> None:
 
 # -- the docs table -----------------------------------------------------------------------------------------------
 
+# How to fix each rejected input whose message does not end in its fix ("...; do this"). A new row needs one
+# or a message that says it (test_every_row_says_how_to_fix_it).
+FIXES = {
+    "q-type": "pass a tensor", "index_q-type": "pass a tensor", "out-type": "pass a tensor, or no out",
+    "q-rank": "q is [num_tokens, num_heads, head_dim]", "q-heads": "q is [num_tokens, num_heads, head_dim]",
+    "q-tokens": "q has one row per token of the batch", "q-head-dim": "q is [num_tokens, num_heads, head_dim]",
+    "index_q-rank": "index_q is [num_tokens, num_index_heads, index_head_dim]",
+    "index_q-heads": "index_q is [num_tokens, num_index_heads, index_head_dim]",
+    "kv-rank": "k and v are [num_pages, block_size, Hkv, D]", "kv-shape-mismatch": "give k and v the same shape",
+    "kv-dtype-mismatch": "give k and v the same dtype", "kv-devices": "put k, v and index on one device",
+    "index-rank": "the index cache is [num_pages, block_size, index_head_dim]",
+    "index-pages": "allocate the index cache with the KV caches' pages and block size",
+    "kv-heads": "the caches hold params.num_kv_heads heads (per rank under tensor parallelism)",
+    "kv-head-dim": "the K/V caches' last axis is params.head_dim",
+    "index-head-dim": "the index cache's last axis is params.index_head_dim",
+    "batch-type": "build it with BatchMetadata.build(...) or BatchMetadata.from_device(...)",
+    "decode-len-layer": "build the layer with max_decode_query_len >= 1 + draft tokens",
+    "prefill-first-as-decode": "decodes first, then prefills; num_decodes counts the first requests",
+    "block-ids-outside-cache-guarded": "fix the block table; BatchMetadata.build(..., num_pages=) checks it early",
+    "block-id-negative-unguarded": "fix the block table; BatchMetadata.build(..., num_pages=) checks it early",
+    "block-id-device-flag": "fix the block table: the step that used it gave invalid output",
+    "lengths-count": "one query_len and one seq_len per request",
+    "query-len-negative": "lengths are >= 0", "seq-len-negative": "lengths are >= 0",
+    "seq-len-overflow": "sequences longer than 2**31 - 1 tokens are not supported",
+    "is-decode-count": "one flag per request", "num-decodes-disagrees": "give one of the two, or agreeing ones",
+    "num-decodes-range": "num_decodes counts the first requests of the batch",
+    "prefill-among-decodes": "decodes first, then prefills (is_decode= checks the order); or one decode length",
+    "decode-lens-non-uniform": "give every decode the same 1 + draft tokens (or 0: a padding slot)",
+    "decode-query-len-disagrees": "drop decode_query_len, or match the decodes",
+    "decode-query-len-zero": "1, or 1 + draft tokens",
+    "block-id-outside-cache": "every block a request uses must be a page of the cache",
+    "block-id-negative": "every block a request uses must be a page of the cache",
+    "block-table-float": "pass int32 (or int64) page ids", "block-table-rank": "one row of page ids per request",
+    "block-table-rows": "one row of page ids per request",
+    "block-table-ragged": "pad the rows to one width (unused entries are never read)",
+    "block-table-overflow": "page ids fit int32", "lengths-float": "pass an integer tensor or a list of ints",
+    "lengths-fractional": "pass whole token counts", "lengths-not-ints": "pass an integer tensor or a list of ints",
+    "block-size-invalid": "the cache's page size, e.g. 128",
+    "update-shape": "replay a batch of the captured shape class, or capture a new graph",
+    "topk-rank": "wrap a [H, T, K] (head_major) or [T, H, K] (token_major) tensor",
+    "topk-allocate": "sizes are non-negative ints", "topk-copy": "copy between buffers of one shape",
+    "index-heads-ne-kv-heads": "num_index_heads = num_kv_heads (index head h selects for KV head h)",
+    "heads-not-multiple": "num_heads = G x num_kv_heads", "params-non-positive": "sizes are positive ints",
+    "params-unknown-field": "spell the field as the message suggests",
+    "forced-exceed-topk": "init_blocks + local_blocks <= topk", "params-tp-size": "tp_size 1, 2, 4 or 8",
+    "layer-params-type": "pass SparseAttentionParams(...) or SparseAttentionParams.minimax_m3(tp)",
+    "max-num-tokens": "the largest step's token count", "max-decode-query-len": "1, or 1 + draft tokens",
+    "device-name": "a torch device: \"cpu\", \"cuda\", \"cuda:1\"...",
+    "dtype-unsupported": "bfloat16, float16 or float32", "index-dtype-unsupported-layer":
+        "bfloat16 or float8_e4m3fn (float16/float32 on the reference backend)",
+    **dict.fromkeys(["unknown-backend", "unknown-backend-env", "unknown-backend-file", "unknown-backend-typo",
+                     "unknown-indexer-backend", "unknown-backend-scope", "unknown-backend-registry",
+                     "unknown-backend-select"],
+                    "fix the name where the message says it came from; `mm3 backends` lists the installed ones"),
+    **dict.fromkeys(["topk-too-large", "topk-too-large-cuda", "block-size-unserved", "head-dim-unserved",
+                     "index-head-dim-unserved", "gqa-group-unserved", "decode-len-unserved", "dtype-unserved",
+                     "index-dtype-unserved", "device-type-unserved", "backend-unavailable", "op-not-provided",
+                     "cuda-graph-unsafe"],
+                    "another backend (auto picks one that can), another shape; or allow_fallback"),
+    "no-backend": "install or enable a backend that serves it (`mm3 backends`), or change dtype/shape",
+    "topk-not-dense-guarded": "let SparseAttention call it (it converts), or convert: buf.to_layout(...)",
+    "settings-unknown-key": "spell the setting as the message suggests",
+    "settings-bad-mode": "\"first\", \"always\", \"never\" or a boolean",
+    "settings-bad-name": "an installed backend's name (`mm3 backends`) or \"auto\"",
+    "settings-bad-list": "a list of names (comma-separated in the environment)",
+    "env-bad-value": "1/0, true/false, yes/no, on/off",
+    "file-unknown-key": "spell the key as the message suggests", "file-bad-value": "a TOML boolean: true/false",
+    "pyproject-unknown-key": "spell the key as the message suggests",
+}
+
+SECTIONS = [  # (heading, entry points whose rows it lists)
+    ("Building a batch", ("BatchMetadata",)),
+    ("Caches, top-k buffers, parameters", ("PagedKVCache", "TopkBuffer", "SparseAttentionParams")),
+    ("Building a layer, choosing a backend", ("SparseAttention(", "use_backend", "Registry", "select", "Backend.")),
+    ("Calling the layer", ("SparseAttention.forward", "PageIdFlag")),
+    ("Settings", ("Settings",)),
+]
+_SHORT = 110
+
+
+def _message(row: Row) -> tuple[str, str]:
+    """The row's exception name and first message line (temporary paths as ``<tmp>``)."""
+    try:
+        row.call()
+        return "-", "(not raised!)"
+    except BaseException as e:  # noqa: BLE001 - we print whatever comes
+        return type(e).__name__, re.sub(r"/tmp/\S+?(/|\b)", "<tmp>/", str(e).splitlines()[0])
+
+
+def _cells(row: Row, msg: str) -> tuple[str, str]:
+    """(message, fix): the message up to its fix (or past the row's fragment), and the fix."""
+    head, _, tail = msg.partition("; ")
+    end = msg.find(row.fragment) + len(row.fragment)
+    shown = head if end <= len(head) else msg[:end]
+    if len(shown) > _SHORT:
+        shown = shown[:max(_SHORT, end)] + " …"
+    fix = FIXES.get(row.id) or tail
+    return shown, fix if len(fix) <= _SHORT else fix[:_SHORT] + " …"
+
+
+def _section(entry: str) -> str:
+    return next(title for title, prefixes in SECTIONS if entry.startswith(prefixes))
+
+
 def markdown_rows() -> str:
-    """The docs table, generated from ROWS by running each row."""
-    lines = ["| # | id | entry point | rejected input | exception | message |",
-             "|---|---|---|---|---|---|"]
-    for i, row in enumerate(ROWS, 1):
-        try:
-            row.call()
-            msg, name = "(not raised!)", "-"
-        except BaseException as e:  # noqa: BLE001 - we print whatever comes
-            msg, name = str(e).splitlines()[0], type(e).__name__
-        msg = re.sub(r"/tmp/\S+?(/|\b)", "<tmp>/", msg)
-        if len(msg) > 150:
-            cut = msg.find(row.fragment) + len(row.fragment)
-            msg = msg[:max(150, cut)] + " …"
-        msg = msg.replace("|", "\\|")
-        lines.append(f"| {i} | `{row.id}` | {row.entry} | {row.input} | `{name}` | {msg} |")
-    return "\n".join(lines)
+    """The docs' tables, generated from ROWS by running each row."""
+    out: dict[str, list[str]] = {title: [] for title, _ in SECTIONS}
+    for row in ROWS:
+        name, msg = _message(row)
+        shown, fix = _cells(row, msg)
+        cells = [shown, f"`{name}`", f"{row.input} (`{row.id}`)", fix]
+        out[_section(row.entry)].append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines: list[str] = []
+    for title, rows in out.items():
+        lines += [f"### {title}", "", "| message | error | cause | fix |", "|---|---|---|---|", *rows, ""]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 if __name__ == "__main__":

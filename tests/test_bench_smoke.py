@@ -69,7 +69,7 @@ def test_tiny_run_writes_every_output(tmp_path: Path) -> None:
 
 
 def test_minimal_byte_counts_match_the_notes() -> None:
-    """The counts BENCHMARKS.md and NOTES.md quote for M3 TP1, batch 64, 64K context."""
+    """The counts docs/performance.md quotes for M3 TP1, batch 64, 64K context."""
     counts = bench.load_harness().counts
     from mm3.contract.params import SparseAttentionParams
 
@@ -116,3 +116,26 @@ def test_every_variant_is_a_choice_the_cuda_config_does_not_make() -> None:
         assert set(v.kinds) <= {"decode", "prefill"} and v.kinds, v.name
     with pytest.raises(KeyError, match="unknown variant 'v0'; known: slowlaunch"):
         make_variants("v0")
+
+
+def test_a_full_run_on_a_cpu_says_first_what_it_will_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from mm3.cli import main
+
+    assert main(["bench", "--device", "cpu", "--only", "^no such row$", "--no-ceilings", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "no GPU in use (device cpu)" in err and "0 configuration(s)" in err, err
+    assert "mm3 bench --tiny" in err and "--only REGEX" in err, err
+
+
+def test_tiny_prints_no_figures_that_tiny_shapes_cannot_measure(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from mm3.cli import main
+
+    assert main(["bench", "--tiny", "--device", "cpu", "--peers", "", "--only", "^decode tiny b3 ctx200 q1 idx-bf16$",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    md = (tmp_path / "results.md").read_text()
+    assert "ceilings" not in out.lower() and "matmul" not in md, out  # no copy/matmul of tiny sizes
+    assert "% of copy" not in out and "| - | " in md                  # so no share of a copy bandwidth either
+    summary = out[out.rindex("targets:"):].strip().splitlines()
+    assert summary[1:] == [summary[1]] and "not measured" in summary[1], summary   # one line, not one per target

@@ -14,7 +14,7 @@ from plugin_fakes import FakeEntryPoint
 
 import mm3.cli as cli
 import mm3.runtime.discovery as discovery
-from mm3 import BackendCapabilities, Probe, hookimpl
+from mm3.plugin import BackendCapabilities, Probe, hookimpl
 from mm3.runtime.registry import reset_default_registry
 
 
@@ -298,3 +298,4 @@ def test_help_prints_no_warning():
     r = subprocess.run([sys.executable, "-m", "mm3.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "backends" in r.stdout
     assert r.stderr == "", r.stderr
+

@@ -9,6 +9,7 @@ import pytest
 
 from mm3.runtime.config import Settings, explain_settings
 from mm3.contract.errors import ConfigError
+from mm3.runtime.registry import reset_default_registry
 
 FIELDS = ["backend", "indexer_backend", "plugins", "disable_plugins", "no_plugin_autoload",
           "check_contracts", "allow_fallback", "config"]
@@ -281,5 +282,5 @@ def test_layers_share_the_process_settings_read_once(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setenv("MM3_BACKEND", "nosuch")                # changed in-process: stale until reset
     assert mm3.SparseAttention(p, max_num_tokens=8).settings.backend == "cpu_ref"
-    mm3.reset_default_registry()
+    reset_default_registry()
     assert config.default_settings().backend == "nosuch"

@@ -213,7 +213,7 @@ def test_suite_catches_ties_broken_to_the_highest_id_and_says_where() -> None:
     ones passes every tolerant case but fails each exact-tie case, with the tied scores shown."""
     import torch
 
-    from mm3 import BackendCapabilities, hookimpl
+    from mm3.plugin import BackendCapabilities, hookimpl
     from mm3.testing.oracle import oracle_block_scores
 
     class HighestIdWins:

@@ -287,3 +287,19 @@ def test_gloo_tensor_parallel_matches_single_process_and_oracle(world_size: int,
         # Padding and empty decode slots produce zeros on every rank.
         pad = case.batch.token_positions < 0
         assert pad.any() == (i == 0) and not out[pad].any()
+
+
+def test_auto_picks_the_reference_backend_on_cpu_tensors_even_under_the_interpreter(monkeypatch) -> None:
+    """docs/distributed.md: with TRITON_INTERPRET=1 the GPU backends serve CPU tensors only when named."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from mm3.runtime.registry import Registry
+    from mm3.runtime.selection import requirements_for, select
+    from mm3.testing.helpers import installed_plugin
+
+    reg = Registry([installed_plugin(n) for n in ("cpu_ref", "cuda", "rocm")], entry_points=False)
+    p = SparseAttentionParams.minimax_m3(tp_size=8)
+    sel = select(requirements_for(p, torch.bfloat16, torch.bfloat16, "cpu"), reg, device="cpu")
+    assert (sel.attention.name, sel.indexer.name) == ("cpu_ref", "cpu_ref"), sel.explain()
+    for name in ("cuda", "rocm"):
+        probe = reg.get(name).probe("cpu")
+        assert not (probe.available and probe.auto), probe   # usable on CPU tensors only when named

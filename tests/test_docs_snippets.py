@@ -11,7 +11,7 @@ docs/testing.md, "Code blocks in these docs"):
   the scratch directory is the working directory and is on ``sys.path``, so
   later blocks import modules written this way and read ``mm3.toml`` files;
 * ```` ```python file=PATH pytest ```` - written, then run with ``pytest`` in a
-  subprocess (mm3's fixtures come from its pytest plugin); it must pass;
+  subprocess in the scratch directory (a ``conftest.py`` block there loads mm3's fixtures); it must pass;
 * ```` ```bash installed ```` - shown here; :func:`test_plugin_guide_package_installs_and_passes_check`
   pip-installs the ``file=`` blocks of docs/plugins.md as a package and runs
   the block's ``mm3`` commands against it;

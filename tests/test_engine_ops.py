@@ -238,3 +238,10 @@ def test_engine_loop_example_runs_and_checks_itself(capsys: pytest.CaptureFixtur
     assert module.main(["--requests", "3", "--layers", "1", "--seed", "1"]) == 0
     text = capsys.readouterr().out
     assert "mixed" in text and "decode" in text and "passed:" in text, text
+    assert "includes compilation" in text and " ms, repeated " in text, text   # which times hold compile time
+
+    if not torch.cuda.is_available():   # a device this build cannot use: argparse's error, not a torch assert
+        with pytest.raises(SystemExit) as stop:
+            module.main(["--device", "cuda"])
+        assert stop.value.code == 2
+        assert "--device cuda cannot be used by this PyTorch build" in capsys.readouterr().err

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import mm3_backends.cpu_ref.plugin as cpu_ref
-from mm3 import Settings, SparseAttentionParams
+from mm3 import SparseAttentionParams
+from mm3.runtime.config import Settings
 from mm3.contract.errors import ContractViolation, InputError, PluginError
 from mm3.runtime.layer import SparseAttention
 from mm3.runtime.registry import Registry

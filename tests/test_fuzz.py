@@ -38,7 +38,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mm3 import Settings, SparseAttentionParams, TopkBuffer
+from mm3 import SparseAttentionParams, TopkBuffer
+from mm3.runtime.config import Settings
 from mm3.contract.buffers import TORCH_DTYPES
 from mm3.contract.errors import BackendUnavailableError
 from mm3.debug import GUARD_SENTINEL, guard_backend

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import mm3_backends.cpu_ref.plugin as cpu_ref
-from mm3 import BackendCapabilities, Probe, Settings, SparseAttentionParams, TopkBuffer, hookimpl
+from mm3.plugin import BackendCapabilities, Probe, SparseAttentionParams, TopkBuffer, hookimpl
+from mm3.runtime.config import Settings
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.errors import ContractViolation, InputError, PluginError
 from mm3.debug import (

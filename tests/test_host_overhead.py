@@ -1,4 +1,4 @@
-"""Host work once per shape class, not per step (issue 16), without losing a guarantee.
+"""Host work once per shape class, not per step, without losing a guarantee.
 
 * the eager custom ops make the layer's decisions: the guard runs on the first
   step of each batch kind only, and their results match the fp64 oracle;
@@ -19,6 +19,7 @@ import torch
 import mm3
 from mm3.contract.page_ids import PageIdFlag
 from mm3.debug.guard import GuardedBackend
+from mm3.runtime.config import Settings
 from mm3.runtime.ops import batch_args, batch_from_args
 from mm3.testing.factories import make_case
 from mm3.testing.oracle import oracle_attention, oracle_topk
@@ -31,7 +32,7 @@ STEP = dict(decodes=[40, 33], prefills=[(5, 20)], dtype="float32")
 def _layer() -> mm3.SparseAttention:
     # the default of a process (tests/conftest.py guards every step): "first"
     return mm3.SparseAttention(P, dtype=torch.float32, max_num_tokens=32, backend="cpu_ref",
-                               settings=mm3.Settings(check_contracts="first"))
+                               settings=Settings(check_contracts="first"))
 
 
 def _ops(layer: mm3.SparseAttention, case: Any, out: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ from mm3.contract.params import SparseAttentionParams
 from mm3.runtime.backend import Backend
 from mm3.runtime.registry import Registry
 from mm3.testing.factories import Case, make_case
-from mm3.testing.fixtures import installed_plugin
+from mm3.testing.helpers import installed_plugin
 from mm3.testing.mock import MockBackend
 from mm3.testing.oracle import check_topk, oracle_attention, oracle_block_scores
 

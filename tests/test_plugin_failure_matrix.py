@@ -24,7 +24,7 @@ import pytest
 from plugin_fakes import backends_row as _row
 from plugin_fakes import subprocess_env
 
-from mm3.testing.fixtures import write_distribution
+from mm3.testing.helpers import write_distribution
 
 HEALTHY = textwrap.dedent("""
     # A working third-party backend: the reference math under another name.
@@ -151,7 +151,8 @@ PROGRAM = textwrap.dedent("""
     import mm3, mm3.cli as cli
     from mm3.runtime.layer import SparseAttention
     from mm3.runtime.discovery import PluginLoadWarning
-    from mm3.testing.fixtures import CaseFactory, default_params
+    from mm3.runtime.registry import default_registry
+    from mm3.testing.helpers import CaseFactory, default_params
     from mm3.testing.oracle import oracle_attention
 
     def capture(argv):
@@ -162,7 +163,7 @@ PROGRAM = textwrap.dedent("""
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        names = mm3.default_registry().names()
+        names = default_registry().names()
     res = {"names": names,
            "warnings": [str(w.message) for w in caught if issubclass(w.category, PluginLoadWarning)],
            "json": json.loads(capture(["backends", "--device", "cpu", "--json"])["out"]),

@@ -11,7 +11,7 @@ import torch
 from plugin_fakes import FakeEntryPoint
 
 import mm3.runtime.discovery as discovery
-from mm3 import BackendCapabilities, Probe, hookimpl
+from mm3.plugin import BackendCapabilities, Probe, hookimpl
 from mm3.contract.buffers import TopkBuffer
 from mm3.runtime.config import Settings
 from mm3.contract.errors import BackendUnavailableError, InputError, PluginError, UnknownBackendError
@@ -19,7 +19,7 @@ from mm3.runtime.backend import Backend
 from mm3.runtime.discovery import PluginLoadWarning, PluginSource
 from mm3.runtime.registry import Registry, default_registry, reset_default_registry
 from mm3.testing.factories import make_case
-from mm3.testing.fixtures import default_params
+from mm3.testing.helpers import default_params
 
 # One small valid step: the bound backend checks every call's arguments before the plugin runs.
 _CASE = make_case(default_params(num_kv_heads=1, num_index_heads=1), decodes=[40], prefills=[(3, 20)],

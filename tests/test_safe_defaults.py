@@ -28,7 +28,8 @@ from plugin_fakes import pip_install_into, subprocess_env
 
 import mm3.runtime.layer as layer_module
 import mm3_backends.cpu_ref.plugin as cpu_ref
-from mm3 import BatchMetadata, Settings, SparseAttentionParams
+from mm3 import BatchMetadata, SparseAttentionParams
+from mm3.runtime.config import Settings
 from mm3.contract.errors import ContractViolation, InputError
 from mm3.contract.page_ids import PageIdFlag, check_page_ids
 from mm3.debug import GuardedBackend
@@ -44,17 +45,17 @@ FIRST = Settings(check_contracts="first")
 PLUGIN = textwrap.dedent('''
     """An indexer whose kernel produces token-major rows, copied into the head-major buffer."""
     import torch
-    import mm3
+    from mm3.plugin import BackendCapabilities, hookimpl
     from mm3.testing.oracle import oracle_topk
 
-    CAPS = mm3.BackendCapabilities(name="reshape_bug", ops={"index_topk"}, device_types={"cpu"},
-                                   topk_layout="head_major", max_decode_query_len=4)
+    CAPS = BackendCapabilities(name="reshape_bug", ops={"index_topk"}, device_types={"cpu"},
+                               topk_layout="head_major", max_decode_query_len=4)
 
-    @mm3.hookimpl
+    @hookimpl
     def backend_capabilities():
         return CAPS
 
-    @mm3.hookimpl
+    @hookimpl
     def index_topk(index_q, caches, batch, params, out):
         rows = oracle_topk(index_q, caches, batch, params).token_major().contiguous()   # [T, H, K]
         H, T, K = out.num_heads, out.num_tokens, out.topk
@@ -80,13 +81,14 @@ PYPROJECT = textwrap.dedent('''
 # One step of a mixed batch (H = 2) as a new user would run it: no setting touched.
 STEP = textwrap.dedent('''
     import sys, torch, mm3
+    from mm3.runtime.config import Settings
     from mm3.testing.factories import make_case
     from mm3.testing.oracle import oracle_attention, oracle_topk
 
     p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16, num_index_heads=2,
                                   index_head_dim=16, block_size=16, topk=4)
     case = make_case(p, decodes=[70, 40, 90], prefills=[(9, 30), (17, 17)], dtype="float32")
-    settings = mm3.Settings(check_contracts=sys.argv[1]) if len(sys.argv) > 1 else None
+    settings = Settings(check_contracts=sys.argv[1]) if len(sys.argv) > 1 else None
     layer = mm3.SparseAttention(p, dtype=torch.float32, max_num_tokens=64, backend="cpu_ref",
                                 indexer_backend="reshape_bug", settings=settings)
     print("mode", layer.settings.check_contracts)

@@ -9,7 +9,7 @@ import pytest
 from plugin_fakes import FakeEntryPoint
 import torch
 
-from mm3 import BackendCapabilities, Probe, SparseAttentionParams, hookimpl
+from mm3.plugin import BackendCapabilities, Probe, SparseAttentionParams, hookimpl
 from mm3.contract.errors import (
     BackendUnavailableError,
     InputError,
@@ -281,7 +281,7 @@ def test_requirements_for_rejects_unsupported_dtype():
 
 def test_named_only_probe_is_passed_over_by_auto_but_served_by_name() -> None:
     """A test-only path (e.g. a GPU backend under Triton's interpreter) is never picked by accident."""
-    from mm3 import hookimpl
+    from mm3.plugin import hookimpl
     from mm3.contract.capabilities import BackendCapabilities, Probe
     from mm3.runtime.registry import Registry
     from mm3.runtime.selection import select

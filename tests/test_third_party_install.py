@@ -87,6 +87,12 @@ def test_discovered_with_provenance(site: Path, tmp_path: Path) -> None:
     # An attention-only backend composes: auto takes its attention and another backend's indexer.
     assert data["auto"] == {"attention": BACKEND, "indexer": "cpu_ref"}, data["auto"]
     assert "top-k buffer converted each step" in r.stdout
+    # That installing it changes what auto picks is the plugin guide's word, where a reader meets it.
+    auto = next(line for line in r.stdout.splitlines() if line.startswith("auto picks"))
+    assert auto.startswith(f"auto picks attention={BACKEND}, indexer=cpu_ref ")
+    guide = " ".join((Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text().split())
+    assert "**Installing it changes what `auto` picks.**" in guide
+    assert f"`auto picks attention={BACKEND}, indexer=cpu_ref ... (top-k buffer converted each step)`" in guide
 
 
 # Runs one step through SparseAttention as configured by env/files, checks it against the fp64
@@ -95,7 +101,7 @@ STEP = textwrap.dedent("""
     import json, torch
     from mm3 import Settings
     from mm3.runtime.layer import SparseAttention
-    from mm3.testing.fixtures import CaseFactory, default_params
+    from mm3.testing.helpers import CaseFactory, default_params
     from mm3.testing.oracle import check_topk, oracle_attention
 
     p = default_params()

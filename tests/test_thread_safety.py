@@ -20,7 +20,8 @@ import torch
 import mm3.runtime.discovery as discovery
 import mm3.runtime.registry as registry_module
 import mm3_backends.cpu_ref.plugin as cpu_ref
-from mm3 import Settings, SparseAttentionParams
+from mm3 import SparseAttentionParams
+from mm3.runtime.config import Settings
 from mm3.debug import GuardedBackend
 from mm3.runtime.layer import SparseAttention
 from mm3.runtime.discovery import PluginLoadWarning

@@ -13,9 +13,12 @@ import itertools
 import pytest
 import torch
 
-from mm3 import Registry, Settings, SparseAttention, TopkBuffer, hookimpl
+from mm3 import SparseAttention
+from mm3.plugin import TopkBuffer, hookimpl
+from mm3.runtime.config import Settings
+from mm3.runtime.registry import Registry
 from mm3.testing.factories import make_case
-from mm3.testing.fixtures import default_params
+from mm3.testing.helpers import default_params
 from mm3.testing.mock import MockBackend
 
 LAYOUTS = ("head_major", "token_major")

@@ -436,7 +436,7 @@ def _bad_page_run(index_topk, attention_forward, layout: str) -> None:
 
 @pytest.mark.parametrize("backend", sorted(PLUGINS))
 def test_bad_page_id_never_reads_outside_the_cache(backend: str) -> None:
-    """issue 15: the plugins' hooks (the paths they launch) with page ids outside ``[0, num_pages)``."""
+    """The plugins' hooks (the paths they launch) with page ids outside ``[0, num_pages)``."""
     plugin = PLUGINS[backend]
     _bad_page_run(plugin.index_topk, plugin.attention_forward, plugin.PLATFORM.topk_layout)
 

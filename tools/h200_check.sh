@@ -10,8 +10,8 @@
 #   PHASES="1" or "2"    one phase only (a full soak needs most of a call by itself:
 #                        about 10,000 steps in 340 s next to the GPU tests)
 #   SOAK_BUDGET=170      seconds of soak (0: no soak); TESTS_CAP=380; TESTS="tests/gpu"; FIRST_STEP_CAP=45
-#                        (the suite alone takes ~300 s; next to a soak it needed more than 340 s on
-#                        2026-12-03: for a full pass give it SOAK_BUDGET=0 or TESTS_CAP=450)
+#                        (the suite alone takes ~300 s and needs more next to a soak: for a full
+#                        pass give it SOAK_BUDGET=0 or TESTS_CAP=450)
 #   BENCH_ONLY, BENCH_VARIANTS, BENCH_PRIORITY=0, BENCH_BUDGET=80, BENCH_CAP=110: the bench rows and the
 #                        launch-config variants timed beside the defaults (benchmarks/variants.py);
 #                        BENCH_ARGS: more `mm3 bench` arguments (e.g. --profile-all: kernel times of every row)

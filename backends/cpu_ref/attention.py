@@ -176,7 +176,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     ``strategy`` forces one code path (tests use it); ``max_elements`` bounds
     the largest fp32 intermediate.
     """
-    # The bound backend (mm3.Backend) has checked every argument against the contract.
+    # The bound backend (mm3.runtime.backend.Backend) has checked every argument against the contract.
     Hq, Hkv, D = params.num_heads, params.num_kv_heads, params.head_dim
     T = batch.num_tokens
     if strategy not in ("auto", "gather", "dense"):

@@ -164,7 +164,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     change the ranking (docs/spec.md §3.2), so it is not applied. ``max_elements``
     bounds the largest intermediate tensor (see :data:`DEFAULT_MAX_ELEMENTS`).
     """
-    # The bound backend (mm3.Backend) has checked every argument against the contract.
+    # The bound backend (mm3.runtime.backend.Backend) has checked every argument against the contract.
     H, Di, K = params.num_index_heads, params.index_head_dim, params.topk
     T = batch.num_tokens
     view = out.head_major()[:, :T]  # [H, T, K]; a view, so writes land in out's storage

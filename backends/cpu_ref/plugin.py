@@ -7,7 +7,7 @@ head-major top-k buffers but reads and writes any layout through
 a request is picked before it.
 
 Example:
-    >>> from mm3 import Registry
+    >>> from mm3.runtime.registry import Registry
     >>> import mm3_backends.cpu_ref.plugin as cpu_ref
     >>> be = Registry(plugins=[cpu_ref], entry_points=False).get("cpu_ref")
     >>> be.capabilities.topk_layout, be.probe("cpu").available
@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from mm3 import hookimpl
-from mm3.contract import BatchMetadata
-from mm3.contract import PagedKVCache, TopkBuffer
-from mm3.contract import BackendCapabilities, Probe
-from mm3.contract import SparseAttentionParams
+from mm3.plugin import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, SparseAttentionParams,
+                        TopkBuffer, hookimpl)
 
 from .attention import attention_forward as _attention
 from .indexer import index_topk as _index_topk

@@ -1,4 +1,4 @@
-"""The ``cuda`` plugin's launch configuration: 32-wide warps, tuned on the H200 (BENCHMARKS.md, NOTES.md).
+"""The ``cuda`` plugin's launch configuration: 32-wide warps, tuned on the H200 (docs/performance.md).
 
 ``target_programs`` is resized from the device's multiprocessor count at
 first use (two programs per SM). The measurements behind each choice are in
@@ -41,7 +41,7 @@ NVIDIA_LAUNCH = LaunchConfig(
     # 32K: 490 -> 228 us); three instruction cuts (the causal mask only where a row sees part of a
     # tile, a sorted merge of each chunk, the key-row stride compiled in: Triton 3.6 sm_90 254 ->
     # 124 registers, no spills). H200, TP1 8K chunk at 32K: 884 us before the cuts, 732 with them
-    # on 64-row tiles, 581 on 128-row tiles (benchmarks/NOTES.md §5)
+    # on 64-row tiles, 581 on 128-row tiles
     prefill_index=PrefillIndexConfig(rows=128, warps=8, block_n=64, chunk=32, num_stages=2, max_splits=8,
                                      unmasked_full=True, sorted_merge=True, static_key_stride=True),
     # 4 warps: two persistent programs per SM (H200: 80 vs 95 us at TP1 b64 64K); a whole
@@ -61,7 +61,7 @@ NVIDIA_LAUNCH = LaunchConfig(
                           # the decode merge / top-k in the last program of their group by launch.py's
                           # rules: the merge of <= 4 splits (H200, TP8 b64 graph step 278.0 -> 274.4 us),
                           # the top-k on eager small grids (one launch less where the host is the
-                          # bound); benchmarks/NOTES.md §9-10
+                          # bound)
                           merge_in_last_program=None, topk_in_last_program=None),
     # kv_fp8_as_f16: bf16 queries on fp8 K/V dotted in fp16 in the decode kernels (H200, TP1 b64
     # 64K attention 80.8 -> 70.0 us); the prefill kernels widen to bf16 (the fp16 path measured

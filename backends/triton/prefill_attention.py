@@ -224,7 +224,7 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         max_tiles = min(pairs, pairs // per + Hkv * nb_sum)
         plan = plan_pairs(sel, batch, a, c, nb_max=nb_max, tokens_per_tile=per, max_tiles=max_tiles,
                           num_pages=caches.num_pages, fast=fast)
-        # partial outputs in out's dtype (q's in production): fp32 ones doubled the attention time (NOTES.md §5)
+        # partial outputs in out's dtype (q's in production): fp32 ones doubled the attention time
         ws_o = torch.empty((pairs, G, D), dtype=out.dtype, device=q.device)
         ws_lse = torch.empty((pairs, G), dtype=torch.float32, device=q.device)
         programs = max(1, min(max_tiles, target_programs // 2 * cfg.programs_per_sm))

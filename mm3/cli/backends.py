@@ -6,6 +6,7 @@ import argparse
 import json
 
 from mm3.cli.main import UsageError, check_configured_backends, default_device, one_line, table
+from mm3.contract.capabilities import BackendCapabilities
 from mm3.contract.errors import MM3Error
 
 __all__ = ["add_arguments", "run"]
@@ -19,6 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--verbose", action="store_true",
                         help="print full tracebacks of excluded plugins")
+
+
+def _capabilities(caps: BackendCapabilities) -> dict:
+    """Every field of a backend's capabilities, as JSON values; sets sorted, so the output is stable."""
+    data = caps.model_dump(mode="json")
+    return {k: sorted(v) if isinstance(v, list) else v for k, v in data.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
                 "topk_requires_contiguous": b.capabilities.topk_requires_contiguous,
                 "kv_cache_layout": b.capabilities.kv_cache_layout,
                 "ops": sorted(b.capabilities.ops), "priority": b.priority,
+                "capabilities": _capabilities(b.capabilities),
             } for b in backends],
+            "capability_fields": {name: f.description for name, f in BackendCapabilities.model_fields.items()},
             "problems": [{
                 "name": p.name, "distribution": p.distribution, "version": p.version,
                 "entry_point": p.source.entry_point, "stage": p.stage, "error": p.error,

@@ -31,7 +31,7 @@ from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import Case, make_case
 from mm3.testing.oracle import check_topk, oracle_attention
 
-__all__ = ["add_arguments", "run", "StepSpec"]
+__all__ = ["add_arguments", "run", "describe", "StepSpec"]
 
 # Absolute error limits against the fp64 oracle (docs/spec.md §4): (mean, max).
 TOLERANCES = {"bfloat16": (3e-4, 2e-2), "float16": (1.5e-4, 1e-2), "float32": (1e-5, 1e-5)}
@@ -103,8 +103,9 @@ def _median_ms(what: str, fn: Callable[[], object], device: torch.device, repeat
     _sync(device)
     warm = time.perf_counter() - t0
     if warm > SLOW_CALL_S:
+        shorten = " (--repeats 1 to shorten)" if repeats > 1 else ""
         print(f"  note: one {what} call on backend {backend!r} took {warm:.1f} s; the {repeats} timed "
-              f"repeat(s) take about {warm * repeats:.0f} s more (--repeats 1 to shorten)", flush=True)
+              f"repeat(s) take about {warm * repeats:.0f} s more{shorten}", flush=True)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -174,15 +175,24 @@ def _check(params: SparseAttentionParams, spec: StepSpec, args: argparse.Namespa
     return ok, detail
 
 
+def describe(params: SparseAttentionParams) -> str:
+    """The layer's shapes in words, for the demo's first line.
+
+    Example:
+        >>> describe(SparseAttentionParams.minimax_m3(8))
+        '8 query / 1 KV / 1 index heads, D=128, blocks of 128, top-16'
+    """
+    return (f"{params.num_heads} query / {params.num_kv_heads} KV / {params.num_index_heads} index heads, "
+            f"D={params.head_dim}, blocks of {params.block_size}, top-{params.topk}")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the process exit status."""
     device = torch.device(args.device) if args.device else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     params = SparseAttentionParams.minimax_m3(args.tp)
-    print(f"mm3 demo: MiniMax-M3 TP{args.tp} block-sparse attention "
-          f"(heads {params.num_heads}/{params.num_kv_heads}/{params.num_index_heads}, D={params.head_dim}, "
-          f"block {params.block_size}, top-{params.topk}) on {device}, {args.dtype}, "
-          f"index cache {args.index_dtype}")
+    print(f"mm3 demo: MiniMax-M3 TP{args.tp} block-sparse attention ({describe(params)}) on {device}, "
+          f"{args.dtype}, index cache {args.index_dtype}")
     # Select first: a misconfigured backend fails here, before any input is built.
     if args.backend is None and args.indexer_backend is None:
         check_configured_backends()      # names the MM3_* variable or file a bad name came from

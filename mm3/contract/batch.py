@@ -10,14 +10,6 @@ Two kinds of padding decode exist, both common inside CUDA graphs:
 * ``seq_len == 0`` with ``query_len == decode_query_len``: the request keeps its
   slots in the flat batch, but they are padding tokens (position ``-1``): their
   top-k rows are all ``-1`` and their outputs are zero.
-
-Example:
-    >>> import torch
-    >>> bt = torch.arange(12, dtype=torch.int32).reshape(3, 4)
-    >>> b = BatchMetadata.build(query_lens=[1, 1, 5], seq_lens=[300, 129, 5],
-    ...                         block_table=bt, block_size=128, num_decodes=2)
-    >>> b.num_tokens, b.num_decode_tokens, b.token_positions.tolist()
-    (7, 2, [299, 128, 0, 1, 2, 3, 4])
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mm3.contract.errors import InputError
-from mm3.contract.lengths import INT32_MAX, INT32_MIN, IntSeq, check_lengths, to_list
+from mm3.contract.lengths import INT32_MAX, INT32_MIN, IntSeq, check_lengths, to_int_list
 from mm3.contract.page_ids import check_page_ids
 
 __all__ = ["BatchMetadata"]
@@ -42,7 +34,6 @@ _TENSORS = ("query_start_loc", "seq_lens", "context_lens", "block_table", "token
 READ_BACK = ("query_lens", "seq_lens_host", "max_seq_len", "max_prefill_context_len", "page_id_verdicts")
 
 
-
 @dataclass(frozen=True)
 class BatchMetadata:
     """Per-step batch description; all tensors int32 on ``device``.
@@ -53,6 +44,14 @@ class BatchMetadata:
     the lengths :meth:`build` was given; a batch from device tensors reads them
     back from the tensors on first use (a device sync, so the decode path of
     the GPU backends never asks for them).
+
+    Example:
+        >>> import torch
+        >>> bt = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+        >>> b = BatchMetadata.build(query_lens=[1, 1, 5], seq_lens=[300, 129, 5],
+        ...                         block_table=bt, block_size=128, num_decodes=2)
+        >>> b.num_tokens, b.num_decode_tokens, b.token_positions.tolist()
+        (7, 2, [299, 128, 0, 1, 2, 3, 4])
     """
 
     num_decodes: int
@@ -171,8 +170,8 @@ class BatchMetadata:
         ``num_pages`` is given, every block-table entry a request uses is
         checked to lie in ``[0, num_pages)``.
         """
-        ql = to_list("query_lens", query_lens)
-        sl = to_list("seq_lens", seq_lens)
+        ql = to_int_list("query_lens", query_lens)
+        sl = to_int_list("seq_lens", seq_lens)
         if len(ql) != len(sl):
             raise InputError(f"query_lens has {len(ql)} requests but seq_lens has {len(sl)}")
         n = len(ql)

@@ -59,30 +59,52 @@ class BackendCapabilities(_Frozen):
 
     ``None`` in a limit field means "no limit". ``frozenset`` fields accept any
     iterable. Validation errors name the offending field, and the registry
-    reports them with the plugin's distribution.
+    reports them with the plugin's distribution. Each field's ``description``
+    is what ``mm3 backends --json`` and docs/spec.md §7 show.
+
+    Example:
+        >>> caps = BackendCapabilities(name="mine", ops={"attention"}, device_types={"cuda"},
+        ...                            topk_layout="token_major", max_decode_query_len=4)
+        >>> caps.priority, sorted(caps.dtypes), caps.cuda_graph_safe
+        (0, ['bfloat16', 'float16', 'float32'], False)
+        >>> BackendCapabilities.model_fields["max_decode_query_len"].description
+        'the longest decode query it handles: 1 + draft tokens of speculative decoding'
     """
 
-    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="unique backend name")
-    description: str = ""
-    priority: int = Field(0, description="auto selection tries higher priorities first")
-    device_types: frozenset[str] = Field(min_length=1, description='torch device types, e.g. {"cuda"}')
-    ops: frozenset[Op] = Field(min_length=1)
-    topk_layout: TopkLayout
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                      description="the unique name users select it by (MM3_BACKEND=name); an identifier")
+    description: str = Field("", description="one line for humans, shown by mm3 backends")
+    priority: int = Field(0, description="auto selection tries higher priorities first (cpu_ref 0, the GPU "
+                                         "backends 100)")
+    device_types: frozenset[str] = Field(min_length=1, description='torch device types it runs on, e.g. {"cuda"}')
+    ops: frozenset[Op] = Field(min_length=1, description='the ops it implements: "index_topk", "attention" or '
+                                                         'both; each needs its hook')
+    topk_layout: TopkLayout = Field(description="the top-k buffer layout it allocates and prefers: head_major "
+                                                "[H, T, K] or token_major [T, H, K]")
     topk_requires_contiguous: bool = Field(
-        False, description="reads/writes need a contiguous buffer in topk_layout")
-    kv_cache_layout: KVCacheLayout = Field("NHD", description="preferred page layout")
-    dtypes: frozenset[DType] = frozenset({"bfloat16", "float16", "float32"})
-    index_cache_dtypes: frozenset[IndexDType] = frozenset({"bfloat16", "float8_e4m3fn"})
+        False, description="its hooks read raw storage: hand them a dense buffer in topk_layout (the core "
+                           "converts another one each step)")
+    kv_cache_layout: KVCacheLayout = Field("NHD", description="the KV page layout it is fastest on, NHD or HND "
+                                                              "(both must work)")
+    dtypes: frozenset[DType] = Field(frozenset({"bfloat16", "float16", "float32"}),
+                                     description="attention dtypes of q, out and 16-bit K/V caches")
+    index_cache_dtypes: frozenset[IndexDType] = Field(frozenset({"bfloat16", "float8_e4m3fn"}),
+                                                      description="index cache dtypes the indexer reads")
     kv_cache_dtypes: frozenset[KVDType] = Field(
         frozenset({"bfloat16", "float16", "float32"}),
         description="K/V cache dtypes the attention reads; float8_e4m3fn = scaled fp8, dequantized on load")
-    head_dims: Optional[frozenset[int]] = None
-    index_head_dims: Optional[frozenset[int]] = None
-    block_sizes: Optional[frozenset[int]] = None
-    max_topk: Optional[int] = Field(None, ge=1)
-    max_gqa_group: Optional[int] = Field(None, ge=1)
-    max_decode_query_len: int = Field(1, ge=1, description="1 + draft tokens (speculative decoding)")
-    cuda_graph_safe: bool = False
+    head_dims: Optional[frozenset[int]] = Field(None, description="attention head dims it supports; None = any")
+    index_head_dims: Optional[frozenset[int]] = Field(None, description="index head dims it supports; None = any")
+    block_sizes: Optional[frozenset[int]] = Field(None, description="KV page (= sparse block) sizes it supports; "
+                                                                    "None = any")
+    max_topk: Optional[int] = Field(None, ge=1, description="the most blocks per token it selects or reads; "
+                                                            "None = no limit")
+    max_gqa_group: Optional[int] = Field(None, ge=1, description="the most query heads per KV head it attends "
+                                                                 "with; None = no limit")
+    max_decode_query_len: int = Field(1, ge=1, description="the longest decode query it handles: 1 + draft "
+                                                           "tokens of speculative decoding")
+    cuda_graph_safe: bool = Field(False, description="a decode step through it can be captured in a CUDA graph "
+                                                     "and replayed")
     reports_bad_page_ids: bool = Field(
         False, description="index_topk clamps every block-table entry it loads into the cache and lowers its "
                            "page_faults word to the first bad one (mm3.contract.page_ids), so the layer "

@@ -7,7 +7,7 @@ Two callers, two sets of checks:
   step's inputs;
 * :func:`check_index_args` / :func:`check_attention_args`,
   :func:`check_declared` and :func:`check_topk_accepted` are every check of
-  one hook call, run once by the bound backend (:class:`mm3.Backend`) before
+  one hook call, run once by the bound backend (:class:`~mm3.runtime.backend.Backend`) before
   the plugin's hook: :func:`check_hook_args` (what every backend needs:
   argument types, the block size and KV-head count that caches, batch and
   params must agree on, one device for every input, per-token tensors with
@@ -29,7 +29,7 @@ Example:
     >>> check_index_args("mine.index_topk", case.index_q, case.caches, case.batch, p,
     ...                  mm3.TopkBuffer.allocate(1, 1, 4))
     1
-    >>> caps = mm3.BackendCapabilities(name="mine", ops={"index_topk"}, device_types={"cpu"},
+    >>> caps = BackendCapabilities(name="mine", ops={"index_topk"}, device_types={"cpu"},
     ...     topk_layout="head_major", block_sizes={128})
     >>> check_declared("mine.index_topk", caps, "index_topk", device_type="cpu", dtype=case.q.dtype,
     ...                index_dtype=case.caches.index_dtype, params=p, decode_query_len=1)
@@ -140,7 +140,11 @@ def check_step_inputs(params: SparseAttentionParams, q: torch.Tensor, index_q: t
                          f"with max_num_tokens >= {T}")
     if batch.num_decodes and batch.decode_query_len > max_decode_query_len:
         raise InputError(f"decode query length {batch.decode_query_len} exceeds the layer's "
-                         f"max_decode_query_len {max_decode_query_len}; build it with a larger one")
+                         f"max_decode_query_len {max_decode_query_len}; if the first "
+                         f"num_decodes={batch.num_decodes} requests are decodes with draft tokens, build "
+                         f"the layer with a larger one; if one of them is a prefill, the batch is not "
+                         f"decode-first: put every decode before the first prefill (is_decode= checks "
+                         f"the order)")
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise InputError(f"out must be a torch.Tensor, got {type(out).__name__}")

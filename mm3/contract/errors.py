@@ -26,34 +26,93 @@ __all__ = [
 
 
 class MM3Error(Exception):
-    """Base class of every error mm3 raises on purpose."""
+    """Base class of every error mm3 raises on purpose: ``except mm3.MM3Error`` catches them all.
+
+    Example:
+        >>> import mm3
+        >>> try:
+        ...     mm3.SparseAttentionParams.minimax_m3(tp_size=3)
+        ... except mm3.MM3Error as e:
+        ...     print(type(e).__name__, "-", e)
+        InputError - MiniMax-M3 runs at tp_size 1, 2, 4 or 8, got 3
+    """
 
 
 class InputError(MM3Error, ValueError):
-    """A tensor, batch description or parameter is invalid (wrong dtype, shape, device, range)."""
+    """A tensor, batch description or parameter is invalid (wrong dtype, shape, device, range).
+
+    Also a ``ValueError``. A backend's hook raises it for input no capability
+    field can rule out, naming the argument, the value and what it needs.
+
+    Example:
+        >>> import mm3
+        >>> mm3.BatchMetadata.build([1], [5], [[0]], block_size=0)
+        Traceback (most recent call last):
+        ...
+        mm3.contract.errors.InputError: block_size must be a positive int, got 0
+    """
 
 
 class ConfigError(MM3Error, ValueError):
-    """A setting, environment variable or config file is malformed or unknown."""
+    """A setting, environment variable or config file is malformed or unknown.
+
+    Example:
+        >>> from mm3.runtime.config import Settings
+        >>> Settings(bakend="cuda")
+        Traceback (most recent call last):
+        ...
+        mm3.contract.errors.ConfigError: invalid mm3 settings: unknown setting 'bakend': did you mean 'backend'? ...
+    """
 
 
 class UnknownBackendError(MM3Error, LookupError):
-    """A backend name was asked for that no registered plugin provides."""
+    """A backend name was asked for that no registered plugin provides; the message lists the known ones.
+
+    Example:
+        >>> import mm3
+        >>> with mm3.use_backend("cpu_rf"):
+        ...     pass
+        Traceback (most recent call last):
+        ...
+        mm3.contract.errors.UnknownBackendError: unknown backend 'cpu_rf' (from use_backend); known backends: ...
+    """
 
 
 class BackendUnavailableError(MM3Error, RuntimeError):
-    """A named backend exists but cannot serve this request here; the message lists why."""
+    """A named backend exists but cannot serve this request here; the message lists why.
+
+    Example:
+        >>> import mm3
+        >>> p = mm3.SparseAttentionParams.minimax_m3(tp_size=8)
+        >>> mm3.SparseAttention(p, max_num_tokens=8, backend="cpu_ref", max_decode_query_len=32)
+        Traceback (most recent call last):
+        ...
+        mm3.contract.errors.BackendUnavailableError: backend 'cpu_ref' (named by backend) cannot serve ...
+    """
 
 
 class NoBackendError(MM3Error, RuntimeError):
-    """``auto`` selection found no available, capable backend; the message lists each candidate."""
+    """``auto`` selection found no available, capable backend; the message lists each candidate.
+
+    Example:
+        >>> import mm3
+        >>> p = mm3.SparseAttentionParams.minimax_m3(tp_size=8)
+        >>> mm3.SparseAttention(p, max_num_tokens=8, max_decode_query_len=32)
+        Traceback (most recent call last):
+        ...
+        mm3.contract.errors.NoBackendError: no backend can serve the attention op on cpu ...
+    """
 
 
 class PluginError(MM3Error, RuntimeError):
     """A plugin is malformed (bad hook, invalid capabilities, duplicate name), or a hook of it raised.
 
     Raised from a hook's own exception (``__cause__``), with ``backend`` and ``hook``
-    attributes then (docs/errors.md §6).
+    attributes then (docs/errors.md, "A backend that fails mid-step").
+
+    Example:
+        >>> issubclass(PluginError, RuntimeError), issubclass(PluginError, MM3Error)
+        (True, True)
     """
 
 
@@ -61,7 +120,12 @@ class ContractViolation(MM3Error, RuntimeError):
     """A backend broke the contract of docs/spec.md (layout, row range, invalid ids, bad output).
 
     Raised by the contract guard (``check_contracts``); the message names the
-    backend, the hook, the rule and the first offending row.
+    backend, the hook, the rule and the first offending row, and the
+    attributes ``backend``, ``hook``, ``rule`` (and ``head``, ``token``, ``row``) carry them.
+
+    Example:
+        >>> issubclass(ContractViolation, RuntimeError), issubclass(ContractViolation, MM3Error)
+        (True, True)
     """
 
 

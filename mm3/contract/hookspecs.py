@@ -7,7 +7,7 @@ backends never mix and no ``pm.hook`` call happens per forward.
 
 A minimal attention-only plugin::
 
-    from mm3 import hookimpl, BackendCapabilities, Probe
+    from mm3.plugin import hookimpl, BackendCapabilities, Probe
 
     @hookimpl
     def backend_capabilities():
@@ -45,7 +45,34 @@ __all__ = ["PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "Op", "ALL_OPS"]
 
 PROJECT = "mm3"
 hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class _HookimplMarker(pluggy.HookimplMarker):
+    """``@hookimpl`` marks a function of your plugin as the implementation of the mm3 hook of its name.
+
+    Name the function after its hook and take any subset of the hook's
+    arguments, spelled as in the spec; a misspelled name or argument gets the
+    plugin excluded, with the reason in ``mm3 backends``.
+
+    Example:
+        >>> from mm3.plugin import BackendCapabilities, hookimpl
+        >>> class Mine:                  # a plugin object; a module of functions works the same way
+        ...     @hookimpl
+        ...     def backend_capabilities(self):
+        ...         return BackendCapabilities(name="mine", ops={"attention"}, device_types={"cpu"},
+        ...                                    topk_layout="head_major")
+        ...     @hookimpl
+        ...     def attention_forward(self, batch, out):
+        ...         out[:batch.num_tokens] = 0
+        >>> from mm3.testing.helpers import RegistryFactory
+        >>> RegistryFactory()(Mine()).names()
+        ['mine']
+    """
+
+    __slots__ = ()
+
+
+hookimpl = _HookimplMarker(PROJECT)
 
 
 class Op(str, enum.Enum):

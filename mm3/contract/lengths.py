@@ -1,12 +1,13 @@
-"""The rules of one step's per-request lengths (docs/spec.md §2), checked on host lists.
-
-:class:`~mm3.contract.batch.BatchMetadata` applies them when a batch is built
-and in ``validate()``.
+"""The host-side rules of one step's per-request lengths (docs/spec.md §2), before any tensor is built.
 
 Example:
-    >>> check_lengths([1, 1, 5], [300, 129, 5], num_decodes=2, decode_query_len=None, block_size=128,
-    ...               max_blocks=3)
+    >>> check_lengths(to_int_list("query_lens", [1, 1, 5]), [300, 129, 5], num_decodes=2,
+    ...               decode_query_len=None, block_size=128, max_blocks=4)
     1
+    >>> to_int_list("seq_lens", [300, 30.5])
+    Traceback (most recent call last):
+    ...
+    mm3.contract.errors.InputError: seq_lens[1] is 30.5: lengths count tokens, so they must be ints
 """
 
 from __future__ import annotations
@@ -17,22 +18,29 @@ import torch
 
 from mm3.contract.errors import InputError
 
-__all__ = ["IntSeq", "INT32_MIN", "INT32_MAX", "to_list", "check_lengths"]
+__all__ = ["IntSeq", "to_int_list", "check_lengths", "INT32_MIN", "INT32_MAX"]
 
 IntSeq = Union[Sequence[int], torch.Tensor]
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
-def to_list(name: str, v: IntSeq) -> list[int]:
+def to_int_list(name: str, v: IntSeq) -> list[int]:
+    """``v`` (a 1-D integer tensor, or a sequence of ints) as a list; ``name`` is for the error."""
     if isinstance(v, torch.Tensor):
         if v.dim() != 1 or v.is_floating_point():
             raise InputError(f"{name} must be a 1-D integer tensor or list, got {v.dtype} {tuple(v.shape)}")
         return [int(x) for x in v.tolist()]
     try:
-        out = [int(x) for x in v]
+        items = list(v)
+    except TypeError as e:
+        raise InputError(f"{name} must be a sequence of ints: {e}") from None
+    for r, x in enumerate(items):
+        if isinstance(x, float):  # int() would truncate 30.5 to 30 without a word
+            raise InputError(f"{name}[{r}] is {x!r}: lengths count tokens, so they must be ints")
+    try:
+        return [int(x) for x in items]
     except (TypeError, ValueError) as e:
         raise InputError(f"{name} must be a sequence of ints: {e}") from None
-    return out
 
 
 def check_lengths(ql: list[int], sl: list[int], num_decodes: int, decode_query_len: Optional[int],
@@ -51,9 +59,13 @@ def check_lengths(ql: list[int], sl: list[int], num_decodes: int, decode_query_l
             raise InputError(f"request {r}: seq_len {s} does not fit int32 (max {INT32_MAX})")
     dec_q = sorted({q for q in ql[:num_decodes] if q > 0})
     if len(dec_q) > 1:
+        longest = next(r for r in range(num_decodes) if ql[r] == dec_q[-1])
         raise InputError(
             f"decode query lengths must be uniform (1, or 1 + draft tokens) or 0 for padding; "
-            f"got lengths {dec_q}; run speculative and plain decodes with the same length")
+            f"got lengths {dec_q} among the first num_decodes={num_decodes} requests. If request "
+            f"{longest} (query_len {dec_q[-1]}) is a prefill, the batch is not decode-first: put every "
+            f"decode before the first prefill (is_decode= checks the order); otherwise run speculative "
+            f"and plain decodes with the same length")
     if decode_query_len is None:
         decode_query_len = dec_q[0] if dec_q else 1
     elif dec_q and dec_q[0] != decode_query_len:

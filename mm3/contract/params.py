@@ -26,6 +26,14 @@ class SparseAttentionParams(BaseModel):
     blocks for KV head ``h``. ``scale`` defaults to ``head_dim ** -0.5``.
     ``index_scale`` is an optional positive factor on index scores; it never
     changes the ranking (docs/spec.md §3.2), so backends may ignore it.
+
+    Example:
+        >>> p = SparseAttentionParams(num_heads=16, num_kv_heads=2, head_dim=64, num_index_heads=2,
+        ...                           index_head_dim=64, block_size=64, topk=8)
+        >>> p.gqa_group, p.softmax_scale, p.local_blocks
+        (8, 0.125, 1)
+        >>> SparseAttentionParams.minimax_m3(tp_size=2).num_heads      # MiniMax-M3's shapes per TP rank
+        32
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

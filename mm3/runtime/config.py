@@ -1,32 +1,17 @@
 """Settings: which backend to use and which plugins to load, from arguments, env or a file.
 
-Precedence, highest first (docs/configuration.md):
-
-1. arguments: ``Settings(backend="cuda")``;
-2. environment: ``MM3_BACKEND``, ``MM3_INDEXER_BACKEND``, ``MM3_PLUGINS``,
-   ``MM3_DISABLE_PLUGINS``, ``MM3_NO_PLUGIN_AUTOLOAD``, ``MM3_CHECK_CONTRACTS``,
-   ``MM3_ALLOW_FALLBACK``, ``MM3_CONFIG`` (names are matched case-insensitively);
-3. one config file: the ``config`` argument / ``MM3_CONFIG`` path if given
-   (it must exist), else ``./mm3.toml``, else the ``[tool.mm3]`` table of
-   ``./pyproject.toml``. Files are not merged: the first that applies is used.
-   An ``mm3.toml`` holds the keys at top level; a file named
-   ``pyproject.toml`` is read from its ``[tool.mm3]`` table;
-4. defaults.
-
-List settings (``plugins``, ``disable_plugins``) take a TOML list or a
-comma-separated string (``MM3_PLUGINS=cpu_ref,cuda``). An empty
-``MM3_BACKEND`` means ``"auto"``; an empty ``MM3_INDEXER_BACKEND`` or
-``MM3_PLUGINS`` means unset. Booleans accept ``1/0``, ``true/false``,
-``yes/no``, ``on/off``.
+Precedence, highest first: arguments (``Settings(backend="cuda")``), the
+``MM3_*`` environment variables, one config file (the ``config`` argument or
+``MM3_CONFIG``, else ``./mm3.toml``, else ``[tool.mm3]`` of
+``./pyproject.toml``; never merged), defaults. docs/configuration.md has every
+setting, its variable and its value syntax.
 
 Mistakes are errors, never ignored: an unknown key in a file, an unknown
-``MM3_*`` environment variable (``MM3_BACKEDN``), malformed TOML or an invalid
-value raises :class:`~mm3.contract.errors.ConfigError` naming the key, the file and the
-valid choices. Two ``MM3_*`` namespaces are not settings and pass through:
-``MM3_<PLUGIN>_*`` where ``<PLUGIN>`` is an installed backend entry-point name
-(a plugin's own knobs, e.g. ``MM3_ROCM_ALLOW_NON_ROCM``), and
-:data:`RESERVED_ENV_PREFIXES` (``MM3_TEST_*``, ``MM3_GPU_*``, ``MM3_BENCH_*``)
-for test suites and benchmarks.
+``MM3_*`` variable (``MM3_BACKEDN``), malformed TOML or an invalid value raises
+:class:`~mm3.contract.errors.ConfigError` naming the key, where it came from
+and the valid choices. Two ``MM3_*`` namespaces are not settings and pass
+through: ``MM3_<PLUGIN>_*`` for an installed backend's entry point (a
+plugin's own knobs) and :data:`RESERVED_ENV_PREFIXES` (tests, benchmarks).
 
 Example:
     >>> s = Settings(backend="cpu_ref")
@@ -34,12 +19,6 @@ Example:
     'cpu_ref'
     >>> dict((k, src) for k, _, src in explain_settings(s))["backend"]
     'argument'
-
-``mm3.toml``::
-
-    backend = "cuda"
-    disable_plugins = ["rocm"]
-    allow_fallback = true
 """
 
 from __future__ import annotations
@@ -71,8 +50,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - pyproject pins tomli for 3.10
     import tomli as tomllib
 
-__all__ = ["Settings", "default_settings", "reset_default_settings", "explain_settings", "ENV_PREFIX",
-           "CONFIG_FILE_NAME", "PYPROJECT_TABLE", "RESERVED_ENV_PREFIXES"]
+__all__ = ["Settings", "BackendName", "default_settings", "reset_default_settings", "explain_settings",
+           "ENV_PREFIX", "CONFIG_FILE_NAME", "PYPROJECT_TABLE", "RESERVED_ENV_PREFIXES"]
 
 ENV_PREFIX = "MM3_"
 CONFIG_FILE_NAME = "mm3.toml"
@@ -87,6 +66,26 @@ def _split_names(value: Any) -> Any:
     if isinstance(value, str):
         return [part.strip() for part in value.split(",") if part.strip()]
     return value
+
+
+class BackendName(str):
+    """A backend name read by :class:`Settings`, carrying where it came from (``source``).
+
+    It is the name itself (a ``str``) wherever it goes; selection reads
+    ``source`` to say, when nobody provides that backend, which setting to fix.
+
+    Example:
+        >>> name = BackendName("cuda", "env MM3_BACKEND")
+        >>> name == "cuda", name.source
+        (True, 'env MM3_BACKEND')
+    """
+
+    source: str
+
+    def __new__(cls, name: str, source: str) -> "BackendName":
+        self = super().__new__(cls, name)
+        self.source = source
+        return self
 
 
 class _ConfigFile:
@@ -280,6 +279,10 @@ class Settings(BaseSettings):
                 e, fields=list(type(self).model_fields), sources=prov, item="setting")) from None
         cfg = _locate_config(values)
         self._provenance = _provenance(type(self), values, cfg)
+        for key in ("backend", "indexer_backend"):
+            name = getattr(self, key)
+            if name is not None and name != "auto":  # frozen model: the validated value, relabelled
+                self.__dict__[key] = BackendName(name, self._provenance[key])
         # A discovered pyproject.toml without [tool.mm3] configures nothing: don't claim it.
         used = cfg.explicit or not cfg.pyproject or any(
             src.startswith("file ") for src in self._provenance.values()) or _has_table(cfg)
@@ -424,7 +427,7 @@ def default_settings() -> Settings:
     :class:`Settings` of their own; reading the environment and the config
     file once means every layer of a model sees the same configuration. After
     changing ``MM3_*`` variables or the config file in-process, call
-    :func:`reset_default_settings` (``mm3.reset_default_registry()`` does).
+    :func:`reset_default_settings` (``reset_default_registry()`` does).
 
     Example:
         >>> default_settings() is default_settings()

@@ -1,6 +1,6 @@
 """Find backend plugins and decide which may load: entry points, sources, problems.
 
-A backend is a pluggy plugin (a module or an object with ``@mm3.hookimpl``
+A backend is a pluggy plugin (a module or an object with ``@hookimpl``
 functions, see :mod:`mm3.contract.hookspecs`). Built-ins and third-party
 packages both register through the entry-point group ``mm3.backends``.
 This module knows where a plugin came from (:class:`PluginSource`), why one

@@ -107,8 +107,8 @@ class Registry:
         with self._lock:
             return list(self._problems)
 
-    def get(self, name: str) -> Backend:
-        """The backend called ``name``.
+    def get(self, name: str, *, origin: Optional[str] = None) -> Backend:
+        """The backend called ``name``; ``origin`` says where the name came from, for the error.
 
         Raises:
             PluginError: ``name`` was declared by several plugins (all excluded).
@@ -124,7 +124,8 @@ class Registry:
                 raise PluginError(self._duplicate_message(name, self._duplicates[name]))
             known = sorted(self._backends)
             related = [p for p in self._problems if name in (p.name, p.backend)]
-        msg = f"unknown backend {name!r}; known backends: {', '.join(known) or '(none)'}"
+        where = f" ({origin})" if origin else ""
+        msg = f"unknown backend {name!r}{where}; known backends: {', '.join(known) or '(none)'}"
         close = difflib.get_close_matches(name, known, n=1)
         if close:
             msg += f" (did you mean {close[0]!r}?)"

@@ -51,11 +51,18 @@ def use_backend(backend: str, indexer_backend: Optional[str] = None, *,
     :class:`~mm3.contract.errors.UnknownBackendError` there, listing the known ones and
     the closest match, not later at a layer's first step. Whether the backend
     can serve a given layer is still decided (and explained) by that layer.
+
+    Example:
+        >>> import mm3
+        >>> layer = mm3.SparseAttention(mm3.SparseAttentionParams.minimax_m3(8), max_num_tokens=16)
+        >>> with mm3.use_backend("cpu_ref"):
+        ...     layer.selection.attention.name
+        'cpu_ref'
     """
     reg = registry if registry is not None else default_registry()
     for name in (backend, indexer_backend):
         if name is not None and name != "auto":
-            reg.get(name)
+            reg.get(name, origin="from use_backend")
     token = _SCOPE.set(BackendScope(backend, indexer_backend))
     try:
         yield _SCOPE.get()  # type: ignore[misc]

@@ -28,7 +28,7 @@ Example:
     >>> from mm3.contract.params import SparseAttentionParams
     >>> req = requirements_for(SparseAttentionParams.minimax_m3(tp_size=8),
     ...                        torch.bfloat16, torch.bfloat16, "cpu")
-    >>> from mm3 import Registry
+    >>> from mm3.runtime.registry import Registry
     >>> from mm3.testing.mock import MockBackend
     >>> reg = Registry([MockBackend("fast", priority=5, available=False, probe_reason="no GPU"),
     ...                 MockBackend("ref")], entry_points=False)
@@ -93,8 +93,8 @@ class Selection:
     """The chosen backends for one request, with the trace that led there.
 
     Example:
-        >>> from mm3 import Registry, requirements_for, select
-        >>> from mm3.testing.fixtures import default_params
+        >>> from mm3.runtime.registry import Registry
+        >>> from mm3.testing.helpers import default_params
         >>> from mm3.testing.mock import MockBackend
         >>> reg = Registry([MockBackend("idx", ops={"index_topk"}, topk_layout="head_major"),
         ...                 MockBackend("att", ops={"attention"}, topk_layout="token_major",
@@ -276,7 +276,8 @@ def _pick(op: Op, name: Optional[str], req: Requirements, registry: "Registry",
         if chosen is None:
             raise _no_backend(op, req, registry, device, trace)
         return chosen
-    be = registry.get(name)  # UnknownBackendError / PluginError (duplicate) propagate
+    # UnknownBackendError / PluginError (duplicate) propagate; a name from Settings knows its source
+    be = registry.get(name, origin=f"{setting}, from {getattr(name, 'source', 'argument')}")
     entry = _evaluate(be, op, req, device, note=f"named by {setting}")
     if entry.accepted:
         trace.append(_mark(entry))
@@ -332,8 +333,8 @@ def select(requirements: Requirements, registry: "Registry", *, backend: str = "
         NoBackendError: no backend fits an op.
 
     Example:
-        >>> from mm3 import Registry, requirements_for
-        >>> from mm3.testing.fixtures import default_params
+        >>> from mm3.runtime.registry import Registry
+        >>> from mm3.testing.helpers import default_params
         >>> from mm3.testing.mock import MockBackend
         >>> reg = Registry([MockBackend("ref")], entry_points=False)
         >>> req = requirements_for(default_params(), "float32", "bfloat16", "cpu")

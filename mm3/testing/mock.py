@@ -28,7 +28,7 @@ importing mm3 never imports a backend) and can inject one fault:
 ==================  ====================================================================
 
 Example:
-    >>> from mm3 import Registry
+    >>> from mm3.runtime.registry import Registry
     >>> mock = MockBackend("mock_tm", topk_layout="token_major", priority=5)
     >>> be = Registry(plugins=[mock], entry_points=False).get("mock_tm")
     >>> be.alloc_topk_buffer(8, 2, 4, "cpu").layout

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import mm3
+from mm3.runtime.config import Settings
 from mm3.testing.factories import make_case
 
 GPU = torch.cuda.is_available()
@@ -98,7 +99,7 @@ def test_reduce_overhead_decode_replays_match_eager() -> None:
 def test_metadata_and_decode_forward_never_copy_to_the_host() -> None:
     # the default "first" mode (the suite runs "always", whose guard reads results on the host)
     layer = mm3.SparseAttention(P, device="cuda", max_num_tokens=64, backend="cuda", max_decode_query_len=2,
-                                settings=mm3.Settings(check_contracts="first"))
+                                settings=Settings(check_contracts="first"))
     case = make_case(P, decodes=[3000, 1700, 900], padding_decodes=1, decode_query_len=2, device="cuda", seed=4)
     b = case.batch
     qsl, sl, bt = b.query_start_loc.clone(), b.seq_lens.clone(), b.block_table.clone()

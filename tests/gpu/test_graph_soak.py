@@ -40,7 +40,8 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from mm3 import BatchMetadata, PagedKVCache, Settings, SparseAttentionParams
+from mm3 import BatchMetadata, PagedKVCache, SparseAttentionParams
+from mm3.runtime.config import Settings
 from mm3.contract.buffers import TopkBuffer
 from mm3.contract.errors import PluginError
 from mm3.runtime.layer import SparseAttention

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mm3 import BatchMetadata, Settings, SparseAttentionParams
+from mm3 import BatchMetadata, SparseAttentionParams
+from mm3.runtime.config import Settings
 from mm3.contract.errors import InputError
 from mm3.debug import GuardedBackend
 from mm3.runtime.layer import SparseAttention

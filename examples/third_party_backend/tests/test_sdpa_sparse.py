@@ -1,9 +1,8 @@
 """The tests a backend vendor keeps next to their plugin.
 
 They use mm3's pytest fixtures (``mm3_registry``, ``mm3_case``,
-``mm3_conformance``...), which mm3 registers as a pytest plugin: no
-conftest.py is needed. Run them with ``pytest`` after
-``pip install -e examples/third_party_backend``.
+``mm3_conformance``...), which ``conftest.py`` loads. Run them with ``pytest``
+after ``pip install -e examples/third_party_backend``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ head dim, block size or decode query length outside its capabilities, or a
 device its probe refuses. :func:`run_conformance` runs the plan.
 
 Example:
-    >>> from mm3 import default_registry
+    >>> from mm3.runtime.registry import default_registry
     >>> plan = plan_cases(default_registry().get("cpu_ref"), dtypes=["float32"],
     ...                   index_dtypes=["bfloat16"])
     >>> plan[0].name, plan[0].run().status

@@ -5,8 +5,8 @@ the ``mm3.backends`` entry point (see ``pyproject.toml``). Importing this
 package is not needed and has no side effects.
 
 Example:
-    >>> import mm3
-    >>> "torch_sdpa_sparse" in mm3.default_registry()     # doctest: +SKIP
+    >>> from mm3.runtime.registry import default_registry
+    >>> "torch_sdpa_sparse" in default_registry()     # doctest: +SKIP
     True
 """
 

@@ -23,7 +23,7 @@ token-major ``[T, H, K]`` storage. That is why the plugin declares
 indexer writes another layout, mm3 converts the step's rows before calling
 us, and says so in the selection trace.
 
-mm3 checks every argument before a hook runs (``mm3.Backend``): types,
+mm3 checks every argument before a hook runs (``mm3.runtime.backend.Backend``): types,
 shapes, devices, dtypes, the limits in ``CAPABILITIES`` - and, because we
 declare ``topk_requires_contiguous``, that the buffer is dense token-major. So
 this module checks only what is its own (``strategy``) and calls

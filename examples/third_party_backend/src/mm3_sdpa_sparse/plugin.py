@@ -7,7 +7,7 @@ backend (``cpu_ref``, ``cuda``...) and mm3 hands us its top-k buffer, converted
 to dense token-major when that backend writes another layout.
 
 Example:
-    >>> from mm3 import Registry
+    >>> from mm3.runtime.registry import Registry
     >>> import mm3_sdpa_sparse.plugin as plugin
     >>> be = Registry(plugins=[plugin], entry_points=False).get("torch_sdpa_sparse")
     >>> sorted(be.capabilities.ops), be.capabilities.topk_layout, be.probe("cpu").available
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from mm3 import BackendCapabilities, BatchMetadata, PagedKVCache, Probe, SparseAttentionParams, TopkBuffer
-from mm3 import hookimpl
+from mm3.plugin import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, SparseAttentionParams,
+                        TopkBuffer, hookimpl)
 
 from .attention import attention_forward as _attention
 
