@@ -58,12 +58,13 @@ The guard's own cost per step is measured by ``benchmarks/guard_overhead.py``
 
 Example:
     >>> import torch, mm3
+    >>> from mm3.runtime.config import Settings
     >>> from mm3.runtime.layer import SparseAttention
     >>> from mm3.testing.factories import make_case
     >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16,
     ...     num_index_heads=2, index_head_dim=16, block_size=16, topk=4)
     >>> layer = SparseAttention(p, dtype=torch.float32, max_num_tokens=64, backend="cpu_ref",
-    ...     settings=mm3.Settings(check_contracts=True))
+    ...     settings=Settings(check_contracts=True))
     >>> type(layer._resolve().indexer).__name__
     'GuardedBackend'
     >>> case = make_case(p, decodes=[70, 40], prefills=[(9, 30)], dtype="float32")
@@ -210,7 +211,7 @@ class GuardedBackend:
         check_finite: check ``attention.nonfinite`` (costs one pass over ``out``).
 
     Example:
-        >>> from mm3 import default_registry
+        >>> from mm3.runtime.registry import default_registry
         >>> from mm3.testing.factories import make_case
         >>> from mm3.testing.fixtures import default_params
         >>> p = default_params()

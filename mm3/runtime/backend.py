@@ -66,7 +66,8 @@ class Backend:
     Example:
         >>> import mm3
         >>> from mm3.testing.factories import make_case
-        >>> be = mm3.default_registry().get("cpu_ref")
+        >>> from mm3.runtime.registry import default_registry
+        >>> be = default_registry().get("cpu_ref")
         >>> be.capabilities.topk_layout, be.source.distribution
         ('head_major', 'mm3')
         >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16,

@@ -333,13 +333,16 @@ class TensorParallelSparseAttention:
         group: the tensor-parallel process group (default: the world).
         Remaining keyword arguments are those of :class:`~mm3.runtime.layer.SparseAttention`.
 
-    Example (one rank of ``torchrun --nproc-per-node 2``)::
-
-        dist.init_process_group("gloo")
-        tp = TensorParallelSparseAttention(SparseAttentionParams.minimax_m3(), dtype=torch.bfloat16)
-        q_l, iq_l, caches_l = tp.shard_inputs(q, index_q, caches)   # full -> this rank
-        out_local = tp(q_l, iq_l, caches_l, batch)                  # [T, 32, 128]
-        out = tp.gather(out_local)                                  # [T, 64, 128]
+    Example (rank 0 of 2, given without a process group; under ``torchrun`` leave both out):
+        >>> from mm3.testing.factories import make_case
+        >>> full = SparseAttentionParams(num_heads=8, num_kv_heads=4, head_dim=16, num_index_heads=4,
+        ...                              index_head_dim=16, block_size=16, topk=4)
+        >>> tp = TensorParallelSparseAttention(full, rank=0, world_size=2, dtype=torch.float32,
+        ...                                    max_num_tokens=16, backend="cpu_ref")
+        >>> case = make_case(full, decodes=[40], prefills=[(3, 20)], dtype="float32")
+        >>> q_l, iq_l, caches_l = tp.shard_inputs(case.q, case.index_q, case.caches)   # full -> this rank
+        >>> tp(q_l, iq_l, caches_l, case.batch).shape                                  # this rank's heads
+        torch.Size([4, 4, 16])
     """
 
     def __init__(self, full_params: SparseAttentionParams, *, rank: Optional[int] = None,

@@ -98,6 +98,20 @@ class SparseAttention:
             :func:`~mm3.runtime.config.default_settings`).
         registry: the backend registry (default: the process-wide one).
         cuda_graph: require backends that are safe to capture in CUDA graphs.
+
+    Example (a mixed step: two decodes, then a prefill chunk with context; ``out`` persists):
+        >>> import torch, mm3
+        >>> from mm3.testing.factories import make_case
+        >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=32,
+        ...     num_index_heads=2, index_head_dim=32, block_size=16, topk=4)
+        >>> layer = mm3.SparseAttention(p, dtype=torch.float32, max_num_tokens=64)
+        >>> case = make_case(p, decodes=[70, 40], prefills=[(9, 30)], dtype="float32")
+        >>> out = torch.empty(64, 4, 32)
+        >>> with torch.inference_mode():
+        ...     layer(case.q, case.index_q, case.caches, case.batch, out=out).shape
+        torch.Size([11, 4, 32])
+        >>> layer.selection.attention.name
+        'cpu_ref'
     """
 
     def __init__(self, params: SparseAttentionParams, *, device: DeviceLike = "cpu",

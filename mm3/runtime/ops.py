@@ -7,7 +7,7 @@ backend's launcher. The arguments are tensors and ints only: the step's
 metadata flattened (:func:`batch_args`) and a *handle* naming the bound
 backends the op dispatches to (:class:`OpTarget`, registered by
 :class:`~mm3.SparseAttention` when it binds them). Behind the op, the bound
-:class:`~mm3.Backend` runs as in eager mode: its checks, then the plugin.
+:class:`~mm3.runtime.backend.Backend` runs as in eager mode: its checks, then the plugin.
 
 The top-k buffer (written by the indexer) and ``out`` (by the attention) are
 the ops' declared mutations; both are passed whole, the op writes rows

@@ -20,11 +20,12 @@ the same ones:
 
 Example:
     >>> import torch, mm3
+    >>> from mm3.runtime.config import Settings
     >>> from mm3.testing.factories import make_case
     >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16,
     ...     num_index_heads=2, index_head_dim=16, block_size=16, topk=4)
     >>> layer = mm3.SparseAttention(p, dtype=torch.float32, max_num_tokens=16, backend="cpu_ref",
-    ...                             settings=mm3.Settings(check_contracts="first"))
+    ...                             settings=Settings(check_contracts="first"))
     >>> case = make_case(p, decodes=[40], prefills=[(5, 20)], dtype="float32")
     >>> target, c, b = layer.op_target, case.caches, case.batch
     >>> out = torch.zeros_like(case.q)
