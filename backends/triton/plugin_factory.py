@@ -55,12 +55,12 @@ def _interpreter_on() -> bool:
 
 def interpreter_probe(backend: str) -> Probe:
     """The answer for CPU tensors: only through Triton's interpreter, which is for tests."""
+    missing = triton_missing()   # first: the interpreter is no help without Triton
+    if missing:
+        return Probe.no(missing)
     if not _interpreter_on():
         return Probe.no(f"{backend} runs on CPU tensors only through Triton's interpreter (test-only): "
                         f"set TRITON_INTERPRET=1 before the kernels are imported")
-    missing = triton_missing()
-    if missing:
-        return Probe.no(missing)
     kernels = _loaded_kernel_mode()
     if kernels == "compiled":
         return Probe.no(f"{backend}: the Triton kernels were imported before TRITON_INTERPRET=1 was set, "
