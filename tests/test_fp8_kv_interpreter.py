@@ -5,8 +5,9 @@ prefill (NVIDIA's), and the grid decode kernel with the token-tile prefill
 (ROCm's), in fp16 and fp32. Each is a mixed batch (speculative decodes, a
 padding decode, a chunked and a fresh prefill) on a NaN-poisoned output,
 against the fp64 oracle on the dequantized cache; per-KV-head scales (HND)
-and a per-tensor scale (NHD, a stride-0 view) both run. The interpreter's
-bf16 arithmetic is wrong, so bf16 runs on the GPU (tests/gpu).
+and a per-tensor scale (NHD, a stride-0 view) both run. bf16 queries on fp8
+K/V: tests/test_fp8_kv_f16_interpreter.py, tests/test_triton_conformance.py and
+the GPU (tests/gpu).
 """
 
 from __future__ import annotations

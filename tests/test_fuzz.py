@@ -172,7 +172,7 @@ def steps(draw: st.DrawFn, triton: bool) -> Step:
     prefills = tuple(draw(st.lists(
         st.tuples(st.integers(1, 20), st.integers(0, 4 * B)).map(lambda qc: (qc[0], qc[0] + qc[1])),
         max_size=3)))
-    # the interpreter computes bf16 wrongly; bf16 attention runs on cpu_ref and on a GPU
+    # bf16 under the interpreter: tests/test_triton_conformance.py; the fuzz draws it on cpu_ref and a GPU
     dtypes = ["float16", "float32"] if triton and not GPU else ["bfloat16", "float16", "float32"]
     dtype = draw(st.sampled_from(dtypes))
     index_dtype = draw(st.sampled_from([dtype, "float8_e4m3fn"]))

@@ -1,11 +1,11 @@
-"""The chunked prefill indexer's optional paths select exactly what the plain chunked kernel selects.
+"""The prefill indexer's optional paths select exactly what its plain path selects.
 
 ``PrefillIndexConfig.unmasked_full`` (causal mask only on the key tiles some
 row sees in part), ``sorted_merge`` (fp32 chunk scores packed once per chunk,
 ascending running top-K merged by a bitonic merge) and ``static_key_stride``
 (the index cache's row stride compiled in) change instructions, not results:
-each must give the plain kernel's selection bit for bit, ties included, on a
-mixed decode + prefill step, and the plain kernel must agree with the fp64
+each must give the plain path's selection bit for bit, ties included, on a
+mixed decode + prefill step, and the plain path must agree with the fp64
 oracle. Checked on the CPU interpreter; tests/gpu/test_prefill_index_gpu.py
 runs the same comparison at MiniMax-M3 shapes on a GPU.
 """

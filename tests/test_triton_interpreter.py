@@ -1,9 +1,9 @@
 """Both Triton plugins (cuda: token-major, rocm: head-major) against the fp64 oracle, on the CPU.
 
 The kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set by
-conftest.py before any kernel import), with tiny shapes. bf16 is not tested
-here: the interpreter computes bf16 arithmetic wrongly (``tl.dot`` and even
-``q * q``), so bf16 runs on the GPU only (tests/gpu). Every case draws fresh
+conftest.py before any kernel import), with tiny shapes, in fp16 and fp32
+(bf16, which backends/triton/interpreter.py makes right under the interpreter,
+runs in tests/test_triton_conformance.py and on the GPU). Every case draws fresh
 random inputs, poisons the outputs first, and covers docs/spec.md §5's regressions:
 mixed batches with >= 2 decode tokens and >= 2 prefills, H = 1 and H > 1,
 T not a multiple of 4, sentinel rows >= T unchanged, and writer and reader

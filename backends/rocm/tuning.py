@@ -3,9 +3,11 @@
 Half the warps of the cuda plugin's config give the same threads per
 program; one pipeline stage (AMD's stream pipeliner) keeps LDS use low; an
 MI300's 304 CUs want about 608 programs (resized from the device at first
-use). The NVIDIA-tuned kernel choices (persistent decode attention, fp16
-dots for fp8 caches, PDL, block-grouped prefill attention) have not run on
-AMD hardware.
+use). The kernel choices are the first ones the kernels had: the NVIDIA-tuned
+ones (persistent decode attention, fp16 dots for fp8 caches, PDL,
+block-grouped prefill attention, the prefill indexer's instruction cuts,
+direct launches, the last-program top-k and merge) have not run on AMD
+hardware.
 
 Example:
     >>> dict(AMD_LAUNCH.launch_options)
