@@ -158,8 +158,8 @@ def test_mm3_check_passes(site: Path, tmp_path: Path) -> None:
     assert f"backend {BACKEND!r} on cpu ({DIST} {VERSION})" in r.stdout
     assert "PASSED:" in r.stdout and " 0 failed" in r.stdout
     passed = [line for line in r.stdout.splitlines() if "] PASS " in line]
-    # Every attention case ran, in every dtype; only the indexer/composed cases are skipped.
-    assert any("attention/mixed_h2_g2:bfloat16" in line for line in passed), r.stdout
+    # Every attention case ran (the quick plan takes the dtypes in turn); only the indexer/composed cases are skipped.
+    assert any("attention/mixed_h2_g2:" in line for line in passed), r.stdout
     assert any("buffer/attention_reads_other_layout_h2" in line for line in passed), r.stdout
     assert "does not provide ['index_topk']" in r.stdout
 

@@ -71,12 +71,10 @@ class TopkBuffer:
     ``[H, T, K]`` for ``head_major`` and ``[T, H, K]`` for ``token_major``.
     Slots hold logical block ids (0-based) as a prefix, then ``-1``.
 
-    Construct with :meth:`allocate`, or wrap memory you hold by passing its
-    logical ``[H, T, K]`` *view*: ``TopkBuffer(view)``. The layout is read from
-    the view's strides, never from a label, so it cannot be wrong: token-major
-    ``[T, H, K]`` memory seen through ``.permute(1, 0, 2)`` (vLLM's MiniMax-M3
-    buffer) is ``token_major``, contiguous ``[H, T, K]`` memory ``head_major``.
-    Slots must be innermost (no device sync: strides only).
+    Construct with :meth:`allocate`, or wrap memory as its logical ``[H, T, K]``
+    view: ``TopkBuffer(view)`` reads the layout from the strides, never from a
+    label, so it cannot be wrong (token-major memory viewed through
+    ``.permute(1, 0, 2)``, vLLM's MiniMax-M3 buffer, is ``token_major``).
 
     Example:
         >>> memory = torch.zeros(6, 2, 4, dtype=torch.int32)           # token-major memory [T, H, K]
@@ -130,6 +128,12 @@ class TopkBuffer:
         """``storage`` in ``layout``'s own order (``[T, H, K]`` for token_major), checked: for mm3's
         code that knows the layout it allocated (the custom ops' storage argument); callers wrap views."""
         return cls._checked_before(cls._checked(storage, _check_layout(layout)), _check_layout(layout))
+
+    def _as(self, layout: str) -> "TopkBuffer":
+        """Labelled ``layout`` if its memory is in that order too (one head or token), else itself."""
+        if layout == self._layout or not _in_storage_order(self._data.permute(1, 0, 2)):
+            return self
+        return TopkBuffer._checked_before(self._data.permute(1, 0, 2), _check_layout(layout))
 
     @classmethod
     def _checked_before(cls, data: torch.Tensor, layout: TopkLayout) -> "TopkBuffer":
@@ -189,13 +193,9 @@ class TopkBuffer:
         return self._data.is_contiguous()
 
     def is_dense(self) -> bool:
-        """True when the inner two storage axes are packed (the outer stride may be larger).
-
-        A row range of a contiguous buffer is dense in either layout: for
-        ``head_major`` storage ``[H, T, K]`` the head stride keeps the full
-        capacity. This is what ``topk_requires_contiguous`` backends need:
-        unit stride over K and K elements between consecutive inner rows.
-        """
+        """True when the inner two storage axes are packed (the outer stride may be larger): what
+        ``topk_requires_contiguous`` backends need. A row range of a contiguous buffer is dense in
+        either layout (a head-major head stride keeps the full capacity)."""
         d = self._data
         return d.stride(2) == 1 and d.stride(1) == d.shape[2] and d.stride(0) >= d.shape[1] * d.shape[2]
 

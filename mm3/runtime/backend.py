@@ -173,6 +173,7 @@ class Backend:
                 f"backend {self.name!r} ({self.source}): alloc_topk_buffer returned "
                 f"{type(buf).__name__}, expected mm3.TopkBuffer; wrap the tensor with "
                 f"TopkBuffer(view) (the logical [H, T, K] view of its memory) or drop the hook to use the default allocation")
+        buf = buf._as(self.capabilities.topk_layout)   # one head: the memory is in both orders
         if buf.layout != self.capabilities.topk_layout:
             raise PluginError(
                 f"backend {self.name!r} ({self.source}): alloc_topk_buffer returned a {buf.layout} "
