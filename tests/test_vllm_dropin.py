@@ -221,3 +221,51 @@ def test_selection_explains_a_backend_that_cannot_read_slot_scales() -> None:
     chosen = [x for x in targets.selections() if x.requirements.kv_slot_scales]
     assert chosen and all(x.attention.name == "cpu_ref" for x in chosen)
     assert "scales per token slot" in chosen[-1].explain()
+
+
+def test_captured_calls_need_an_eager_first_call_and_a_graph_safe_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under capture nothing is bound (that allocates), and cpu_ref, which is not CUDA-graph safe, is refused."""
+    s = vllm_step(P, decodes=(70, 33), prefills=(), seed=9)
+    c, b = s.case, s.case.batch
+    args = (c.index_q, c.caches.index, s.block_table, s.seq_lens, b.max_seq_len, 4, 1, 1, 2, 1, 1)
+    targets.configure()
+    monkeypatch.setattr(ops, "capturing", lambda t: True)
+    with pytest.raises(InputError, match="inside CUDA-graph capture, where mm3 cannot select"):
+        ops.minimax_m3_index_decode(*args)
+    monkeypatch.setattr(ops, "capturing", lambda t: False)
+    ops.minimax_m3_index_decode(*args)
+    monkeypatch.setattr(ops, "capturing", lambda t: True)
+    with pytest.raises(mm3.BackendUnavailableError, match="'cpu_ref', selected for this call, is not CUDA-graph"):
+        ops.minimax_m3_index_decode(*args)
+
+
+def test_page_faults_of_every_choice_are_reported() -> None:
+    s = vllm_step(P, decodes=(70, 33), prefills=(), seed=10)
+    c, b = s.case, s.case.batch
+    bad = s.block_table.clone()
+    bad[1, 0] = c.caches.num_pages + 3
+    targets.configure()
+    with pytest.raises(InputError, match=r"block_table\[1, 0\] = \d+ is not a page id"):
+        ops.minimax_m3_index_decode(c.index_q, c.caches.index, bad, s.seq_lens, b.max_seq_len, 4, 1, 1, 2, 1, 1)
+    targets.check_page_ids()   # a host table is checked where it is used: nothing pending
+
+
+def test_the_guard_checks_the_first_call_of_each_kind_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_contracts="first": each function's first decode call is guarded, later ones run the plain hooks."""
+    from mm3.debug.guard import GuardedBackend
+
+    calls: list[str] = []
+    for hook in ("index_topk", "attention_forward"):
+        orig = getattr(GuardedBackend, hook)
+        monkeypatch.setattr(GuardedBackend, hook, lambda self, *a, _o=orig, _h=hook, **k: (calls.append(_h),
+                                                                                           _o(self, *a, **k))[1])
+    targets.configure()
+    s = vllm_step(P, decodes=(70, 33), prefills=(), seed=14)
+    c, b = s.case, s.case.batch
+    view = s.topk_view
+    for _ in range(3):
+        ops.minimax_m3_index_decode(c.index_q, c.caches.index, s.block_table, s.seq_lens, b.max_seq_len, 4, 1, 1, 2,
+                                    1, 1, out=view)
+        ops.minimax_m3_sparse_attn_decode(c.q, s.kv_cache, view, s.block_table, s.seq_lens, 2, P.softmax_scale,
+                                          s.output, 1)
+    assert calls == ["index_topk", "attention_forward"]

@@ -32,16 +32,17 @@ from typing import Optional
 import torch
 
 from mm3.contract.capabilities import Requirements
+from mm3.contract.errors import InputError
 from mm3.contract.page_ids import PageIdFlag
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.guard import guard_backend
 from mm3.runtime.config import Settings, default_settings
 from mm3.runtime.registry import Registry, default_registry
 from mm3.runtime.scope import current_scope
-from mm3.runtime.selection import Selection, select
+from mm3.runtime.selection import Selection, describe_requirements, select
 from mm3.runtime.step import MAX_CLASSES, OpTarget
 
-__all__ = ["Bound", "bind", "configure", "settings", "selections"]
+__all__ = ["Bound", "bind", "configure", "settings", "selections", "check_page_ids"]
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,15 @@ def _registry() -> Registry:
 
 
 def bind(params: SparseAttentionParams, requirements: Requirements, device: torch.device,
-         names: Optional[tuple[str, Optional[str]]] = None) -> Bound:
+         names: Optional[tuple[str, Optional[str]]] = None, *, capturing: bool = False) -> Bound:
     """The backends for ``requirements`` on ``device``, chosen once per requirements and names.
 
     ``names``: ``(backend, indexer_backend)``; default: the innermost ``use_backend``
     scope, else the settings'. Selection errors (``NoBackendError``,
-    ``BackendUnavailableError``...) propagate with their explanation.
+    ``BackendUnavailableError``...) propagate with their explanation. ``capturing``:
+    the call is being captured in a CUDA graph, where nothing may be bound (binding
+    allocates device memory that a graph would re-initialise at every replay): the
+    choice must exist from an eager call, else :class:`~mm3.InputError` says so.
     """
     settings_ = settings()
     if names is None:
@@ -101,6 +105,10 @@ def bind(params: SparseAttentionParams, requirements: Requirements, device: torc
     got = _BOUND.get(key)
     if got is not None:
         return got
+    if capturing:
+        raise InputError(f"the first call for {describe_requirements(requirements)} (backend names {names}) is "
+                         f"inside CUDA-graph capture, where mm3 cannot select and bind backends: run one step "
+                         f"of these shapes eagerly first (an engine's warm-up does)")
     with _LOCK:
         got = _BOUND.get(key)
         if got is None:
@@ -126,3 +134,12 @@ def _bind(params: SparseAttentionParams, requirements: Requirements, device: tor
 def selections() -> list[Selection]:
     """The choices made so far (one per set of requirements): ``print(s.explain())`` for each."""
     return [b.selection for b in list(_BOUND.values())]
+
+
+def check_page_ids() -> None:
+    """Wait for the device and raise :class:`~mm3.InputError` if a step of any bound choice used a
+    block-table entry that is not a page of its cache (a call reports its own target's faults at its
+    next eager call; steps replayed in CUDA graphs only are reported here)."""
+    for b in list(_BOUND.values()):
+        if b.target.page_ids is not None:
+            b.target.page_ids.check()

@@ -46,7 +46,7 @@ import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
-from mm3.contract.errors import InputError
+from mm3.contract.errors import BackendUnavailableError, InputError
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.guard import capturing
 from mm3.integrations.block_scores import block_scores, select_topk
@@ -94,18 +94,30 @@ def _params(fn: str, build: Callable[..., SparseAttentionParams], *args: object)
 _REQUIREMENTS: dict[tuple[object, ...], object] = {}
 
 
-def _bound(params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype, kv_dtype: torch.dtype,
-           slot_scales: bool, device: torch.device, decode_query_len: int, graph: bool) -> Bound:
-    key = (params, dtype, index_dtype, kv_dtype, slot_scales, device, decode_query_len, graph)
+def _bound(fn: str, params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
+           kv_dtype: torch.dtype, slot_scales: bool, device: torch.device, decode_query_len: int,
+           graph: bool) -> Bound:
+    """The backends of a call; one choice serves its eager and captured calls (as a layer's does),
+    so a captured call of a backend that is not CUDA-graph safe is refused here, with the reason."""
+    key = (params, dtype, index_dtype, kv_dtype, slot_scales, device, decode_query_len)
     req = _REQUIREMENTS.get(key)
     if req is None:
         if len(_REQUIREMENTS) >= MAX_CLASSES:
             _REQUIREMENTS.clear()
-        # a captured call needs a backend that is safe in CUDA graphs; selection says which is not
         req = _REQUIREMENTS[key] = requirements_for(params, dtype, index_dtype, device,
-                                                    decode_query_len=decode_query_len, cuda_graph=graph,
-                                                    kv_dtype=kv_dtype, kv_slot_scales=slot_scales)
-    return bind(params, req, device)  # type: ignore[arg-type]
+                                                    decode_query_len=decode_query_len, kv_dtype=kv_dtype,
+                                                    kv_slot_scales=slot_scales)
+    bound = bind(params, req, device, capturing=graph)  # type: ignore[arg-type]
+    if graph:
+        sel = bound.selection
+        for be in {sel.indexer.name: sel.indexer, sel.attention.name: sel.attention}.values():
+            if not be.capabilities.cuda_graph_safe:
+                why = (" (the only backends that read k_scale/v_scale per token slot)" if slot_scales else "")
+                raise BackendUnavailableError(
+                    f"{fn}: backend {be.name!r}{why}, selected for this call, is not CUDA-graph safe (it does "
+                    f"not declare cuda_graph_safe): run this call outside CUDA-graph capture, or select a "
+                    f"backend that is (MM3_BACKEND, mm3.use_backend); its selection:\n{sel.explain()}")
+    return bound
 
 
 def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: BatchMetadata, rows: torch.Tensor,
@@ -113,21 +125,23 @@ def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: B
     if idx_q.dtype in FP8_DTYPES:   # mm3's index queries are in the attention dtype: widen (exact)
         idx_q = idx_q.to(torch.bfloat16)
     caches = index_caches(index_cache, params.num_kv_heads, idx_q.dtype, graph)
-    target = _bound(params, idx_q.dtype, index_cache.dtype, idx_q.dtype, False, idx_q.device, max_decode_query_len,
-                    graph).target
+    target = _bound(fn, params, idx_q.dtype, index_cache.dtype, idx_q.dtype, False, idx_q.device,
+                    max_decode_query_len, graph).target
     buf = topk_view(fn, "out", rows)
     caps = target.plain[0].capabilities  # type: ignore[index]
-    if caps.accepts_topk(buf.layout, buf.is_dense()):
-        target.run_index_topk(idx_q, caches, batch, buf, graph=graph)
-        return
-    own = TopkBuffer.allocate(buf.num_tokens, buf.num_heads, buf.topk, caps.topk_layout, buf.device)
-    target.run_index_topk(idx_q, caches, batch, own, graph=graph)
-    buf.copy_(own)
+    own = buf if caps.accepts_topk(buf.layout, buf.is_dense()) else \
+        TopkBuffer.allocate(buf.num_tokens, buf.num_heads, buf.topk, caps.topk_layout, buf.device)
+    guarded = target.run_index_topk(idx_q, caches, batch, own, graph=graph)
+    if guarded and target.mode == "first":
+        # a layer's step marks its kind checked at its attention; this target has no attention to run
+        target.checked.add(batch.shape_class[0])
+    if own is not buf:
+        buf.copy_(own)
 
 
 def _run_attention(fn: str, q: torch.Tensor, caches: PagedKVCache, topk_idx: torch.Tensor, batch: BatchMetadata,
                    output: torch.Tensor, params: SparseAttentionParams, decode_query_len: int, graph: bool) -> None:
-    target = _bound(params, q.dtype, q.dtype, caches.dtype, caches.slot_scaled, q.device, decode_query_len,
+    target = _bound(fn, params, q.dtype, q.dtype, caches.dtype, caches.slot_scaled, q.device, decode_query_len,
                     graph).target
     buf = topk_view(fn, "topk_idx", topk_idx)
     if buf.num_tokens > batch.num_tokens:
