@@ -125,7 +125,7 @@ def test_bound_backend_refuses_fp8_kv_outside_its_declaration() -> None:
 # -- the reference backend and the layer ----------------------------------------------------------
 
 @pytest.mark.parametrize("strategy", ["gather", "dense"])
-@pytest.mark.parametrize("kv_scale, layout", [("head", "NHD"), ("tensor", "HND")])
+@pytest.mark.parametrize("kv_scale, layout", [("head", "NHD"), ("tensor", "HND"), ("slot", "NHD"), ("slot", "HND")])
 def test_cpu_ref_matches_the_oracle_on_the_dequantized_cache(strategy: str, kv_scale: str, layout: str) -> None:
     p = _params(h=2, g=3)
     case = make_case(p, decodes=[70, 33], prefills=[(9, 60), (3, 3)], padding_decodes=1, decode_query_len=2,
