@@ -33,6 +33,9 @@ ONLY_ON_GPU = {"cuda": ("exact_ties_nan_pages",), "rocm": ()}
 # the whole default run takes ~4 minutes on 2 cores; rocm had been cut to its layout crossings)
 CI_KINDS = {"cuda": ("indexer", "attention", "buffer", "composed"),
             "rocm": ("indexer", "attention", "buffer", "composed")}
+# Cases outside what the plugins declare: fp8 K/V scales per token slot (kv_slot_scales). Planned as
+# skips with that reason (checked below); drop this when the kernels read them.
+UNDECLARED = ("kv_fp8_slot_mixed", "kv_fp8_slot_spec_decode_hnd")
 
 
 def _registry() -> Registry:
@@ -44,7 +47,7 @@ def _plan(backend: str, registry: Registry) -> list:
 
     dtype, index_dtype = RUNS[backend]
     plan = plan_cases(registry.get(backend), device="cpu", quick=True, dtypes=[dtype], index_dtypes=[index_dtype])
-    return [c for c in plan if c.name.split("/")[-1].split(":")[0] not in ONLY_ON_GPU[backend]
+    return [c for c in plan if c.name.split("/")[-1].split(":")[0] not in (*ONLY_ON_GPU[backend], *UNDECLARED)
             and c.name.split("/")[0] in CI_KINDS[backend]]
 
 
@@ -62,6 +65,16 @@ def test_every_plugin_has_cases_and_the_gpu_only_ones_exist() -> None:
                                      index_dtypes=[index_dtype])}
         assert set(left_out) <= names, f"{backend}: {sorted(set(left_out) - names)} are not cases any more"
         assert any(b == backend for b, _ in CASES)
+
+
+@pytest.mark.parametrize("backend", sorted(RUNS))
+def test_undeclared_cases_are_skipped_with_their_reason(backend: str) -> None:
+    from mm3.testing.conformance import plan_cases
+
+    dtype, index_dtype = RUNS[backend]
+    plan = plan_cases(_registry().get(backend), device="cpu", quick=True, dtypes=[dtype], index_dtypes=[index_dtype])
+    skipped = [c for c in plan if c.name.split("/")[-1].split(":")[0] in UNDECLARED]
+    assert skipped and all("cannot read K/V scales per token slot" in c.skip for c in skipped)
 
 
 @pytest.mark.parametrize("backend,case", CASES, ids=[f"{b}-{c}" for b, c in CASES])
