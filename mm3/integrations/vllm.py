@@ -94,11 +94,12 @@ def _params(fn: str, build: Callable[..., SparseAttentionParams], *args: object)
 _REQUIREMENTS: dict[tuple[object, ...], object] = {}
 
 
-def _bound(fn: str, params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
+def _bound(fn: str, op: str, params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
            kv_dtype: torch.dtype, slot_scales: bool, device: torch.device, decode_query_len: int,
            graph: bool) -> Bound:
-    """The backends of a call; one choice serves its eager and captured calls (as a layer's does),
-    so a captured call of a backend that is not CUDA-graph safe is refused here, with the reason."""
+    """The backends of a call of ``op`` (``"index_topk"`` or ``"attention"``); one choice serves its eager
+    and captured calls (as a layer's does), so a captured call of a backend that is not CUDA-graph safe
+    is refused here, with the reason."""
     key = (params, dtype, index_dtype, kv_dtype, slot_scales, device, decode_query_len)
     req = _REQUIREMENTS.get(key)
     if req is None:
@@ -108,15 +109,14 @@ def _bound(fn: str, params: SparseAttentionParams, dtype: torch.dtype, index_dty
                                                     decode_query_len=decode_query_len, kv_dtype=kv_dtype,
                                                     kv_slot_scales=slot_scales)
     bound = bind(params, req, device, capturing=graph)  # type: ignore[arg-type]
-    if graph:
-        sel = bound.selection
-        for be in {sel.indexer.name: sel.indexer, sel.attention.name: sel.attention}.values():
-            if not be.capabilities.cuda_graph_safe:
-                why = (" (the only backends that read k_scale/v_scale per token slot)" if slot_scales else "")
-                raise BackendUnavailableError(
-                    f"{fn}: backend {be.name!r}{why}, selected for this call, is not CUDA-graph safe (it does "
-                    f"not declare cuda_graph_safe): run this call outside CUDA-graph capture, or select a "
-                    f"backend that is (MM3_BACKEND, mm3.use_backend); its selection:\n{sel.explain()}")
+    sel = bound.selection
+    be = sel.indexer if op == "index_topk" else sel.attention
+    if graph and not be.capabilities.cuda_graph_safe:
+        why = " (among the backends that read k_scale/v_scale per token slot)" if slot_scales else ""
+        raise BackendUnavailableError(
+            f"{fn}: backend {be.name!r}{why}, selected for this call, is not CUDA-graph safe (it does not "
+            f"declare cuda_graph_safe): run this call outside CUDA-graph capture, or select a backend that "
+            f"is (MM3_BACKEND, mm3.use_backend); its selection:\n{sel.explain()}")
     return bound
 
 
@@ -125,7 +125,7 @@ def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: B
     if idx_q.dtype in FP8_DTYPES:   # mm3's index queries are in the attention dtype: widen (exact)
         idx_q = idx_q.to(torch.bfloat16)
     caches = index_caches(index_cache, params.num_kv_heads, idx_q.dtype, graph)
-    target = _bound(fn, params, idx_q.dtype, index_cache.dtype, idx_q.dtype, False, idx_q.device,
+    target = _bound(fn, "index_topk", params, idx_q.dtype, index_cache.dtype, idx_q.dtype, False, idx_q.device,
                     max_decode_query_len, graph).target
     buf = topk_view(fn, "out", rows)
     caps = target.plain[0].capabilities  # type: ignore[index]
@@ -141,8 +141,8 @@ def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: B
 
 def _run_attention(fn: str, q: torch.Tensor, caches: PagedKVCache, topk_idx: torch.Tensor, batch: BatchMetadata,
                    output: torch.Tensor, params: SparseAttentionParams, decode_query_len: int, graph: bool) -> None:
-    target = _bound(fn, params, q.dtype, q.dtype, caches.dtype, caches.slot_scaled, q.device, decode_query_len,
-                    graph).target
+    target = _bound(fn, "attention", params, q.dtype, q.dtype, caches.dtype, caches.slot_scaled, q.device,
+                    decode_query_len, graph).target
     buf = topk_view(fn, "topk_idx", topk_idx)
     if buf.num_tokens > batch.num_tokens:
         buf = buf.rows(0, batch.num_tokens)
