@@ -125,7 +125,7 @@ def test_bound_backend_refuses_fp8_kv_outside_its_declaration() -> None:
 # -- the reference backend and the layer ----------------------------------------------------------
 
 @pytest.mark.parametrize("strategy", ["gather", "dense"])
-@pytest.mark.parametrize("kv_scale, layout", [("head", "NHD"), ("tensor", "HND")])
+@pytest.mark.parametrize("kv_scale, layout", [("head", "NHD"), ("tensor", "HND"), ("slot", "NHD"), ("slot", "HND")])
 def test_cpu_ref_matches_the_oracle_on_the_dequantized_cache(strategy: str, kv_scale: str, layout: str) -> None:
     p = _params(h=2, g=3)
     case = make_case(p, decodes=[70, 33], prefills=[(9, 60), (3, 3)], padding_decodes=1, decode_query_len=2,
@@ -177,4 +177,4 @@ def test_conformance_skips_fp8_kv_cases_a_backend_does_not_declare() -> None:
     ref = plan_cases(Registry([cpu_ref], entry_points=False).get("cpu_ref"), dtypes=["float32"],
                      index_dtypes=["bfloat16"])
     results = [c.run() for c in ref if "kv_fp8" in c.name]
-    assert len(results) == 2 and all(r.status == "pass" for r in results), [r.message for r in results]
+    assert len(results) == 4 and all(r.status == "pass" for r in results), [r.message for r in results]

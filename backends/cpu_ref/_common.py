@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 
-__all__ = ["DEFAULT_MAX_ELEMENTS", "gather_pages"]
+__all__ = ["DEFAULT_MAX_ELEMENTS", "gather_pages", "page_ids"]
 
 DEFAULT_MAX_ELEMENTS = 1 << 24
 """Largest intermediate (fp32 elements, 64 MiB) one chunk of work may create.
@@ -27,5 +27,9 @@ def gather_pages(cache: torch.Tensor, block_table_rows: torch.Tensor, num_blocks
     position at or beyond a request's ``seq_len``, so those pages' contents
     never reach a result.
     """
-    pages = block_table_rows[:, :num_blocks].to(torch.long).clamp(0, cache.shape[0] - 1)
-    return cache[pages]
+    return cache[page_ids(block_table_rows, num_blocks, cache.shape[0])]
+
+
+def page_ids(block_table_rows: torch.Tensor, num_blocks: int, num_pages: int) -> torch.Tensor:
+    """The pages :func:`gather_pages` reads: ``[R, num_blocks]`` long, clamped into ``[0, num_pages)``."""
+    return block_table_rows[:, :num_blocks].to(torch.long).clamp(0, num_pages - 1)

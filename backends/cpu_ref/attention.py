@@ -16,8 +16,9 @@ Two strategies compute the same thing; the choice is only about speed:
 times ``topk`` blocks).
 
 fp8 K/V caches (``float8_e4m3fn`` with scales) are widened to fp32 and
-multiplied by their per-head scale as they are gathered, then the same math
-runs: the reference reads the dequantized cache (docs/spec.md §1).
+multiplied by their scale (per head, or per head and token slot) as they are
+gathered, then the same math runs: the reference reads the dequantized cache
+(docs/spec.md §1).
 
 Semantics follow docs/spec.md §4 and the oracle literally: a token attends to
 positions ``j <= p`` inside the *set* of valid selected blocks (duplicates
@@ -44,7 +45,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -53,7 +54,7 @@ from mm3.contract import PagedKVCache, TopkBuffer
 from mm3.contract import InputError
 from mm3.contract import SparseAttentionParams
 
-from ._common import DEFAULT_MAX_ELEMENTS, gather_pages
+from ._common import DEFAULT_MAX_ELEMENTS, gather_pages, page_ids
 
 __all__ = ["attention_forward", "Strategy", "DENSE_MAX_BLOCKS_PER_TOPK"]
 
@@ -91,12 +92,19 @@ def _softmax_attend(logits: torch.Tensor, keep: torch.Tensor, v: torch.Tensor) -
     return o.div_(denom.clamp_(min=1.0))
 
 
-def _dequantized(values: torch.Tensor, scale: object, shape: tuple[int, ...]) -> torch.Tensor:
-    """fp32 ``values`` read from an fp8 K or V cache times its per-head ``scale`` (docs/spec.md §1), in place.
+def _dequantized(values: torch.Tensor, scale: object, shape: tuple[int, ...],
+                 slots: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """fp32 ``values`` read from an fp8 K or V cache times their ``scale`` (docs/spec.md §1), in place.
 
-    ``scale`` is ``None`` for an unscaled cache, else ``[Hkv]``, viewed as ``shape`` against ``values``.
+    ``scale`` is ``None`` for an unscaled cache, ``[Hkv]`` (viewed as ``shape`` against
+    ``values``) or ``[Hkv, num_slots]``: then ``slots()`` gives the (KV head, cache slot)
+    index of every key of ``values`` (``values`` without its last axis).
     """
-    return values if not isinstance(scale, torch.Tensor) else values.mul_(scale.view(shape))
+    if not isinstance(scale, torch.Tensor):
+        return values
+    if scale.dim() == 1:
+        return values.mul_(scale.view(shape))
+    return values.mul_(scale[slots()].unsqueeze(-1))
 
 
 def _valid_ids(ids: torch.Tensor, nb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,8 +135,14 @@ def _gather_chunk(q: torch.Tensor, pos: torch.Tensor, req: torch.Tensor, ids: to
     head = torch.arange(Hkv, device=dev).view(1, Hkv, 1)
     # Advanced indices on dims 0 and 2 around a slice: result [C, Hkv, K, B, D], whose
     # strides depend on the device's index kernel (hence reshape, not view).
-    kb = _dequantized(caches.k[pages, :, head].float().reshape(C, Hkv, K * B, D), caches.k_scale, (1, Hkv, 1, 1))
-    vb = _dequantized(caches.v[pages, :, head].float().reshape(C, Hkv, K * B, D), caches.v_scale, (1, Hkv, 1, 1))
+
+    def slots() -> tuple[torch.Tensor, torch.Tensor]:   # per-slot scales: slot = page * B + offset
+        return head, (pages.unsqueeze(-1) * B + torch.arange(B, device=dev)).reshape(C, Hkv, K * B)
+
+    kb = _dequantized(caches.k[pages, :, head].float().reshape(C, Hkv, K * B, D), caches.k_scale, (1, Hkv, 1, 1),
+                      slots)
+    vb = _dequantized(caches.v[pages, :, head].float().reshape(C, Hkv, K * B, D), caches.v_scale, (1, Hkv, 1, 1),
+                      slots)
     j = safe.unsqueeze(-1) * B + torch.arange(B, device=dev)
     keep = (valid.unsqueeze(-1) & (j <= pos.view(C, 1, 1, 1))).view(C, Hkv, K * B)
     vb.masked_fill_(~keep.unsqueeze(-1), 0.0)
@@ -207,8 +221,14 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         nblk = -(-seq // B)
         kr = gather_pages(caches.k, batch.block_table[r:r + 1], nblk)[0]   # [nblk, B, Hkv, D]
         vr = gather_pages(caches.v, batch.block_table[r:r + 1], nblk)[0]
-        kr = _dequantized(kr.reshape(nblk * B, Hkv, D).permute(1, 0, 2).float(), caches.k_scale, (Hkv, 1, 1))
-        vr = _dequantized(vr.reshape(nblk * B, Hkv, D).permute(1, 0, 2).float(), caches.v_scale, (Hkv, 1, 1))
+
+        def slots() -> tuple[torch.Tensor, torch.Tensor]:   # the slots of the pages gather_pages read
+            pages = page_ids(batch.block_table[r:r + 1], nblk, caches.num_pages)[0]
+            return (torch.arange(Hkv, device=q.device)[:, None],
+                    (pages[:, None] * B + torch.arange(B, device=q.device)).flatten()[None, :])
+
+        kr = _dequantized(kr.reshape(nblk * B, Hkv, D).permute(1, 0, 2).float(), caches.k_scale, (Hkv, 1, 1), slots)
+        vr = _dequantized(vr.reshape(nblk * B, Hkv, D).permute(1, 0, 2).float(), caches.v_scale, (Hkv, 1, 1), slots)
         vr[:, seq:] = 0.0  # slots past seq_len are unwritten: never let them reach a matmul
         ctx = seq - (b - a)
         chunk = max(1, max_elements // (Hq * nblk * B))

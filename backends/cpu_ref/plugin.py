@@ -39,6 +39,7 @@ CAPABILITIES = BackendCapabilities(
     dtypes=frozenset({"bfloat16", "float16", "float32"}),
     index_cache_dtypes=frozenset({"bfloat16", "float16", "float32", "float8_e4m3fn"}),
     kv_cache_dtypes=frozenset({"bfloat16", "float16", "float32", "float8_e4m3fn"}),
+    kv_slot_scales=True,
     max_decode_query_len=16,
     cuda_graph_safe=False,
 )

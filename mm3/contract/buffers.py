@@ -27,7 +27,7 @@ import torch
 
 from mm3.contract.capabilities import KVCacheLayout, TopkLayout
 from mm3.contract.errors import InputError
-from mm3.contract.kv_scales import FP8_KV_DTYPE, ScaleLike, check_kv_dtype, kv_head_scale
+from mm3.contract.kv_scales import FP8_KV_DTYPE, ScaleLike, cache_scales, dequantize, is_slot_scale
 
 __all__ = ["TopkBuffer", "PagedKVCache", "TORCH_DTYPES", "dtype_name"]
 
@@ -269,11 +269,12 @@ class PagedKVCache:
     the tensors' strides, so both layouts work without copies.
 
     K and V may be stored in ``float8_e4m3fn`` with ``k_scale`` and
-    ``v_scale`` (docs/spec.md §1): ``value = float(stored) * scale[h]``. A
-    scale is per tensor (a number, or a float32 tensor ``[]``/``[1]``) or per
-    KV head (float32 ``[Hkv]``); after construction both are ``[Hkv]`` float32
-    views of what was given (:func:`~mm3.contract.kv_scales.kv_head_scale`),
-    and building the cache reads their values once to check them.
+    ``v_scale`` (docs/spec.md §1): ``value = float(stored) * scale``. A scale
+    is per tensor (a number, or a float32 tensor ``[]``/``[1]``), per KV head
+    (``[Hkv]``) or per KV head and token slot (``[Hkv, num_pages * block_size]``,
+    :attr:`slot_scaled`); after construction the first two are ``[Hkv]`` float32
+    views of what was given (:mod:`~mm3.contract.kv_scales`), and building the
+    cache reads their values once to check them.
 
     Example:
         >>> c = PagedKVCache.allocate(num_pages=4, block_size=16, num_kv_heads=2,
@@ -314,10 +315,9 @@ class PagedKVCache:
         if self.index.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
             raise InputError(f"index cache dtype {self.index.dtype} unsupported; use bfloat16 or "
                              f"float8_e4m3fn (float16/float32 accepted by the reference)")
-        if check_kv_dtype(self.k.dtype, self.k_scale, self.v_scale):
-            for name in ("k_scale", "v_scale"):
-                object.__setattr__(self, name, kv_head_scale(name, getattr(self, name),
-                                                             num_kv_heads=self.k.shape[2], device=self.k.device))
+        ks, vs = cache_scales(self.k, self.k_scale, self.v_scale)
+        object.__setattr__(self, "k_scale", ks)
+        object.__setattr__(self, "v_scale", vs)
 
     @classmethod
     def rewrap(cls, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
@@ -391,8 +391,13 @@ class PagedKVCache:
 
     @property
     def kv_scaled(self) -> bool:
-        """True for fp8 K/V with scales (``k_scale``/``v_scale`` are then ``[Hkv]`` float32 tensors)."""
+        """True for fp8 K/V with scales (``k_scale``/``v_scale`` are then float32 tensors)."""
         return self.k_scale is not None
+
+    @property
+    def slot_scaled(self) -> bool:
+        """True when the scales are per KV head and token slot (``[Hkv, num_pages * block_size]``)."""
+        return is_slot_scale(self.k_scale)
 
     @property
     def index_dtype(self) -> torch.dtype:
@@ -410,7 +415,8 @@ class PagedKVCache:
         a cache of this class skips the checks (:mod:`mm3.runtime.step`). The
         cache's tensors must therefore not be resized in place (build a new cache).
         """
-        return (self.k.shape, self.k.dtype, self.k.device, self.index.shape, self.index.dtype, self.kv_scaled)
+        return (self.k.shape, self.k.dtype, self.k.device, self.index.shape, self.index.dtype, self.kv_scaled,
+                self.slot_scaled)
 
     @property
     def kv_layout(self) -> KVCacheLayout:
@@ -429,11 +435,8 @@ class PagedKVCache:
 
     def to(self, device: Union[str, torch.device]) -> "PagedKVCache":
         """These caches (and scales) on ``device``."""
-        def move(t: Optional[ScaleLike]) -> Optional[ScaleLike]:
-            return t.to(device) if isinstance(t, torch.Tensor) else t
-
-        return PagedKVCache(self.k.to(device), self.v.to(device), self.index.to(device),
-                            move(self.k_scale), move(self.v_scale))
+        ks, vs = (s.to(device) if isinstance(s, torch.Tensor) else s for s in (self.k_scale, self.v_scale))
+        return PagedKVCache(self.k.to(device), self.v.to(device), self.index.to(device), ks, vs)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> "PagedKVCache":
         """K and V as ``dtype`` values, scales applied (``stored * scale[h]``); the index cache as it is.
@@ -441,8 +444,5 @@ class PagedKVCache:
         A full copy of K and V: for references and tests. Unscaled caches are
         simply cast.
         """
-        k, v = self.k.to(dtype), self.v.to(dtype)
-        if self.kv_scaled:
-            k = k * cast(torch.Tensor, self.k_scale).to(dtype).view(1, 1, -1, 1)
-            v = v * cast(torch.Tensor, self.v_scale).to(dtype).view(1, 1, -1, 1)
-        return PagedKVCache(k, v, self.index)
+        return PagedKVCache(dequantize(self.k.to(dtype), cast(Optional[torch.Tensor], self.k_scale)),
+                            dequantize(self.v.to(dtype), cast(Optional[torch.Tensor], self.v_scale)), self.index)

@@ -105,6 +105,9 @@ class BackendCapabilities(_Frozen):
                                                            "tokens of speculative decoding")
     cuda_graph_safe: bool = Field(False, description="a decode step through it can be captured in a CUDA graph "
                                                      "and replayed")
+    kv_slot_scales: bool = Field(
+        False, description="the attention reads fp8 K/V scales per KV head and token slot ([Hkv, num_pages * "
+                           "block_size], vLLM's per-token layout) besides per-tensor and per-head [Hkv] ones")
     reports_bad_page_ids: bool = Field(
         False, description="index_topk clamps every block-table entry it loads into the cache and lowers its "
                            "page_faults word to the first bad one (mm3.contract.page_ids), so the layer "
@@ -142,6 +145,9 @@ class BackendCapabilities(_Frozen):
         if Op.ATTENTION in req.ops and kv not in self.kv_cache_dtypes:
             reasons.append(f"KV cache dtype {kv} not in {sorted(self.kv_cache_dtypes)} (cannot read "
                            f"{'fp8 K/V with scales' if kv == 'float8_e4m3fn' else 'this K/V cache'})")
+        if Op.ATTENTION in req.ops and req.kv_slot_scales and not self.kv_slot_scales:
+            reasons.append("cannot read K/V scales per token slot (k_scale/v_scale [Hkv, num_slots]): it "
+                           "does not declare kv_slot_scales")
         if Op.INDEX_TOPK in req.ops and req.index_cache_dtype not in self.index_cache_dtypes:
             reasons.append(
                 f"index cache dtype {req.index_cache_dtype} not in {sorted(self.index_cache_dtypes)}")
@@ -179,6 +185,8 @@ class Requirements(_Frozen):
     dtype: DType = "bfloat16"
     index_cache_dtype: IndexDType = "bfloat16"
     kv_cache_dtype: Optional[KVDType] = Field(None, description="None: the attention dtype")
+    kv_slot_scales: bool = Field(False, description="fp8 K/V scaled per KV head and token slot (not per tensor "
+                                                    "or per head)")
     head_dim: int = 128
     index_head_dim: int = 128
     block_size: int = 128

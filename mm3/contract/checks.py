@@ -122,6 +122,11 @@ def check_step_inputs(params: SparseAttentionParams, q: torch.Tensor, index_q: t
     if not isinstance(batch, BatchMetadata):
         raise InputError(f"batch must be an mm3.BatchMetadata (BatchMetadata.build(...)), "
                          f"got {type(batch).__name__}")
+    if caches.slot_scaled:
+        # selection knows nothing of them here: a backend that reads [Hkv] scales would misread them
+        raise InputError("caches hold K/V scales per token slot ([Hkv, num_slots]), which SparseAttention does "
+                         "not select backends for: call the bound backend of one that declares kv_slot_scales "
+                         "(mm3 backends), or use mm3.integrations.vllm, whose selection requires them")
     T = batch.num_tokens
     p = params
     _shape("q", q, (T, p.num_heads, p.head_dim), "= [num_tokens, num_heads, head_dim]")
@@ -247,8 +252,10 @@ def check_attention_args(where: str, q: torch.Tensor, caches: PagedKVCache, topk
 
 def check_declared(where: str, caps: BackendCapabilities, op: Op, *, device_type: str, dtype: torch.dtype,
                    index_dtype: torch.dtype, params: SparseAttentionParams, decode_query_len: int,
-                   kv_dtype: Optional[torch.dtype] = None) -> None:
+                   kv_dtype: Optional[torch.dtype] = None, kv_slot_scales: bool = False) -> None:
     """Raise :class:`InputError` when a call lies outside what ``caps`` declares for ``op``.
+
+    ``kv_slot_scales``: the caches' scales are per token slot (``PagedKVCache.slot_scaled``).
 
     The rule is the one selection applies to a request
     (:meth:`~mm3.contract.capabilities.BackendCapabilities.unmet`); the limits
@@ -261,7 +268,7 @@ def check_declared(where: str, caps: BackendCapabilities, op: Op, *, device_type
         index_cache_dtype=dtype_name(index_dtype), kv_cache_dtype=dtype_name(kv_dtype or dtype),
         head_dim=params.head_dim,
         index_head_dim=params.index_head_dim, block_size=params.block_size, topk=params.topk,
-        gqa_group=params.gqa_group, decode_query_len=decode_query_len)
+        gqa_group=params.gqa_group, decode_query_len=decode_query_len, kv_slot_scales=kv_slot_scales)
     reasons = caps.unmet(req)
     if reasons:
         raise InputError(f"{where}: {'; '.join(reasons)}: outside what backend {caps.name!r} declares; "

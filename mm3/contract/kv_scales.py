@@ -1,19 +1,34 @@
-"""The scales of an fp8 K/V cache (docs/spec.md §1): checked once, kept as one ``[Hkv]`` view each.
+"""The scales of an fp8 K/V cache (docs/spec.md §1): checked once, kept as views of what was given.
 
 An fp8 (``float8_e4m3fn``) K or V cache stores ``value / scale``; a reader
-dequantizes with ``value = float(stored) * scale[h]``, ``h`` the KV head. A
-scale is per tensor (a Python number, or a float32 tensor of shape ``[]`` or
-``[1]``, as vLLM's ``k_scale``/``v_scale``) or per KV head (a float32 tensor
-``[Hkv]``). Either way :func:`kv_head_scale` returns an ``[Hkv]`` float32
-tensor that *shares memory* with a tensor it was given (a per-tensor scale is
-an ``expand`` view): an engine that recalibrates its scales in place keeps
-every later step, and a captured CUDA graph, reading the new values.
+dequantizes with ``value = float(stored) * scale``. Three granularities:
+
+* **per tensor**: a Python number, or a float32 tensor of shape ``[]`` or
+  ``[1]`` (vLLM's ``k_scale``/``v_scale`` of a layer);
+* **per KV head**: a float32 tensor ``[Hkv]``;
+* **per (KV head, token slot)**: a float32 tensor ``[Hkv, num_pages * block_size]``
+  (vLLM's per-token layout ``[num_kv_heads, num_slots]``): the scale of the
+  token in slot ``s`` of page ``p`` is ``scale[h, p * block_size + s]``, whatever
+  the page layout (NHD or HND).
+
+The first two become one ``[Hkv]`` float32 tensor (:func:`kv_scale`; a per-tensor
+scale is an ``expand`` view), the third stays ``[Hkv, num_slots]``. Either way the
+result *shares memory* with a tensor it was given: an engine that recalibrates
+its scales in place, or writes a slot's scale with the slot's K/V, keeps every
+later step and a captured CUDA graph reading the new values.
+
+Per-tensor and per-head scales are calibration constants: their values are
+checked once (finite, positive). Per-slot scales are cache contents, written
+with the K/V of their slot and read only where those are: like K/V, their
+values are not checked.
 
 Example:
     >>> import torch
-    >>> kv_head_scale("k_scale", 0.5, num_kv_heads=2, device=torch.device("cpu"))
+    >>> kv_scale("k_scale", 0.5, num_kv_heads=2, num_slots=32, device=torch.device("cpu"))
     tensor([0.5000, 0.5000])
-    >>> kv_head_scale("k_scale", torch.tensor([1.0, -1.0]), num_kv_heads=2, device=torch.device("cpu"))
+    >>> kv_scale("k_scale", torch.ones(2, 32), num_kv_heads=2, num_slots=32, device=torch.device("cpu")).shape
+    torch.Size([2, 32])
+    >>> kv_scale("k_scale", torch.tensor([1.0, -1.0]), num_kv_heads=2, num_slots=32, device=torch.device("cpu"))
     Traceback (most recent call last):
     ...
     mm3.contract.errors.InputError: k_scale must be finite and > 0 for every KV head (value = stored * scale), got [1.0, -1.0]
@@ -27,7 +42,8 @@ import torch
 
 from mm3.contract.errors import InputError
 
-__all__ = ["FP8_KV_DTYPE", "ScaleLike", "kv_head_scale", "check_kv_dtype"]
+__all__ = ["FP8_KV_DTYPE", "ScaleLike", "kv_scale", "kv_scale_view", "check_kv_dtype", "cache_scales",
+           "is_slot_scale", "dequantize"]
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 """The one fp8 storage type of a K/V cache (e4m3: vLLM's ``fp8``/``fp8_e4m3`` KV-cache dtype)."""
@@ -35,35 +51,66 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 ScaleLike = Union[float, torch.Tensor]
 
 
-def kv_head_scale(name: str, scale: object, *, num_kv_heads: int, device: torch.device) -> torch.Tensor:
-    """``scale`` as an ``[num_kv_heads]`` float32 tensor on ``device``; :class:`InputError` if it is bad.
+def is_slot_scale(scale: Optional[ScaleLike]) -> bool:
+    """True for a per-(KV head, slot) scale as a cache holds it (``[Hkv, num_slots]``)."""
+    return isinstance(scale, torch.Tensor) and scale.dim() == 2
 
-    Reads the values once (a device synchronisation when they live on a GPU):
-    build a :class:`~mm3.contract.buffers.PagedKVCache` once per layer, not
-    inside a captured graph.
+
+def kv_scale_view(name: str, scale: object, *, num_kv_heads: int, num_slots: int,
+                  device: torch.device) -> torch.Tensor:
+    """``scale`` as ``[num_kv_heads]`` or ``[num_kv_heads, num_slots]`` float32 on ``device``, values not read.
+
+    Type, dtype, device and shape are checked (:class:`InputError` naming ``name``);
+    a number becomes a new tensor, a tensor stays (a view of) itself. No device
+    synchronisation: what :func:`kv_scale` adds is the value check.
     """
     if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.Tensor)):
-        raise InputError(f"{name} must be a positive number or a float32 tensor of shape [], [1] or "
-                         f"[{num_kv_heads}] (per KV head), got {type(scale).__name__}")
+        raise InputError(f"{name} must be a positive number or a float32 tensor of shape [], [1], "
+                         f"[{num_kv_heads}] (per KV head) or [{num_kv_heads}, {num_slots}] (per KV head and "
+                         f"slot), got {type(scale).__name__}")
     if not isinstance(scale, torch.Tensor):
-        t = torch.full((num_kv_heads,), float(scale), dtype=torch.float32, device=device)
-    else:
-        if scale.dtype != torch.float32:
-            raise InputError(f"{name} is {scale.dtype}; scales are float32 (pass {name}.float())")
-        if scale.device != device:
-            raise InputError(f"{name} is on {scale.device} but the K/V caches are on {device}; move it "
-                             f"({name}.to(device))")
-        if scale.dim() == 0 or tuple(scale.shape) == (1,):
-            t = scale.reshape(1).expand(num_kv_heads)
-        elif tuple(scale.shape) == (num_kv_heads,):
-            t = scale
-        else:
-            raise InputError(f"{name} has shape {tuple(scale.shape)}; use [] or [1] (one scale per tensor) "
-                             f"or [{num_kv_heads}] (one per KV head)")
-    if not bool((torch.isfinite(t) & (t > 0)).all()):
+        return torch.full((num_kv_heads,), float(scale), dtype=torch.float32, device=device)
+    if scale.dtype != torch.float32:
+        raise InputError(f"{name} is {scale.dtype}; scales are float32 (pass {name}.float())")
+    if scale.device != device:
+        raise InputError(f"{name} is on {scale.device} but the K/V caches are on {device}; move it "
+                         f"({name}.to(device))")
+    shape = tuple(scale.shape)
+    if shape in ((), (1,)):
+        return scale.reshape(1).expand(num_kv_heads)
+    if shape in ((num_kv_heads,), (num_kv_heads, num_slots)):
+        return scale
+    raise InputError(f"{name} has shape {shape}; use [] or [1] (one scale per tensor), [{num_kv_heads}] "
+                     f"(one per KV head) or [{num_kv_heads}, {num_slots}] (one per KV head and token slot: "
+                     f"num_pages * block_size slots, slot = page * block_size + offset)")
+
+
+def kv_scale(name: str, scale: object, *, num_kv_heads: int, num_slots: int, device: torch.device) -> torch.Tensor:
+    """:func:`kv_scale_view`, then the values of a per-tensor or per-head scale checked (finite, > 0).
+
+    Reads those values once (a device synchronisation when they live on a GPU):
+    build a :class:`~mm3.contract.buffers.PagedKVCache` once per layer, not
+    inside a captured graph. Per-slot scales are cache contents and are not read.
+    """
+    t = kv_scale_view(name, scale, num_kv_heads=num_kv_heads, num_slots=num_slots, device=device)
+    if t.dim() == 1 and not bool((torch.isfinite(t) & (t > 0)).all()):
         raise InputError(f"{name} must be finite and > 0 for every KV head (value = stored * scale), got "
                          f"{t.tolist()}")
     return t
+
+
+def dequantize(values: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``values`` (logical ``[num_pages, block_size, Hkv, D]``) times their scale, in ``values``' dtype.
+
+    ``scale`` is a cache's ``[Hkv]`` or ``[Hkv, num_pages * block_size]`` scale, or
+    ``None`` (returned as is). For references and tests: a full pass over the cache.
+    """
+    if scale is None:
+        return values
+    P, B, H, _ = values.shape
+    if is_slot_scale(scale):
+        return values * scale.to(values.dtype).view(H, P, B).permute(1, 2, 0).unsqueeze(-1)
+    return values * scale.to(values.dtype).view(1, 1, H, 1)
 
 
 def check_kv_dtype(dtype: torch.dtype, k_scale: Optional[object], v_scale: Optional[object]) -> bool:
@@ -79,3 +126,22 @@ def check_kv_dtype(dtype: torch.dtype, k_scale: Optional[object], v_scale: Optio
         raise InputError(f"{' and '.join(given)} given for a {dtype} K/V cache; scales belong to "
                          f"{FP8_KV_DTYPE} caches only: drop them, or store K/V in fp8")
     return fp8
+
+
+def cache_scales(k: torch.Tensor, k_scale: Optional[object],
+                 v_scale: Optional[object]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The ``(k_scale, v_scale)`` a cache whose K is ``k`` (``[num_pages, block_size, Hkv, D]``) keeps.
+
+    ``(None, None)`` for a cache that is not fp8, else both checked by :func:`kv_scale`;
+    :class:`InputError` for scales on another dtype, fp8 without scales, or one scale per
+    slot and the other not.
+    """
+    if not check_kv_dtype(k.dtype, k_scale, v_scale):
+        return None, None
+    P, B, H = k.shape[:3]
+    ks, vs = (kv_scale(name, s, num_kv_heads=H, num_slots=P * B, device=k.device)
+              for name, s in (("k_scale", k_scale), ("v_scale", v_scale)))
+    if is_slot_scale(ks) != is_slot_scale(vs):
+        raise InputError(f"k_scale {tuple(ks.shape)} and v_scale {tuple(vs.shape)}: scales per token slot "
+                         f"([Hkv, num_slots]) must be given for both K and V, or for neither")
+    return ks, vs

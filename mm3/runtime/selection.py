@@ -180,16 +180,19 @@ def describe_requirements(req: Requirements) -> str:
             f"{req.block_size}, topk {req.topk}, GQA group {req.gqa_group}, decode query len "
             f"{req.decode_query_len}"
             + (f", KV cache {req.kv_cache_dtype}" if req.kv_cache_dtype not in (None, req.dtype) else "")
+            + (" with scales per token slot" if req.kv_slot_scales else "")
             + (", CUDA graph" if req.cuda_graph else ""))
 
 
 def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtype", str],
                      index_dtype: Union["torch.dtype", str], device: DeviceLike,
                      decode_query_len: int = 1, cuda_graph: bool = False,
-                     kv_dtype: Union["torch.dtype", str, None] = None) -> Requirements:
+                     kv_dtype: Union["torch.dtype", str, None] = None,
+                     kv_slot_scales: bool = False) -> Requirements:
     """The :class:`Requirements` of running ``params`` with these dtypes on ``device``.
 
-    ``kv_dtype``: the K/V cache dtype when it is not ``q_dtype`` (``float8_e4m3fn``, scaled).
+    ``kv_dtype``: the K/V cache dtype when it is not ``q_dtype`` (``float8_e4m3fn``, scaled);
+    ``kv_slot_scales``: its scales are per KV head and token slot (docs/spec.md §1).
 
     Example:
         >>> import torch
@@ -211,7 +214,7 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
                             head_dim=params.head_dim, index_head_dim=params.index_head_dim,
                             block_size=params.block_size, topk=params.topk,
                             gqa_group=params.gqa_group, decode_query_len=decode_query_len,
-                            cuda_graph=cuda_graph)
+                            cuda_graph=cuda_graph, kv_slot_scales=kv_slot_scales)
     except ValidationError as e:
         raise InputError(f"unsupported request: {describe_validation_error(e)}; attention runs in bfloat16/float16/float32 "
                          f"the K/V cache in that dtype or float8_e4m3fn, the index cache in "

@@ -46,12 +46,13 @@ def _dtype(d: Union[str, torch.dtype]) -> torch.dtype:
     return TORCH_DTYPES[d] if isinstance(d, str) else d
 
 
-def _fp8_scales(num_kv_heads: int, kv_scale: str, generator: torch.Generator) -> torch.Tensor:
-    """Random K or V scales in [0.02, 0.05): one per KV head, or one per tensor (``[1]``)."""
-    if kv_scale not in ("tensor", "head"):
-        raise InputError(f"kv_scale must be 'tensor' or 'head', got {kv_scale!r}")
-    n = num_kv_heads if kv_scale == "head" else 1
-    return 0.02 + 0.03 * torch.rand(n, generator=generator)
+def _fp8_scales(num_kv_heads: int, num_slots: int, kv_scale: str, generator: torch.Generator) -> torch.Tensor:
+    """Random K or V scales in [0.02, 0.05): one per tensor (``[1]``), per KV head (``[Hkv]``), or per
+    KV head and token slot (``[Hkv, num_slots]``)."""
+    shapes = {"tensor": (1,), "head": (num_kv_heads,), "slot": (num_kv_heads, num_slots)}
+    if kv_scale not in shapes:
+        raise InputError(f"kv_scale must be 'tensor', 'head' or 'slot', got {kv_scale!r}")
+    return 0.02 + 0.03 * torch.rand(shapes[kv_scale], generator=generator)
 
 
 def random_caches(params: SparseAttentionParams, num_pages: int, *, dtype: torch.dtype,
@@ -61,18 +62,22 @@ def random_caches(params: SparseAttentionParams, num_pages: int, *, dtype: torch
     """Caches filled with N(0, 1) values (never zeros), generated on the CPU then moved.
 
     ``kv_dtype=torch.float8_e4m3fn`` stores K and V as ``value / scale`` with
-    random scales (``kv_scale``: ``"head"`` or ``"tensor"``), so a reader that
-    skips a scale, or takes another head's, is far off.
+    random scales (``kv_scale``: ``"head"``, ``"tensor"`` or ``"slot"``), so a
+    reader that skips a scale, or takes another head's or slot's, is far off.
     """
     kv_dtype = kv_dtype or dtype
     fp8 = kv_dtype == FP8_KV_DTYPE
-    scales = [_fp8_scales(params.num_kv_heads, kv_scale, generator).to(device) if fp8 else None
+    slots = num_pages * params.block_size
+    scales = [_fp8_scales(params.num_kv_heads, slots, kv_scale, generator).to(device) if fp8 else None
               for _ in range(2)]
     caches = PagedKVCache.allocate(num_pages, params.block_size, params.num_kv_heads, params.head_dim,
                                    params.index_head_dim, kv_dtype, index_dtype, kv_layout, device, *scales)
     for t, s in zip((caches.k, caches.v), (caches.k_scale, caches.v_scale)):
         values = torch.randn(t.shape, generator=generator).to(device)
-        t.copy_(values / s.view(1, 1, -1, 1) if isinstance(s, torch.Tensor) else values)
+        if isinstance(s, torch.Tensor):   # [Hkv], or [Hkv, slots] with slot = page * block_size + offset
+            P, B, H = t.shape[:3]
+            values = values / (s.view(H, P, B).permute(1, 2, 0)[..., None] if s.dim() == 2 else s.view(1, 1, H, 1))
+        t.copy_(values)
     caches.index.copy_(torch.randn(caches.index.shape, generator=generator).to(index_dtype))
     return caches
 
@@ -94,8 +99,8 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
     that keep their token slots; ``empty_decodes`` adds decodes with no tokens.
     Pages are a random permutation with spare pages; unused block-table entries
     hold ``-1`` so a backend that reads past a request's blocks is caught.
-    ``kv_dtype="float8_e4m3fn"`` builds scaled fp8 K/V (``kv_scale``: ``"head"``
-    or ``"tensor"``, see :func:`random_caches`); ``None`` stores them in ``dtype``.
+    ``kv_dtype="float8_e4m3fn"`` builds scaled fp8 K/V (``kv_scale``: ``"head"``,
+    ``"tensor"`` or ``"slot"``, see :func:`random_caches`); ``None`` stores them in ``dtype``.
     """
     g = generator or torch.Generator().manual_seed(seed)
     dtype, index_dtype = _dtype(dtype), _dtype(index_dtype)

@@ -65,6 +65,7 @@ _DEFAULT_CAPABILITIES: dict[str, Any] = dict(
     topk_layout="head_major",
     max_decode_query_len=16,
     kv_cache_dtypes=frozenset({"bfloat16", "float16", "float32", "float8_e4m3fn"}),  # as its delegate, cpu_ref
+    kv_slot_scales=True,
     description="mm3.testing.MockBackend",
 )
 

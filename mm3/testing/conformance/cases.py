@@ -78,7 +78,7 @@ class Step:
     kv_layout: str = "NHD"
     nan_tokens: tuple[int, ...] = ()
     ties: str = ""   # exact ties planted in the index keys (TIES); selections must equal the oracle's
-    kv_fp8: str = ""  # "head" / "tensor": K/V in float8_e4m3fn with per-head / per-tensor scales
+    kv_fp8: str = ""  # "head" / "tensor" / "slot": K/V in float8_e4m3fn, scales per head / tensor / (head, slot)
 
     @property
     def kv_dtype(self) -> Optional[str]:
@@ -368,6 +368,10 @@ ATTENTION_STEPS: dict[str, Step] = {
     "kv_fp8_mixed": Step(H=2, G=4, K=16, decodes=(420, 300), padding=1, prefills=((6, 380),), kv_fp8="head"),
     "kv_fp8_spec_decode_hnd": Step(H=1, G=8, D=64, K=16, dq=3, decodes=(400,), prefills=((5, 330),),
                                    kv_layout="HND", kv_fp8="tensor"),
+    # scales per (KV head, token slot), vLLM's [num_kv_heads, num_slots]: a backend must declare kv_slot_scales
+    "kv_fp8_slot_mixed": Step(H=2, G=4, K=16, decodes=(420, 300), padding=1, prefills=((6, 380),), kv_fp8="slot"),
+    "kv_fp8_slot_spec_decode_hnd": Step(H=1, G=8, D=64, K=16, dq=3, decodes=(400,), prefills=((5, 330),),
+                                        kv_layout="HND", kv_fp8="slot"),
 }
 
 COMPOSED_STEPS: dict[str, Step] = {

@@ -1,0 +1,145 @@
+"""The bound backends a drop-in call runs on: mm3's selection for the call's requirements, bound once.
+
+An engine's op (a vLLM ``minimax_m3_*`` function) carries no layer object, so
+this module keeps one :class:`~mm3.runtime.step.OpTarget` per set of
+requirements (shapes, dtypes, device, CUDA-graph capture) and backend names in
+force. Binding follows the layer's rules: the names come from a
+``mm3.use_backend`` scope, else from the settings (``MM3_BACKEND``,
+``MM3_INDEXER_BACKEND``, the config file; :func:`configure` replaces them),
+:func:`~mm3.runtime.selection.select` chooses and explains, and
+``check_contracts`` decides which calls the contract guard checks. Each target
+runs its steps as the layer's does (page ids, argument checks once per shape
+class).
+
+Example:
+    >>> import torch, mm3
+    >>> from mm3.runtime.selection import requirements_for
+    >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16,
+    ...     num_index_heads=2, index_head_dim=16, block_size=16, topk=4)
+    >>> req = requirements_for(p, torch.float32, torch.float32, "cpu")
+    >>> with mm3.use_backend("cpu_ref"):
+    ...     bound = bind(p, req, torch.device("cpu"))
+    >>> bound.selection.attention.name, bound is bind(p, req, torch.device("cpu"), names=("cpu_ref", None))
+    ('cpu_ref', True)
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mm3.contract.capabilities import Requirements
+from mm3.contract.errors import InputError
+from mm3.contract.page_ids import PageIdFlag
+from mm3.contract.params import SparseAttentionParams
+from mm3.debug.guard import guard_backend
+from mm3.runtime.config import Settings, default_settings
+from mm3.runtime.registry import Registry, default_registry
+from mm3.runtime.scope import current_scope
+from mm3.runtime.selection import Selection, describe_requirements, select
+from mm3.runtime.step import MAX_CLASSES, OpTarget
+
+__all__ = ["Bound", "bind", "configure", "settings", "selections", "check_page_ids"]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One choice: the selection (``selection.explain()`` says why) and the target its steps run on."""
+
+    selection: Selection
+    target: OpTarget
+
+
+_BOUND: dict[tuple[object, ...], Bound] = {}
+_LOCK = threading.Lock()
+_CONFIG: dict[str, Optional[object]] = {"settings": None, "registry": None}
+
+
+def configure(settings: Optional[Settings] = None, registry: Optional[Registry] = None) -> None:
+    """Use ``settings`` / ``registry`` for every later drop-in call (``None``: the process's own).
+
+    Forgets every bound choice, so the next call of each kind selects again.
+
+    Example:
+        >>> import mm3
+        >>> configure(mm3.Settings(backend="cpu_ref", check_contracts="always"))
+        >>> configure()    # back to the environment's settings
+    """
+    with _LOCK:
+        _CONFIG.update(settings=settings, registry=registry)
+        _BOUND.clear()
+
+
+def settings() -> Settings:
+    """The settings drop-in calls follow: :func:`configure`'s, else the process's."""
+    s = _CONFIG["settings"]
+    return s if isinstance(s, Settings) else default_settings()
+
+
+def _registry() -> Registry:
+    r = _CONFIG["registry"]
+    return r if isinstance(r, Registry) else default_registry()
+
+
+def bind(params: SparseAttentionParams, requirements: Requirements, device: torch.device,
+         names: Optional[tuple[str, Optional[str]]] = None, *, capturing: bool = False) -> Bound:
+    """The backends for ``requirements`` on ``device``, chosen once per requirements and names.
+
+    ``names``: ``(backend, indexer_backend)``; default: the innermost ``use_backend``
+    scope, else the settings'. Selection errors (``NoBackendError``,
+    ``BackendUnavailableError``...) propagate with their explanation. ``capturing``:
+    the call is being captured in a CUDA graph, where nothing may be bound (binding
+    allocates device memory that a graph would re-initialise at every replay): the
+    choice must exist from an eager call, else :class:`~mm3.InputError` says so.
+    """
+    settings_ = settings()
+    if names is None:
+        scope = current_scope()
+        names = (scope.backend, scope.indexer_backend) if scope is not None else \
+            (settings_.backend, settings_.indexer_backend)
+    registry = _registry()
+    key = (params, requirements, str(device), names, settings_.check_contracts, settings_.allow_fallback, registry)
+    got = _BOUND.get(key)
+    if got is not None:
+        return got
+    if capturing:
+        raise InputError(f"the first call for {describe_requirements(requirements)} (backend names {names}) is "
+                         f"inside CUDA-graph capture, where mm3 cannot select and bind backends: run one step "
+                         f"of these shapes eagerly first (an engine's warm-up does)")
+    with _LOCK:
+        got = _BOUND.get(key)
+        if got is None:
+            if len(_BOUND) >= MAX_CLASSES:
+                _BOUND.clear()
+            got = _BOUND[key] = _bind(params, requirements, device, names, settings_, registry)
+    return got
+
+
+def _bind(params: SparseAttentionParams, requirements: Requirements, device: torch.device,
+          names: tuple[str, Optional[str]], settings: Settings, registry: Registry) -> Bound:
+    # the layer's binding, for a caller that holds no layer (mm3.runtime.layer.SparseAttention._bind)
+    sel = select(requirements, registry, backend=names[0], indexer_backend=names[1],
+                 allow_fallback=settings.allow_fallback, device=device)
+    mode = settings.check_contracts
+    fast = (sel.indexer, sel.attention)
+    idx, att = fast if mode == "never" else (guard_backend(sel.indexer), guard_backend(sel.attention))
+    target = OpTarget(idx, att, params, idx.capabilities.topk_layout, att.capabilities.topk_layout,
+                      plain=fast if mode == "first" else None, mode=mode, page_ids=PageIdFlag(device))
+    return Bound(sel, target)
+
+
+def selections() -> list[Selection]:
+    """The choices made so far (one per set of requirements): ``print(s.explain())`` for each."""
+    return [b.selection for b in list(_BOUND.values())]
+
+
+def check_page_ids() -> None:
+    """Wait for the device and raise :class:`~mm3.InputError` if a step of any bound choice used a
+    block-table entry that is not a page of its cache (a call reports its own target's faults at its
+    next eager call; steps replayed in CUDA graphs only are reported here)."""
+    for b in list(_BOUND.values()):
+        if b.target.page_ids is not None:
+            b.target.page_ids.check()

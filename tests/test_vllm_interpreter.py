@@ -1,0 +1,65 @@
+"""mm3.integrations.vllm on the Triton backends (cuda, rocm) through Triton's interpreter, against the fp64 oracle.
+
+The seed's case (token-major top-k storage behind a head-major view, a mixed
+batch with a padding decode and prefills with a prefix) and speculative
+decodes with per-head fp8 scales, each backend pinned with ``mm3.use_backend``.
+The interpreter's bf16 arithmetic is wrong, so float32 / float16 run here and
+bf16 on the GPU (tests/gpu/test_vllm_gpu.py). Per-slot scales are not read by
+these backends (test_vllm_dropin.py checks that selection says so).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import mm3
+from mm3 import SparseAttentionParams
+from mm3.integrations import targets
+from vllm_steps import assert_step_right, run_step, vllm_step
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                       reason="CPU-interpreter tests; a GPU machine runs tests/gpu instead"),
+]
+
+P = SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=32, num_index_heads=2, index_head_dim=32,
+                          block_size=16, topk=4, init_blocks=1, local_blocks=1)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "rocm"])
+def test_seed_case_on_the_triton_backends(backend: str) -> None:
+    s = vllm_step(P, decodes=(70, 33), padding=1, prefills=((9, 40), (3, 3)), seed=11)
+    targets.configure()
+    with mm3.use_backend(backend):
+        run_step(s)
+    assert_step_right(s)
+    used = {(x.indexer.name, x.attention.name) for x in targets.selections()}
+    assert used == {(backend, backend)}, used
+
+
+def test_speculative_decode_fp8_kv_on_cuda() -> None:
+    with torch.inference_mode(), mm3.use_backend("cuda"):
+        s = vllm_step(P, decodes=(60, 41), padding=1, prefills=((5, 50),), dql=2, dtype="float16",
+                      kv_dtype="float8_e4m3fn", kv_scale="head", seed=12)
+        run_step(s, max_dql=4)
+    assert_step_right(s, torch.float16)
+
+
+def test_a_bad_page_id_is_reported_by_the_kernels() -> None:
+    """The Triton indexer reports bad block-table entries (reports_bad_page_ids): no fault, an InputError later."""
+    from mm3.integrations import vllm as ops
+
+    s = vllm_step(P, decodes=(70, 33), prefills=(), seed=13)
+    c, b = s.case, s.case.batch
+    bad = s.block_table.clone()
+    bad[1, 0] = c.caches.num_pages + 3
+    targets.configure()
+    with mm3.use_backend("cuda"):
+        for table in (s.block_table, bad):   # the first call of a kind is the guard's, which checks on the host
+            ops.minimax_m3_index_decode(c.index_q, c.caches.index, table, s.seq_lens, b.max_seq_len, 4, 1, 1, 2, 1, 1)
+    with pytest.raises(mm3.InputError, match=r"request 1, block 0: block_table\[1, 0\] is not a page id"):
+        targets.check_page_ids()
