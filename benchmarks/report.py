@@ -368,7 +368,8 @@ def _plot_decode(records: list[dict], path: Path) -> Optional[Path]:
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), fontsize=8)
+    if labels:   # a run of only some rows may plot none
+        fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

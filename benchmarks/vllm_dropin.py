@@ -16,7 +16,7 @@ pages) per graph. Rows, on the same memory, timed in one run:
   before it (an engine's per-step metadata refill, inside the graph);
 * ``hooks``: the bound backends' two hooks alone.
 
-``dropin - layer`` over 2 is the drop-in's cost per call (issue 30: <= 1 us on
+``dropin - layer`` over 2 is the drop-in's cost per call (the target: <= 1 us on
 the H200). ``--profile`` lists the kernels of a single-step replay of each row.
 
 Example (on a CPU: the rows once each, eagerly, on tiny shapes, through cpu_ref):

@@ -412,7 +412,7 @@ def test_alloc_topk_buffer_default_and_hook():
     assert int(be.alloc_topk_buffer(3, 1, 2, "cpu").storage[0, 0, 0]) == 7
     bad = Registry([Allocates("token_major")], entry_points=False).get("alloc")
     with pytest.raises(PluginError, match="declare topk_layout='head_major'"):
-        bad.alloc_topk_buffer(3, 1, 2, "cpu")
+        bad.alloc_topk_buffer(3, 2, 2, "cpu")    # one head would be both layouts' memory: two heads
 
 
 # -- allow / deny / no-autoload --------------------------------------------------------------------------

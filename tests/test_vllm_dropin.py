@@ -92,7 +92,7 @@ def test_ignored_ids_select_nothing() -> None:
     qsl = b.query_start_loc[nd:] - b.query_start_loc[nd]
     ops.minimax_m3_sparse_attn(c.q[td:], s.kv_cache, dirty[:, td:], s.block_table[nd:], qsl, s.seq_lens[nd:],
                                b.context_lens[nd:], b.max_prefill_query_len, 2, P.softmax_scale, out[td:])
-    ref = oracle_attention(c.q, c.caches, TopkBuffer(dirty, "head_major"), b, P)
+    ref = oracle_attention(c.q, c.caches, TopkBuffer(dirty), b, P)
     assert float((out.double() - ref).abs().max()) < 1e-5
     # and the repeats/garbage really changed what a literal reading would attend to
     assert float((ref - oracle_attention(c.q, c.caches, clean, b, P)).abs().max()) > 1e-3

@@ -186,4 +186,5 @@ def test_conformance_suite_bf16_on_gpu(backend: str) -> None:
     _record({"test": "conformance_bf16", "backend": backend, "cases": len(report.results),
              "passed": sum(r.passed for r in report.results), **{f"worst_{k}": v for k, v in worst.items()}})
     assert report.results and report.passed, report.format()
-    assert all(r.passed for r in report.results), report.format()
+    # cases the backend does not declare (per-slot fp8 scales) are skipped with their reason, never failed
+    assert not report.failures, report.format()
