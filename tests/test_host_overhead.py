@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import mm3
+from mm3.contract import page_ids
 from mm3.contract.page_ids import PageIdFlag
 from mm3.debug.guard import GuardedBackend
 from mm3.runtime.config import Settings
@@ -124,9 +125,27 @@ def test_ops_on_tensors_refilled_in_place_read_the_new_step() -> None:
     assert again_seen.seq_lens_host == (40, 33, 20) and again_seen.max_seq_len == 40
 
 
-def test_the_page_id_flag_reads_the_host_only_after_a_copy() -> None:
+def test_the_page_id_flag_is_host_memory_read_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reporting kernel's store lands where the host reads: an eager step starts no copy."""
+    flag = PageIdFlag("cpu")
+    assert flag.shared and flag.word.data_ptr() == flag._host.data_ptr()
+    copies: list[int] = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(1) or real_copy(self, *a, **k))
+    flag.after_step()
+    flag.word.fill_(page_ids.fault_word(0, 1))              # what a reporting kernel stores
+    with pytest.raises(mm3.InputError, match="block_table\\[0, 1\\] is not a page id"):
+        flag.raise_pending()
+    flag.raise_pending()                                    # reported once
+    assert copies == []
+
+
+def test_a_word_the_host_cannot_share_is_read_after_its_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the device cannot address host memory the word lives on the device: read only once copied."""
+    monkeypatch.setattr(page_ids, "_device_view", lambda host, device: None)
     good = make_case(P, seed=3, **STEP).batch
     flag = PageIdFlag("cpu")
+    assert not flag.shared and flag.word.data_ptr() != flag._host.data_ptr()
     flag.raise_pending()
     assert not flag._copied
     flag.record(good, num_pages=1000)
@@ -138,6 +157,10 @@ def test_the_page_id_flag_reads_the_host_only_after_a_copy() -> None:
     with pytest.raises(mm3.InputError, match="block_table\\[0, 1\\] is not a page id"):
         flag.raise_pending()
     flag.raise_pending()                      # reported once
+    flag.word.fill_(page_ids.fault_word(2, 0))
+    flag.raise_pending()                      # not copied yet: nothing read
+    with pytest.raises(mm3.InputError, match="block_table\\[2, 0\\] is not a page id"):
+        flag.check()
 
 
 def test_an_eager_layer_step_decides_the_guard_and_checks_the_page_ids_once(monkeypatch: pytest.MonkeyPatch) -> None:

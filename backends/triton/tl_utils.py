@@ -186,10 +186,14 @@ def load_reported_page(entry_ptr, num_pages, faults_ptr, request, block):
     """:func:`load_page` of ``block_table[request, block]`` that also reports a bad id: it lowers
     the word at ``faults_ptr`` to ``request << 32 | block`` (mm3.contract.page_ids), so the layer
     learns of it with no check of its own. The indexer loads every used entry: it reports for
-    the step. Cost: a compare on a value already loaded; the atomic runs only for a bad id."""
+    the step. Cost: a compare on a value already loaded; the word is read and written only for a
+    bad id. The word is host memory mapped into the device, where atomics are not portable: a
+    plain load and store, so of programs that meet bad ids at once any one may win."""
     page = tl.load(entry_ptr)
     if (page < 0) | (page >= num_pages):
-        tl.atomic_min(faults_ptr, request.to(tl.int64) * 4294967296 + block)
+        code = request.to(tl.int64) * 4294967296 + block
+        if code < tl.load(faults_ptr, volatile=True):
+            tl.store(faults_ptr, code)
     return tl.maximum(tl.minimum(page, num_pages - 1), 0).to(tl.int64)
 
 

@@ -144,9 +144,10 @@ def index_topk(index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMet
 
     ``index_q`` is ``[T, Hidx, Di]``; ``out`` holds exactly the step's rows.
     ``page_faults``: ``None``, or (for a backend that declares
-    ``reports_bad_page_ids``) a one-element int64 tensor on the batch's device:
-    lower it (atomic min) to ``request << 32 | block`` for every used
-    block-table entry that is not a page id in ``[0, caches.num_pages)``, and
+    ``reports_bad_page_ids``) a one-element int64 tensor on the batch's device,
+    maybe over host memory mapped into it: lower it (a plain load and store, no
+    atomics) to ``request << 32 | block`` for every used block-table entry
+    that is not a page id in ``[0, caches.num_pages)``, and
     read such an entry's page as a clamped id, never as an address outside the
     cache. Take the argument only if you declare the capability (a hook may
     name any subset of its spec's arguments).

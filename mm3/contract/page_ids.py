@@ -15,13 +15,16 @@ check, each once:
   it loads and lowers the flag's word to the first bad entry it meets (its
   kernels read every used entry anyway: no launch of its own); for any other
   backend the layer records the check with a few torch ops, once per batch
-  (or in every captured step). The host reads the word one step later
-  through an asynchronous copy, and :meth:`PageIdFlag.raise_pending` turns a
-  fault into an :class:`~mm3.contract.errors.InputError` at the layer's next
-  step (or at :meth:`PageIdFlag.check`, which waits).
+  (or in every captured step). The word is host memory that the device
+  writes (pinned and mapped), so the host reads it with no copy and no
+  launch: :meth:`PageIdFlag.raise_pending` turns a fault into an
+  :class:`~mm3.contract.errors.InputError` at the layer's next step (or at
+  :meth:`PageIdFlag.check`, which waits).
 
-The word is an int64: ``request << 32 | block`` of the first bad entry (the
-smallest), or :data:`NO_FAULT`.
+The word is an int64: ``request << 32 | block`` of a bad entry, or
+:data:`NO_FAULT`. It is lowered with a plain load and store (atomics on host
+memory are not portable), so of bad entries met at once by several programs
+it keeps one, not always the smallest; each is a true report.
 
 Example:
     >>> import torch
@@ -117,18 +120,47 @@ def check_page_ids(batch: BatchMetadata, num_pages: int, *, hint: bool = True) -
     verdicts[num_pages] = "host"
 
 
-class PageIdFlag:
-    """A layer's sticky device-side word of the first bad block-table entry, read one step later.
+class _MappedInterface:
+    """``__cuda_array_interface__`` of a pinned host tensor: ``torch.as_tensor`` then makes a device
+    tensor over the same memory (where the device can address host memory), with no copy."""
 
-    :attr:`word` (int64, one element, on ``device``) is what a reporting
-    backend's kernels lower; :meth:`record` lowers it with torch ops for the
-    others (no host sync). :meth:`after_step` starts an asynchronous copy of it
-    to host memory (pinned where the device has it); :meth:`raise_pending`
-    reads that copy, without waiting for the device, and raises
-    :class:`InputError` when a fault arrived; so a bad id is reported at the
-    layer's next step (or at :meth:`check`, which waits). A CUDA graph replays
-    the kernels' (or the captured record's) writes with no Python run: the
-    word stays set until the next eager step's copy or :meth:`check` reads it.
+    def __init__(self, host: torch.Tensor) -> None:
+        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i8", "version": 3,
+                                         "data": (host.data_ptr(), False), "strides": None}
+
+
+def _device_view(host: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
+    """A tensor on ``device`` over ``host``'s memory (``host`` itself on the CPU, else pinned), or None
+    where the device cannot address host memory (checked by address, not by device type)."""
+    if device.type == "cpu":
+        return host
+    try:
+        pinned = host.pin_memory()
+        view = torch.as_tensor(_MappedInterface(pinned), device=device)
+    except (RuntimeError, TypeError, ValueError, AttributeError):
+        return None
+    if view.device != device or view.data_ptr() != pinned.data_ptr():
+        return None
+    view._mm3_host = pinned  # type: ignore[attr-defined]   # the memory lives as long as the view
+    return view
+
+
+class PageIdFlag:
+    """A layer's sticky word of the first bad block-table entry, lowered on the device, read by the host.
+
+    :attr:`word` (int64, one element, a tensor on ``device``) is what a
+    reporting backend's kernels lower; :meth:`record` lowers it with torch ops
+    for the others (no host sync). Its memory is host memory wherever the
+    device can address it (pinned and mapped: CUDA and ROCm GPUs; plain memory
+    on the CPU), so the device's stores land where the host reads them:
+    :meth:`raise_pending` reads the word with no copy, no event and no launch,
+    and raises :class:`InputError` when a fault arrived — at the layer's next
+    step, or at a later one while the step that met it still runs (or at
+    :meth:`check`, which waits for the device). A CUDA graph replays the
+    kernels' (or the captured record's) stores with no Python run: the word
+    stays set until an eager step or :meth:`check` reads it. On a device that
+    cannot address host memory the word lives on the device, and each eager
+    step that may have lowered it starts an asynchronous copy (:meth:`after_step`).
 
     Args:
         device: where the block tables live.
@@ -136,19 +168,19 @@ class PageIdFlag:
 
     def __init__(self, device: Union[str, torch.device]) -> None:
         self.device = torch.device(device)
-        self.word = torch.full((1,), NO_FAULT, dtype=torch.int64, device=self.device)
-        self._host = torch.full((1,), NO_FAULT, dtype=torch.int64)
-        if self.device.type != "cpu":
-            try:  # pinned host memory makes the copy asynchronous
-                self._host = self._host.pin_memory()
-            except RuntimeError:
-                pass
+        host = torch.full((1,), NO_FAULT, dtype=torch.int64)
+        view = _device_view(host, self.device)
+        #: the word the device lowers
+        self.word = view if view is not None else host.to(self.device, copy=True)
+        #: True: the word is host memory, read where it is (else: copied by after_step)
+        self.shared = view is not None
+        self._host = getattr(self.word, "_mm3_host", host)   # the memory raise_pending reads
+        self._read = self._host.numpy()
         self._lock = threading.Lock()
         #: the cache size the message names (the last step's)
         self.num_pages = 0
-        # raise_pending reads the host copy only once a copy was started; an event says when it landed
+        # a device word: raise_pending reads the host copy only once a copy was started
         self._copied = False
-        self._landed: Optional[Any] = None
 
     def record(self, batch: BatchMetadata, num_pages: int, *, always: bool = False) -> None:
         """Check ``batch``'s used entries against ``num_pages`` with torch ops on its device; no host sync.
@@ -169,32 +201,30 @@ class PageIdFlag:
         cols = torch.arange(M, device=bad.device, dtype=torch.int64)[None, :]
         first = torch.where(bad, rows | cols, NO_FAULT).amin().view(1)
         torch.minimum(self.word, first, out=self.word)
-        if self.device.type == "cpu":
+        if not always:
             self.after_step()
 
     def after_step(self) -> None:
-        """Start the copy of the word to the host that the next :meth:`raise_pending` reads (eager steps)."""
+        """After an eager step that may have lowered the word: where the word is device memory, start
+        the copy that the next :meth:`raise_pending` reads (a shared word needs nothing)."""
+        if self.shared:
+            return
         with self._lock:
             self._host.copy_(self.word, non_blocking=True)
             self._copied = True
-            self._landed = None
-            if self.device.type == "cuda":
-                self._landed = torch.cuda.Event()
-                self._landed.record()
 
     def raise_pending(self) -> None:
-        """Raise :class:`InputError` if a recorded step met a bad entry (reads host memory only)."""
-        if not self._copied:
+        """Raise :class:`InputError` if a step met a bad entry (reads host memory only, never waits)."""
+        if not self.shared and not self._copied:
             return
         with self._lock:
-            if self._landed is not None and not self._landed.query():
-                return   # not there yet: the next step reads it
             self._copied = False
-            got = int(self._host[0])
+            got = int(self._read[0])
             if got == NO_FAULT:
                 return
-            self.word.fill_(NO_FAULT)
-            self._host.fill_(NO_FAULT)
+            self._read[0] = NO_FAULT
+            if not self.shared:
+                self.word.fill_(NO_FAULT)
         r, b = got >> 32, got & 0xFFFFFFFF
         raise InputError(_message(r, b, None, self.num_pages)
                          + " (found on the device in an earlier step of this layer, whose output "
@@ -203,7 +233,10 @@ class PageIdFlag:
     def check(self) -> None:
         """Wait for the device, then :meth:`raise_pending`."""
         with self._lock:
-            self._host.copy_(self.word)
-            self._copied = True
-            self._landed = None
+            if self.shared:
+                if self.device.type != "cpu":
+                    torch.accelerator.synchronize(self.device)
+            else:
+                self._host.copy_(self.word)
+                self._copied = True
         self.raise_pending()
