@@ -36,11 +36,6 @@ ALL_KINDS = ("indexer", "attention", "buffer", "composed")
 RUNS = (("cuda", "float16", "float8_e4m3fn", ALL_KINDS), ("rocm", "float32", "float16", ALL_KINDS),
         ("cuda", "bfloat16", "bfloat16", ("attention", "composed")),
         ("rocm", "bfloat16", "float8_e4m3fn", ("indexer", "composed")))
-# Cases outside what the plugins declare: fp8 K/V scales per token slot (kv_slot_scales). Planned as
-# skips with that reason (checked below); drop this when the kernels read them.
-UNDECLARED = ("kv_fp8_slot_mixed", "kv_fp8_slot_spec_decode_hnd")
-
-
 def _registry() -> Registry:
     return Registry(plugins=[cuda_plugin, rocm_plugin, cpu_ref], entry_points=False)
 
@@ -48,8 +43,7 @@ def _registry() -> Registry:
 def _plan(backend: str, dtype: str, index_dtype: str, registry: Registry) -> list:
     from mm3.testing.conformance import plan_cases
 
-    plan = plan_cases(registry.get(backend), device="cpu", quick=True, dtypes=[dtype], index_dtypes=[index_dtype])
-    return [c for c in plan if c.name.split("/")[-1].split(":")[0] not in UNDECLARED]
+    return plan_cases(registry.get(backend), device="cpu", quick=True, dtypes=[dtype], index_dtypes=[index_dtype])
 
 
 # Planning builds no input and runs no kernel: cheap enough for collection.
@@ -74,11 +68,9 @@ def test_conformance_case_under_interpreter(backend: str, dtype: str, index_dtyp
     assert report.passed and all(r.passed for r in report.results), report.format()
 
 
-@pytest.mark.parametrize("backend", ["cuda", "rocm"])
-def test_undeclared_cases_are_skipped_with_their_reason(backend: str) -> None:
-    from mm3.testing.conformance import plan_cases
-
-    plan = plan_cases(_registry().get(backend), device="cpu", quick=True, dtypes=["float16"],
-                      index_dtypes=["bfloat16"])
-    skipped = [c for c in plan if c.name.split("/")[-1].split(":")[0] in UNDECLARED]
-    assert skipped and all("cannot read K/V scales per token slot" in c.skip for c in skipped)
+def test_per_slot_scales_are_among_the_cases() -> None:
+    """The fp8 K/V cases with scales per token slot reach both plugins' attention (they declare
+    kv_slot_scales): in the decode kernels (cuda's persistent one, rocm's grid) and both prefill ones."""
+    slot = {(b, name.split("/")[-1].split(":")[0]) for b, _, _, name in CASES if "kv_fp8_slot" in name}
+    assert {("cuda", "kv_fp8_slot_mixed"), ("rocm", "kv_fp8_slot_mixed"),
+            ("cuda", "kv_fp8_slot_spec_decode_hnd"), ("rocm", "kv_fp8_slot_spec_decode_hnd")} <= slot, slot

@@ -207,20 +207,27 @@ def test_unserved_arguments_are_named(case: str, match: str) -> None:
 
 
 def test_selection_explains_a_backend_that_cannot_read_slot_scales() -> None:
-    """The Triton backends read [Hkv] scales only: pinned, selection says why; auto picks cpu_ref."""
+    """A backend that reads [Hkv] scales only: pinned, selection says why; auto picks one that reads them."""
+    from mm3.runtime.registry import Registry
+    from mm3.testing.mock import MockBackend
+    from mm3_backends.cpu_ref import plugin as cpu_ref
+
+    heads_only = MockBackend("heads_only", priority=50, kv_slot_scales=False)
+    registry = Registry(plugins=[heads_only, cpu_ref], entry_points=False)
+    targets.configure(registry=registry)
     s = vllm_step(P, decodes=(70,), prefills=(), kv_dtype="float8_e4m3fn", kv_scale="slot", seed=8)
     c = s.case
     args = (c.q, s.kv_cache, s.topk_view[:, :1], s.block_table, s.seq_lens, 2, 0.25, s.output, 1, s.k_scale,
             s.v_scale)
-    with mm3.use_backend("cuda"), pytest.raises(mm3.BackendUnavailableError,
-                                                match="cannot read K/V scales per token slot"):
+    with mm3.use_backend("heads_only", registry=registry), pytest.raises(
+            mm3.BackendUnavailableError, match="cannot read K/V scales per token slot"):
         ops.minimax_m3_sparse_attn_decode(*args)
-    with mm3.use_backend("auto"):
+    with mm3.use_backend("auto", registry=registry):
         s.topk_view[:, :1] = 0
         ops.minimax_m3_sparse_attn_decode(*args)
     chosen = [x for x in targets.selections() if x.requirements.kv_slot_scales]
     assert chosen and all(x.attention.name == "cpu_ref" for x in chosen)
-    assert "scales per token slot" in chosen[-1].explain()
+    assert "heads_only" in chosen[-1].explain() and "scales per token slot" in chosen[-1].explain()
 
 
 def test_captured_calls_need_an_eager_first_call_and_a_graph_safe_backend(monkeypatch: pytest.MonkeyPatch) -> None:

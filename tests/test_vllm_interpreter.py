@@ -2,10 +2,9 @@
 
 The seed's case (token-major top-k storage behind a head-major view, a mixed
 batch with a padding decode and prefills with a prefix) and speculative
-decodes with per-head fp8 scales, each backend pinned with ``mm3.use_backend``.
-The interpreter's bf16 arithmetic is wrong, so float32 / float16 run here and
-bf16 on the GPU (tests/gpu/test_vllm_gpu.py). Per-slot scales are not read by
-these backends (test_vllm_dropin.py checks that selection says so).
+decodes with fp8 scales per KV head and per (KV head, token slot), each
+backend pinned with ``mm3.use_backend``. float32 / float16 run here and bf16
+on the GPU (tests/gpu/test_vllm_gpu.py).
 """
 
 from __future__ import annotations
@@ -47,6 +46,19 @@ def test_speculative_decode_fp8_kv_on_cuda() -> None:
                       kv_dtype="float8_e4m3fn", kv_scale="head", seed=12)
         run_step(s, max_dql=4)
     assert_step_right(s, torch.float16)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "rocm"])
+def test_slot_scaled_fp8_kv_mixed_batch_on_the_triton_backends(backend: str) -> None:
+    """vLLM's per-(KV head, token slot) scales, read by both plugins' decode and prefill attention."""
+    targets.configure()
+    with torch.inference_mode(), mm3.use_backend(backend):
+        s = vllm_step(P, decodes=(60, 41), padding=1, prefills=((9, 40),), dtype="float16",
+                      kv_dtype="float8_e4m3fn", kv_scale="slot", seed=14)
+        run_step(s)
+    assert_step_right(s, torch.float16)
+    used = {(x.indexer.name, x.attention.name) for x in targets.selections() if x.requirements.kv_slot_scales}
+    assert used == {(backend, backend)}, used
 
 
 def test_a_bad_page_id_is_reported_by_the_kernels() -> None:

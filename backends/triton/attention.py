@@ -63,7 +63,7 @@ from .prefill_attention import prefill_attention_forward
 from .scratch import scratch_parts
 from .tiles import load_query_rows, load_rows, score_scale, softmax_weights, store_item, store_rows, token_rows
 from .tl_utils import (arrive_last, dot_config, kv_scale, kv_scale_args, launch_options, load_page,
-                       pdl_prologue, step_kernel)
+                       pdl_prologue, slot_scales, step_kernel)
 
 __all__ = ["attention_forward"]
 
@@ -71,28 +71,39 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _softmax_update(q, keys, vals, row_mask, key_pos, pos, m_i, l_i, acc, qk_scale,
-                    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One online-softmax step (base 2, scale folded in) over a tile of keys at positions ``key_pos``."""
+def _softmax_update(q, keys, vals, row_mask, key_pos, pos, m_i, l_i, acc, qk_scale, k_f, v_f,
+                    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SLOT_SCALED: tl.constexpr):
+    """One online-softmax step (base 2, scale folded in) over a tile of keys at positions ``key_pos``
+    (``k_f``, ``v_f``: the keys' per-slot scale factors with ``SLOT_SCALED``)."""
     s = tl.dot(q, tl.trans(keys), input_precision=DOT_PREC) * qk_scale
+    if SLOT_SCALED:
+        s = s * k_f[None, :]
     visible = row_mask[:, None] & (key_pos[None, :] <= pos[:, None])
-    return online_softmax_step(tl.where(visible, s, float("-inf")), vals, m_i, l_i, acc, DOT_DTYPE, DOT_PREC)
+    return online_softmax_step(tl.where(visible, s, float("-inf")), vals, m_i, l_i, acc, v_f, DOT_DTYPE, DOT_PREC,
+                               SLOT_SCALED)
 
 
 @triton.jit
-def online_softmax_step(s, vals, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+def online_softmax_step(s, vals, m_i, l_i, acc, v_f, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+                        SLOT_SCALED: tl.constexpr):
     """Fold one tile of base-2 logits ``s`` (``-inf`` where a key is not visible) and its values
-    into the running maximum ``m_i``, sum ``l_i`` and unnormalised output ``acc``."""
+    into the running maximum ``m_i``, sum ``l_i`` and unnormalised output ``acc`` (``v_f``: the
+    values' per-slot scale factors with ``SLOT_SCALED``, applied to the weights, not to the sum)."""
     p, alpha, m_new, l_i = softmax_weights(s, m_i, l_i, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
+    if SLOT_SCALED:
+        pv = p * v_f[None, :]
+    else:
+        pv = p
+    acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_mask, pos, b,
-                  qk_scale, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Online-softmax steps over block ``b`` (its page's K/V head slices) for the masked rows.
+                  qk_scale, ks_row, vs_row, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SLOT_SCALED: tl.constexpr):
+    """Online-softmax steps over block ``b`` (its page's K/V head slices) for the masked rows
+    (``ks_row``, ``vs_row``: the page's per-slot scales of this KV head, read with ``SLOT_SCALED``).
 
     The block is taken ``BN`` keys at a time: a whole 128 x 128 K tile plus its V
     tile would not fit in registers next to the accumulator.
@@ -103,14 +114,15 @@ def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_
         keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd).to(DOT_DTYPE)
         vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd).to(DOT_DTYPE)
         m_i, l_i, acc = _softmax_update(q, keys, vals, row_mask, b * B + offs_j, pos, m_i, l_i, acc,
-                                        qk_scale, DOT_DTYPE, DOT_PREC)
+                                        qk_scale, slot_scales(ks_row, offs_j, SLOT_SCALED),
+                                        slot_scales(vs_row, offs_j, SLOT_SCALED), DOT_DTYPE, DOT_PREC, SLOT_SCALED)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _attend_block_masked(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_mask, pos, b, use,
-                         qk_scale, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                         DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+                         qk_scale, ks_row, vs_row, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SLOT_SCALED: tl.constexpr):
     """:func:`_attend_block` with the K/V loads predicated on ``use`` (scalar): no traffic when False."""
     offs_d = tl.arange(0, D)
     for c in tl.static_range(0, B, BN):
@@ -119,8 +131,11 @@ def _attend_block_masked(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_v
         ld = (tl.zeros([BN, D], tl.int32) + use.to(tl.int32)) > 0
         keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd, mask=ld, other=0.0)
         vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd, mask=ld, other=0.0)
+        ldj = (tl.zeros([BN], tl.int32) + use.to(tl.int32)) > 0
         m_i, l_i, acc = _softmax_update(q, keys.to(DOT_DTYPE), vals.to(DOT_DTYPE), row_mask, b * B + offs_j,
-                                        pos, m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PREC)
+                                        pos, m_i, l_i, acc, qk_scale, slot_scales(ks_row, offs_j, SLOT_SCALED, ldj),
+                                        slot_scales(vs_row, offs_j, SLOT_SCALED, ldj), DOT_DTYPE, DOT_PREC,
+                                        SLOT_SCALED)
     return m_i, l_i, acc
 
 
@@ -132,7 +147,7 @@ def _decode_attention_kernel(
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 2, PDL: tl.constexpr = False,
-    KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False,
+    KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False, SLOT_SCALED: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     t = tl.program_id(0)
@@ -168,8 +183,8 @@ def _decode_attention_kernel(
             page = load_page(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b, num_pages)
             m_i, l_i, acc = _attend_block_masked(
                 q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                s_kb, s_kd, s_vb, s_vd, row_ok & use, pos_rows, blk, use, qk, B, BN, D,
-                DOT_DTYPE, DOT_PREC)
+                s_kb, s_kd, s_vb, s_vd, row_ok & use, pos_rows, blk, use, qk, ks_ptr + h * s_ks + page * B,
+                vs_ptr + h * s_vs + page * B, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED)
     acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
     if SPLITS == 1:
         store_rows(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
@@ -190,7 +205,7 @@ def _decode_attention_flat_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 3, PDL: tl.constexpr = False,
     KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False, MERGE_LAST: tl.constexpr = False,
-    S_PAD: tl.constexpr = 1,
+    S_PAD: tl.constexpr = 1, SLOT_SCALED: tl.constexpr = False,
 ):
     """:func:`_decode_attention_kernel`'s work, persistent: grid ``(programs,)``.
 
@@ -244,8 +259,8 @@ def _decode_attention_flat_kernel(
         m_i, l_i, acc = _attend_block_masked(
             q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
             s_kb, s_kd, s_vb, s_vd, row_ok & use, zero_rows + pos, blk, use,
-            score_scale(qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED), undo, SCALE_Q), B, BN, D,
-            DOT_DTYPE, DOT_PREC)
+            score_scale(qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED), undo, SCALE_Q),
+            ks_ptr + h * s_ks + page * B, vs_ptr + h * s_vs + page * B, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED)
         last = row_ok & ((zero_rows + j) == KPS - 1)
         store_item(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
                    (t * num_h + h) * SPLITS + sp, acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED), m_i, l_i, last,
@@ -332,7 +347,7 @@ def _prefill_attention_kernel(
     out_ptr, s_ot, s_oh, s_od, G, first_request, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    KV_SCALED: tl.constexpr = False,
+    KV_SCALED: tl.constexpr = False, SLOT_SCALED: tl.constexpr = False,
 ):
     r = first_request + tl.program_id(0)
     h = tl.program_id(2)
@@ -357,7 +372,8 @@ def _prefill_attention_kernel(
                 page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
                 m_i, l_i, acc = _attend_block(
                     q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
-                    s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, B, BN, D, DOT_DTYPE, DOT_PREC)
+                    s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, ks_ptr + h * s_ks + page * B,
+                    vs_ptr + h * s_vs + page * B, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED)
         acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
         store_rows(out_ptr, tok, qh, s_ot, s_oh, s_od, acc, l_i, row_in, D)
 
@@ -372,7 +388,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     Hkv, G, K, B, D = params.num_kv_heads, params.gqa_group, params.topk, params.block_size, params.head_dim
     k, v, bt = caches.k, caches.v, batch.block_table
     qk_scale = params.softmax_scale * LOG2E
-    scales, kv_scaled = kv_scale_args(caches, q)
+    scales, kv_scaled, slot_scaled = kv_scale_args(caches, q)
     sh, st, sk = topk.strides()
     # the page count bounds every page id the kernels read (tl_utils.load_page)
     tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()), caches.num_pages)
@@ -380,7 +396,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     npf = batch.num_prefills
     td = batch.num_decode_tokens
     if td > 0:
-        plan = decode_attention_plan(cfg, td, Hkv, G, K, B, D, q.dtype, k.dtype, kv_scaled)
+        plan = decode_attention_plan(cfg, td, Hkv, G, K, B, D, q.dtype, k.dtype, kv_scaled, slot_scaled)
         fast = cfg.algorithms.fast_launch
         splits, g_pad = plan.splits, plan.g_pad
         if splits > 1:   # [td, Hkv, splits, g_pad] maxima and sums, [..., D] accumulators: one buffer
@@ -428,5 +444,5 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
                (*tensors, batch.query_start_loc, batch.token_positions,
                 topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale, *scales),
                dict(ROWS=rows, M=m, B=B, BN=min(B, tiles.block_n), D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype,
-                    DOT_PREC=dot_prec, KV_SCALED=kv_scaled),
+                    DOT_PREC=dot_prec, KV_SCALED=kv_scaled, **({"SLOT_SCALED": True} if slot_scaled else {})),
                dict(num_warps=tiles.warps, num_stages=tiles.num_stages, **opts), cfg.algorithms.fast_launch)

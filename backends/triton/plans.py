@@ -74,9 +74,11 @@ class DecodeAttentionPlan(NamedTuple):
 
 
 def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, B: int, D: int,
-                          q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_scaled: bool) -> DecodeAttentionPlan:
+                          q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_scaled: bool,
+                          slot_scaled: bool = False) -> DecodeAttentionPlan:
     """The launches of ``td`` decode tokens' attention (see :func:`.attention.attention_forward`);
-    shapes only, so an eager step and its CUDA-graph replay launch the same kernels."""
+    shapes only, so an eager step and its CUDA-graph replay launch the same kernels.
+    ``kv_scaled`` / ``slot_scaled``: fp8 K/V scaled per KV head / per KV head and token slot."""
     def make() -> DecodeAttentionPlan:
         dot_dtype, dot_prec, scale_q = dot_config(q_dtype, kv_dtype, cfg.numerics.kv_fp8_as_f16)
         pdl = pdl_enabled(cfg, td, Hkv)
@@ -89,6 +91,8 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
         const = dict(G_PAD=g_pad, SPLITS=splits, KPS=kps, STAGES=dac.stages, PDL=pdl, B=B,
                      BN=min(B, dac.block_n), D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype,
                      DOT_PREC=dot_prec, KV_SCALED=kv_scaled, SCALE_Q=scale_q)
+        if slot_scaled:
+            const["SLOT_SCALED"] = True
         opts = dict(num_warps=dac.warps, num_stages=dac.num_stages, **dopts)
         flat = cfg.algorithms.decode_attention_flat
         if flat:
@@ -116,7 +120,7 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
         return DecodeAttentionPlan(flat, grid, flat_ints, splits, g_pad, const, opts, splits > 1, per_row, mgrid,
                                    mconst, mopts, merge_last, launched)
 
-    return _cached(cfg, ("attention", td, Hkv, G, K, B, D, q_dtype, kv_dtype, kv_scaled), make)
+    return _cached(cfg, ("attention", td, Hkv, G, K, B, D, q_dtype, kv_dtype, kv_scaled, slot_scaled), make)
 
 
 class DecodeIndexPlan(NamedTuple):

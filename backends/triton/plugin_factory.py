@@ -140,7 +140,8 @@ class TritonPlatform:
             kv_cache_dtypes={"bfloat16", "float16", "float32", "float8_e4m3fn"},
             head_dims=SUPPORTED_TILE_SIZES, index_head_dims=SUPPORTED_TILE_SIZES,
             block_sizes=SUPPORTED_TILE_SIZES, max_topk=64, max_gqa_group=64,
-            max_decode_query_len=self.max_decode_query_len, cuda_graph_safe=True, reports_bad_page_ids=True)
+            max_decode_query_len=self.max_decode_query_len, cuda_graph_safe=True, reports_bad_page_ids=True,
+            kv_slot_scales=True)
 
     def device_problem(self, device: torch.device) -> str:
         """Why the kernels cannot run on tensors of ``device`` ('' if they can)."""

@@ -48,7 +48,7 @@ from .launch import next_pow2
 from .prefill_config import PrefillAttentionConfig
 from .prefill_plan import plan_pairs
 from .tiles import load_rows, store_rows
-from .tl_utils import kv_scale, kv_scale_args, step_kernel
+from .tl_utils import kv_scale, kv_scale_args, slot_scales, step_kernel
 
 __all__ = ["prefill_attention_forward"]
 
@@ -95,18 +95,26 @@ def _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, B: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def _run_step(q, keys_t, vals, visible, qk_scale, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The softmax (base 2, scale folded in) of a row's only key tile, given as K^T: ``(m, l, acc)``.
-
-    An online-softmax step from the empty state (:func:`.tiles.softmax_weights`), the same numbers
-    without its rescaling of a zero accumulator (a ``ROWS x D`` multiply whose operand stayed live
-    in registers).
+def _run_step(q, keys_t, vals, visible, qk_scale, k_f, v_f, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+              SLOT_SCALED: tl.constexpr):
+    """The softmax (base 2, scale folded in) of a row's only key tile, given as K^T: ``(m, l, acc)``
+    (``k_f``, ``v_f``: the keys' per-slot scale factors with ``SLOT_SCALED``: the K ones on the
+    logits, the V ones on the weights of the second dot, not on their sum). An online-softmax step
+    from the empty state (:func:`.tiles.softmax_weights`), the same numbers without its rescaling
+    of a zero accumulator (a ``ROWS x D`` multiply whose operand stayed live in registers).
     """
-    s = tl.where(visible, tl.dot(q, keys_t, input_precision=DOT_PREC) * qk_scale, float("-inf"))
+    s = tl.dot(q, keys_t, input_precision=DOT_PREC) * qk_scale
+    if SLOT_SCALED:
+        s = s * k_f[None, :]
+    s = tl.where(visible, s, float("-inf"))
     m = tl.max(s, axis=1)
     # rows with no visible key keep m = -inf; shift by 0 there to avoid inf - inf
     p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
-    return m, tl.sum(p, axis=1), tl.dot(p.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
+    if SLOT_SCALED:
+        pv = p * v_f[None, :]
+    else:
+        pv = p
+    return m, tl.sum(p, axis=1), tl.dot(pv.to(DOT_DTYPE), vals, input_precision=DOT_PREC)
 
 
 @step_kernel("nb_max", "num_req")
@@ -117,6 +125,7 @@ def _block_run_kernel(
     ws_lse_ptr, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr, RUN: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 4, KV_SCALED: tl.constexpr = False,
+    SLOT_SCALED: tl.constexpr = False,
 ):
     """Runs ``program_id, program_id + programs, ...``; a run is up to ``RUN`` tiles of one segment.
 
@@ -144,12 +153,14 @@ def _block_run_kernel(
         run_qk_scale = qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED)
         v_scale = kv_scale(vs_ptr, h, s_vs, KV_SCALED)
         key_pos = b * B + tl.arange(0, B)
+        k_f = slot_scales(ks_ptr + h * s_ks + page * B, tl.arange(0, B), SLOT_SCALED)
+        v_f = slot_scales(vs_ptr + h * s_vs + page * B, tl.arange(0, B), SLOT_SCALED)
         for r in tl.range(0, tl.cdiv(n, M), num_stages=STAGES):
             row_ok, tok, pos = _tile_rows(run_tok_ptr + i * (M * RUN) + r * M, pos_ptr, n - r * M, G, ROWS, M)
             q = load_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
             # (pos = -1 in rows without a pair: nothing visible)
-            m_i, l_i, acc = _run_step(q, keys_t, vals, key_pos[None, :] <= pos[:, None], run_qk_scale,
-                                      DOT_DTYPE, DOT_PREC)
+            m_i, l_i, acc = _run_step(q, keys_t, vals, key_pos[None, :] <= pos[:, None], run_qk_scale, k_f, v_f,
+                                      DOT_DTYPE, DOT_PREC, SLOT_SCALED)
             # a valid pair's block holds key b * B <= pos, so l > 0 in every stored row
             l_safe = tl.where(l_i > 0, l_i, 1.0)
             _store_partials(ws_o_ptr, ws_lse_ptr, place + r * M, G, acc * (v_scale / l_safe)[:, None],
@@ -213,7 +224,7 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         raise ValueError(f"prefill attention: {Hkv} KV heads x {batch.num_prefills} requests x {nb_max} blocks "
                          f"overflow the int32 segment ids; split the step into fewer prefill requests")
     k, v = caches.k, caches.v
-    scales, kv_scaled = kv_scale_args(caches, q)
+    scales, kv_scaled, slot_scaled = kv_scale_args(caches, q)
     sel = topk.head_major()
     run_options = dict(num_warps=cfg.warps, **platform_options)
     merge_options = dict(num_warps=cfg.merge_warps, **platform_options)
@@ -233,7 +244,7 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
                 plan.tile_seg, plan.tile_page, plan.tile_tok, plan.tile_pairs, plan.tile_place, plan.num_tiles,
                 ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales),
                dict(ROWS=rows, M=m, RUN=cfg.run_tiles, STAGES=cfg.stages, KV_SCALED=kv_scaled, B=B, D=D,
-                    DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec),
+                    DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, **({"SLOT_SCALED": True} if slot_scaled else {})),
                run_options, fast)
         launch(_merge_slots_kernel, (c, Hkv), (out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G),
                dict(K=K, **_merge_sizes(G, D)), merge_options, fast)

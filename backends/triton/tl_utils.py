@@ -16,7 +16,7 @@ import triton.language as tl
 from .launch import LaunchConfig
 
 __all__ = ["dot_config", "launch_options", "decode_launch_options", "interpreting", "pdl_enabled", "pdl_prologue",
-           "TL_DTYPES", "kv_scale_args", "kv_scale", "load_page", "arrive_last", "step_kernel",
+           "TL_DTYPES", "kv_scale_args", "kv_scale", "slot_scales", "load_page", "arrive_last", "step_kernel",
            "unspecialized_params"]
 
 try:  # programmatic dependent launch (Hopper+): Triton >= 3.4 has these
@@ -134,16 +134,23 @@ def decode_launch_options(cfg: LaunchConfig, pdl: bool) -> dict[str, Any]:
     return opts
 
 
-def kv_scale_args(caches: Any, dummy: torch.Tensor) -> tuple[tuple[Any, int, Any, int], bool]:
-    """``((k_scale, its stride, v_scale, its stride), KV_SCALED)`` for a kernel that reads ``caches``.
+def kv_scale_args(caches: Any, dummy: torch.Tensor) -> tuple[tuple[Any, int, Any, int], bool, bool]:
+    """``((k_scale, head stride, v_scale, head stride), KV_SCALED, SLOT_SCALED)`` for a kernel that reads ``caches``.
 
-    Scaled fp8 K/V (docs/spec.md §1) pass their ``[Hkv]`` scales, read in
-    place (stride 0 for a per-tensor scale), so a captured graph sees scales
-    updated in place; otherwise ``dummy`` stands in and is never read.
+    Scaled fp8 K/V (docs/spec.md §1) pass their scales, read in place, so a
+    captured graph sees scales updated in place: ``[Hkv]`` ones (stride 0 for a
+    per-tensor scale) with ``KV_SCALED``; ``[Hkv, num_slots]`` ones with
+    ``SLOT_SCALED``, whose slots the kernels address as ``page * block_size +
+    offset`` (consecutive slots adjacent: a view with another slot stride is
+    copied). Otherwise ``dummy`` stands in and is never read.
     """
-    if caches.kv_scaled:
-        return (caches.k_scale, caches.k_scale.stride(0), caches.v_scale, caches.v_scale.stride(0)), True
-    return (dummy, 0, dummy, 0), False
+    if not caches.kv_scaled:
+        return (dummy, 0, dummy, 0), False, False
+    ks, vs = caches.k_scale, caches.v_scale
+    if caches.slot_scaled:
+        ks, vs = (s if s.stride(1) == 1 else s.contiguous() for s in (ks, vs))
+        return (ks, ks.stride(0), vs, vs.stride(0)), False, True
+    return (ks, ks.stride(0), vs, vs.stride(0)), True, False
 
 
 @triton.jit
@@ -159,6 +166,21 @@ def kv_scale(scale_ptr, h, s_scale, KV_SCALED: tl.constexpr):
     else:
         s = 1.0
     return s
+
+
+@triton.jit
+def slot_scales(row_ptr, offs_j, SLOT_SCALED: tl.constexpr, mask=None):
+    """The dequantization factors of a page's keys ``offs_j`` for one KV head (``row_ptr``: its
+    scale row at the page's first slot, ``scale + h * stride + page * block_size``), or 1 without
+    per-slot scales. The K factors multiply the logits, the V factors the softmax weights before
+    the second dot (the softmax sum stays unscaled). ``mask`` as for ``tl.load`` (0 where off)."""
+    f = 1.0
+    if SLOT_SCALED:
+        if mask is None:
+            f = tl.load(row_ptr + offs_j)
+        else:
+            f = tl.load(row_ptr + offs_j, mask=mask, other=0.0)
+    return f
 
 
 @triton.jit

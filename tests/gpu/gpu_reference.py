@@ -41,7 +41,7 @@ def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefill
                decode_query_len: int = 1, padding_decodes: int = 0, dtype: torch.dtype = torch.bfloat16,
                index_dtype: torch.dtype = torch.bfloat16, kv_layout: str = "NHD", seed: int = 0,
                width: Optional[int] = None, num_pages: Optional[int] = None,
-               device: str = "cuda", kv_dtype: Optional[torch.dtype] = None) -> GpuCase:
+               device: str = "cuda", kv_dtype: Optional[torch.dtype] = None, kv_scale: str = "head") -> GpuCase:
     """A random mixed step whose caches and queries are generated on ``device``.
 
     The batch (decode-first order, padding decodes between real ones, permuted
@@ -50,7 +50,8 @@ def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefill
     here on the GPU, ``num_pages`` of them (at least what the batch uses).
     ``width`` (block-table columns) defaults to the longest request's blocks + 3.
     ``kv_dtype=torch.float8_e4m3fn`` stores K/V as ``value / scale`` with a
-    random scale per KV head (K) and one per tensor (V).
+    random scale per KV head (K) and one per tensor (V); with ``kv_scale="slot"``
+    both scales are random per KV head and token slot (``[Hkv, num_pages * block_size]``).
     """
     B = params.block_size
     need = max([-(-s // B) for s in list(decodes) + [s for _, s in prefills]])
@@ -64,8 +65,9 @@ def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefill
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
     fp8 = kv_dtype == torch.float8_e4m3fn
-    scales = ((0.02 + 0.03 * torch.rand(params.num_kv_heads, device=dev, generator=g),
-               0.02 + 0.03 * torch.rand(1, device=dev, generator=g)) if fp8 else (None, None))
+    Hkv = params.num_kv_heads
+    shapes = ((Hkv, pages * B), (Hkv, pages * B)) if kv_scale == "slot" else ((Hkv,), (1,))
+    scales = tuple(0.02 + 0.03 * torch.rand(sh, device=dev, generator=g) for sh in shapes) if fp8 else (None, None)
     caches = PagedKVCache.allocate(pages, B, params.num_kv_heads, params.head_dim, params.index_head_dim,
                                    kv_dtype or dtype, index_dtype, kv_layout, dev, *scales)
     for t, sc in ((caches.k, caches.k_scale), (caches.v, caches.v_scale)):
@@ -74,7 +76,9 @@ def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefill
             continue
         for a in range(0, t.shape[0], 4096):   # in slices: no full-size fp32 temporary
             x = torch.randn(t[a:a + 4096].shape, device=dev, generator=g, dtype=torch.float32)
-            t[a:a + 4096] = x / sc.view(1, 1, -1, 1)
+            n = x.shape[0]
+            per = (sc.view(Hkv, pages, B)[:, a:a + n].permute(1, 2, 0) if sc.dim() == 2 else sc.view(1, 1, -1))
+            t[a:a + 4096] = x / per.unsqueeze(-1)
     caches.index.copy_(torch.randn(caches.index.shape, device=dev, generator=g).to(index_dtype))
     T = batch.num_tokens
     q = torch.randn(T, params.num_heads, params.head_dim, device=dev, generator=g).to(dtype)

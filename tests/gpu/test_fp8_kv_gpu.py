@@ -11,7 +11,8 @@
 * An fp8-K/V decode step (indexer + attention) captured in a ``torch.cuda.CUDAGraph``
   and replayed with new lengths, positions, pages and queries equals eager bit
   for bit, at batch 64 (the persistent kernel's programs take two items each)
-  and in a speculative step with flash-decoding splits.
+  and in a speculative step with flash-decoding splits; with scales per KV head and
+  token slot too (eager, mixed steps, and a captured decode step).
 
 Run on a CUDA machine: ``pytest tests/gpu/test_fp8_kv_gpu.py -q`` (skipped elsewhere).
 """
@@ -102,6 +103,20 @@ def test_bf16_queries_on_fp8_kv_against_fp64(name: str, path: str) -> None:
     assert max_err <= TOL[0] and mean_err <= TOL[1], (max_err, mean_err)
 
 
+@pytest.mark.parametrize("name", ["tp1_idxbf16_q1_nhd", "tp8_idxbf16_q3_hnd"])
+def test_slot_scaled_fp8_kv_against_fp64(name: str) -> None:
+    """Scales per KV head and token slot (vLLM's [Hkv, num_slots]): the decode and prefill attention
+    read each key's own K and V factors."""
+    tp, idx_dtype, layout, dq, decodes, prefills = CASES[name]
+    p = SparseAttentionParams.minimax_m3(tp_size=tp)
+    case = build_case(p, decodes=decodes, prefills=prefills, decode_query_len=dq, padding_decodes=1,
+                      dtype=torch.bfloat16, index_dtype=idx_dtype, kv_layout=layout, seed=len(name) + tp + 1,
+                      kv_dtype=FP8, kv_scale="slot")
+    assert case.caches.slot_scaled
+    max_err, mean_err = _check_step(cuda_plugin, p, case)
+    assert max_err <= TOL[0] and mean_err <= TOL[1], (max_err, mean_err)
+
+
 @pytest.mark.parametrize("magnitude", [1e6, 1e-6])
 @pytest.mark.parametrize("tp", [1, 8])
 def test_query_rows_outside_fp16_range(tp: int, magnitude: float) -> None:
@@ -127,6 +142,7 @@ GRAPH_CASES = {
     "tp1_b64_q1": (1, 64, 1),
     "tp1_b8_spec_q2": (1, 8, 2),
     "tp8_b32_q1": (8, 32, 1),
+    "tp1_b16_q1_slot": (1, 16, 1),
 }
 
 
@@ -137,7 +153,7 @@ def test_fp8_kv_decode_step_in_cuda_graph(name: str) -> None:
     p = SparseAttentionParams.minimax_m3(tp_size=tp)
     pages, width = n * (K16 // 128 + 2) + 64, K16 // 128 + 2
     kw = dict(prefills=[], decode_query_len=dq, width=width, num_pages=pages, dtype=torch.bfloat16,
-              index_dtype=FP8, kv_dtype=FP8)
+              index_dtype=FP8, kv_dtype=FP8, kv_scale="slot" if name.endswith("_slot") else "head")
     first = build_case(p, decodes=[K8 + 11 * i for i in range(n)], seed=1, **kw)
     # same shapes (requests, query lengths, table width); new lengths, pages, queries (one padding row)
     replays = [build_case(p, decodes=[K16 - 97 * i for i in range(n - 1)], padding_decodes=1, seed=2, **kw),
