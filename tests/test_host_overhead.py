@@ -142,7 +142,8 @@ def test_the_page_id_flag_is_host_memory_read_without_a_copy(monkeypatch: pytest
 
 def test_a_word_the_host_cannot_share_is_read_after_its_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the device cannot address host memory the word lives on the device: read only once copied."""
-    monkeypatch.setattr(page_ids, "_device_view", lambda host, device: None)
+    host = torch.full((1,), page_ids.NO_FAULT, dtype=torch.int64)
+    monkeypatch.setattr(page_ids, "_shared_word", lambda device: (host.clone(), host, False))
     good = make_case(P, seed=3, **STEP).batch
     flag = PageIdFlag("cpu")
     assert not flag.shared and flag.word.data_ptr() != flag._host.data_ptr()

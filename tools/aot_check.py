@@ -19,6 +19,8 @@ Exit status 0 when everything compiled.
 
 from __future__ import annotations
 
+import inspect
+
 import os
 import subprocess
 import sys
@@ -57,6 +59,9 @@ class Launch:
         names = list(self.kernel.arg_names)
         values = dict(zip(names, self.args))
         values.update({k: v for k, v in self.kwargs.items() if k in names})
+        for p in getattr(self.kernel, "params", ()):   # parameters left to their defaults
+            if p.name not in values and getattr(p, "default", inspect.Parameter.empty) is not inspect.Parameter.empty:
+                values[p.name] = p.default
         sig: dict[str, str] = {}
         constexprs: dict[str, Any] = {}
         attrs: dict[tuple[int], list] = {}
@@ -123,12 +128,15 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
             (m3(tp_size=8), torch.float16, torch.float8_e4m3fn, 4, [300] * 8, [(5, 260)]),
             # fp8 K/V with bf16 queries: the fp16 dots with scaled query rows (numerics.kv_fp8_as_f16)
             (m3(tp_size=1), torch.bfloat16, torch.float8_e4m3fn, 1, [300] * 64, [(5, 260)], "float8_e4m3fn"),
+            # fp8 K/V scaled per (KV head, token slot): each key's own factors in the attention kernels
+            (m3(tp_size=8), torch.bfloat16, torch.bfloat16, 2, [300] * 64, [(5, 260)], "float8_e4m3fn", "slot"),
             (tiny, torch.bfloat16, torch.bfloat16, 1, [1], [(1, 1)]),
             (tiny, torch.bfloat16, torch.bfloat16, 1, [1], [(1, 1)], "float8_e4m3fn"),
         ]
         for p, dtype, idt, dq, decodes, prefills, *kv in variants:
             case = make_case(p, decodes=decodes, prefills=prefills, decode_query_len=dq,
-                             dtype=dtype, index_dtype=idt, seed=0, kv_dtype=kv[0] if kv else None)
+                             dtype=dtype, index_dtype=idt, seed=0, kv_dtype=kv[0] if kv else None,
+                             kv_scale=kv[1] if len(kv) > 1 else "head")
             T = case.batch.num_tokens
             topk = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, plugin_spec.topk_layout)
             indexer.index_topk(case.index_q, case.caches, case.batch, p, topk, cfg)

@@ -129,20 +129,24 @@ class _MappedInterface:
                                          "data": (host.data_ptr(), False), "strides": None}
 
 
-def _device_view(host: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
-    """A tensor on ``device`` over ``host``'s memory (``host`` itself on the CPU, else pinned), or None
-    where the device cannot address host memory (checked by address, not by device type)."""
+def _shared_word(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(word, host, shared)``: the flag word as a tensor on ``device``, the host memory the host
+    reads, and whether they are one memory (the CPU; a device that addresses pinned host memory,
+    checked by address, not by device type). Otherwise the word is device memory and ``host`` is
+    pinned where possible, so its copies are asynchronous."""
+    host = torch.full((1,), NO_FAULT, dtype=torch.int64)
     if device.type == "cpu":
-        return host
+        return host, host, True
     try:
-        pinned = host.pin_memory()
-        view = torch.as_tensor(_MappedInterface(pinned), device=device)
+        host = host.pin_memory()
+        view = torch.as_tensor(_MappedInterface(host), device=device)
     except (RuntimeError, TypeError, ValueError, AttributeError):
-        return None
-    if view.device != device or view.data_ptr() != pinned.data_ptr():
-        return None
-    view._mm3_host = pinned  # type: ignore[attr-defined]   # the memory lives as long as the view
-    return view
+        view = None
+    same_device = view is not None and view.device.type == device.type and \
+        (device.index is None or view.device.index == device.index)
+    if same_device and view.data_ptr() == host.data_ptr():  # type: ignore[union-attr]
+        return view, host, True                                 # type: ignore[return-value]
+    return host.to(device, copy=True), host, False
 
 
 class PageIdFlag:
@@ -168,13 +172,9 @@ class PageIdFlag:
 
     def __init__(self, device: Union[str, torch.device]) -> None:
         self.device = torch.device(device)
-        host = torch.full((1,), NO_FAULT, dtype=torch.int64)
-        view = _device_view(host, self.device)
-        #: the word the device lowers
-        self.word = view if view is not None else host.to(self.device, copy=True)
-        #: True: the word is host memory, read where it is (else: copied by after_step)
-        self.shared = view is not None
-        self._host = getattr(self.word, "_mm3_host", host)   # the memory raise_pending reads
+        #: ``word``: what the device lowers; ``shared``: it is host memory, read where it is
+        #: (else a device word, copied by after_step)
+        self.word, self._host, self.shared = _shared_word(self.device)
         self._read = self._host.numpy()
         self._lock = threading.Lock()
         #: the cache size the message names (the last step's)
