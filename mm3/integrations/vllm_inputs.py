@@ -130,8 +130,12 @@ def decode_batch(fn: str, seq_lens: object, block_table: object, decode_query_le
                          f"batch holds num_reqs * decode_query_len tokens")
     qsl, tok_req, offsets = _kept(("decode", R, dql, sl.device), graph,
                                   functools.partial(_decode_constants, R, dql, sl.device))
-    # position of draft i of request r: seq_len - dql + i; below 0 is padding (-1), as vLLM's kernels read it
-    pos = torch.add(sl.unsqueeze(1), offsets).clamp_(min=-1)
+    # position of draft i of request r: seq_len - dql + i; below 0 is padding (-1), as vLLM's kernels read it.
+    # One query token: seq_len - 1 is -1 for a padding request (seq_len 0) already, so no clamp (each small
+    # kernel costs about a microsecond of a captured step)
+    pos = torch.add(sl.unsqueeze(1), offsets)
+    if dql > 1:
+        pos.clamp_(min=-1)
     ctx = pos[:, 0].clamp(min=0)
     return BatchMetadata.assemble(qsl, sl, ctx, bt, tok_req, pos.view(num_tokens), num_decodes=R, decode_query_len=dql,
                                   num_decode_tokens=num_tokens, max_prefill_query_len=0, block_size=block_size,

@@ -89,3 +89,22 @@ def test_graph_capture_skips_the_guard_and_replays_check_page_ids(monkeypatch: p
     graph.replay()
     with pytest.raises(InputError, match=r"request 1, block 2: block_table\[1, 2\] is not a page id"):
         layer.check_page_ids()
+
+
+def test_the_page_id_word_is_host_memory_the_kernels_write() -> None:
+    """The flag's word is pinned host memory mapped into the GPU: the indexer's store lands where the
+    host reads, so an eager step makes no copy (a word left on the device would cost one per step)."""
+    from mm3.contract.page_ids import PageIdFlag
+
+    for device in ("cuda", torch.device("cuda", torch.cuda.current_device())):
+        flag = PageIdFlag(device)
+        assert flag.shared and flag.word.is_cuda and flag.word.data_ptr() == flag._host.data_ptr(), device
+    layer, case = _layer(), _case()
+    assert layer._page_ids.shared
+    layer(case.q, case.index_q, case.caches, case.batch)                  # guarded first step
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        layer(case.q, case.index_q, case.caches, case.batch)
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if "Memcpy" in e.name or "memcpy" in e.name]
+    assert not copies, copies
