@@ -212,8 +212,13 @@ def attention_reference(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
                     continue
                 js = torch.cat([torch.arange(b * B, min(b * B + B, p + 1), device=q.device) for b in ids])
                 pg = pages[js // B]
-                keys = caches.k[pg, js % B, h].to(torch.float64) * k_scale[h]
-                vals = caches.v[pg, js % B, h].to(torch.float64) * v_scale[h]
+                if caches.slot_scaled:    # [Hkv, num_slots]: slot = page * B + offset
+                    slots = pg * B + js % B
+                    kf, vf = k_scale[h, slots][:, None], v_scale[h, slots][:, None]
+                else:
+                    kf, vf = k_scale[h], v_scale[h]
+                keys = caches.k[pg, js % B, h].to(torch.float64) * kf
+                vals = caches.v[pg, js % B, h].to(torch.float64) * vf
                 qs = q[t, h * G:(h + 1) * G].to(torch.float64)
                 w = torch.softmax(params.softmax_scale * (qs @ keys.T), dim=1)
                 res[h * G:(h + 1) * G] = w @ vals
