@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mm3
 from mm3 import InputError, SparseAttentionParams
@@ -111,15 +112,35 @@ def test_out_keeps_its_address_and_rows_past_the_step() -> None:
     assert fresh.is_contiguous() and torch.equal(fresh, got)
 
 
-def test_decode_batch_is_what_from_device_derives() -> None:
+class _CountOps(TorchDispatchMode):
+    """Counts the torch ops that run (on a GPU each is a kernel of the captured step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func not in (torch.ops.aten.view.default, torch.ops.aten.unsqueeze.default):   # views: no kernel
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dql,kernels", [(1, 1), (2, 2)])
+def test_decode_batch_is_what_from_device_derives(dql: int, kernels: int) -> None:
+    """One small kernel per call (two with draft tokens: the padding positions' clamp); the context
+    lengths, which no decode kernel reads, only when asked for, and then equal to from_device's."""
     sl = torch.tensor([40, 0, 17, 33], dtype=torch.int32)
     bt = torch.arange(12, dtype=torch.int32).reshape(4, 3)
-    mine = decode_batch("f", sl, bt, 2, 8, 16, graph=False)
-    ref = mm3.BatchMetadata.from_device(torch.arange(5, dtype=torch.int32) * 2, sl, bt, num_decodes=4, num_tokens=8,
-                                        max_query_len=2, block_size=16, decode_query_len=2)
+    decode_batch("f", sl, bt, dql, 4 * dql, 16, graph=False)      # the constants, made once per class
+    with _CountOps() as counted:
+        mine = decode_batch("f", sl, bt, dql, 4 * dql, 16, graph=False)
+    assert len(counted.ops) == kernels, counted.ops
+    ref = mm3.BatchMetadata.from_device(torch.arange(5, dtype=torch.int32) * dql, sl, bt, num_decodes=4,
+                                        num_tokens=4 * dql, max_query_len=dql, block_size=16, decode_query_len=dql)
     for name in ("query_start_loc", "context_lens", "token_to_request", "token_positions"):
         assert torch.equal(getattr(mine, name), getattr(ref, name)), name
-    assert mine.validate().kind == "speculative decode"
+    assert mine.context_lens.tolist() == [40 - dql, 0, 17 - dql, 33 - dql]
+    assert mine.validate().kind == ("decode" if dql == 1 else "speculative decode")
 
 
 def test_decode_scores_are_the_oracles() -> None:

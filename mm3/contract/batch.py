@@ -245,7 +245,7 @@ class BatchMetadata:
         return batch
 
     @classmethod
-    def assemble(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
+    def assemble(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_lens: Optional[torch.Tensor],
                  block_table: torch.Tensor, token_to_request: torch.Tensor, token_positions: torch.Tensor, *,
                  num_decodes: int, decode_query_len: int, num_decode_tokens: int, max_prefill_query_len: int,
                  block_size: int, max_query_len: Optional[int] = None,
@@ -255,16 +255,40 @@ class BatchMetadata:
         What :meth:`from_device` returns, and how mm3's custom ops rebuild a batch
         from their arguments. ``max_prefill_query_len`` may be an upper bound (it
         sizes prefill grids). Lengths not given are read back from the tensors
-        only when something asks for them.
+        only when something asks for them. ``context_lens=None``: derived from
+        ``seq_lens`` and ``query_start_loc`` on the device when first read (no
+        backend's decode path reads them, so a captured decode step that does not
+        runs no kernel for them).
+
+        Example:
+            >>> qsl, sl = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([40, 0], dtype=torch.int32)
+            >>> b = BatchMetadata.assemble(qsl, sl, None, torch.zeros(2, 3, dtype=torch.int32),
+            ...                            torch.tensor([0, 1], dtype=torch.int32), sl - 1, num_decodes=2,
+            ...                            decode_query_len=1, num_decode_tokens=2, max_prefill_query_len=0,
+            ...                            block_size=16)
+            >>> b.context_lens.tolist()     # a padding decode (seq_len 0) has no context
+            [39, 0]
         """
         batch = cls.__new__(cls)  # the fields set directly: the custom ops assemble a batch per call
         batch.__dict__.update(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
-                              query_start_loc=query_start_loc, seq_lens=seq_lens, context_lens=context_lens,
+                              query_start_loc=query_start_loc, seq_lens=seq_lens,
                               block_table=block_table, token_to_request=token_to_request, host_lens=None,
                               token_positions=token_positions, num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len)
+        if context_lens is not None:
+            batch.__dict__["context_lens"] = context_lens
         batch.__dict__.update({k: v for k, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len))
                                if v is not None})  # the cached properties
         return batch
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        # Reached only for an attribute that is not set: the context lengths of a batch assembled
+        # without them, derived once on first use (seq_len - query length, 0 for padding decodes).
+        if name != "context_lens" or "seq_lens" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        qsl = self.query_start_loc
+        ctx = (self.seq_lens - (qsl[1:] - qsl[:-1])).clamp_(min=0)
+        self.__dict__["context_lens"] = ctx
+        return ctx
 
     @classmethod
     def from_device(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, *,

@@ -119,7 +119,8 @@ def _unit_scale(device: torch.device) -> tuple[torch.Tensor, ...]:
 
 def decode_batch(fn: str, seq_lens: object, block_table: object, decode_query_len: int, num_tokens: int,
                   block_size: int, graph: bool) -> BatchMetadata:
-    """``R = seq_lens.shape[0]`` decodes of ``decode_query_len`` tokens, built on the device (3 small kernels)."""
+    """``R = seq_lens.shape[0]`` decodes of ``decode_query_len`` tokens, built on the device (one small kernel,
+    two with draft tokens)."""
     sl = int32_arg(fn, "seq_lens", seq_lens, 1, "[num_reqs]")
     bt = int32_arg(fn, "block_table", block_table, 2, "[num_reqs, max_blocks]")
     R, dql = sl.shape[0], decode_query_len
@@ -131,13 +132,13 @@ def decode_batch(fn: str, seq_lens: object, block_table: object, decode_query_le
     qsl, tok_req, offsets = _kept(("decode", R, dql, sl.device), graph,
                                   functools.partial(_decode_constants, R, dql, sl.device))
     # position of draft i of request r: seq_len - dql + i; below 0 is padding (-1), as vLLM's kernels read it.
-    # One query token: seq_len - 1 is -1 for a padding request (seq_len 0) already, so no clamp (each small
-    # kernel costs about a microsecond of a captured step)
+    # Each small kernel costs about a microsecond of a captured step: with one query token seq_len - 1 is
+    # -1 for a padding request (seq_len 0) already, so no clamp, and the context lengths, which no
+    # decode kernel reads, are derived only if something asks for them
     pos = torch.add(sl.unsqueeze(1), offsets)
     if dql > 1:
         pos.clamp_(min=-1)
-    ctx = pos[:, 0].clamp(min=0)
-    return BatchMetadata.assemble(qsl, sl, ctx, bt, tok_req, pos.view(num_tokens), num_decodes=R, decode_query_len=dql,
+    return BatchMetadata.assemble(qsl, sl, None, bt, tok_req, pos.view(num_tokens), num_decodes=R, decode_query_len=dql,
                                   num_decode_tokens=num_tokens, max_prefill_query_len=0, block_size=block_size,
                                   max_query_len=dql if R else 0)
 
