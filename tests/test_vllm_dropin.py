@@ -20,7 +20,7 @@ from mm3.integrations import targets
 from mm3.integrations import vllm as ops
 from mm3.integrations.vllm_inputs import decode_batch
 from mm3.testing.oracle import oracle_attention, oracle_block_scores, oracle_topk
-from vllm_steps import SENTINEL, assert_step_right, combined_kv, run_step, vllm_step
+from vllm_steps import SENTINEL, assert_step_right, run_step, vllm_step
 
 P = SparseAttentionParams(num_heads=8, num_kv_heads=2, head_dim=16, num_index_heads=2, index_head_dim=16,
                           block_size=16, topk=4, init_blocks=1, local_blocks=1)
