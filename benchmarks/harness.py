@@ -573,7 +573,7 @@ def run_prefill(ctx: Context, c: PrefillCfg) -> None:
                       bytes=cnt[f"{part}_bytes"], **t.as_dict(), check=check if part == "step" else None,
                       kernels=kernels if part == "step" else None,
                       dense_flops=cnt["dense_flops"] if part != "indexer" else None)
-        summary.append(f"{part} {_fmt_t(t.ms)} ({rec['TFLOPs']:.0f} TFLOP/s)")
+        summary.append(f"{part} {_fmt_t(t.ms)} ({report.rate(rec['TFLOPs'])} TFLOP/s)")
     ctx.log(f"{c.name} mm3:{be.name}: " + ", ".join(summary) +
             f" | overlap {check['overlap_next_token']:.2f}, sel {check['sel_match'] * 100:.0f}%,"
             f" max err {check['attn_max_err']:.1e}")
@@ -592,7 +592,7 @@ def run_prefill(ctx: Context, c: PrefillCfg) -> None:
                     td = t.as_dict()
                     td["note"] = "; ".join(x for x in (how, td.get("note")) if x)
                     ctx.add(**base, impl=impl, part="attention", flops=cnt["dense_flops"], **td)
-                    ctx.log(f"  {impl}: {_fmt_t(t.ms)} ({cnt['dense_flops'] / t.ms / 1e9:.0f} dense TFLOP/s)")
+                    ctx.log(f"  {impl}: {_fmt_t(t.ms)} ({report.rate(cnt['dense_flops'] / t.ms / 1e9)} dense TFLOP/s)")
                 except Exception as e:
                     ctx.add(**base, impl=impl, part="attention", error=_err(e))
                     ctx.log(f"  {impl}: n/a ({_err(e)[:100]})")
@@ -607,7 +607,7 @@ def run_prefill(ctx: Context, c: PrefillCfg) -> None:
                 ctx.add(**base, impl="flex", part="attention", flops=cnt["sparse_flops"], **t.as_dict(),
                         check={"max_abs_diff_vs_mm3": err, "blocks_per_tile": fm.union_blocks_per_tile,
                                "full_fraction": fm.full_fraction})
-                ctx.log(f"  flex: {_fmt_t(t.ms)} ({cnt['sparse_flops'] / t.ms / 1e9:.0f} sparse TFLOP/s; "
+                ctx.log(f"  flex: {_fmt_t(t.ms)} ({report.rate(cnt['sparse_flops'] / t.ms / 1e9)} sparse TFLOP/s; "
                         f"{fm.union_blocks_per_tile:.0f} blocks per 128-row tile; |flex - mm3| max {err:.1e})")
             except Exception as e:
                 ctx.add(**base, impl="flex", part="attention", error=_err(e))
@@ -750,7 +750,7 @@ def run(args: argparse.Namespace) -> int:
         ctx.ceil = ceilings(timer, copy_bytes=(2 << 30) if big else (8 << 20), matmul_n=8192 if big else 256)
         c_ = ctx.ceil
         ctx.log(f"ceilings: copy {c_['copy']['GBps']:.0f} GB/s (read+write), read {c_['read']['GBps']:.0f} GB/s, "
-                f"bf16 matmul {c_['matmul_bf16']['TFLOPs']:.0f} TFLOP/s", advance=True)
+                f"bf16 matmul {report.rate(c_['matmul_bf16']['TFLOPs'])} TFLOP/s", advance=True)
 
     order = sorted(range(len(grid)), key=lambda i: (grid[i].priority, list(shapes).index(grid[i].shape), i))
     failed = False

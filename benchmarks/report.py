@@ -13,12 +13,23 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-__all__ = ["write_all", "targets", "markdown", "summary_text", "check_failures", "TOLERANCES"]
+__all__ = ["write_all", "targets", "markdown", "summary_text", "check_failures", "rate", "TOLERANCES"]
 
 K = 1024
 FP8 = "float8_e4m3fn"
 #: (selection agreement with cpu_ref, max |attention error|) below which a check fails
 TOLERANCES = {"sel_match": 0.95, "attn_max_err": 2e-2, "flex_diff": 3e-2}
+
+
+def rate(tflops: float) -> str:
+    """A TFLOP/s figure: whole numbers at GPU rates, two significant digits below 10 (a CPU's or a
+    tiny shape's rate, which a whole number would print as 0).
+
+    Example:
+        >>> rate(771.4), rate(0.0123)
+        ('771', '0.012')
+    """
+    return f"{tflops:.0f}" if tflops >= 10 else f"{tflops:.2g}"
 
 
 def _find(records: Iterable[dict], **kw: Any) -> Optional[dict]:
@@ -265,7 +276,7 @@ def markdown(env: dict, ceil: dict, records: list[dict]) -> str:
             ["device-to-device copy (bytes read + written)", f"{ceil['copy']['GBps']:.0f} GB/s",
              f"{ceil['copy']['ms']:.3f} ms"],
             ["pure read (sum of a large fp32 tensor)", f"{ceil['read']['GBps']:.0f} GB/s", f"{ceil['read']['ms']:.3f} ms"],
-            [f"bf16 matmul {ceil['matmul_bf16']['n']}^3", f"{ceil['matmul_bf16']['TFLOPs']:.0f} TFLOP/s",
+            [f"bf16 matmul {ceil['matmul_bf16']['n']}^3", f"{rate(ceil['matmul_bf16']['TFLOPs'])} TFLOP/s",
              f"{ceil['matmul_bf16']['ms']:.3f} ms"]])
         lines.append("")
     lines += ["## Targets", ""] + _targets_lines(records, ceil) + [""]
