@@ -192,10 +192,12 @@ def tiny_grid() -> list:
 class Progress:
     """One line per finished item, with a counter and the elapsed time."""
 
-    def __init__(self, total: int, stream: Any = sys.stdout) -> None:
+    def __init__(self, total: int, stream: Any = None) -> None:
         self.total = total
         self.done = 0
         self.t0 = time.perf_counter()
+        # None: sys.stdout when a line is printed (a default bound at import would keep the stream
+        # of whoever imported first, e.g. a test's capture that has been closed since)
         self.stream = stream
 
     def elapsed(self) -> float:
@@ -205,7 +207,7 @@ class Progress:
         if advance:
             self.done += 1
         m, s = divmod(int(self.elapsed()), 60)
-        print(f"[{self.done:3d}/{self.total} {m:2d}m{s:02d}s] {text}", file=self.stream, flush=True)
+        print(f"[{self.done:3d}/{self.total} {m:2d}m{s:02d}s] {text}", file=self.stream or sys.stdout, flush=True)
 
 
 # -- the runner -------------------------------------------------------------------------------------
