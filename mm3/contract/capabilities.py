@@ -110,7 +110,7 @@ class BackendCapabilities(_Frozen):
                            "block_size], vLLM's per-token layout) besides per-tensor and per-head [Hkv] ones")
     reports_bad_page_ids: bool = Field(
         False, description="index_topk clamps every block-table entry it loads into the cache and lowers its "
-                           "page_faults word to the first bad one (mm3.contract.page_ids), so the layer "
+                           "page_faults word to a bad one it meets (mm3.contract.page_ids), so the layer "
                            "runs no page-id check of its own on device tables")
 
     def accepts_topk(self, layout: str, dense: bool) -> bool:

@@ -12,7 +12,7 @@ check, each once:
   (the verdict is kept by the batch and dropped by its in-place updates);
 * on the device otherwise, into a layer's :class:`PageIdFlag`: an indexer
   backend whose capabilities declare ``reports_bad_page_ids`` clamps every id
-  it loads and lowers the flag's word to the first bad entry it meets (its
+  it loads and lowers the flag's word to a bad entry it meets (its
   kernels read every used entry anyway: no launch of its own); for any other
   backend the layer records the check with a few torch ops, once per batch
   (or in every captured step). The word is host memory that the device
@@ -150,7 +150,7 @@ def _shared_word(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool
 
 
 class PageIdFlag:
-    """A layer's sticky word of the first bad block-table entry, lowered on the device, read by the host.
+    """A layer's sticky word of a bad block-table entry, lowered on the device, read by the host.
 
     :attr:`word` (int64, one element, a tensor on ``device``) is what a
     reporting backend's kernels lower; :meth:`record` lowers it with torch ops
