@@ -32,8 +32,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "sep": (dict(algorithms=dict(merge_in_last_program=False, topk_in_last_program=False)), ("decode",)),
     # no programmatic dependent launch
     "nopdl": (dict(algorithms=dict(pdl=False)), ("decode",)),
-    # the decode attention after the indexer, never beside it
-    "nostream": (dict(algorithms=dict(streamed_decode=False)), ("decode",)),
     # the rocm plugin's kernels: the grid decode attention, the token-tile prefill attention, the
     # prefill indexer without its instruction cuts, fp8 K/V widened to bf16
     "grid": (dict(algorithms=dict(decode_attention_flat=False)), ("decode",)),
