@@ -29,12 +29,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # every kernel launched through Triton's own launcher: the GPU time must not change
     "slowlaunch": (dict(algorithms=dict(fast_launch=False)), ("decode", "prefill")),
     # the decode top-k and merge as launches of their own, never in the last program of their group
-    "sep": (dict(algorithms=dict(merge_in_last_program=False, topk_in_last_program=False, streamed_decode=False)),
-            ("decode",)),
+    "sep": (dict(algorithms=dict(merge_in_last_program=False, topk_in_last_program=False)), ("decode",)),
     # no programmatic dependent launch
     "nopdl": (dict(algorithms=dict(pdl=False)), ("decode",)),
-    # the decode attention after the indexer, never beside it
-    "nostream": (dict(algorithms=dict(streamed_decode=False)), ("decode",)),
     # the rocm plugin's kernels: the grid decode attention, the token-tile prefill attention, the
     # prefill indexer without its instruction cuts, fp8 K/V widened to bf16
     "grid": (dict(algorithms=dict(decode_attention_flat=False)), ("decode",)),

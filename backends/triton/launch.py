@@ -35,11 +35,6 @@ __all__ = ["LaunchConfig", "next_pow2", "override"]
 MERGE_LAST_MAX_SPLITS = 4
 
 
-#: decode requests from which the attention overlaps the indexer (:meth:`LaunchConfig.use_streamed_decode`):
-#: the batch it was measured at (fewer requests finish in fewer waves)
-STREAM_MIN_REQUESTS = 64
-
-
 def next_pow2(n: int) -> int:
     """Smallest power of two ``>= n`` (and ``>= 1``)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
@@ -79,16 +74,15 @@ class LaunchConfig:
         """This config with ``target_programs`` sized for a device with ``sms`` multiprocessors."""
         return replace(self, target_programs=max(1, 2 * sms))
 
-    def decode_index_blocks_per_split(self, num_requests: int, table_width: int, streamed: bool = False) -> int:
-        """Blocks one decode-indexer work item scores (a power of two).
+    def decode_index_blocks_per_split(self, num_requests: int, table_width: int) -> int:
+        """Blocks one decode-indexer program scores (a power of two).
 
         Small enough that ``num_requests * splits`` fills the device even for a
         single long request, large enough that each program streams a useful
-        run of index keys. ``streamed``: ``decode_index.stream_waves`` times as many
-        programs, so that the requests, launched one after another, finish in waves.
+        run of index keys.
         """
         idx = self.decode_index
-        target = self.target_programs * idx.programs_factor * (idx.stream_waves if streamed else 1)
+        target = self.target_programs * idx.programs_factor
         splits_wanted = max(1, -(-target // max(1, num_requests)))
         per_split = -(-max(1, table_width) // splits_wanted)
         per_split = min(max(per_split, idx.min_blocks), idx.max_blocks)
@@ -153,21 +147,6 @@ class LaunchConfig:
         if self.algorithms.topk_in_last_program is not None:
             return self.algorithms.topk_in_last_program
         return not capturing and self._small_grid(num_tokens, num_kv_heads)
-
-    def use_streamed_decode(self, num_requests: int, rows_per_request: int) -> bool:
-        """The decode attention overlapping the indexer (``algorithms.streamed_decode``; None = this
-        rule): requests of one index row (one index head, no draft tokens), from
-        :data:`STREAM_MIN_REQUESTS` of them, with the persistent attention kernel and PDL not ruled out.
-
-        Measured on the H200 (64K context, CUDA graphs): TP8 b64 step 276.2 -> 271.9 us (fp8
-        index 174.8 -> 172.8); TP1 b64 322.8 -> 324.9 us (fp8 index 221.0 -> 226.9): with four
-        index rows per request the four times shorter score programs are 2-6% slower, more than
-        the overlap saves.
-        """
-        if self.algorithms.streamed_decode is not None:
-            return self.algorithms.streamed_decode
-        return (self.algorithms.decode_attention_flat and self.algorithms.pdl is not False
-                and rows_per_request == 1 and num_requests >= STREAM_MIN_REQUESTS)
 
     def _flat_programs(self) -> int:
         return max(1, self.target_programs // 2) * self.decode_attention.flat_programs_per_sm
