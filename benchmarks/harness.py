@@ -464,9 +464,14 @@ def run_decode(ctx: Context, c: DecodeCfg) -> None:
 
 
 def _variants_for(ctx: Context, c: Any, kind: str) -> list:
-    if c.priority > ctx.args.variant_priority:
+    """The asked-for variants that change ``kind`` steps, if configuration ``c``'s priority is timed with
+    variants; else none, and the log says so (a run whose variants all went unmeasured is no comparison)."""
+    wanted = [v for v in ctx.variants if kind in v.kinds]
+    if wanted and c.priority > ctx.args.variant_priority:
+        ctx.log(f"  variants not timed on this configuration: its priority {c.priority} is above "
+                f"--variant-priority {ctx.args.variant_priority}")
         return []
-    return [v for v in ctx.variants if kind in v.kinds]
+    return wanted
 
 
 def _run_variant(ctx: Context, p: SparseAttentionParams, c: Any, vb: Any, sets: list, base: dict, *,

@@ -139,3 +139,18 @@ def test_tiny_prints_no_figures_that_tiny_shapes_cannot_measure(tmp_path: Path,
     assert "% of copy" not in out and "| - | " in md                  # so no share of a copy bandwidth either
     summary = out[out.rindex("targets:"):].strip().splitlines()
     assert summary[1:] == [summary[1]] and "not measured" in summary[1], summary   # one line, not one per target
+
+
+def test_variants_above_the_variant_priority_are_skipped_aloud() -> None:
+    """A configuration above ``--variant-priority`` times no variant, and the log says why."""
+    from types import SimpleNamespace
+
+    harness = bench.load_harness()
+    logged: list[str] = []
+    v = SimpleNamespace(name="cuda[x]", kinds=("decode",))
+    ctx = SimpleNamespace(variants=[v], args=SimpleNamespace(variant_priority=0), log=logged.append)
+    assert harness._variants_for(ctx, SimpleNamespace(priority=0), "decode") == [v] and not logged
+    assert harness._variants_for(ctx, SimpleNamespace(priority=0), "prefill") == [] and not logged
+    assert harness._variants_for(ctx, SimpleNamespace(priority=1), "decode") == []
+    assert len(logged) == 1 and "--variant-priority 0" in logged[0]
+
