@@ -469,7 +469,7 @@ def _variants_for(ctx: Context, c: Any, kind: str) -> list:
     wanted = [v for v in ctx.variants if kind in v.kinds]
     if wanted and c.priority > ctx.args.variant_priority:
         ctx.log(f"  variants not timed on this configuration: its priority {c.priority} is above "
-                f"--variant-priority {ctx.args.variant_priority}")
+                f"--variant-priority {ctx.args.variant_priority} (pass --variant-priority {c.priority} to time them)")
         return []
     return wanted
 
