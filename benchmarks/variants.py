@@ -32,6 +32,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "sep": (dict(algorithms=dict(merge_in_last_program=False, topk_in_last_program=False)), ("decode",)),
     # no programmatic dependent launch
     "nopdl": (dict(algorithms=dict(pdl=False)), ("decode",)),
+    # the decode attention after the indexer, never beside it
+    "nostream": (dict(algorithms=dict(streamed_decode=False)), ("decode",)),
     # the rocm plugin's kernels: the grid decode attention, the token-tile prefill attention, the
     # prefill indexer without its instruction cuts, fp8 K/V widened to bf16
     "grid": (dict(algorithms=dict(decode_attention_flat=False)), ("decode",)),
@@ -39,6 +41,17 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "piplain": (dict(prefill_index=dict(unmasked_full=False, sorted_merge=False, static_key_stride=False)),
                 ("prefill",)),
     "kvbf16": (dict(numerics=dict(kv_fp8_as_f16=False)), ("decode",)),
+    "st2": (dict(decode_attention=dict(stages=2)), ("decode",)),
+    "st4": (dict(decode_attention=dict(stages=4)), ("decode",)),
+    "ns3": (dict(decode_attention=dict(num_stages=3)), ("decode",)),
+    "ns1": (dict(decode_attention=dict(num_stages=1)), ("decode",)),
+    "bn64": (dict(decode_attention=dict(block_n=64)), ("decode",)),
+    "sp2": (dict(decode_attention=dict(max_splits=2)), ("decode",)),
+    "pps3": (dict(decode_attention=dict(flat_programs_per_sm=3)), ("decode",)),
+    "tklast": (dict(algorithms=dict(topk_in_last_program=True)), ("decode",)),
+    "w8": (dict(decode_attention=dict(warps=8)), ("decode",)),
+    "w8st4": (dict(decode_attention=dict(warps=8, stages=4)), ("decode",)),
+    "w8pps1": (dict(decode_attention=dict(warps=8, flat_programs_per_sm=1)), ("decode",)),
 }
 
 

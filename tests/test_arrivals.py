@@ -110,8 +110,8 @@ def test_no_counters_falls_back_to_the_separate_launches(monkeypatch: pytest.Mon
     case = make_case(p, decodes=[150, 61], dtype="float16", index_dtype="float16", seed=3)
     cfg = override(base, target_programs=32, algorithms=dict(merge_in_last_program=True, topk_in_last_program=True))
     sel_f, out_f, _ = _run(cfg, case, p, "token_major")
-    monkeypatch.setattr(attention, "arrival_counters", lambda device, n: None)
-    monkeypatch.setattr(indexer, "arrival_counters", lambda device, n: None)
+    monkeypatch.setattr(attention, "arrival_counters", lambda device, n, role="topk": None)
+    monkeypatch.setattr(indexer, "arrival_counters", lambda device, n, role="topk": None)
     sel_n, out_n, launched = _run(cfg, case, p, "token_major")
     assert "_decode_topk_kernel" in launched and any(n.startswith("_merge") for n in launched)
     assert torch.equal(sel_f, sel_n) and torch.equal(out_f, out_n)
@@ -130,7 +130,7 @@ def test_counters_grow_but_never_move_a_buffer_in_use(monkeypatch: pytest.Monkey
     big = arrivals.arrival_counters(dev, arrivals.MIN_COUNTERS + 1)
     assert big is not None and big.numel() >= arrivals.MIN_COUNTERS + 1 and int(big.sum()) == 0
     assert any(t is small for t in arrivals._KEEP)
-    graph = arrivals._GRAPH_COUNTERS[dev]
+    graph = arrivals._GRAPH_COUNTERS[(dev, "topk")]
     assert graph.numel() >= big.numel() and graph is not big and int(graph.sum()) == 0
     monkeypatch.setattr(arrivals, "capturing", lambda device: True)
     assert arrivals.arrival_counters(dev, 4 * big.numel()) is None

@@ -35,7 +35,7 @@ __all__ = ["NVIDIA_LAUNCH"]
 NVIDIA_LAUNCH = LaunchConfig(
     target_programs=264,
     decode_index=DecodeIndexConfig(min_blocks=1, max_blocks=128, warps=4, topk_warps=4, programs_factor=2,
-                                   block_n=128, num_stages=2),
+                                   block_n=128, num_stages=2, stream_waves=4),
     # 128-row tiles of 8 warps, two programs per SM; 64-key inner tiles; top-K merged every 32
     # blocks; a tile's blocks split over up to 8 programs when the tiles do not fill the SMs (TP8
     # 32K: 490 -> 228 us); three instruction cuts (the causal mask only where a row sees part of a
@@ -62,7 +62,9 @@ NVIDIA_LAUNCH = LaunchConfig(
                           # rules: the merge of <= 4 splits (H200, TP8 b64 graph step 278.0 -> 274.4 us),
                           # the top-k on eager small grids (one launch less where the host is the
                           # bound)
-                          merge_in_last_program=None, topk_in_last_program=None),
+                          merge_in_last_program=None, topk_in_last_program=None,
+                          # the attention overlapping the indexer on full grids (launch.py's rule)
+                          streamed_decode=None),
     # kv_fp8_as_f16: bf16 queries on fp8 K/V dotted in fp16 in the decode kernels (H200, TP1 b64
     # 64K attention 80.8 -> 70.0 us); the prefill kernels widen to bf16 (the fp16 path measured
     # 0.92x there: 8K chunk at 32K, 3.601 -> 3.920 ms)

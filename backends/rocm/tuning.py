@@ -26,7 +26,7 @@ __all__ = ["AMD_LAUNCH"]
 AMD_LAUNCH = LaunchConfig(
     target_programs=608,
     decode_index=DecodeIndexConfig(min_blocks=4, max_blocks=128, warps=2, topk_warps=2, programs_factor=1,
-                                   block_n=64, num_stages=1),
+                                   block_n=64, num_stages=1, stream_waves=4),
     prefill_index=PrefillIndexConfig(rows=64, warps=4, block_n=64, chunk=32, num_stages=1, max_splits=1,
                                      unmasked_full=False, sorted_merge=False, static_key_stride=False),
     decode_attention=DecodeAttentionConfig(warps=4, max_splits=16, stages=2, num_stages=1, programs_factor=8,
@@ -34,6 +34,6 @@ AMD_LAUNCH = LaunchConfig(
     prefill_attention=None,
     prefill_tiles=TokenTileAttentionConfig(rows=64, warps=4, block_n=64, num_stages=1),
     algorithms=Algorithms(decode_attention_flat=False, pdl=False, fast_launch=False, merge_in_last_program=False,
-                          topk_in_last_program=False),
+                          topk_in_last_program=False, streamed_decode=False),
     numerics=Numerics(fp8_as_f16=False, nan_in_max=False, kv_fp8_as_f16=False),
     launch_options=(("waves_per_eu", 2),))

@@ -37,6 +37,12 @@ class Algorithms:
     #: the decode indexer's last score program of a request selects its top-k (:mod:`.arrivals`)
     #: instead of a top-k launch; None = by the step (``LaunchConfig.use_topk_in_last_program``)
     topk_in_last_program: Optional[bool]
+    #: the decode attention overlaps the indexer: the score kernel walks its work request by request,
+    #: its last program of a request selects the top-k and raises the request's ready flag, and the
+    #: persistent attention, launched while the scores still stream (programmatic dependent launch),
+    #: starts each item once its request's flag is up (:mod:`.arrivals`); None = by the step
+    #: (``LaunchConfig.use_streamed_decode``)
+    streamed_decode: Optional[bool]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,10 @@ zero, which is what the next launch needs: the counters are allocated (zeroed)
 once and reused, so the fused path costs no extra launch, eager or in a
 CUDA graph.
 
-Counters are kept per device *and stream* (per thread for CPU tensors under
+Counters are kept per device, stream *and role* (``"topk"``, ``"merge"``,
+``"ready"``): a streamed decode step (``Algorithms.streamed_decode``) runs the
+score kernel's top-k counting and the attention's merge counting at the same
+time, so they must not share slots. Counters are kept per device *and stream* (per thread for CPU tensors under
 the interpreter): two launches that run at once must not count into the same
 slots. They are allocated by a thread of their own on a GPU (:func:`in_own_thread`
 says why), outside CUDA graph captures only (zeroing one during a capture
@@ -27,6 +30,13 @@ also sizes; so graphs that replay at the same time on two streams must not
 both hold decode steps (replays one after another are fine). When a capture
 needs more counters than exist, :func:`arrival_counters` returns None and the
 caller launches the separate top-k / merge kernels instead (same results).
+
+A streamed step hands its ready flags from the indexer's launcher to the
+attention's through :func:`offer_ready_flags` and :func:`claim_ready_flags`
+(host-side, per stream): the attention waits on the flags only when the
+indexer call just before it on the same stream raised them for the same top-k
+buffer, so an attention after any other indexer never waits on flags nobody
+raises.
 
 Example:
     >>> import torch
@@ -44,15 +54,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["arrival_counters", "capturing", "capture_matters", "in_own_thread", "stream_key", "MIN_COUNTERS"]
+__all__ = ["arrival_counters", "capturing", "capture_matters", "in_own_thread", "stream_key", "MIN_COUNTERS",
+           "offer_ready_flags", "claim_ready_flags"]
 
 #: counters allocated at least (int32, 64 KB): enough for 16K (token, KV head) pairs, so a
 #: graph captured after a smaller eager step rarely finds them short
 MIN_COUNTERS = 16384
 
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-#: per device: the counters of captures on a stream that has none of its own
-_GRAPH_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int, str], torch.Tensor] = {}
+#: per device and role: the counters of captures on a stream that has none of its own
+_GRAPH_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+#: per stream: (top-k buffer address, decode requests, ready flags) the last indexer call raises
+_READY: dict[tuple[torch.device, int], tuple[int, int, torch.Tensor]] = {}
 #: every buffer ever handed out stays alive for the process: a CUDA graph captured with one holds its
 #: address and launches on it at each replay, and nothing tells this module when the last such graph
 #: is gone, so freeing a replaced buffer would let a replay count into memory the allocator gave to
@@ -136,21 +149,41 @@ def _zeros(device: torch.device, n: int) -> torch.Tensor:
     return t
 
 
-def arrival_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
-    """At least ``n`` zeroed int32 counters for a launch on ``device``'s current stream, or None
-    during a CUDA graph capture that finds too few (then launch without them)."""
-    key = stream_key(device)
+def arrival_counters(device: torch.device, n: int, role: str = "topk") -> Optional[torch.Tensor]:
+    """At least ``n`` zeroed int32 counters of ``role`` for a launch on ``device``'s current stream, or
+    None during a CUDA graph capture that finds too few (then launch without them)."""
+    key = (*stream_key(device), role)
     have = _COUNTERS.get(key)
     if have is not None and have.numel() >= n:
         return have
     if capturing(device):
-        have = _GRAPH_COUNTERS.get(key[0]) if have is None else have
+        have = _GRAPH_COUNTERS.get((device, role)) if have is None else have
         return have if have is not None and have.numel() >= n else None
     with _LOCK:
         have = _COUNTERS.get(key)
         if have is None or have.numel() < n:
             have = _COUNTERS[key] = _zeros(device, n)
-        graph = _GRAPH_COUNTERS.get(key[0])
+        graph = _GRAPH_COUNTERS.get((device, role))
         if graph is None or graph.numel() < n:
-            _GRAPH_COUNTERS[key[0]] = _zeros(device, n)
+            _GRAPH_COUNTERS[(device, role)] = _zeros(device, n)
     return have
+
+
+def offer_ready_flags(device: torch.device, topk: torch.Tensor, num_decodes: int,
+                      flags: Optional[torch.Tensor]) -> None:
+    """Record that the indexer launch just made on ``device``'s current stream raises ``flags[r]`` once
+    decode request ``r``'s top-k is in ``topk`` (None: it raises none, and an earlier record goes)."""
+    key = stream_key(device)
+    if flags is None:
+        _READY.pop(key, None)
+    else:
+        _READY[key] = (topk.data_ptr(), num_decodes, flags)
+
+
+def claim_ready_flags(device: torch.device, topk: torch.Tensor, num_decodes: int) -> Optional[torch.Tensor]:
+    """The ready flags of the indexer launch before this one on the stream, if it filled this ``topk``
+    for these ``num_decodes`` requests (the record is used up); else None: wait for nothing."""
+    got = _READY.pop(stream_key(device), None)
+    if got is None or got[0] != topk.data_ptr() or got[1] != num_decodes:
+        return None
+    return got[2]

@@ -55,14 +55,14 @@ from mm3.contract import BatchMetadata
 from mm3.contract import PagedKVCache, TopkBuffer
 from mm3.contract import SparseAttentionParams
 
-from .arrivals import arrival_counters
+from .arrivals import arrival_counters, claim_ready_flags
 from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .plans import decode_attention_plan
 from .prefill_attention import prefill_attention_forward
 from .scratch import scratch_parts
 from .tiles import load_query_rows, load_rows, score_scale, softmax_weights, store_item, store_rows, token_rows
-from .tl_utils import (arrive_last, dot_config, kv_scale, kv_scale_args, launch_options, load_page,
+from .tl_utils import (arrive_last, dot_config, grid_wait, kv_scale, kv_scale_args, launch_options, load_page,
                        pdl_prologue, slot_scales, step_kernel)
 
 __all__ = ["attention_forward"]
@@ -200,12 +200,13 @@ def _decode_attention_flat_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, num_pages, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h, num_items, IPP, qk_scale,
-    ks_ptr, s_ks, vs_ptr, s_vs, cnt_ptr,
+    ks_ptr, s_ks, vs_ptr, s_vs, cnt_ptr, ready_ptr, num_decodes,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 3, PDL: tl.constexpr = False,
     KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False, MERGE_LAST: tl.constexpr = False,
-    S_PAD: tl.constexpr = 1, SLOT_SCALED: tl.constexpr = False,
+    S_PAD: tl.constexpr = 1, SLOT_SCALED: tl.constexpr = False, STREAM: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,
 ):
     """:func:`_decode_attention_kernel`'s work, persistent: grid ``(programs,)``.
 
@@ -221,9 +222,23 @@ def _decode_attention_flat_kernel(
     its loop a program counts each of its items into the item's (token, KV head)
     counter at ``cnt_ptr`` (:mod:`.arrivals`), and the program that brings a
     pair's count to ``SPLITS`` merges that pair's partials into ``out``.
+
+    ``STREAM``: launched while the score kernel still runs (``Algorithms.streamed_decode``). A
+    program first waits until the ready flag ``ready_ptr[r]`` of each of its items' requests is
+    up (the request's top-k is stored), then reads the top-k past L1 (an earlier program on this
+    multiprocessor may have cached a line of it before it was written). With ``TRIGGER`` it ends
+    by waiting for the score kernel to finish, so the stream's next kernel follows both.
     """
-    pdl_prologue(PDL)
     p = tl.program_id(0)
+    if STREAM:
+        for item in tl.range(p * IPP, tl.minimum(p * IPP + IPP, num_items)):
+            # a token's request, clamped to a request of this step: every flag waited on is raised
+            r = tl.minimum(tl.maximum(tl.load(tok_req_ptr + item // SPLITS // num_h), 0), num_decodes - 1)
+            up = tl.atomic_add(ready_ptr + r, 0, sem="acquire", scope="gpu")
+            while up == 0:
+                up = tl.atomic_add(ready_ptr + r, 0, sem="acquire", scope="gpu")
+    else:
+        pdl_prologue(PDL)
     rows = tl.arange(0, G_PAD)
     row_ok = rows < G
     slots = tl.arange(0, K_PAD)
@@ -246,7 +261,7 @@ def _decode_attention_flat_kernel(
         pos = tl.load(pos_ptr + t)
         toks = zero_rows + t
         sel_row = sel_ptr + h * s_sel_h + t * s_sel_t
-        sel = tl.load(sel_row + slots * s_sel_k, mask=slots < K, other=-1)
+        sel = tl.load(sel_row + slots * s_sel_k, mask=slots < K, other=-1, cache_modifier=".cg" if STREAM else "")
         i = sp * KPS + j
         blk = tl.max(tl.where(slots == i, sel, -1), axis=0)
         repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
@@ -271,6 +286,8 @@ def _decode_attention_flat_kernel(
             if arrive_last(cnt_ptr, pair, SPLITS):
                 merge_splits(out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, pair // num_h,
                              pair % num_h, num_h, D, G_PAD, SPLITS, S_PAD, ".cg")
+    if STREAM:
+        grid_wait(TRIGGER)
 
 
 @triton.jit
@@ -409,14 +426,21 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
                 ws_m, ws_l, ws_acc, G)
         constexprs, merge = plan.constexprs, plan.merge
         if plan.flat:
-            counters = arrival_counters(q.device, td * Hkv) if plan.merge_last else None
+            counters = arrival_counters(q.device, td * Hkv, "merge") if plan.merge_last else None
             if counters is None:   # no merge in the kernel: the merge launch below does it
                 constexprs = plan.constexprs_merge_launched
             else:
                 merge = False
+            options = plan.options
+            # the indexer launched just before raises ready flags: start now, wait per request
+            ready = claim_ready_flags(q.device, topk.storage, batch.num_decodes)
+            if ready is not None:
+                constexprs = plan.stream_constexprs if counters is not None else plan.stream_constexprs_merge_launched
+                options = plan.stream_options
             launch(_decode_attention_flat_kernel, plan.grid,
-                   (*head, Hkv, *plan.flat_ints, qk_scale, *scales, ws_m if counters is None else counters),
-                   constexprs, plan.options, fast)
+                   (*head, Hkv, *plan.flat_ints, qk_scale, *scales, ws_m if counters is None else counters,
+                    ws_m if ready is None else ready, batch.num_decodes),
+                   constexprs, options, fast)
         else:
             launch(_decode_attention_kernel, plan.grid, (*head, qk_scale, *scales), constexprs, plan.options, fast)
         if merge and plan.merge_per_row:

@@ -10,7 +10,8 @@ so head-major and token-major buffers work without copies):
     ``(speculative row, index head)`` pairs, so each index key (shared by all
     index heads) is read from memory exactly once per step. It writes the
     per-block maximum (docs/spec.md §3.3) to a small fp32 workspace
-    ``[requests, rows, table_width]``.
+    ``[requests, rows, table_width]``. A streamed decode step launches the
+    transposed grid, request by request (``Algorithms.streamed_decode``).
 
 ``_decode_topk_kernel``   grid ``(decode requests, rows)``
     Loads one row of block scores, applies the forced init/local blocks and
@@ -49,9 +50,10 @@ from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .plans import decode_index_plan
 from .tiles import load_query_rows, token_rows
-from .arrivals import arrival_counters, capture_matters
+from .arrivals import arrival_counters, capture_matters, offer_ready_flags
 from .scratch import scratch
-from .tl_utils import arrive_last, dot_config, launch_options, load_reported_page, pdl_prologue, step_kernel
+from .tl_utils import (arrive_last, dot_config, grid_wait, launch_options, load_reported_page, pdl_prologue,
+                       release_dependents, step_kernel, streamed_enabled)
 
 __all__ = ["index_topk"]
 
@@ -113,19 +115,40 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
 @triton.jit
 def _decode_score_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
-    qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H, out_ptr, s_out_h, s_out_t, s_out_k, cnt_ptr,
+    qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H, out_ptr, s_out_h, s_out_t, s_out_k, cnt_ptr, ready_ptr,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
     BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, PDL: tl.constexpr = False,
     TOPK_LAST: tl.constexpr = False, K: tl.constexpr = 1, K_PAD: tl.constexpr = 1, NB_PAD: tl.constexpr = 1,
     INIT: tl.constexpr = 0, LOCAL: tl.constexpr = 0, R_TK: tl.constexpr = 1, TK_ROWS: tl.constexpr = 1,
+    STREAM: tl.constexpr = False, TRIGGER: tl.constexpr = False,
 ):
-    """Scores of ``BPS`` blocks of request ``program_id(0)`` for all its rows; with ``TOPK_LAST``
-    the request's last score program to finish (:mod:`.arrivals`, counter ``cnt_ptr[r]``) then
-    selects the top-k of its ``TK_ROWS`` rows, ``R_TK`` rows at a time (no top-k launch)."""
-    pdl_prologue(PDL)
-    r = tl.program_id(0)
-    b0 = tl.program_id(1) * BPS
+    """Scores of ``BPS`` blocks of one request for all its rows: request ``program_id(0)``, split
+    ``program_id(1)``. With ``TOPK_LAST`` the request's last score program to finish (:mod:`.arrivals`,
+    counter ``cnt_ptr[r]``) then selects the top-k of its ``TK_ROWS`` rows, ``R_TK`` rows at a time
+    (no top-k launch).
+
+    ``STREAM`` (with ``TOPK_LAST``): the attention overlaps this kernel. The grid is
+    ``(splits, requests)``, launched request by request, so with several waves of programs the
+    requests finish one wave after another. Split 0 of each request first lowers the request's
+    ready flag ``ready_ptr[r]``, then every program lets the next kernel launch (``TRIGGER``); the
+    request's last program raises the flag after its top-k is stored. The next kernel launches
+    only once every program has started, so after every lowering, and a flag is raised only after
+    its request's split 0 arrived: a waiting attention program never sees an earlier step's flag."""
+    if STREAM:
+        r = tl.program_id(1)
+        sp = tl.program_id(0)
+        splits = tl.num_programs(0)
+        grid_wait(PDL)
+        if sp == 0:
+            tl.atomic_xchg(ready_ptr + r, 0, sem="relaxed", scope="gpu")
+        release_dependents(TRIGGER or PDL)
+    else:
+        pdl_prologue(PDL)
+        r = tl.program_id(0)
+        sp = tl.program_id(1)
+        splits = tl.num_programs(1)
+    b0 = sp * BPS
     # rows = (speculative row, index head): every index key is read once for all of them
     tok, hh, row_in, pos, row_ok, nb = token_rows(qsl_ptr, pos_ptr, r, 0, H, ROWS, Q, B)
     nb_req = tl.max(nb, axis=0)
@@ -138,10 +161,13 @@ def _decode_score_kernel(
                                      ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, NAN_IN_MAX)
             tl.store(ws_ptr + r * s_ws_r + rows * s_ws_row + b, smax, mask=row_ok)
     if TOPK_LAST:
-        if arrive_last(cnt_ptr, r, tl.num_programs(1)):
+        if arrive_last(cnt_ptr, r, splits):
             for row0 in tl.static_range(0, TK_ROWS, R_TK):
                 _select_rows(ws_ptr + r * s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k,
                              H, r, row0, TK_ROWS, B, K, K_PAD, NB_PAD, INIT, LOCAL, R_TK, ".cg")
+            if STREAM:   # every thread's top-k stores, then the flag (release: they come first)
+                tl.debug_barrier()
+                tl.atomic_xchg(ready_ptr + r, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -343,18 +369,27 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     nd = batch.num_decodes
     if nd > 0 and batch.num_decode_tokens > 0:
         width = bt.shape[1]
-        plan = decode_index_plan(cfg, nd, batch.decode_query_len, H, params.num_kv_heads, batch.num_decode_tokens,
-                                 width, K, B, Di, params.init_blocks, params.local_blocks, index_q.dtype, ik.dtype,
-                                 sort_width, capture_matters(cfg.algorithms.topk_in_last_program, ik.device))
+        dev, td = ik.device, batch.num_decode_tokens
+        counters = ready = None
+        streamed = streamed_enabled(cfg, td, params.num_kv_heads)
+        if streamed:   # a capture short of counters or flags falls back to the plain launches
+            counters, ready = arrival_counters(dev, nd, "topk"), arrival_counters(dev, nd, "ready")
+            streamed = counters is not None and ready is not None
+        plan = decode_index_plan(cfg, nd, batch.decode_query_len, H, params.num_kv_heads, td, width, K, B, Di,
+                                 params.init_blocks, params.local_blocks, index_q.dtype, ik.dtype, sort_width,
+                                 streamed, capture_matters(cfg.algorithms.topk_in_last_program, dev))
         fast = cfg.algorithms.fast_launch
-        ws = scratch(ik.device, "decode-scores", (nd, plan.rows, width))
+        ws = scratch(dev, "decode-scores", (nd, plan.rows, width))
         qsl, pos = batch.query_start_loc, batch.token_positions
-        counters = arrival_counters(ik.device, nd) if plan.topk_last else None
+        if not streamed and plan.topk_last:
+            counters = arrival_counters(dev, nd, "topk")
         score_constexprs = plan.score_constexprs if counters is not None else plan.score_constexprs_topk_launched
         launch(_decode_score_kernel, plan.score_grid,
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults, qsl, pos, ws,
-                ws.stride(0), ws.stride(1), H, out.storage, sh, st, sk, ws if counters is None else counters),
+                ws.stride(0), ws.stride(1), H, out.storage, sh, st, sk, ws if counters is None else counters,
+                ws if ready is None else ready),
                score_constexprs, plan.score_options, fast)
+        offer_ready_flags(dev, out.storage, nd, ready if streamed else None)
         if counters is None:   # no top-k in the score kernel: a launch of its own
             launch(_decode_topk_kernel, plan.topk_grid,
                    (ws, ws.stride(0), ws.stride(1), qsl, pos, out.storage, sh, st, sk, H),

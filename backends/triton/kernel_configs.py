@@ -9,7 +9,7 @@ every value it launches with, so no platform inherits another's tuning.
 
 Example:
     >>> DecodeIndexConfig(min_blocks=1, max_blocks=128, warps=4, topk_warps=4, programs_factor=2,
-    ...                   block_n=128, num_stages=2).block_n
+    ...                   block_n=128, num_stages=2, stream_waves=4).block_n
     128
     >>> DecodeAttentionConfig(warps=4, max_splits=16, stages=3, num_stages=2, programs_factor=8,
     ...                       flat_programs_per_sm=2, block_n=64).flat_programs_per_sm
@@ -39,6 +39,10 @@ class DecodeIndexConfig:
     #: keys per inner tile (a divisor of the block size, >= 16): bounds registers
     block_n: int
     num_stages: int
+    #: (streamed decode, ``Algorithms.streamed_decode``) waves of score programs: launched request
+    #: by request, the requests finish one wave after another, and the attention of those done
+    #: runs beside the last wave (it can launch only once every score program has started)
+    stream_waves: int
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,10 @@ __all__ = ["LaunchConfig", "next_pow2", "override"]
 MERGE_LAST_MAX_SPLITS = 4
 
 
+#: decode tokens from which the attention overlaps the indexer (:meth:`LaunchConfig.use_streamed_decode`)
+STREAM_MIN_TOKENS = 16
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two ``>= n`` (and ``>= 1``)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
@@ -74,15 +78,16 @@ class LaunchConfig:
         """This config with ``target_programs`` sized for a device with ``sms`` multiprocessors."""
         return replace(self, target_programs=max(1, 2 * sms))
 
-    def decode_index_blocks_per_split(self, num_requests: int, table_width: int) -> int:
-        """Blocks one decode-indexer program scores (a power of two).
+    def decode_index_blocks_per_split(self, num_requests: int, table_width: int, streamed: bool = False) -> int:
+        """Blocks one decode-indexer work item scores (a power of two).
 
         Small enough that ``num_requests * splits`` fills the device even for a
         single long request, large enough that each program streams a useful
-        run of index keys.
+        run of index keys. ``streamed``: ``decode_index.stream_waves`` times as many
+        programs, so that the requests, launched one after another, finish in waves.
         """
         idx = self.decode_index
-        target = self.target_programs * idx.programs_factor
+        target = self.target_programs * idx.programs_factor * (idx.stream_waves if streamed else 1)
         splits_wanted = max(1, -(-target // max(1, num_requests)))
         per_split = -(-max(1, table_width) // splits_wanted)
         per_split = min(max(per_split, idx.min_blocks), idx.max_blocks)
@@ -147,6 +152,19 @@ class LaunchConfig:
         if self.algorithms.topk_in_last_program is not None:
             return self.algorithms.topk_in_last_program
         return not capturing and self._small_grid(num_tokens, num_kv_heads)
+
+    def use_streamed_decode(self, num_tokens: int, num_kv_heads: int) -> bool:
+        """The decode attention overlapping the indexer (``algorithms.streamed_decode``; None = this
+        rule): from :data:`STREAM_MIN_TOKENS` decode tokens, with the persistent attention kernel and PDL
+        not ruled out.
+
+        Fewer tokens keep their chain of separate launches: their requests' scores all finish
+        at about the same time, which leaves a request's attention nothing to overlap.
+        """
+        if self.algorithms.streamed_decode is not None:
+            return self.algorithms.streamed_decode
+        return (self.algorithms.decode_attention_flat and self.algorithms.pdl is not False
+                and num_tokens >= STREAM_MIN_TOKENS)
 
     def _flat_programs(self) -> int:
         return max(1, self.target_programs // 2) * self.decode_attention.flat_programs_per_sm

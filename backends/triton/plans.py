@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .launch import LaunchConfig, next_pow2
-from .tl_utils import decode_launch_options, dot_config, pdl_enabled
+from .tl_utils import decode_launch_options, dot_config, pdl_available, pdl_enabled
 
 __all__ = ["DecodeAttentionPlan", "DecodeIndexPlan", "decode_attention_plan", "decode_index_plan", "MAX_PLANS"]
 
@@ -71,6 +71,11 @@ class DecodeAttentionPlan(NamedTuple):
     merge_last: bool
     #: ``constexprs`` for a launch whose merge is the separate kernel (no arrival counters to hand)
     constexprs_merge_launched: dict[str, Any]
+    #: the two above, for a launch that overlaps a streamed indexer (``Algorithms.streamed_decode``),
+    #: and its launch options (launched as a programmatic dependent, where the GPU has it)
+    stream_constexprs: dict[str, Any]
+    stream_constexprs_merge_launched: dict[str, Any]
+    stream_options: dict[str, Any]
 
 
 def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, B: int, D: int,
@@ -117,8 +122,11 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
                 mgrid, mopts = (td, Hkv, G), dict(num_warps=4, **dopts)
             else:
                 mgrid, mopts = (td, Hkv), dict(num_warps=dac.warps, **dopts)
+        streamed = dict(STREAM=True, TRIGGER=pdl_available())
+        sopts = dict(opts, launch_pdl=True) if streamed["TRIGGER"] else opts
         return DecodeAttentionPlan(flat, grid, flat_ints, splits, g_pad, const, opts, splits > 1, per_row, mgrid,
-                                   mconst, mopts, merge_last, launched)
+                                   mconst, mopts, merge_last, launched, dict(const, **streamed),
+                                   dict(launched, **streamed), sopts)
 
     return _cached(cfg, ("attention", td, Hkv, G, K, B, D, q_dtype, kv_dtype, kv_scaled, slot_scaled), make)
 
@@ -133,43 +141,50 @@ class DecodeIndexPlan(NamedTuple):
     topk_constexprs: dict[str, Any]
     topk_options: dict[str, Any]
     rows: int                        # query rows per request: decode_query_len x index heads
-    #: the score kernel's last program per request selects its top-k (``Algorithms.topk_in_last_program``)
+    #: the score kernel's last program per request selects its top-k (``Algorithms.topk_in_last_program``;
+    #: always when streamed)
     topk_last: bool
     #: ``score_constexprs`` for a launch followed by the top-k kernel (no arrival counters to hand)
     score_constexprs_topk_launched: dict[str, Any]
+    #: the attention overlaps this indexer (``Algorithms.streamed_decode``): score programs launched
+    #: request by request, a ready flag raised per request
+    streamed: bool
 
 
 def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_decode_tokens: int, width: int,
                       K: int, B: int, Di: int, init: int, local: int, q_dtype: torch.dtype,
-                      index_dtype: torch.dtype, sort_width: Callable[[int], int],
+                      index_dtype: torch.dtype, sort_width: Callable[[int], int], streamed: bool = False,
                       capturing: bool = False) -> DecodeIndexPlan:
     """The launches of ``nd`` decode requests' indexer (see :func:`.indexer.index_topk`);
-    ``capturing``: for a CUDA graph being captured."""
+    ``streamed``: for an attention that overlaps it; ``capturing``: for a CUDA graph being captured."""
     def make() -> DecodeIndexPlan:
         dot_dtype, dot_prec, scale_q = dot_config(q_dtype, index_dtype, cfg.numerics.fp8_as_f16)
         common = dict(B=B, DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
                       SCALE_Q=scale_q, NAN_IN_MAX=cfg.numerics.nan_in_max)
         rows = Q * H
         dic = cfg.decode_index
-        bps = cfg.decode_index_blocks_per_split(nd, width)
+        bps = cfg.decode_index_blocks_per_split(nd, width, streamed)
+        splits = -(-width // bps)
         pdl = pdl_enabled(cfg, num_decode_tokens, Hkv)
         dopts = decode_launch_options(cfg, pdl)
         k_pad = sort_width(K)
         nb_pad = max(next_pow2(width), k_pad)
         score = dict(ROWS=max(16, next_pow2(rows)), Q=Q, BPS=bps, BN=min(B, dic.block_n), PDL=pdl, **common)
-        topk_last = cfg.use_topk_in_last_program(num_decode_tokens, Hkv, capturing)
+        topk_last = streamed or cfg.use_topk_in_last_program(num_decode_tokens, Hkv, capturing)
         # rows selected together by the last program: at most TOPK_LAST_KEYS packed keys held at once
         r_tk = max(1, min(next_pow2(rows), TOPK_LAST_KEYS // nb_pad))
         score.update(TOPK_LAST=False, K=K, K_PAD=k_pad, NB_PAD=nb_pad, INIT=init, LOCAL=local, R_TK=r_tk,
                      TK_ROWS=rows)
         fused = dict(score, TOPK_LAST=True) if topk_last else score
+        if streamed:
+            fused.update(STREAM=True, TRIGGER=pdl_available())
         return DecodeIndexPlan(
-            (nd, -(-width // bps)), fused,
+            (splits, nd) if streamed else (nd, splits), fused,
             dict(num_warps=dic.warps, num_stages=dic.num_stages, **dopts),
             (nd, rows),
             dict(B=B, K=K, K_PAD=k_pad, NB_PAD=nb_pad, INIT=init, LOCAL=local, PDL=pdl),
             dict(num_warps=dic.topk_warps, **dopts),
-            rows, topk_last, score)
+            rows, topk_last, score, streamed)
 
     return _cached(cfg, ("index", nd, Q, H, Hkv, num_decode_tokens, width, K, B, Di, init, local, q_dtype,
-                         index_dtype, capturing), make)
+                         index_dtype, streamed, capturing), make)

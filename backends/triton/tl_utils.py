@@ -16,6 +16,7 @@ import triton.language as tl
 from .launch import LaunchConfig
 
 __all__ = ["dot_config", "launch_options", "decode_launch_options", "interpreting", "pdl_enabled", "pdl_prologue",
+           "streamed_enabled", "pdl_available", "release_dependents", "grid_wait",
            "TL_DTYPES", "kv_scale_args", "kv_scale", "slot_scales", "load_page", "arrive_last", "step_kernel",
            "unspecialized_params"]
 
@@ -105,6 +106,41 @@ def pdl_enabled(cfg: LaunchConfig, num_tokens: int, num_kv_heads: int) -> bool:
     the interpreter, which has none.
     """
     return _gdc_wait is not None and not interpreting() and cfg.use_pdl(num_tokens, num_kv_heads)
+
+
+def streamed_enabled(cfg: LaunchConfig, num_tokens: int, num_kv_heads: int) -> bool:
+    """Whether this decode step's attention overlaps its indexer (:meth:`LaunchConfig.use_streamed_decode`).
+
+    A plugin's explicit choice stands (the interpreter tests run the streamed kernels in
+    sequence); the rule's needs PDL, without which the attention cannot start early.
+    """
+    if cfg.algorithms.streamed_decode is not None:
+        return cfg.algorithms.streamed_decode
+    return _gdc_wait is not None and not interpreting() and cfg.use_streamed_decode(num_tokens, num_kv_heads)
+
+
+def pdl_available() -> bool:
+    """Whether kernels can be compiled with the grid-dependency instructions (Triton has them and
+    the kernels run on a GPU, not through the interpreter)."""
+    return _gdc_wait is not None and not interpreting()
+
+
+@triton.jit
+def release_dependents(TRIGGER: tl.constexpr):
+    """Let the next kernel in the stream launch now (``TRIGGER``), after this thread's earlier writes:
+    a GPU-scope fence first, so a dependent that starts at once cannot read what this program has
+    just overwritten (the ready flags a streamed score kernel lowers before its scores)."""
+    if TRIGGER:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [tl.program_id(0)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        _gdc_launch_dependents()
+
+
+@triton.jit
+def grid_wait(WAIT: tl.constexpr):
+    """Wait until the previous kernel in the stream has finished and its writes are visible (``WAIT``)."""
+    if WAIT:
+        _gdc_wait()
 
 
 @triton.jit

@@ -108,8 +108,8 @@ def test_graph_capture_uses_the_last_program_and_replays_right(monkeypatch: pyte
     handed: list = []
     real = arrivals.arrival_counters
 
-    def spy(device, n):  # noqa: ANN001, ANN202
-        c = real(device, n)
+    def spy(device, n, role="topk"):  # noqa: ANN001, ANN202
+        c = real(device, n, role)
         handed.append(c)
         return c
 
