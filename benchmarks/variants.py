@@ -29,7 +29,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # every kernel launched through Triton's own launcher: the GPU time must not change
     "slowlaunch": (dict(algorithms=dict(fast_launch=False)), ("decode", "prefill")),
     # the decode top-k and merge as launches of their own, never in the last program of their group
-    "sep": (dict(algorithms=dict(merge_in_last_program=False, topk_in_last_program=False)), ("decode",)),
+    "sep": (dict(algorithms=dict(merge_in_last_program=False, topk_in_last_program=False, streamed_decode=False)),
+            ("decode",)),
     # no programmatic dependent launch
     "nopdl": (dict(algorithms=dict(pdl=False)), ("decode",)),
     # the decode attention after the indexer, never beside it
@@ -41,17 +42,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "piplain": (dict(prefill_index=dict(unmasked_full=False, sorted_merge=False, static_key_stride=False)),
                 ("prefill",)),
     "kvbf16": (dict(numerics=dict(kv_fp8_as_f16=False)), ("decode",)),
-    "st2": (dict(decode_attention=dict(stages=2)), ("decode",)),
-    "st4": (dict(decode_attention=dict(stages=4)), ("decode",)),
-    "ns3": (dict(decode_attention=dict(num_stages=3)), ("decode",)),
-    "ns1": (dict(decode_attention=dict(num_stages=1)), ("decode",)),
-    "bn64": (dict(decode_attention=dict(block_n=64)), ("decode",)),
-    "sp2": (dict(decode_attention=dict(max_splits=2)), ("decode",)),
-    "pps3": (dict(decode_attention=dict(flat_programs_per_sm=3)), ("decode",)),
-    "tklast": (dict(algorithms=dict(topk_in_last_program=True)), ("decode",)),
-    "w8": (dict(decode_attention=dict(warps=8)), ("decode",)),
-    "w8st4": (dict(decode_attention=dict(warps=8, stages=4)), ("decode",)),
-    "w8pps1": (dict(decode_attention=dict(warps=8, flat_programs_per_sm=1)), ("decode",)),
 }
 
 

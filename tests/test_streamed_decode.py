@@ -146,17 +146,19 @@ def test_the_attention_waits_only_on_flags_raised_for_its_buffer() -> None:
     assert torch.equal(out2[:T], out[:T])
 
 
-def test_the_rule_streams_full_grids_with_pdl_only() -> None:
-    """Where the rule streams (on the cuda plugin's values): from 16 decode tokens; never fewer, the grid
-    attention kernel or a config without PDL; under the interpreter only when asked."""
+def test_the_rule_streams_single_row_requests_from_64() -> None:
+    """Where the rule streams (on the cuda plugin's values): 64 requests or more of one index row each;
+    never fewer, several rows, the grid attention kernel or a config without PDL; under the interpreter
+    only when asked."""
     from mm3_backends.triton.tl_utils import streamed_enabled
 
     cfg = _base().for_device_sms(132)
-    assert cfg.use_streamed_decode(64, 4) and cfg.use_streamed_decode(64, 1)
-    assert cfg.use_streamed_decode(16, 4) and not cfg.use_streamed_decode(1, 4) and not cfg.use_streamed_decode(8, 1)
-    assert not override(cfg, algorithms=dict(pdl=False)).use_streamed_decode(64, 4)
-    assert not override(cfg, algorithms=dict(decode_attention_flat=False)).use_streamed_decode(64, 4)
-    assert not streamed_enabled(cfg, 64, 4), "the interpreter has no PDL: the rule must not stream there"
+    assert cfg.use_streamed_decode(64, 1) and cfg.use_streamed_decode(300, 1)
+    assert not cfg.use_streamed_decode(63, 1) and not cfg.use_streamed_decode(64, 4)
+    assert not cfg.use_streamed_decode(64, 2), "draft tokens: two rows per request"
+    assert not override(cfg, algorithms=dict(pdl=False)).use_streamed_decode(64, 1)
+    assert not override(cfg, algorithms=dict(decode_attention_flat=False)).use_streamed_decode(64, 1)
+    assert not streamed_enabled(cfg, 64, 1), "the interpreter has no PDL: the rule must not stream there"
     assert streamed_enabled(override(cfg, algorithms=dict(streamed_decode=True)), 1, 4)
     # streamed: stream_waves times the programs, so four times shorter runs of blocks
     assert cfg.decode_index_blocks_per_split(64, 512) == 64

@@ -20,6 +20,8 @@ Example (what ``LaunchConfig``'s shape rules decide at these values on a 132-SM 
     [False, True]
     >>> cfg.use_topk_in_last_program(64, 4, capturing=False)
     False
+    >>> cfg.use_streamed_decode(num_requests=64, rows_per_request=1), cfg.use_streamed_decode(64, 4)   # TP8, TP1 b64
+    (True, False)
 """
 
 from __future__ import annotations

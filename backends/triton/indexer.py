@@ -371,7 +371,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         width = bt.shape[1]
         dev, td = ik.device, batch.num_decode_tokens
         counters = ready = None
-        streamed = streamed_enabled(cfg, td, params.num_kv_heads)
+        streamed = streamed_enabled(cfg, nd, batch.decode_query_len * H)
         if streamed:   # a capture short of counters or flags falls back to the plain launches
             counters, ready = arrival_counters(dev, nd, "topk"), arrival_counters(dev, nd, "ready")
             streamed = counters is not None and ready is not None

@@ -108,7 +108,7 @@ def pdl_enabled(cfg: LaunchConfig, num_tokens: int, num_kv_heads: int) -> bool:
     return _gdc_wait is not None and not interpreting() and cfg.use_pdl(num_tokens, num_kv_heads)
 
 
-def streamed_enabled(cfg: LaunchConfig, num_tokens: int, num_kv_heads: int) -> bool:
+def streamed_enabled(cfg: LaunchConfig, num_requests: int, rows_per_request: int) -> bool:
     """Whether this decode step's attention overlaps its indexer (:meth:`LaunchConfig.use_streamed_decode`).
 
     A plugin's explicit choice stands (the interpreter tests run the streamed kernels in
@@ -116,7 +116,7 @@ def streamed_enabled(cfg: LaunchConfig, num_tokens: int, num_kv_heads: int) -> b
     """
     if cfg.algorithms.streamed_decode is not None:
         return cfg.algorithms.streamed_decode
-    return _gdc_wait is not None and not interpreting() and cfg.use_streamed_decode(num_tokens, num_kv_heads)
+    return _gdc_wait is not None and not interpreting() and cfg.use_streamed_decode(num_requests, rows_per_request)
 
 
 def pdl_available() -> bool:
