@@ -25,7 +25,7 @@ import torch
 import mm3
 from mm3.testing.factories import make_case
 
-from gpu_reference import assert_step_right, run_hooks_step
+from gpu_reference import assert_step_right, build_case, run_hooks_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -41,6 +41,12 @@ CASES = {
     "tp1_fp8": (TP1, dict(decodes=[5000 + 211 * i for i in range(32)], index_dtype="float8_e4m3fn",
                           kv_dtype="float8_e4m3fn")),
 }
+
+
+def _case(p: mm3.SparseAttentionParams, shape: dict, seed: int):  # noqa: ANN202 - a GpuCase
+    """``shape``'s step with its caches drawn on the GPU (``make_case`` draws them on the CPU: minutes at batch 64)."""
+    kw = {k: getattr(torch, v) if k.endswith("dtype") else v for k, v in shape.items()}
+    return build_case(p, prefills=kw.pop("prefills", []), seed=seed, **kw)
 
 
 def _hooks(streamed: bool):  # noqa: ANN202 - the plugin's hook tuple
@@ -76,7 +82,7 @@ def test_streamed_step_equals_the_separate_launches(name: str) -> None:
     streamed, separate = _hooks(True), _hooks(False)
     T = None
     for rep in range(3):
-        case = make_case(p, device="cuda", seed=100 + rep, **shape)
+        case = _case(p, shape, 100 + rep)
         T = case.batch.num_tokens
         bufs = [mm3.TopkBuffer.allocate(T, p.num_kv_heads, p.topk, layout="token_major", device="cuda")
                 for _ in range(2)]
@@ -97,8 +103,8 @@ def test_flags_an_unclaimed_indexer_left_raised_are_lowered_first() -> None:
     p, shape = CASES["tp8_b64"]
     streamed, separate = _hooks(True), _hooks(False)
     for rep in range(2):
-        old = make_case(p, device="cuda", seed=200 + rep, **shape)
-        new = make_case(p, device="cuda", seed=300 + rep, **shape)
+        old = _case(p, shape, 200 + rep)
+        new = _case(p, shape, 300 + rep)
         T = new.batch.num_tokens
         buf = mm3.TopkBuffer.allocate(T, p.num_kv_heads, p.topk, layout="token_major", device="cuda")
         streamed.index_topk(index_q=old.index_q, caches=old.caches, batch=old.batch, params=p, out=buf.rows(0, T))
