@@ -159,8 +159,8 @@ class LaunchConfig:
         rule): requests of one index row (one index head, no draft tokens), from
         :data:`STREAM_MIN_REQUESTS` of them, with the persistent attention kernel and PDL not ruled out.
 
-        Measured on the H200 (64K context, CUDA graphs): TP8 b64 step 276.2 -> 271.9 us (fp8
-        index 174.8 -> 172.8); TP1 b64 322.8 -> 324.9 us (fp8 index 221.0 -> 226.9): with four
+        Measured on the H200 (64K context, CUDA graphs): TP8 b64 step 276.2 -> 271.9 and
+        275.8 -> 271.5 us (fp8 index 174.8 -> 172.8 and 175.0 -> 172.6); TP1 b64 322.8 -> 324.9 us (fp8 index 221.0 -> 226.9): with four
         index rows per request the four times shorter score programs are 2-6% slower, more than
         the overlap saves.
         """
