@@ -36,8 +36,10 @@ __all__ = ["NVIDIA_LAUNCH"]
 
 NVIDIA_LAUNCH = LaunchConfig(
     target_programs=264,
+    # streamed decode in two waves of score programs (H200, TP8 b64 64K, fp8 index: 172.2 -> 167.8 us
+    # against four, bf16 index 270.8 -> 271.2; eight: 179.4 / 272.1)
     decode_index=DecodeIndexConfig(min_blocks=1, max_blocks=128, warps=4, topk_warps=4, programs_factor=2,
-                                   block_n=128, num_stages=2, stream_waves=4),
+                                   block_n=128, num_stages=2, stream_waves=2),
     # 128-row tiles of 8 warps, two programs per SM; 64-key inner tiles; top-K merged every 32
     # blocks; a tile's blocks split over up to 8 programs when the tiles do not fill the SMs (TP8
     # 32K: 490 -> 228 us); three instruction cuts (the causal mask only where a row sees part of a
