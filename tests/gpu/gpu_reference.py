@@ -20,7 +20,7 @@ from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import make_case
 
 __all__ = ["GpuCase", "build_case", "block_scores", "selection_errors", "attention_reference",
-           "sample_tokens", "run_hooks_step", "assert_step_right", "POISON_TOPK"]
+           "sample_tokens", "run_hooks_step", "assert_step_right", "assert_replays_match", "POISON_TOPK"]
 
 #: what :func:`run_hooks_step` fills the top-k buffer with first (a row left so was not written)
 POISON_TOPK = -7
@@ -254,3 +254,25 @@ def assert_step_right(case: Any, params: SparseAttentionParams, topk_storage: to
     assert torch.isnan(out[T:]).all(), f"{name}: output rows past the step's tokens were written"
     assert (TopkBuffer._wrap(topk_storage, layout).head_major()[:, T:] == POISON_TOPK).all(), \
         f"{name}: top-k rows past the step's tokens were written"
+
+
+def assert_replays_match(graph: torch.cuda.CUDAGraph, case: Any, params: SparseAttentionParams, topk: TopkBuffer,
+                         out: torch.Tensor, reference_hooks: Any, draw: Callable[[int], Any],
+                         seeds: Iterable[int]) -> None:
+    """Replay ``graph``, a captured :func:`run_hooks_step` on ``case``'s tensors, once per seed on new
+    data and pages of the same shapes (``draw(seed)``, copied into ``case`` in place): each replay's
+    top-k and output bits equal ``reference_hooks`` run eagerly on the same step."""
+    T = case.batch.num_tokens
+    for seed in seeds:
+        new = draw(seed)
+        case.batch.update_(new.batch)
+        for mine, theirs in ((case.q, new.q), (case.index_q, new.index_q), (case.caches.k, new.caches.k),
+                             (case.caches.v, new.caches.v), (case.caches.index, new.caches.index)):
+            mine.copy_(theirs)
+        graph.replay()
+        ref_topk = TopkBuffer.allocate(T, params.num_kv_heads, params.topk, layout=topk.layout, device=out.device)
+        ref_out = torch.empty_like(out)
+        run_hooks_step(reference_hooks, params, new, ref_topk, ref_out)
+        torch.cuda.synchronize()
+        assert torch.equal(topk.storage, ref_topk.storage), f"replay {seed}: top-k rows differ"
+        assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16)), f"replay {seed}: outputs differ"

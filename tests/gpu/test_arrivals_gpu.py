@@ -30,7 +30,7 @@ import torch
 import mm3
 from mm3.testing.factories import make_case
 
-from gpu_reference import assert_step_right, run_hooks_step
+from gpu_reference import assert_replays_match, assert_step_right, run_hooks_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -121,19 +121,9 @@ def test_graph_capture_uses_the_last_program_and_replays_right(monkeypatch: pyte
     with torch.cuda.graph(graph):               # torch's own capture stream
         run_hooks_step(fused, p, case, topk, out)
     assert len(handed) == 2 and all(c is not None for c in handed), "the capture fell back to separate launches"
-    for seed in range(4, 10):
-        new = make_case(p, device="cuda", seed=seed, **shape)   # new data and pages, same shapes
-        case.batch.update_(new.batch)
-        for mine, theirs in ((case.q, new.q), (case.index_q, new.index_q), (case.caches.k, new.caches.k),
-                             (case.caches.v, new.caches.v), (case.caches.index, new.caches.index)):
-            mine.copy_(theirs)
-        graph.replay()
-        ref_topk = mm3.TopkBuffer.allocate(T, p.num_kv_heads, p.topk, layout="token_major", device="cuda")
-        ref_out = torch.empty_like(out)
-        run_hooks_step(separate, p, new, ref_topk, ref_out)
-        torch.cuda.synchronize()
-        assert torch.equal(topk.storage, ref_topk.storage), f"replay {seed}: top-k rows differ"
-        assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16)), f"replay {seed}: outputs differ"
+    # new data and pages, same shapes
+    assert_replays_match(graph, case, p, topk, out, separate,
+                         lambda seed: make_case(p, device="cuda", seed=seed, **shape), range(4, 10))
     assert _all_counters_zero()
 
 
