@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from mm3.contract.buffers import TopkBuffer
 from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import make_case
-from mm3.testing.oracle import check_topk, oracle_attention
 from mm3_backends.triton.launch import override
+
+from decode_steps import assert_decode_step_right, run_decode_step
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -33,24 +33,9 @@ SEPARATE = dict(algorithms=dict(merge_in_last_program=False, topk_in_last_progra
 
 
 def _run(cfg: Any, case: Any, p: SparseAttentionParams, layout: str) -> tuple[torch.Tensor, torch.Tensor, list]:
-    from mm3_backends.triton import attention, fast_launch, indexer
-
-    launched: list[str] = []
-    real = fast_launch.launch
-
-    def counting(fn: Any, *args: Any) -> None:
-        launched.append(fn.__name__)
-        real(fn, *args)
-
-    T = case.batch.num_tokens
-    buf = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, layout, fill=-7)
-    out = torch.full_like(case.q, float("nan"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(indexer, "launch", counting)
-        mp.setattr(attention, "launch", counting)
-        indexer.index_topk(case.index_q, case.caches, case.batch, p, buf, cfg)
-        attention.attention_forward(case.q, case.caches, buf, case.batch, p, out, cfg)
-    return buf.head_major().clone(), out, launched
+    """:func:`decode_steps.run_decode_step` with the launched kernels' names only."""
+    sel, out, launched = run_decode_step(cfg, case, p, layout)
+    return sel, out, [name for name, *_ in launched]
 
 
 def _counters_sum() -> int:
@@ -86,12 +71,7 @@ def test_last_program_matches_separate_launches(layout: str, q_len: int, h: int,
     assert torch.equal(sel_f, sel_s)
     T = case.batch.num_tokens
     assert torch.equal(out_f[:T], out_s[:T])
-    buf = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, "head_major")
-    buf.storage.copy_(sel_f)
-    errors = check_topk(buf, case.index_q, case.caches, case.batch, p)
-    assert not errors, "\n".join(map(str, errors[:5]))
-    ref = oracle_attention(case.q, case.caches, buf, case.batch, p)
-    assert (out_f[:T].double() - ref[:T]).abs().max().item() < 1e-2
+    assert_decode_step_right(sel_f, out_f, case, p)
     # twice in a row: the second launch starts from the counters the first left (all zero)
     sel_2, out_2, _ = _run(fused, case, p, layout)
     assert torch.equal(sel_2, sel_f) and torch.equal(out_2[:T], out_f[:T])

@@ -22,8 +22,9 @@ import torch
 from mm3.contract.buffers import TopkBuffer
 from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import make_case
-from mm3.testing.oracle import check_topk, oracle_attention
 from mm3_backends.triton.launch import override
+
+from decode_steps import assert_decode_step_right, run_decode_step as _run
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -36,31 +37,6 @@ def _base() -> Any:
     from mm3_backends.cuda.plugin import PLATFORM
 
     return PLATFORM.launch_config(torch.device("cpu"))   # the cuda plugin's, interpreted
-
-
-def _run(cfg: Any, case: Any, p: SparseAttentionParams, layout: str,
-         attention_buf: Any = None) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str, tuple, dict]]]:
-    """One step through the plugin's launchers; returns the top-k (head-major), the output and the launches."""
-    from mm3_backends.triton import attention, fast_launch, indexer
-
-    launched: list[tuple[str, tuple, dict]] = []
-    real = fast_launch.launch
-
-    def recording(fn: Any, grid: tuple, args: tuple, kwargs: dict, *rest: Any) -> None:
-        launched.append((fn.__name__, grid, kwargs))
-        real(fn, grid, args, kwargs, *rest)
-
-    T = case.batch.num_tokens
-    buf = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, layout, fill=-7)
-    out = torch.full_like(case.q, float("nan"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(indexer, "launch", recording)
-        mp.setattr(attention, "launch", recording)
-        indexer.index_topk(case.index_q, case.caches, case.batch, p, buf, cfg)
-        if attention_buf is not None:
-            attention_buf.storage.copy_(buf.storage)
-        attention.attention_forward(case.q, case.caches, attention_buf or buf, case.batch, p, out, cfg)
-    return buf.head_major().clone(), out, launched
 
 
 def _launch(launched: list, name: str) -> tuple[tuple, dict]:
@@ -104,12 +80,7 @@ def test_streamed_step_matches_the_separate_launches(layout: str, q_len: int, h:
     assert torch.equal(sel_s, sel_p)
     T = case.batch.num_tokens
     assert torch.equal(out_s[:T], out_p[:T])
-    buf = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, "head_major")
-    buf.storage.copy_(sel_s)
-    errors = check_topk(buf, case.index_q, case.caches, case.batch, p)
-    assert not errors, "\n".join(map(str, errors[:5]))
-    ref = oracle_attention(case.q, case.caches, buf, case.batch, p)
-    assert (out_s[:T].double() - ref[:T]).abs().max().item() < 1e-2
+    assert_decode_step_right(sel_s, out_s, case, p)
 
 
 def test_the_attention_waits_only_on_flags_raised_for_its_buffer() -> None:

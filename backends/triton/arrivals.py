@@ -15,13 +15,12 @@ zero, which is what the next launch needs: the counters are allocated (zeroed)
 once and reused, so the fused path costs no extra launch, eager or in a
 CUDA graph.
 
-Counters are kept per device, stream *and role* (``"topk"``, ``"merge"``,
-``"ready"``): a streamed decode step (``Algorithms.streamed_decode``) runs the
-score kernel's top-k counting and the attention's merge counting at the same
-time, so they must not share slots. Counters are kept per device *and stream* (per thread for CPU tensors under
+Counters are kept per device *and stream* (per thread for CPU tensors under
 the interpreter): two launches that run at once must not count into the same
-slots. They are allocated by a thread of their own on a GPU (:func:`in_own_thread`
-says why), outside CUDA graph captures only (zeroing one during a capture
+slots. And per *role* (``"topk"``, ``"merge"``, ``"ready"``): a streamed decode
+step (``Algorithms.streamed_decode``) runs the score kernel's top-k counting
+and the attention's merge counting at the same time. They are allocated by a
+thread of their own on a GPU (:func:`in_own_thread` says why), outside CUDA graph captures only (zeroing one during a capture
 would only happen when the graph replays), and never freed or moved while the
 process runs: a captured graph keeps their address (``_KEEP``). A capture uses
 its stream's counters if that stream ran a decode step eagerly before, else

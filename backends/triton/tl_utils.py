@@ -105,18 +105,18 @@ def pdl_enabled(cfg: LaunchConfig, num_tokens: int, num_kv_heads: int) -> bool:
     PDL); only with a Triton that has the grid-dependency instructions, never under
     the interpreter, which has none.
     """
-    return _gdc_wait is not None and not interpreting() and cfg.use_pdl(num_tokens, num_kv_heads)
+    return pdl_available() and cfg.use_pdl(num_tokens, num_kv_heads)
 
 
 def streamed_enabled(cfg: LaunchConfig, num_requests: int, rows_per_request: int) -> bool:
     """Whether this decode step's attention overlaps its indexer (:meth:`LaunchConfig.use_streamed_decode`).
 
     A plugin's explicit choice stands (the interpreter tests run the streamed kernels in
-    sequence); the rule's needs PDL, without which the attention cannot start early.
+    sequence); the rule needs PDL, without which the attention cannot start early.
     """
     if cfg.algorithms.streamed_decode is not None:
         return cfg.algorithms.streamed_decode
-    return _gdc_wait is not None and not interpreting() and cfg.use_streamed_decode(num_requests, rows_per_request)
+    return pdl_available() and cfg.use_streamed_decode(num_requests, rows_per_request)
 
 
 def pdl_available() -> bool:
