@@ -9,7 +9,9 @@ discovery, selection or configuration (those are :mod:`mm3.runtime`'s):
 * :mod:`.buffers` - :class:`TopkBuffer` and :class:`PagedKVCache`, tensors that carry their layout;
 * :mod:`.batch` - :class:`BatchMetadata`, the decode-first mixed batch;
 * :mod:`.params` - :class:`SparseAttentionParams`, the layer's shapes and policy;
-* :mod:`.checks` - the argument checks of a step;
+* :mod:`.facts` - a step's shape class, one value: what its argument checks read;
+* :mod:`.checks` - the argument checks of a step, over its facts;
+* :mod:`.contents` - the data checks of a step (lengths, positions, page ids), every step;
 * :mod:`.errors` - the exceptions.
 """
 
@@ -18,7 +20,8 @@ from mm3.contract.buffers import TORCH_DTYPES, PagedKVCache, TopkBuffer, dtype_n
 from mm3.contract.capabilities import (
     BackendCapabilities, DType, IndexDType, KVCacheLayout, KVDType, Probe, Requirements, TopkLayout,
 )
-from mm3.contract.checks import RowSpec, check_hook_args, check_layer_args, check_step_inputs
+from mm3.contract.checks import Plan, check, check_layer_args
+from mm3.contract.facts import StepFacts
 from mm3.contract.errors import (
     BackendUnavailableError, ConfigError, ContractViolation, InputError, MM3Error, NoBackendError,
     PluginError, UnknownBackendError,
@@ -36,7 +39,7 @@ __all__ = [
     "TopkBuffer", "PagedKVCache", "BatchMetadata", "SparseAttentionParams",
     "MINIMAX_M3_MAX_DECODE_QUERY_LEN", "TORCH_DTYPES", "dtype_name",
     # checks
-    "check_hook_args", "check_step_inputs", "check_layer_args", "RowSpec",
+    "check", "Plan", "StepFacts", "check_layer_args",
     # errors
     "MM3Error", "InputError", "ConfigError", "UnknownBackendError", "BackendUnavailableError",
     "NoBackendError", "PluginError", "ContractViolation",

@@ -21,8 +21,9 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mm3.contract.errors import InputError
+from mm3.contract.facts import batch_kind
 from mm3.contract.lengths import INT32_MAX, INT32_MIN, IntSeq, check_lengths, to_int_list
-from mm3.contract.page_ids import check_page_ids
+from mm3.contract.contents import check_on_host, derive_context, derive_tokens
 
 __all__ = ["BatchMetadata"]
 
@@ -31,7 +32,7 @@ _HOST_INTS = ("num_decode_tokens", "max_query_len", "max_seq_len", "max_prefill_
               "max_prefill_context_len")
 _TENSORS = ("query_start_loc", "seq_lens", "context_lens", "block_table", "token_to_request", "token_positions")
 #: host facts read back from the tensors' contents (dropped when the contents change in place)
-READ_BACK = ("query_lens", "seq_lens_host", "max_seq_len", "max_prefill_context_len", "page_id_verdicts")
+READ_BACK = ("query_lens", "seq_lens_host", "max_seq_len", "max_prefill_context_len")
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,6 @@ class BatchMetadata:
     # Host facts are cached: every layer, backend and check of a step asks for
     # them. A batch from device tensors has the engine's host ints pre-set
     # (:meth:`assemble`) and reads the per-request lengths back only on demand.
-    @cached_property
-    def page_id_verdicts(self) -> dict:
-        """This batch's page-id checks by cache size (:mod:`mm3.contract.page_ids`); dropped on refill."""
-        return {}
-
     @cached_property
     def query_lens(self) -> tuple[int, ...]:
         """Per-request query lengths on the host (a device sync for a batch from device tensors)."""
@@ -141,11 +137,7 @@ class BatchMetadata:
             ...                     block_size=16, num_decodes=2).kind
             'speculative mixed'
         """
-        if not self.num_requests:
-            return "empty"
-        kind = "mixed" if self.num_decodes and self.num_prefills else \
-            "decode" if self.num_decodes else "prefill"
-        return f"speculative {kind}" if self.num_decodes and self.decode_query_len > 1 else kind
+        return batch_kind(self.num_requests, self.num_decodes, self.decode_query_len)
 
     @cached_property
     def shape_class(self) -> tuple[object, ...]:
@@ -239,7 +231,7 @@ class BatchMetadata:
             token_positions=torch.tensor(tok_pos, **i32),
         )
         if num_pages is not None:
-            check_page_ids(batch, num_pages, hint=False)
+            check_on_host(batch, num_pages, entry="BatchMetadata.build")
         for name in _HOST_INTS:  # cached now: a compiled caller reads them without running Python
             getattr(batch, name)
         return batch
@@ -285,8 +277,7 @@ class BatchMetadata:
         # without them, derived once on first use (seq_len - query length, 0 for padding decodes).
         if name != "context_lens" or "seq_lens" not in self.__dict__:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        qsl = self.query_start_loc
-        ctx = (self.seq_lens - (qsl[1:] - qsl[:-1])).clamp_(min=0)
+        ctx = derive_context(self.query_start_loc, self.seq_lens, self.num_decodes)
         self.__dict__["context_lens"] = ctx
         return ctx
 
@@ -294,7 +285,8 @@ class BatchMetadata:
     def from_device(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, *,
                     num_decodes: int, num_tokens: int, max_query_len: int, block_size: int,
                     decode_query_len: int = 1, num_decode_tokens: Optional[int] = None,
-                    max_seq_len: Optional[int] = None) -> "BatchMetadata":
+                    max_seq_len: Optional[int] = None,
+                    context_lens: Optional[torch.Tensor] = None) -> "BatchMetadata":
         """The step's metadata from tensors an engine already holds, with no device-to-host copy.
 
         ``query_start_loc`` ``[R + 1]``, ``seq_lens`` ``[R]`` and ``block_table``
@@ -303,9 +295,14 @@ class BatchMetadata:
         are the ones an engine's scheduler knows: decodes (first), tokens
         (``query_start_loc[-1]``), the longest query (an upper bound is fine),
         ``decode_query_len`` (1 + draft tokens) and ``num_decode_tokens``
-        (default ``num_decodes * decode_query_len``). Nothing is validated here
-        (that needs the data on the host): call :meth:`validate` once per shape
-        class, and :meth:`update_from_device_` to refill a captured batch.
+        (default ``num_decodes * decode_query_len``). ``context_lens``: the
+        engine's own ``[R]`` context lengths, if it keeps them (used as they are).
+
+        What the tensors hold is checked where the step runs, never here (that
+        needs the data on the host): on the host at the first step of each shape
+        class and every step for a batch in host memory, on the device otherwise
+        (:mod:`mm3.contract.contents`); :meth:`validate` checks it now. Refill a
+        captured batch with :meth:`update_from_device_`.
 
         Example:
             >>> qsl = torch.tensor([0, 1, 2, 7], dtype=torch.int32)
@@ -315,38 +312,46 @@ class BatchMetadata:
             >>> b.token_positions.tolist(), b.validate().num_decode_tokens
             ([299, 128, 0, 1, 2, 3, 4], 2)
         """
-        for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+        for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table),
+                        ("context_lens", context_lens)):
+            if (t is not None or name != "context_lens") and (not isinstance(t, torch.Tensor) or t.dtype != torch.int32):
                 raise InputError(f"{name} must be an int32 tensor, got "
                                  f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-        R = seq_lens.shape[0]
-        if query_start_loc.shape != (R + 1,) or block_table.dim() != 2 or block_table.shape[0] != R:
+        R = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+        if R < 0 or query_start_loc.shape != (R + 1,) or block_table.dim() != 2 or block_table.shape[0] != R or \
+                (context_lens is not None and context_lens.shape != (R,)):
             raise InputError(f"shapes do not agree: query_start_loc {tuple(query_start_loc.shape)} must be "
                              f"[R + 1], seq_lens {tuple(seq_lens.shape)} [R], block_table "
-                             f"{tuple(block_table.shape)} [R, max_blocks]")
-        if not 0 <= num_decodes <= R:
-            raise InputError(f"num_decodes={num_decodes} must be in [0, {R}] (number of requests)")
+                             f"{tuple(block_table.shape)} [R, max_blocks]"
+                             + ("" if context_lens is None else f", context_lens {tuple(context_lens.shape)} [R]"))
+        if num_decode_tokens is None and _count("num_decodes", num_decodes, R) and \
+                _count("decode_query_len", decode_query_len):
+            num_decode_tokens = num_decodes * decode_query_len
+        for name, value, most in (("num_decodes", num_decodes, R), ("num_tokens", num_tokens, None),
+                                  ("max_query_len", max_query_len, None), ("block_size", block_size, None),
+                                  ("decode_query_len", decode_query_len, None),
+                                  ("num_decode_tokens", num_decode_tokens, num_tokens)):
+            _count(name, value, most)
+        if block_size < 1 or decode_query_len < 1:
+            raise InputError(f"block_size ({block_size}) and decode_query_len ({decode_query_len}) must be >= 1")
         dev = seq_lens.device
         z = torch.zeros(num_tokens, dtype=torch.int32, device=dev)
         batch = cls.assemble(
-            query_start_loc, seq_lens, torch.zeros_like(seq_lens), block_table, z, torch.empty_like(z),
-            num_decodes=num_decodes, decode_query_len=decode_query_len,
-            num_decode_tokens=num_decodes * decode_query_len if num_decode_tokens is None else num_decode_tokens,
+            query_start_loc, seq_lens, torch.zeros_like(seq_lens) if context_lens is None else context_lens,
+            block_table, z, torch.empty_like(z), num_decodes=num_decodes, decode_query_len=decode_query_len,
+            num_decode_tokens=num_decode_tokens,  # type: ignore[arg-type]
             max_prefill_query_len=max_query_len if num_decodes < R else 0, block_size=block_size,
             max_query_len=max_query_len, max_seq_len=max_seq_len)
-        batch._derive_tokens()
+        batch._derive_tokens(context=context_lens is None)
         return batch
 
-    def _derive_tokens(self) -> None:
-        """Fill ``context_lens``, ``token_to_request`` and ``token_positions`` from the lengths, on the device."""
+    def _derive_tokens(self, context: bool = True) -> None:
+        """Fill ``token_to_request`` and ``token_positions`` (and ``context_lens``, when ``context``) from the
+        lengths, on the device (the same derivation the contents check compares them with)."""
         qsl, sl, nd = self.query_start_loc, self.seq_lens, self.num_decodes
-        ends = qsl[1:]
-        t = torch.arange(self.num_tokens, dtype=torch.int32, device=sl.device)
-        req = torch.searchsorted(ends, t, right=True).clamp_(max=max(sl.shape[0] - 1, 0)).to(torch.int32)
-        pad = (torch.arange(sl.shape[0], device=sl.device) < nd) & (sl == 0)  # padding decodes
-        ctx = (sl - (ends - qsl[:-1])).clamp_(min=0).masked_fill_(pad, 0)
-        pos = (sl[req] - (ends[req] - t)).masked_fill_(pad[req], -1) if sl.shape[0] else t
-        self.context_lens.copy_(ctx)
+        pos, req = derive_tokens(qsl, sl, nd, self.num_tokens)
+        if context:
+            self.context_lens.copy_(derive_context(qsl, sl, nd))
         self.token_to_request.copy_(req)
         self.token_positions.copy_(pos)
 
@@ -361,9 +366,10 @@ class BatchMetadata:
         for name, src in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                           ("block_table", block_table)):
             dst = getattr(self, name)
-            if dst.shape != src.shape:
-                raise InputError(f"update_from_device_: {name} shape {tuple(src.shape)} != captured "
-                                 f"{tuple(dst.shape)}; build a new batch for a new shape class")
+            if not isinstance(src, torch.Tensor) or dst.shape != src.shape:
+                raise InputError(f"update_from_device_: {name} shape "
+                                 f"{tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__} != "
+                                 f"captured {tuple(dst.shape)}; build a new batch for a new shape class")
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
         for k in READ_BACK:
@@ -372,23 +378,17 @@ class BatchMetadata:
         return self
 
     def validate(self) -> "BatchMetadata":
-        """Check the batch as :meth:`build` does, on host copies of its lengths (one device sync).
+        """Check what the batch's tensors hold now, as a step does (one device sync for a device batch).
 
-        For a batch of :meth:`from_device`: run it once per shape class (say, when
-        capturing a graph), not every step. Raises :class:`InputError`; returns ``self``.
+        For a batch of :meth:`from_device`, or one an engine edited in place: raises
+        :class:`InputError` naming the request and what to fix; returns ``self``. Steps
+        check the same rules themselves (:mod:`mm3.contract.contents`); this is for
+        finding a bad batch where it is made.
         """
-        ql, sl = list(self.query_lens), list(self.seq_lens_host)
-        check_lengths(ql, sl, self.num_decodes, self.decode_query_len if self.num_decodes else None,
-                       self.block_size, self.block_table.shape[1])
-        facts = {"num_tokens": sum(ql), "num_decode_tokens": sum(ql[:self.num_decodes])}
-        for name, want in facts.items():
-            if getattr(self, name) != want:
-                raise InputError(f"{name}={getattr(self, name)} but the lengths give {want}; pass the "
-                                 f"step's own counts to BatchMetadata.from_device")
-        for name, got in (("max_query_len", max(ql, default=0)),
-                          ("max_prefill_query_len", max(ql[self.num_decodes:], default=0))):
-            if self.__dict__.get(name, got) < got:
-                raise InputError(f"{name}={self.__dict__[name]} but a request has {got} query tokens")
+        R = self.num_requests
+        if self.block_table.numel() or R:
+            # every used block-table entry must exist; no cache here, so only that ids are not negative
+            check_on_host(self, num_pages=2 ** 31 - 1, entry="BatchMetadata.validate")
         return self
 
     def to(self, device: Union[str, torch.device]) -> "BatchMetadata":
@@ -411,10 +411,17 @@ class BatchMetadata:
             if dst.shape != src.shape:
                 raise InputError(f"update_: {f} shape {tuple(src.shape)} != captured {tuple(dst.shape)}")
             dst.copy_(src)
-        self.__dict__.pop("page_id_verdicts", None)
         return self
 
     def __repr__(self) -> str:
         return (f"BatchMetadata(requests={self.num_requests}, decodes={self.num_decodes} "
                 f"x q{self.decode_query_len}, prefills={self.num_prefills}, tokens={self.num_tokens}, "
                 f"max_seq_len={self.max_seq_len}, device={self.device})")
+
+
+def _count(name: str, value: object, most: Optional[int] = None) -> bool:
+    """Raise :class:`InputError` unless ``value`` is an int in ``[0, most]``; True when it is."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (most is not None and value > most):
+        bound = "" if most is None else f" and at most {most}"
+        raise InputError(f"{name} must be an int >= 0{bound}, got {value!r}")
+    return True

@@ -29,7 +29,7 @@ from mm3.contract.capabilities import KVCacheLayout, TopkLayout
 from mm3.contract.errors import InputError
 from mm3.contract.kv_scales import FP8_KV_DTYPE, ScaleLike, cache_scales, dequantize, is_slot_scale
 
-__all__ = ["TopkBuffer", "PagedKVCache", "TORCH_DTYPES", "dtype_name"]
+__all__ = ["TopkBuffer", "PagedKVCache", "TORCH_DTYPES", "dtype_name", "in_storage_order", "is_dense_storage"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -52,16 +52,23 @@ def _check_layout(layout: str) -> TopkLayout:
     return cast(TopkLayout, layout)
 
 
-def _in_storage_order(storage: torch.Tensor) -> bool:
-    """True when axes 0, 1, 2 of ``storage`` lie in memory outermost to innermost, without overlap.
+def in_storage_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """True when axes 0, 1, 2 of a 3-D tensor of ``shape``/``stride`` lie in memory outermost to
+    innermost, without overlap.
 
     Axes of size 1 are skipped: their stride is meaningless. That is why
     vLLM's bug hid with one KV head (both layouts are then one memory map),
     and why a one-token ``rows(t, t + 1)`` view stays legal.
     """
-    axes = [(storage.shape[i], storage.stride(i)) for i in range(3) if storage.shape[i] > 1]
+    axes = [(shape[i], stride[i]) for i in range(3) if shape[i] > 1]
     return all(outer_stride >= inner_size * inner_stride
                for (_, outer_stride), (inner_size, inner_stride) in zip(axes, axes[1:]))
+
+
+def is_dense_storage(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """True when the inner two axes of 3-D top-k storage are packed (the outer stride may be larger):
+    what ``topk_requires_contiguous`` backends need (:meth:`TopkBuffer.is_dense`)."""
+    return stride[2] == 1 and stride[1] == shape[2] and stride[0] >= shape[1] * shape[2]
 
 
 class TopkBuffer:
@@ -114,7 +121,7 @@ class TopkBuffer:
         if data.dim() != 3:
             raise InputError(f"top-k storage must be 3-D ({'[H, T, K]' if layout == 'head_major' else '[T, H, K]'}"
                              f" for {layout}), got shape {tuple(data.shape)}")
-        if not _in_storage_order(data):
+        if not in_storage_order(data.shape, data.stride()):
             raise InputError(
                 f"top-k storage of shape {tuple(data.shape)} has strides {tuple(data.stride())}: its memory is "
                 f"not laid out outermost-to-innermost as {layout!r} storage, so a kernel would write other "
@@ -131,9 +138,10 @@ class TopkBuffer:
 
     def _as(self, layout: str) -> "TopkBuffer":
         """Labelled ``layout`` if its memory is in that order too (one head or token), else itself."""
-        if layout == self._layout or not _in_storage_order(self._data.permute(1, 0, 2)):
+        other = self._data.permute(1, 0, 2)
+        if layout == self._layout or not in_storage_order(other.shape, other.stride()):
             return self
-        return TopkBuffer._checked_before(self._data.permute(1, 0, 2), _check_layout(layout))
+        return TopkBuffer._checked_before(other, _check_layout(layout))
 
     @classmethod
     def _checked_before(cls, data: torch.Tensor, layout: TopkLayout) -> "TopkBuffer":
@@ -196,8 +204,7 @@ class TopkBuffer:
         """True when the inner two storage axes are packed (the outer stride may be larger): what
         ``topk_requires_contiguous`` backends need. A row range of a contiguous buffer is dense in
         either layout (a head-major head stride keeps the full capacity)."""
-        d = self._data
-        return d.stride(2) == 1 and d.stride(1) == d.shape[2] and d.stride(0) >= d.shape[1] * d.shape[2]
+        return is_dense_storage(self._data.shape, self._data.stride())
 
     # -- views --------------------------------------------------------------------
     def head_major(self) -> torch.Tensor:

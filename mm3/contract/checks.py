@@ -1,61 +1,69 @@
-"""The argument checks of a step: shapes, dtypes and devices, never tensor contents.
+"""The argument checks of a step: rules over its facts, never over tensors.
 
-Two callers, two sets of checks:
+:func:`check` takes one :class:`~mm3.contract.facts.StepFacts` value — the
+shape class of a call — and raises :class:`InputError` naming the entry point
+and the argument the caller wrote, or returns the :class:`Plan` the runner
+follows. It reads nothing but that value (and what the value holds: the
+parameters, the bound backends' capabilities and probe answers), so its verdict
+is a function of the value and the boundary (:mod:`mm3.runtime.step`) may keep
+it, keyed by the value itself. Nothing here synchronises with a device; the
+data checks (page ids, lengths) are :mod:`mm3.contract.contents`'.
 
-* :func:`check_layer_args` and :func:`check_step_inputs` are the layer's:
-  what :class:`~mm3.SparseAttention` promises about its construction and each
-  step's inputs;
-* :func:`check_index_args` / :func:`check_attention_args`,
-  :func:`check_declared` and :func:`check_topk_accepted` are every check of
-  one hook call, run once by the bound backend (:class:`~mm3.runtime.backend.Backend`) before
-  the plugin's hook: :func:`check_hook_args` (what every backend needs:
-  argument types, the block size and KV-head count that caches, batch and
-  params must agree on, one device for every input, per-token tensors with
-  at least the step's rows, a top-k buffer of the right shape and capacity),
-  the op's own shapes and dtypes, then the limits the backend's capabilities
-  declare. A plugin checks only what is its own.
-
-Everything here reads shapes, dtypes and devices only: no device
-synchronisation, so it stays on in production (and inside CUDA graphs).
-Checks that need the data (block ids in range) run where the batch is built
-(:meth:`mm3.BatchMetadata.build` with ``num_pages``).
+The rules, in the order they are checked: the batch's tensors and host ints;
+the caches; a layer's own promises (exact token count, the dtypes and device
+it was built for, its capacity); what each hook needs (shapes against the
+parameters, one device, the top-k buffer); then the limits each backend
+declares and its probe on the step's device.
 
 Example:
-    >>> import mm3
+    >>> import torch, mm3
     >>> from mm3.testing.factories import make_case
+    >>> from mm3.runtime.registry import default_registry
+    >>> from mm3.runtime.step import describe
     >>> p = mm3.SparseAttentionParams(num_heads=2, num_kv_heads=1, head_dim=16,
     ...     num_index_heads=1, index_head_dim=16, block_size=16, topk=4)
     >>> case = make_case(p, decodes=[40], dtype="float32")
-    >>> check_index_args("mine.index_topk", case.index_q, case.caches, case.batch, p,
-    ...                  mm3.TopkBuffer.allocate(1, 1, 4))
-    1
-    >>> caps = BackendCapabilities(name="mine", ops={"index_topk"}, device_types={"cpu"},
-    ...     topk_layout="head_major", block_sizes={128})
-    >>> check_declared("mine.index_topk", caps, "index_topk", device_type="cpu", dtype=case.q.dtype,
-    ...                index_dtype=case.caches.index_dtype, params=p, decode_query_len=1)
+    >>> be = default_registry().get("cpu_ref")
+    >>> buf = mm3.TopkBuffer.allocate(1, 1, 4)
+    >>> facts = describe("demo", ("index_topk",), p, be, None, index_q=case.index_q, caches=case.caches,
+    ...                  batch=case.batch, topk=buf)
+    >>> check(facts).kind
+    'decode'
+    >>> check(facts._replace(params=p.model_copy(update={"index_head_dim": 32})))   # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    mm3.contract.errors.InputError: mine.index_topk: block_size 16 not in [128]: outside what backend 'mine' declares; choose another backend or change the input
+    mm3.contract.errors.InputError: demo: index cache keys have dim 16, params.index_head_dim is 32...
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from mm3.contract.batch import BatchMetadata
-from mm3.contract.buffers import PagedKVCache, TopkBuffer, dtype_name
-from mm3.contract.capabilities import BackendCapabilities, Requirements
+from mm3.contract.buffers import dtype_name, in_storage_order, is_dense_storage
+from mm3.contract.capabilities import Requirements
 from mm3.contract.errors import InputError
+from mm3.contract.facts import StepFacts, TensorFacts
 from mm3.contract.hookspecs import Op
-from mm3.contract.params import SparseAttentionParams
+from mm3.contract.kv_scales import FP8_KV_DTYPE
 
-__all__ = ["check_step_inputs", "check_layer_args", "check_hook_args", "check_index_args",
-           "check_attention_args", "check_declared", "check_topk_accepted", "RowSpec"]
+__all__ = ["check", "Plan", "check_layer_args", "overlaps_itself"]
 
-#: ``(tensor, trailing shape, hint)``: the tensor must be ``[>= num_tokens, *trailing shape]``
-RowSpec = tuple[torch.Tensor, tuple[int, ...], str]
+_INDEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+
+
+class Plan(NamedTuple):
+    """What the runner does for a class that passed.
+
+    ``convert_to``: the layout the attention reads a copy of the top-k buffer in (``None``: it reads the
+    buffer as it is); ``index_via``: the layout the indexer writes a buffer in before it is copied into the
+    caller's (``None``: it writes the caller's); ``kind``: the batch's kind (the guard's policy).
+    """
+
+    convert_to: Optional[str]
+    index_via: Optional[str]
+    kind: str
 
 
 def check_layer_args(device: object, max_decode_query_len: object) -> torch.device:
@@ -81,203 +89,240 @@ def check_layer_args(device: object, max_decode_query_len: object) -> torch.devi
     return dev
 
 
-def _overlaps_itself(t: torch.Tensor) -> bool:
-    """True when two elements of ``t`` may share memory (e.g. an ``expand``-ed tensor).
-
-    Sufficient test: with axes sorted by stride, each stride must step over
-    the whole extent of the smaller ones.
-    """
+def overlaps_itself(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """True when two elements of a tensor of ``shape``/``stride`` may share memory (an ``expand``-ed
+    tensor). Sufficient test: with axes sorted by stride, each stride steps over the smaller ones."""
     extent = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
-        if stride < extent:
+    for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz > 1):
+        if st < extent:
             return True
-        extent = stride * size
+        extent = st * sz
     return False
 
 
-def _shape(name: str, t: object, expected: tuple[int, ...], hint: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != expected:
-        raise InputError(f"{name} has shape {tuple(t.shape)}, expected {expected} {hint}")
+def _on(device: torch.device, want: torch.device) -> bool:
+    """``device`` is ``want`` (a device without an index matches any of its type)."""
+    return device.type == want.type and (want.index is None or device.index is None or device == want)
 
 
-def check_step_inputs(params: SparseAttentionParams, q: torch.Tensor, index_q: torch.Tensor,
-                      caches: PagedKVCache, batch: BatchMetadata, out: Optional[torch.Tensor], *,
-                      dtype: torch.dtype, index_dtype: torch.dtype, device: torch.device,
-                      capacity: int, max_decode_query_len: int,
-                      kv_dtype: Optional[torch.dtype] = None) -> None:
-    """Raise :class:`InputError` naming the first input that does not fit the layer.
+class _Rules:
+    """The checks of one :class:`StepFacts` value; each method raises :class:`InputError`."""
 
-    Only the layer's own promises: ``q`` and ``index_q`` of exactly the step's
-    tokens, the dtypes and device the layer was built for, its capacity and
-    decode query length, a usable ``out``. What every hook call needs (caches,
-    batch and params agreeing, the backend's declared limits) the bound
-    backend checks when each hook is called (:func:`check_index_args`,
-    :func:`check_attention_args`).
+    def __init__(self, f: StepFacts) -> None:
+        self.f, self.n, self.p = f, f.names, f.params
+        self.T = f.batch.num_tokens
+
+    def fail(self, msg: str) -> InputError:
+        return InputError(f"{self.f.entry}: {msg}")
+
+    # -- the batch ------------------------------------------------------------------------------
+    def batch(self) -> None:
+        b, n = self.f.batch, self.n
+        tensors = (("query_start_loc", 1), ("seq_lens", 1), ("block_table", 2), ("token_to_request", 1),
+                   ("token_positions", 1), ("context_lens", 1))
+        for field, dim in tensors:
+            t: Optional[TensorFacts] = getattr(b, field)
+            if t is None:
+                continue
+            if len(t.shape) != dim:
+                raise self.fail(f"{getattr(n, field)} must be {dim}-D, got shape {tuple(t.shape)}")
+            if t.dtype != torch.int32:
+                raise self.fail(f"{getattr(n, field)} must be int32, got {t.dtype}; pass "
+                                f"{getattr(n, field)}.to(torch.int32)")
+        R, T = b.num_requests, self.T
+        want = {"query_start_loc": (R + 1,), "block_table": (R, b.block_table.shape[1]), "token_to_request": (T,),
+                "context_lens": (R,)}
+        for field, shape in want.items():
+            t = getattr(b, field)
+            if t is not None and tuple(t.shape) != shape:
+                raise self.fail(f"{getattr(n, field)} has shape {tuple(t.shape)}, expected {shape} for "
+                                f"{R} requests ({n.seq_lens}) and {T} tokens")
+        if not 0 <= b.num_decodes <= R:
+            raise self.fail(f"num_decodes={b.num_decodes} must be in [0, {R}] (the number of requests)")
+        if b.num_decodes and b.decode_query_len < 1:
+            raise self.fail(f"decode_query_len={b.decode_query_len} must be >= 1 (1, or 1 + draft tokens)")
+        if not 0 <= b.num_decode_tokens <= min(T, b.num_decodes * b.decode_query_len):
+            raise self.fail(f"num_decode_tokens={b.num_decode_tokens} does not fit {b.num_decodes} decodes of "
+                            f"{b.decode_query_len} tokens in a step of {T} tokens")
+
+    # -- the caches -------------------------------------------------------------------------------
+    def caches(self) -> None:
+        c, n = self.f.caches, self.n
+        if len(c.k.shape) != 4 or c.k.shape != c.v.shape or c.k.dtype != c.v.dtype:
+            raise self.fail(f"{n.k} {tuple(c.k.shape)} {c.k.dtype} and {n.v} {tuple(c.v.shape)} {c.v.dtype} must "
+                            f"be alike, [num_pages, block_size, num_kv_heads, head_dim]")
+        if len(c.index.shape) != 3 or tuple(c.index.shape[:2]) != tuple(c.k.shape[:2]):
+            raise self.fail(f"{n.index} has shape {tuple(c.index.shape)}, expected [num_pages, block_size, "
+                            f"index_head_dim] with the pages and block size of {n.k} {tuple(c.k.shape[:2])}")
+        if c.index.dtype not in _INDEX_DTYPES:
+            raise self.fail(f"{n.index} dtype {c.index.dtype} unsupported; use bfloat16 or float8_e4m3fn")
+        devices = {c.k.device, c.v.device, c.index.device}
+        if len(devices) != 1:
+            raise self.fail(f"the caches live on different devices: {sorted(map(str, devices))}")
+        if (c.k_scale is None) != (c.v_scale is None) or (c.k.dtype == FP8_KV_DTYPE) != (c.k_scale is not None):
+            raise self.fail(f"{n.k_scale} and {n.v_scale} go with fp8 (float8_e4m3fn) K/V and only with it: got "
+                            f"{c.k.dtype} K/V with {'no ' if c.k_scale is None else ''}scales")
+        P, B, H = c.k.shape[:3]
+        for name, s in ((n.k_scale, c.k_scale), (n.v_scale, c.v_scale)):
+            if s is None:
+                continue
+            if s.dtype != torch.float32 or s.device != c.k.device or not (
+                    tuple(s.shape) == (H,) or (len(s.shape) == 2 and s.shape[0] == H and s.shape[1] >= P * B)):
+                raise self.fail(f"{name} must be float32 on {c.k.device}, [num_kv_heads={H}] or [num_kv_heads, "
+                                f">= num_slots={P * B}]; got {s.dtype} {tuple(s.shape)} on {s.device}")
+        if c.k_scale is not None and len(c.k_scale.shape) != len(c.v_scale.shape):  # type: ignore[union-attr]
+            raise self.fail(f"{n.k_scale} and {n.v_scale}: both per token slot ([num_kv_heads, num_slots]) or "
+                            f"neither")
+
+    # -- a layer's promises -------------------------------------------------------------------------
+    def layer(self) -> None:
+        f, n, p, T = self.f, self.n, self.p, self.T
+        L = f.layer
+        if L is None:
+            return
+        if f.caches.k_scale is not None and len(f.caches.k_scale.shape) == 2:
+            # selection knows nothing of them here: a backend that reads [Hkv] scales would misread them
+            raise self.fail("caches hold K/V scales per token slot ([Hkv, num_slots]), which SparseAttention "
+                            "does not select backends for: call the bound backend of one that declares "
+                            "kv_slot_scales (mm3 backends), or use mm3.integrations.vllm, whose selection "
+                            "requires them")
+        for name, t, tail in ((n.q, f.q, (p.num_heads, p.head_dim)),
+                              (n.index_q, f.index_q, (p.num_index_heads, p.index_head_dim))):
+            assert t is not None
+            if tuple(t.shape) != (T, *tail):
+                what = "num_heads, head_dim" if name == n.q else "num_index_heads, index_head_dim"
+                raise self.fail(f"{name} has shape {tuple(t.shape)}, expected {(T, *tail)} = [num_tokens, {what}]")
+        for name, dtype, want in ((n.q, f.q.dtype, L.dtype), (n.index_q, f.index_q.dtype, L.dtype),  # type: ignore[union-attr]
+                                  ("the k/v cache", f.caches.k.dtype, L.kv_dtype),
+                                  ("the index cache", f.caches.index.dtype, L.index_dtype)):
+            if dtype != want:
+                raise self.fail(f"{name} is {dtype} but this layer was built for {want}; cast it, or build the "
+                                f"layer with the matching dtype/kv_dtype/index_dtype")
+        for name, dev in ((n.q, f.q.device), (n.index_q, f.index_q.device), ("caches", f.caches.k.device),  # type: ignore[union-attr]
+                          ("batch", f.batch.seq_lens.device)):
+            if not _on(dev, L.device):
+                raise self.fail(f"{name} is on {dev} but the layer runs on {L.device}; move it with .to()")
+        if T > L.capacity:
+            raise self.fail(f"the step has {T} tokens but the top-k buffer holds {L.capacity}; build the layer "
+                            f"with max_num_tokens >= {T}")
+        b = f.batch
+        if b.num_decodes and b.decode_query_len > L.max_decode_query_len:
+            raise self.fail(f"decode query length {b.decode_query_len} exceeds the layer's max_decode_query_len "
+                            f"{L.max_decode_query_len}; if the first num_decodes={b.num_decodes} requests are "
+                            f"decodes with draft tokens, build the layer with a larger one; if one of them is a "
+                            f"prefill, the batch is not decode-first: put every decode before the first prefill")
+        if f.out is not None and (f.out.dtype != L.dtype or f.out.device != f.q.device):  # type: ignore[union-attr]
+            raise self.fail(f"{n.out} is {f.out.dtype} on {f.out.device}; needs {L.dtype} on {f.q.device}")  # type: ignore[union-attr]
+
+    # -- what the hooks need ----------------------------------------------------------------------
+    def hooks(self) -> tuple[Optional[str], Optional[str]]:
+        f, n, p, T = self.f, self.n, self.p, self.T
+        c, b = f.caches, f.batch
+        B, H = c.k.shape[1], c.k.shape[2]
+        if not B == b.block_size == p.block_size:
+            raise self.fail(f"block sizes disagree: cache pages hold {B} tokens, the batch's block_size is "
+                            f"{b.block_size}, params.block_size is {p.block_size}; the sparse block is the KV "
+                            f"page, make them equal")
+        if H != p.num_kv_heads:
+            raise self.fail(f"the caches have {H} KV heads, params.num_kv_heads is {p.num_kv_heads}")
+        rows: list[tuple[str, TensorFacts, tuple[int, ...]]] = []
+        if Op.INDEX_TOPK in f.ops:
+            assert f.index_q is not None
+            rows.append((n.index_q, f.index_q, (p.num_index_heads, p.index_head_dim)))
+            if c.index.shape[2] != p.index_head_dim:
+                raise self.fail(f"index cache keys have dim {c.index.shape[2]}, params.index_head_dim is "
+                                f"{p.index_head_dim}")
+        if Op.ATTENTION in f.ops:
+            assert f.q is not None and f.out is not None
+            rows += [(n.q, f.q, (p.num_heads, p.head_dim)), (n.out, f.out, (p.num_heads, p.head_dim))]
+            if c.k.shape[3] != p.head_dim:
+                raise self.fail(f"KV cache heads have dim {c.k.shape[3]}, params.head_dim is {p.head_dim}")
+            if c.k.dtype != f.q.dtype and c.k_scale is None:
+                raise self.fail(f"the KV cache dtype {c.k.dtype} differs from {n.q}'s {f.q.dtype}; cast one of them, "
+                                f"or store K/V in float8_e4m3fn with k_scale/v_scale")
+            if f.out.dtype != f.q.dtype:
+                raise self.fail(f"{n.out} dtype {f.out.dtype} differs from {n.q}'s {f.q.dtype}; the output is in "
+                                f"{n.q}'s dtype")
+        for name, t, tail in rows:
+            if len(t.shape) != 1 + len(tail) or tuple(t.shape[1:]) != tail or t.shape[0] < T:
+                raise self.fail(f"{name} has shape {tuple(t.shape)}, expected [{T}, {', '.join(map(str, tail))}]")
+        if f.out is not None and f.out.stride is not None and overlaps_itself((T, *f.out.shape[1:]), f.out.stride):
+            raise self.fail(f"{n.out} has strides {f.out.stride} for shape {tuple(f.out.shape)}: several of its "
+                            f"elements share memory (an expand()-ed or as_strided tensor), so writes would "
+                            f"collide; pass a tensor with its own memory per element")
+        dev = c.k.device
+        placed = [(name, t.device) for name, t, _ in rows] + [
+            (n.block_table, b.block_table.device), (n.query_start_loc, b.query_start_loc.device),
+            (n.seq_lens, b.seq_lens.device), (n.token_positions, b.token_positions.device),
+            (n.token_to_request, b.token_to_request.device), (n.topk, f.topk.device)]
+        for name, d in placed:
+            if d != dev:
+                raise self.fail(f"{name} is on {d} but the caches are on {dev}; move every input of the step to "
+                                f"one device (tensor.to(device), batch.to(device))")
+        return self.topk()
+
+    def topk(self) -> tuple[Optional[str], Optional[str]]:
+        f, n, p, T = self.f, self.n, self.p, self.T
+        s, layout = f.topk, f.topk_layout
+        head_major = layout == "head_major"
+        if s.dtype != torch.int32 or len(s.shape) != 3:
+            raise self.fail(f"{n.topk} must be 3-D int32, got {s.dtype} {tuple(s.shape)}")
+        H, rows, K = (s.shape[0], s.shape[1], s.shape[2]) if head_major else (s.shape[1], s.shape[0], s.shape[2])
+        order = "[H, T, K]" if head_major else "[T, H, K]"
+        if (H, K) != (p.num_kv_heads, p.topk) or rows < T:
+            raise self.fail(f"{n.topk} is {layout} storage {order} = {tuple(s.shape)}, but the step needs "
+                            f"[H={p.num_kv_heads}, T>={T}, K={p.topk}] (num_kv_heads, tokens, topk): a tensor in the "
+                            f"other layout ([T, H, K] token-major memory read as [H, T, K], or the reverse) is "
+                            f"vLLM's MiniMax-M3 bug; pass the logical [H, T, K] view of your memory")
+        if not in_storage_order(s.shape, s.stride):  # type: ignore[arg-type]
+            raise self.fail(f"{n.topk} of shape {tuple(s.shape)} has strides {s.stride}: its memory is not in "
+                            f"{layout} order {order}, so a kernel would write other tokens' rows")
+        dense = is_dense_storage(s.shape, s.stride)  # type: ignore[arg-type]
+        # a backend that needs a dense buffer in its own layout gets one, copied (the trace says so)
+        via = [be.capabilities.topk_layout if be is not None and not be.capabilities.accepts_topk(layout, dense)
+               else None for be in (f.attention, f.indexer)]
+        return via[0], via[1]
+
+    # -- what the backends declare ---------------------------------------------------------------
+    def declared(self) -> None:
+        f, p, b = self.f, self.p, self.f.batch
+        device = f.caches.k.device
+        dql = b.decode_query_len if b.num_decodes else 1
+        for op in f.ops:
+            be = f.indexer if op == Op.INDEX_TOPK else f.attention
+            x = f.index_q if op == Op.INDEX_TOPK else f.q
+            assert x is not None
+            caps = be.capabilities
+            where = f"{self.f.entry}: backend {caps.name!r}"
+            probe = be.probe(device)
+            if not probe.available:
+                raise InputError(f"{where} cannot run on {device} here: {probe.reason}")
+            # model_construct: these values come from tensors, not users; a dtype no backend
+            # declares must reach unmet() and be named there, not fail validation here.
+            req = Requirements.model_construct(
+                device_type=device.type, ops=frozenset({op}), dtype=dtype_name(x.dtype),
+                index_cache_dtype=dtype_name(f.caches.index.dtype), kv_cache_dtype=dtype_name(f.caches.k.dtype),
+                head_dim=p.head_dim, index_head_dim=p.index_head_dim, block_size=p.block_size, topk=p.topk,
+                gqa_group=p.gqa_group, decode_query_len=dql,
+                kv_slot_scales=f.caches.k_scale is not None and len(f.caches.k_scale.shape) == 2)
+            reasons = caps.unmet(req)
+            if op == Op.INDEX_TOPK and dtype_name(x.dtype) not in caps.dtypes:
+                reasons.append(f"{self.n.index_q} dtype {x.dtype} not in {sorted(caps.dtypes)}")
+            if reasons:
+                raise InputError(f"{where}.{Op(op).hook}: {'; '.join(reasons)}: outside what it declares; choose "
+                                 f"another backend or change the input")
+
+
+def check(facts: StepFacts) -> Plan:
+    """Raise :class:`InputError` for the first rule ``facts`` breaks; else the :class:`Plan` of its class.
+
+    A pure function of ``facts``: the boundary keeps its result by the value.
     """
-    if not isinstance(caches, PagedKVCache):
-        raise InputError(f"caches must be an mm3.PagedKVCache, got {type(caches).__name__}; wrap your "
-                         f"tensors: PagedKVCache(k=..., v=..., index=...)")
-    if not isinstance(batch, BatchMetadata):
-        raise InputError(f"batch must be an mm3.BatchMetadata (BatchMetadata.build(...)), "
-                         f"got {type(batch).__name__}")
-    if caches.slot_scaled:
-        # selection knows nothing of them here: a backend that reads [Hkv] scales would misread them
-        raise InputError("caches hold K/V scales per token slot ([Hkv, num_slots]), which SparseAttention does "
-                         "not select backends for: call the bound backend of one that declares kv_slot_scales "
-                         "(mm3 backends), or use mm3.integrations.vllm, whose selection requires them")
-    T = batch.num_tokens
-    p = params
-    _shape("q", q, (T, p.num_heads, p.head_dim), "= [num_tokens, num_heads, head_dim]")
-    _shape("index_q", index_q, (T, p.num_index_heads, p.index_head_dim),
-           "= [num_tokens, num_index_heads, index_head_dim]")
-    for name, t, want in (("q", q, dtype), ("index_q", index_q, dtype),
-                          ("k/v cache", caches.k, kv_dtype or dtype), ("index cache", caches.index, index_dtype)):
-        if t.dtype != want:
-            raise InputError(f"{name} is {t.dtype} but this layer was built for {want}; cast it, or "
-                             f"build the layer with the matching dtype/kv_dtype/index_dtype")
-    for name, t in (("q", q), ("index_q", index_q), ("caches", caches.k), ("batch", batch.seq_lens)):
-        if t.device.type != device.type or (device.index is not None and t.device != device):
-            raise InputError(f"{name} is on {t.device} but the layer runs on {device}; move it with .to()")
-    if T > capacity:
-        raise InputError(f"step has {T} tokens but the top-k buffer holds {capacity}; build the layer "
-                         f"with max_num_tokens >= {T}")
-    if batch.num_decodes and batch.decode_query_len > max_decode_query_len:
-        raise InputError(f"decode query length {batch.decode_query_len} exceeds the layer's "
-                         f"max_decode_query_len {max_decode_query_len}; if the first "
-                         f"num_decodes={batch.num_decodes} requests are decodes with draft tokens, build "
-                         f"the layer with a larger one; if one of them is a prefill, the batch is not "
-                         f"decode-first: put every decode before the first prefill (is_decode= checks "
-                         f"the order)")
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise InputError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out.dim() != 3 or out.shape[0] < T or tuple(out.shape[1:]) != (p.num_heads, p.head_dim):
-            raise InputError(f"out has shape {tuple(out.shape)}; needs [>= {T}, {p.num_heads}, "
-                             f"{p.head_dim}]")
-        if out.dtype != dtype or out.device != q.device:
-            raise InputError(f"out is {out.dtype} on {out.device}; needs {dtype} on {q.device}")
-        if _overlaps_itself(out[:T]):
-            raise InputError(f"out has strides {tuple(out.stride())} for shape {tuple(out.shape)}: several "
-                             f"of its elements share memory (an expand()-ed or as_strided tensor), so "
-                             f"writes would collide; pass a tensor with its own memory per element")
+    rules = _Rules(facts)
+    rules.batch()
+    rules.caches()
+    rules.layer()
+    convert_to, index_via = rules.hooks()
+    rules.declared()
+    return Plan(convert_to, index_via, facts.batch.kind)
 
-
-def check_hook_args(where: str, caches: PagedKVCache, batch: BatchMetadata, params: SparseAttentionParams, *,
-                    topk: TopkBuffer, rows: Mapping[str, RowSpec]) -> int:
-    """Raise :class:`~mm3.contract.errors.InputError` (prefixed with ``where``) for the first argument that does not fit.
-
-    ``rows`` names the hook's per-token tensors (``q``, ``out``, ``index_q``)
-    with the trailing shape each must have. Returns the step's token count.
-    """
-    def fail(msg: str) -> InputError:
-        return InputError(f"{where}: {msg}")
-
-    if not isinstance(caches, PagedKVCache):
-        raise fail(f"caches must be an mm3.PagedKVCache, got {type(caches).__name__}; wrap the tensors: "
-                   f"PagedKVCache(k=..., v=..., index=...)")
-    if not isinstance(batch, BatchMetadata):
-        raise fail(f"batch must be an mm3.BatchMetadata (BatchMetadata.build(...)), got {type(batch).__name__}")
-    if not isinstance(topk, TopkBuffer):
-        raise fail(f"the top-k buffer must be an mm3.TopkBuffer, got {type(topk).__name__}; allocate it with "
-                   f"backend.alloc_topk_buffer(...) or wrap the logical [H, T, K] view of your memory: TopkBuffer(view)")
-    if not caches.block_size == batch.block_size == params.block_size:
-        raise fail(f"block sizes disagree: cache pages hold {caches.block_size} tokens, batch.block_size="
-                   f"{batch.block_size}, params.block_size={params.block_size}; the sparse block is the KV "
-                   f"page, make them equal")
-    if caches.num_kv_heads != params.num_kv_heads:
-        raise fail(f"caches have {caches.num_kv_heads} KV heads, params.num_kv_heads is {params.num_kv_heads}")
-    dev = caches.device
-    T = batch.num_tokens
-    for name, (t, tail, hint) in rows.items():
-        if not isinstance(t, torch.Tensor):
-            raise fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 1 + len(tail) or tuple(t.shape[1:]) != tuple(tail) or t.shape[0] < T:
-            raise fail(f"{name} has shape {tuple(t.shape)}, expected [{T}, {', '.join(map(str, tail))}] {hint}")
-    placed = {name: spec[0] for name, spec in rows.items()}
-    placed.update({"batch.block_table": batch.block_table, "batch.query_start_loc": batch.query_start_loc,
-                   "batch.token_positions": batch.token_positions, "the top-k buffer": topk.storage})
-    for name, t in placed.items():
-        if t.device != dev:
-            raise fail(f"{name} is on {t.device} but the caches are on {dev}; move every input of the step "
-                       f"to one device (tensor.to(device), batch.to(device))")
-    if (topk.num_heads, topk.topk) != (params.num_kv_heads, params.topk):
-        raise fail(f"the top-k buffer is [H={topk.num_heads}, K={topk.topk}] but params need "
-                   f"[H={params.num_kv_heads}, K={params.topk}] (num_kv_heads, topk)")
-    if topk.num_tokens < T:
-        raise fail(f"the top-k buffer holds {topk.num_tokens} rows but the step has {T} tokens; pass "
-                   f"buffer.rows(0, T) of a buffer sized for the most tokens per step")
-    return T
-
-
-def check_index_args(where: str, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
-                     params: SparseAttentionParams, out: TopkBuffer) -> int:
-    """The arguments of one ``index_topk`` call; returns the step's tokens.
-
-    :func:`check_hook_args`, then the index keys' size. The bound backend runs
-    it, and :func:`check_declared` with its capabilities, before the hook.
-    """
-    T = check_hook_args(where, caches, batch, params, topk=out, rows={
-        "index_q": (index_q, (params.num_index_heads, params.index_head_dim),
-                    "= [num_tokens, num_index_heads, index_head_dim]")})
-    if caches.index_head_dim != params.index_head_dim:
-        raise InputError(f"{where}: index cache keys have dim {caches.index_head_dim}, params.index_head_dim "
-                         f"is {params.index_head_dim}")
-    return T
-
-
-def check_attention_args(where: str, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
-                         batch: BatchMetadata, params: SparseAttentionParams, out: torch.Tensor) -> int:
-    """The arguments of one ``attention_forward`` call; returns the step's tokens.
-
-    :func:`check_hook_args`, the KV heads' size, then one dtype for ``q``, the
-    KV cache and ``out``. The bound backend runs it, and :func:`check_declared`
-    with its capabilities, before the hook.
-    """
-    hint = "= [num_tokens, num_heads, head_dim]"
-    shape = (params.num_heads, params.head_dim)
-    T = check_hook_args(where, caches, batch, params, topk=topk, rows={"q": (q, shape, hint),
-                                                                       "out": (out, shape, hint)})
-    if caches.head_dim != params.head_dim:
-        raise InputError(f"{where}: KV cache heads have dim {caches.head_dim}, params.head_dim is "
-                         f"{params.head_dim}")
-    if caches.dtype != q.dtype and not caches.kv_scaled:
-        raise InputError(f"{where}: KV cache dtype {caches.dtype} differs from q's {q.dtype}; cast one of them, "
-                         f"or store K/V in float8_e4m3fn with k_scale/v_scale")
-    if out.dtype != q.dtype:
-        raise InputError(f"{where}: out dtype {out.dtype} differs from q's {q.dtype}; the output is in q's dtype")
-    return T
-
-
-def check_declared(where: str, caps: BackendCapabilities, op: Op, *, device_type: str, dtype: torch.dtype,
-                   index_dtype: torch.dtype, params: SparseAttentionParams, decode_query_len: int,
-                   kv_dtype: Optional[torch.dtype] = None, kv_slot_scales: bool = False) -> None:
-    """Raise :class:`InputError` when a call lies outside what ``caps`` declares for ``op``.
-
-    ``kv_slot_scales``: the caches' scales are per token slot (``PagedKVCache.slot_scaled``).
-
-    The rule is the one selection applies to a request
-    (:meth:`~mm3.contract.capabilities.BackendCapabilities.unmet`); the limits
-    are written once, in the capabilities.
-    """
-    # model_construct: these values come from tensors, not users; a dtype no backend
-    # declares must reach unmet() and be named there, not fail validation here.
-    req = Requirements.model_construct(
-        device_type=device_type, ops=frozenset({op}), dtype=dtype_name(dtype),
-        index_cache_dtype=dtype_name(index_dtype), kv_cache_dtype=dtype_name(kv_dtype or dtype),
-        head_dim=params.head_dim,
-        index_head_dim=params.index_head_dim, block_size=params.block_size, topk=params.topk,
-        gqa_group=params.gqa_group, decode_query_len=decode_query_len, kv_slot_scales=kv_slot_scales)
-    reasons = caps.unmet(req)
-    if reasons:
-        raise InputError(f"{where}: {'; '.join(reasons)}: outside what backend {caps.name!r} declares; "
-                         f"choose another backend or change the input")
-
-
-def check_topk_accepted(where: str, caps: BackendCapabilities, topk: TopkBuffer) -> None:
-    """Raise :class:`InputError` unless a backend declaring ``caps`` can use ``topk`` as it is."""
-    if not caps.accepts_topk(topk.layout, topk.is_dense()):
-        raise InputError(f"{where}: needs a dense {caps.topk_layout} top-k buffer (it declares "
-                         f"topk_requires_contiguous), got {topk!r}; convert it first: "
-                         f"buf.to_layout({caps.topk_layout!r}) (SparseAttention does this for you)")

@@ -3,10 +3,10 @@
 A backend that breaks the top-k contract must fail *here*, with a message
 naming it, not three kernels later with an illegal memory access or silently
 wrong tokens (which is how MiniMax-M3 failed in vLLM, docs/spec.md §5).
-:class:`~mm3.runtime.layer.SparseAttention` wraps its bound backends in
-:class:`GuardedBackend` and, by default (``check_contracts="first"``), runs the
-first step of each kind of batch through them (``"always"``: every step); a
-checked call that breaks a rule raises
+The step's boundary (:mod:`mm3.runtime.step`) runs a hook call through
+:func:`checked_call` — the same call, with checks around it — by default for
+the first eager call of each op and kind of batch (``check_contracts="first"``;
+``"always"``: every eager call); a checked call that breaks a rule raises
 :class:`~mm3.contract.errors.ContractViolation` naming the backend, the hook, the rule
 and the first offending row (head, token, the row's content). A checked call
 synchronises with the device once.
@@ -38,9 +38,8 @@ Rules (``ContractViolation.rule``; docs/errors.md has the full table):
                                 and the K/V of its selected blocks up to its position) are
 ==============================  =============================================================
 
-Input data the backends cannot check cheaply is checked too: block-table
-entries a request uses must be page ids of the cache, else
-:class:`~mm3.contract.errors.InputError` (a kernel would read out of bounds).
+The guard checks what a backend wrote and returned, never the call's
+arguments: those were admitted before any hook runs, guarded or not.
 
 How: everything is vectorised torch on the whole step (one ``[H, T]`` rule
 code per row, a byte-exact snapshot of the storage around the writable
@@ -64,11 +63,9 @@ Example:
     >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16,
     ...     num_index_heads=2, index_head_dim=16, block_size=16, topk=4)
     >>> layer = SparseAttention(p, dtype=torch.float32, max_num_tokens=64, backend="cpu_ref",
-    ...     settings=Settings(check_contracts=True))
-    >>> type(layer._resolve().indexer).__name__
-    'GuardedBackend'
+    ...     settings=Settings(check_contracts="always"))
     >>> case = make_case(p, decodes=[70, 40], prefills=[(9, 30)], dtype="float32")
-    >>> layer(case.q, case.index_q, case.caches, case.batch).shape   # checked, and fine
+    >>> layer(case.q, case.index_q, case.caches, case.batch).shape   # every call checked, and fine
     torch.Size([11, 4, 16])
 """
 
@@ -86,15 +83,7 @@ from mm3.debug.fences import Fence, false_flag, locate, mark_unwritten, still_ma
 from mm3.debug.inputs import finite_inputs
 from mm3.debug.topk_rows import GUARD_SENTINEL, describe_row, row_codes
 
-__all__ = [
-    "GUARD_SENTINEL",
-    "RULES",
-    "GuardedBackend",
-    "guard_backend",
-    "unguarded",
-    "check_topk_allocation",
-    "capturing",
-]
+__all__ = ["GUARD_SENTINEL", "RULES", "checked_call", "fill_sentinel", "check_topk_allocation", "capturing"]
 
 RULES: dict[str, str] = {
     "alloc.type": "alloc_topk_buffer must return an mm3.TopkBuffer",
@@ -193,22 +182,15 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-class GuardedBackend:
-    """A bound backend whose every op call is checked against the contract (docs/spec.md).
+def checked_call(backend: Any, op: str, args: tuple[Any, ...], *, check_finite: bool = True) -> None:
+    """Run ``backend.invoke(op, args)`` — the very call a step makes — and check what it wrote and left.
 
-    It behaves like the :class:`~mm3.runtime.backend.Backend` it wraps (``name``,
-    ``capabilities``, ``probe``... are the wrapped backend's); only
-    ``alloc_topk_buffer``, ``index_topk`` and ``attention_forward`` add checks.
-    Failures raise :class:`~mm3.contract.errors.ContractViolation` (see :data:`RULES`),
-    or :class:`~mm3.contract.errors.InputError` for a block table pointing outside the
-    cache. :class:`~mm3.runtime.layer.SparseAttention` wraps its backends when
-    ``Settings.check_contracts`` is not ``"never"``; wrap one by hand with
-    :func:`guard_backend`.
-
-    Args:
-        backend: the backend to check (a :class:`~mm3.runtime.backend.Backend`, or any
-            object with the same attributes).
-        check_finite: check ``attention.nonfinite`` (costs one pass over ``out``).
+    ``args`` are the hook's arguments in its spec's order (``IndexArgs`` /
+    ``AttentionArgs`` of :mod:`mm3.runtime.step`). Failures raise
+    :class:`~mm3.contract.errors.ContractViolation` (see :data:`RULES`) naming the
+    backend, the hook, the rule and the first offending row. Inside CUDA-graph
+    capture the call runs unchecked (the checks must synchronise).
+    ``check_finite``: check ``attention.nonfinite`` (one pass over ``out``).
 
     Example:
         >>> from mm3.runtime.registry import default_registry
@@ -216,190 +198,163 @@ class GuardedBackend:
         >>> from mm3.testing.fixtures import default_params
         >>> p = default_params()
         >>> case = make_case(p, decodes=[40], prefills=[(5, 20)], dtype="float32")
-        >>> be = guard_backend(default_registry().get("cpu_ref"))
-        >>> buf = be.alloc_topk_buffer(64, p.num_kv_heads, p.topk, "cpu")     # checked
-        >>> int(buf.storage[0, 0, 0]) == GUARD_SENTINEL
-        True
-        >>> be.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, 6))   # checked
+        >>> be = default_registry().get("cpu_ref")
+        >>> buf = fill_sentinel(be.alloc_topk_buffer(64, p.num_kv_heads, p.topk, "cpu"))
+        >>> checked_call(be, "index_topk", (case.index_q, case.caches, case.batch, p, buf.rows(0, 6), None))
     """
+    if op == "index_topk":
+        _checked_index(backend, *args)
+    else:
+        _checked_attention(backend, *args, check_finite=check_finite)
 
-    def __init__(self, backend: Any, *, check_finite: bool = True) -> None:
-        self.inner = backend
-        self.check_finite = check_finite
 
-    def __getattr__(self, name: str) -> Any:
-        # Everything not overridden (name, capabilities, source, probe, provides...) is the inner one's.
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+def fill_sentinel(buf: TopkBuffer) -> TopkBuffer:
+    """``buf`` filled with :data:`GUARD_SENTINEL` (not a plausible id): every later stray write past a
+    step's rows changes a value the guard can see."""
+    return buf.fill_(GUARD_SENTINEL)
 
-    def __repr__(self) -> str:
-        return f"GuardedBackend({self.inner!r})"
 
-    # -- alloc ------------------------------------------------------------------------------
-    def alloc_topk_buffer(self, num_tokens: int, num_heads: int, topk: int,
-                          device: Union[str, torch.device]) -> TopkBuffer:
-        """The wrapped allocation, checked, then filled with :data:`GUARD_SENTINEL`."""
-        buf = self.inner.alloc_topk_buffer(num_tokens, num_heads, topk, device)
-        check_topk_allocation(buf, layout=self.inner.capabilities.topk_layout, num_tokens=num_tokens,
-                              num_heads=num_heads, topk=topk, device=device, backend=self.inner)
-        # A sentinel (not a plausible id) makes every stray write past T visible.
-        buf.fill_(GUARD_SENTINEL)
-        return buf
+def _checked_index(be: Any, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+                   params: SparseAttentionParams, out: TopkBuffer, page_faults: Optional[torch.Tensor]) -> None:
+    """The indexer's call, with ``topk.*`` rules checked on rows ``[0, T)`` afterwards."""
+    args = (index_q, caches, batch, params, out, page_faults)
+    if capturing(out.storage):
+        return be.invoke("index_topk", args)
+    T = batch.num_tokens
+    step = out.rows(0, T)
+    fence = Fence(out.storage, step.storage)
+    step.fill_(GUARD_SENTINEL)   # what the call leaves unwritten breaks topk.unwritten
+    be.invoke("index_topk", args)
 
-    # -- index_topk ------------------------------------------------------------------------------
-    def index_topk(self, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
-                   params: SparseAttentionParams, out: TopkBuffer,
-                   page_faults: Optional[torch.Tensor] = None) -> None:
-        """The wrapped indexer, with ``topk.*`` rules checked on rows ``[0, T)`` afterwards."""
-        if capturing(out.storage):
-            return self.inner.index_topk(index_q, caches, batch, params, out, page_faults)
-        T = batch.num_tokens
-        step = out.rows(0, T)
-        fence = Fence(out.storage, step.storage)
-        step.fill_(GUARD_SENTINEL)   # what the call leaves unwritten breaks topk.unwritten
-        self.inner.index_topk(index_q, caches, batch, params, out, page_faults)
+    hm = step.head_major()
+    codes = row_codes(hm, batch.token_positions, params) if T else None
+    any_bad = codes.any() if codes is not None else false_flag(out.device)
+    past_rows, bad_rows = torch.stack([fence.changed(), any_bad]).tolist()  # the one host sync
+    if bad_rows:
+        assert codes is not None
+        v = describe_row(codes, hm, batch, params)
+        raise _violation(be, "index_topk", v.rule, v.detail, head=v.head, token=v.token,
+                         row=v.row, fix=_layout_hint(out))
+    if past_rows:
+        e, before, after = fence.first_change()
+        sh, st, sk = out.strides()
+        where = locate(e, out.storage.storage_offset(), (sh, st, sk), ("head", "token", "slot"),
+                        (out.num_heads, 1 << 62, out.topk))
+        was = f"{before} (the guard's sentinel)" if before == GUARD_SENTINEL else str(before)
+        raise _violation(be, "index_topk", "topk.rows_past_T",
+                         f"the step has T={T} tokens but {where} of the persistent buffer changed "
+                         f"from {was} to {after}; out is rows(0, {T}) of it",
+                         fix="size grids from batch.num_tokens and index through out.strides()")
 
-        hm = step.head_major()
-        codes = row_codes(hm, batch.token_positions, params) if T else None
-        any_bad = codes.any() if codes is not None else false_flag(out.device)
-        past_rows, bad_rows = torch.stack([fence.changed(), any_bad]).tolist()  # the one host sync
-        if bad_rows:
-            assert codes is not None
-            v = describe_row(codes, hm, batch, params)
-            raise _violation(self.inner, "index_topk", v.rule, v.detail, head=v.head, token=v.token,
-                             row=v.row, fix=self._layout_hint(out))
-        if past_rows:
-            e, before, after = fence.first_change()
-            sh, st, sk = out.strides()
-            where = locate(e, out.storage.storage_offset(), (sh, st, sk), ("head", "token", "slot"),
-                            (out.num_heads, 1 << 62, out.topk))
-            was = f"{before} (the guard's sentinel)" if before == GUARD_SENTINEL else str(before)
-            raise _violation(self.inner, "index_topk", "topk.rows_past_T",
-                             f"the step has T={T} tokens but {where} of the persistent buffer changed "
-                             f"from {was} to {after}; out is rows(0, {T}) of it",
-                             fix="size grids from batch.num_tokens and index through out.strides()")
 
-    def _layout_hint(self, buf: TopkBuffer) -> str:
-        if buf.num_heads > 1:
-            return (f"If only mixed batches with H > 1 fail, suspect a layout mix-up: this buffer is "
-                    f"{buf.layout} with (h, t, k) strides {buf.strides()}; index it through "
-                    f"buf.strides() or buf.head_major(), never through an assumed layout")
-        return ""
+def _layout_hint(buf: TopkBuffer) -> str:
+    if buf.num_heads > 1:
+        return (f"If only mixed batches with H > 1 fail, suspect a layout mix-up: this buffer is "
+                f"{buf.layout} with (h, t, k) strides {buf.strides()}; index it through "
+                f"buf.strides() or buf.head_major(), never through an assumed layout")
+    return ""
 
-    # -- attention_forward ---------------------------------------------------------------------------
-    def attention_forward(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
-                          batch: BatchMetadata, params: SparseAttentionParams,
-                          out: torch.Tensor) -> None:
-        """The wrapped attention, with ``attention.*`` rules checked afterwards."""
-        if capturing(q):
-            return self.inner.attention_forward(q, caches, topk, batch, params, out)
-        caps = self.inner.capabilities
-        if not caps.accepts_topk(topk.layout, topk.is_dense()):
-            raise _violation(
-                self.inner, "attention_forward", "attention.input_layout",
-                f"the caller passed a {'dense' if topk.is_dense() else 'non-dense'} {topk.layout} "
-                f"buffer but the backend declares topk_requires_contiguous with "
-                f"topk_layout={caps.topk_layout!r} (the caller, not the backend, broke the contract)",
-                fix=f"convert it first: buf.to_layout({caps.topk_layout!r})")
-        T = batch.num_tokens
-        shape, dtype, ptr = tuple(out.shape), out.dtype, out.data_ptr()
-        out_fence = Fence(out, out[:T])
-        topk_fence = Fence(topk.storage, None)
-        marked = mark_unwritten(out[:T])   # what the call leaves unwritten breaks attention.unwritten
-        self.inner.attention_forward(q, caches, topk, batch, params, out)
 
-        if (tuple(out.shape), out.dtype, out.data_ptr()) != (shape, dtype, ptr):
-            raise _violation(self.inner, "attention_forward", "attention.out_replaced",
-                             f"out was {list(shape)} {dtype} at {ptr:#x}, is now {list(out.shape)} "
-                             f"{out.dtype} at {out.data_ptr():#x}",
-                             fix="write into out (out.copy_(...), out[...] = ...), never resize or re-set it")
-        rows = out[:T]
-        # Padding is read from the device positions, not from host lengths: a batch refreshed
-        # in place with update_ (graph replay) keeps stale host lengths. No boolean-mask
-        # indexing either: it would synchronise.
-        pad = batch.token_positions < 0
-        pad_rows = (pad & (rows != 0).flatten(1).any(-1)) if T else None
-        pad_bad = pad_rows.any() if pad_rows is not None else false_flag(out.device)
-        nonfinite = (~torch.isfinite(rows)).any() if (self.check_finite and T) else false_flag(out.device)
-        unwritten = still_marked(rows).flatten(1).any(-1) if marked else None
-        flags = torch.stack([out_fence.changed().to(out.device), topk_fence.changed().to(out.device),
-                             unwritten.any() if unwritten is not None else false_flag(out.device),
-                             pad_bad, nonfinite])
-        out_past, topk_written, not_written, padding, nonfin = flags.tolist()   # the one host sync
-        hook = "attention_forward"
-        if out_past:
-            e, before, after = out_fence.first_change()
-            where = locate(e, out.storage_offset(), out.stride(), ("token", "head", "dim"),
-                            (1 << 62, out.shape[1], out.shape[2]))
-            raise _violation(self.inner, hook, "attention.out_past_T",
-                             f"the step has T={T} tokens but {where} of out changed (bits {before:#x} "
-                             f"-> {after:#x})", token=None,
-                             fix="size grids from batch.num_tokens; write only out[:T]")
-        if topk_written:
-            e, before, after = topk_fence.first_change()
-            sh, st, sk = topk.strides()
-            where = locate(e, topk.storage.storage_offset(), (sh, st, sk), ("head", "token", "slot"),
-                            (topk.num_heads, topk.num_tokens, topk.topk))
-            raise _violation(self.inner, hook, "attention.topk_written",
-                             f"{where} of the top-k buffer changed from {before} to {after}",
-                             fix="the attention only reads the top-k buffer")
-        if not_written:
-            assert unwritten is not None
-            t = int(unwritten.nonzero()[0, 0])
-            n = int(unwritten.sum())
-            raise _violation(self.inner, hook, "attention.unwritten",
-                             f"token {t} (request {int(batch.token_to_request[t])}, position "
-                             f"{int(batch.token_positions[t])}) of out[:{T}] still holds the marked NaN "
-                             f"the guard filled it with before the call: it was not written"
-                             + (f"; {n} of {T} tokens" if n > 1 else ""), token=t,
-                             fix="write every row of out[:T], zeros for padding tokens (out is not "
-                                 "zeroed for you)")
-        if padding:
-            assert pad_rows is not None
-            t = int(pad_rows.nonzero()[0, 0])
-            raise _violation(self.inner, hook, "attention.padding",
-                             f"token {t} is a padding token (request {int(batch.token_to_request[t])}, "
-                             f"no position) but its output is not zero (first values "
-                             f"{rows[t].flatten()[:4].tolist()})", token=t,
-                             fix="write zeros for tokens whose position is -1")
-        if nonfin:
-            self._attribute_nonfinite(q, caches, topk, batch, params, rows)
-
-    def _attribute_nonfinite(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
-                             batch: BatchMetadata, params: SparseAttentionParams,
-                             rows: torch.Tensor) -> None:
-        """Raise if some non-finite output row had only finite inputs (docs/spec.md §4: garbage in, garbage out)."""
-        real = batch.token_positions >= 0
-        bad = (~torch.isfinite(rows)).any(-1) & real[:, None]           # [T, Hq]
-        pairs = bad.nonzero()
-        if not pairs.numel():
-            return
-        hm = topk.head_major()
-        ok = finite_inputs(q, caches, hm, batch, params, pairs[:, 0], pairs[:, 1])
-        if not bool(ok.any()):
-            return
-        i = int(ok.nonzero()[0, 0])
-        t, g = int(pairs[i, 0]), int(pairs[i, 1])
-        h = g // params.gqa_group
-        row = [int(v) for v in hm[h, t].tolist()]
-        n = int(ok.sum())
+def _checked_attention(be: Any, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
+                       params: SparseAttentionParams, out: torch.Tensor, *, check_finite: bool) -> None:
+    """The attention's call, with ``attention.*`` rules checked afterwards."""
+    args = (q, caches, topk, batch, params, out)
+    if capturing(q):
+        return be.invoke("attention", args)
+    caps = be.capabilities
+    if not caps.accepts_topk(topk.layout, topk.is_dense()):
         raise _violation(
-            self.inner, "attention_forward", "attention.nonfinite",
-            f"token {t} (request {int(batch.token_to_request[t])}, position "
-            f"{int(batch.token_positions[t])}), query head {g} (KV head {h}, selected blocks {row}): "
-            f"output {rows[t, g, :4].tolist()}... is not finite although q and the selected K/V are"
-            + (f"; {n} such (token, head) rows" if n > 1 else ""),
-            head=h, token=t, row=row, fix="accumulate in fp32 and mask positions past the token")
+            be, "attention_forward", "attention.input_layout",
+            f"the caller passed a {'dense' if topk.is_dense() else 'non-dense'} {topk.layout} "
+            f"buffer but the backend declares topk_requires_contiguous with "
+            f"topk_layout={caps.topk_layout!r} (the caller, not the backend, broke the contract)",
+            fix=f"convert it first: buf.to_layout({caps.topk_layout!r})")
+    T = batch.num_tokens
+    shape, dtype, ptr = tuple(out.shape), out.dtype, out.data_ptr()
+    out_fence = Fence(out, out[:T])
+    topk_fence = Fence(topk.storage, None)
+    marked = mark_unwritten(out[:T])   # what the call leaves unwritten breaks attention.unwritten
+    be.invoke("attention", args)
 
+    if (tuple(out.shape), out.dtype, out.data_ptr()) != (shape, dtype, ptr):
+        raise _violation(be, "attention_forward", "attention.out_replaced",
+                         f"out was {list(shape)} {dtype} at {ptr:#x}, is now {list(out.shape)} "
+                         f"{out.dtype} at {out.data_ptr():#x}",
+                         fix="write into out (out.copy_(...), out[...] = ...), never resize or re-set it")
+    rows = out[:T]
+    # Padding is read from the device positions, not from host lengths: a batch refreshed
+    # in place with update_ (graph replay) keeps stale host lengths. No boolean-mask
+    # indexing either: it would synchronise.
+    pad = batch.token_positions < 0
+    pad_rows = (pad & (rows != 0).flatten(1).any(-1)) if T else None
+    pad_bad = pad_rows.any() if pad_rows is not None else false_flag(out.device)
+    nonfinite = (~torch.isfinite(rows)).any() if (check_finite and T) else false_flag(out.device)
+    unwritten = still_marked(rows).flatten(1).any(-1) if marked else None
+    flags = torch.stack([out_fence.changed().to(out.device), topk_fence.changed().to(out.device),
+                         unwritten.any() if unwritten is not None else false_flag(out.device),
+                         pad_bad, nonfinite])
+    out_past, topk_written, not_written, padding, nonfin = flags.tolist()   # the one host sync
+    hook = "attention_forward"
+    if out_past:
+        e, before, after = out_fence.first_change()
+        where = locate(e, out.storage_offset(), out.stride(), ("token", "head", "dim"),
+                        (1 << 62, out.shape[1], out.shape[2]))
+        raise _violation(be, hook, "attention.out_past_T",
+                         f"the step has T={T} tokens but {where} of out changed (bits {before:#x} "
+                         f"-> {after:#x})", token=None,
+                         fix="size grids from batch.num_tokens; write only out[:T]")
+    if topk_written:
+        e, before, after = topk_fence.first_change()
+        sh, st, sk = topk.strides()
+        where = locate(e, topk.storage.storage_offset(), (sh, st, sk), ("head", "token", "slot"),
+                        (topk.num_heads, topk.num_tokens, topk.topk))
+        raise _violation(be, hook, "attention.topk_written",
+                         f"{where} of the top-k buffer changed from {before} to {after}",
+                         fix="the attention only reads the top-k buffer")
+    if not_written:
+        assert unwritten is not None
+        t = int(unwritten.nonzero()[0, 0])
+        n = int(unwritten.sum())
+        raise _violation(be, hook, "attention.unwritten",
+                         f"token {t} (request {int(batch.token_to_request[t])}, position "
+                         f"{int(batch.token_positions[t])}) of out[:{T}] still holds the marked NaN "
+                         f"the guard filled it with before the call: it was not written"
+                         + (f"; {n} of {T} tokens" if n > 1 else ""), token=t,
+                         fix="write every row of out[:T], zeros for padding tokens (out is not "
+                             "zeroed for you)")
+    if padding:
+        assert pad_rows is not None
+        t = int(pad_rows.nonzero()[0, 0])
+        raise _violation(be, hook, "attention.padding",
+                         f"token {t} is a padding token (request {int(batch.token_to_request[t])}, "
+                         f"no position) but its output is not zero (first values "
+                         f"{rows[t].flatten()[:4].tolist()})", token=t,
+                         fix="write zeros for tokens whose position is -1")
+    if nonfin:
+        _attribute_nonfinite(be, q, caches, topk, batch, params, rows)
 
-def guard_backend(backend: Any, *, check_finite: bool = True) -> GuardedBackend:
-    """``backend`` wrapped in a :class:`GuardedBackend` (returned as is when already guarded)."""
-    if isinstance(backend, GuardedBackend):
-        return backend
-    return GuardedBackend(backend, check_finite=check_finite)
-
-
-def unguarded(backend: Any) -> Any:
-    """The backend inside a :class:`GuardedBackend` (anything else is returned unchanged)."""
-    return backend.inner if isinstance(backend, GuardedBackend) else backend
+def _attribute_nonfinite(be: Any, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
+                         batch: BatchMetadata, params: SparseAttentionParams,
+                         rows: torch.Tensor) -> None:
+    """Raise if some non-finite output row had only finite inputs (docs/spec.md §4: garbage in, garbage out)."""
+    real = batch.token_positions >= 0
+    bad = (~torch.isfinite(rows)).any(-1) & real[:, None]           # [T, Hq]
+    pairs = bad.nonzero()
+    if not pairs.numel():
+        return
+    hm = topk.head_major()
+    ok = finite_inputs(q, caches, hm, batch, params, pairs[:, 0], pairs[:, 1])
+    if not bool(ok.any()):
+        return
+    i = int(ok.nonzero()[0, 0])
+    t, g = int(pairs[i, 0]), int(pairs[i, 1])
+    h = g // params.gqa_group
+    row = [int(v) for v in hm[h, t].tolist()]
+    n = int(ok.sum())
+    raise _violation(
+        be, "attention_forward", "attention.nonfinite",
+        f"token {t} (request {int(batch.token_to_request[t])}, position "
+        f"{int(batch.token_positions[t])}), query head {g} (KV head {h}, selected blocks {row}): "
+        f"output {rows[t, g, :4].tolist()}... is not finite although q and the selected K/V are"
+        + (f"; {n} such (token, head) rows" if n > 1 else ""),
+        head=h, token=t, row=row, fix="accumulate in fp32 and mask positions past the token")

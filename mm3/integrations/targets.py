@@ -8,8 +8,7 @@ force. Binding follows the layer's rules: the names come from a
 ``MM3_INDEXER_BACKEND``, the config file; :func:`configure` replaces them),
 :func:`~mm3.runtime.selection.select` chooses and explains, and
 ``check_contracts`` decides which calls the contract guard checks. Each target
-runs its steps as the layer's does (page ids, argument checks once per shape
-class).
+runs its calls through the step's boundary as a layer's does (:mod:`mm3.runtime.step`).
 
 Example:
     >>> import torch, mm3
@@ -33,9 +32,8 @@ import torch
 
 from mm3.contract.capabilities import Requirements
 from mm3.contract.errors import InputError
-from mm3.contract.page_ids import PageIdFlag
+from mm3.contract.contents import FaultFlag
 from mm3.contract.params import SparseAttentionParams
-from mm3.debug.guard import guard_backend
 from mm3.runtime.config import Settings, default_settings
 from mm3.runtime.registry import Registry, default_registry
 from mm3.runtime.scope import current_scope
@@ -123,11 +121,7 @@ def _bind(params: SparseAttentionParams, requirements: Requirements, device: tor
     # the layer's binding, for a caller that holds no layer (mm3.runtime.layer.SparseAttention._bind)
     sel = select(requirements, registry, backend=names[0], indexer_backend=names[1],
                  allow_fallback=settings.allow_fallback, device=device)
-    mode = settings.check_contracts
-    fast = (sel.indexer, sel.attention)
-    idx, att = fast if mode == "never" else (guard_backend(sel.indexer), guard_backend(sel.attention))
-    target = OpTarget(idx, att, params, idx.capabilities.topk_layout, att.capabilities.topk_layout,
-                      plain=fast if mode == "first" else None, mode=mode, page_ids=PageIdFlag(device))
+    target = OpTarget(sel.indexer, sel.attention, params, mode=settings.check_contracts, flag=FaultFlag(device))
     return Bound(sel, target)
 
 
@@ -137,9 +131,9 @@ def selections() -> list[Selection]:
 
 
 def check_page_ids() -> None:
-    """Wait for the device and raise :class:`~mm3.InputError` if a step of any bound choice used a
-    block-table entry that is not a page of its cache (a call reports its own target's faults at its
-    next eager call; steps replayed in CUDA graphs only are reported here)."""
+    """Wait for the device and raise :class:`~mm3.InputError` if a call of any bound choice met bad batch
+    contents on the device: a block-table entry that is not a page of its cache, or lengths and positions
+    that contradict each other (a call reports its own target's faults at its next eager call; calls
+    replayed in CUDA graphs only are reported here)."""
     for b in list(_BOUND.values()):
-        if b.target.page_ids is not None:
-            b.target.page_ids.check()
+        b.target.flag.check()

@@ -45,15 +45,17 @@ from typing import Callable, Optional
 import torch
 
 from mm3.contract.batch import BatchMetadata
-from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.buffers import PagedKVCache
+from mm3.contract.contents import check_on_host
+from mm3.contract.hookspecs import Op
 from mm3.contract.errors import BackendUnavailableError, InputError
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.guard import capturing
 from mm3.integrations.block_scores import block_scores, select_topk
 from mm3.integrations.targets import Bound, bind
 from mm3.integrations.vllm_inputs import (
-    FP8_DTYPES, attention_caches, cdiv, check_heads, decode_batch, index_caches, int32_arg, out_rows, prefill_batch,
-    tensor_arg, topk_view, validate_step,
+    DECODE_NAMES, FP8_DTYPES, VLLM_NAMES, attention_caches, cdiv, check_heads, decode_batch, index_caches, int32_arg,
+    out_rows, prefill_batch, tensor_arg, topk_view,
 )
 from mm3.runtime.selection import requirements_for
 from mm3.runtime.step import MAX_CLASSES
@@ -127,29 +129,17 @@ def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: B
     caches = index_caches(index_cache, params.num_kv_heads, idx_q.dtype, graph)
     target = _bound(fn, "index_topk", params, idx_q.dtype, index_cache.dtype, idx_q.dtype, False, idx_q.device,
                     max_decode_query_len, graph).target
-    buf = topk_view(fn, "out", rows)
-    caps = target.plain[0].capabilities  # type: ignore[index]
-    own = buf if caps.accepts_topk(buf.layout, buf.is_dense()) else \
-        TopkBuffer.allocate(buf.num_tokens, buf.num_heads, buf.topk, caps.topk_layout, buf.device)
-    guarded = target.run_index_topk(idx_q, caches, batch, own, graph=graph)
-    if guarded and target.mode == "first":
-        # a layer's step marks its kind checked at its attention; this target has no attention to run
-        target.checked.add(batch.shape_class[0])
-    if own is not buf:
-        buf.copy_(own)
+    names = (DECODE_NAMES if batch.num_decodes else VLLM_NAMES)._replace(topk="out")
+    target.run(fn, (Op.INDEX_TOPK,), caches=caches, batch=batch, topk=topk_view(fn, "out", rows), index_q=idx_q,
+               graph=graph, names=names)
 
 
 def _run_attention(fn: str, q: torch.Tensor, caches: PagedKVCache, topk_idx: torch.Tensor, batch: BatchMetadata,
                    output: torch.Tensor, params: SparseAttentionParams, decode_query_len: int, graph: bool) -> None:
     target = _bound(fn, "attention", params, q.dtype, q.dtype, caches.dtype, caches.slot_scaled, q.device,
                     decode_query_len, graph).target
-    buf = topk_view(fn, "topk_idx", topk_idx)
-    if buf.num_tokens > batch.num_tokens:
-        buf = buf.rows(0, batch.num_tokens)
-    caps = target.plain[1].capabilities  # type: ignore[index]
-    if not caps.accepts_topk(buf.layout, buf.is_dense()):
-        buf = buf.to_layout(caps.topk_layout)
-    target.run_attention(q, caches, buf, batch, output, graph=graph)
+    target.run(fn, (Op.ATTENTION,), caches=caches, batch=batch, topk=topk_view(fn, "topk_idx", topk_idx), q=q,
+               out=output, graph=graph, names=DECODE_NAMES if batch.num_decodes else VLLM_NAMES)
 
 
 def _decode_scores(fn: str, idx_q: torch.Tensor, index_kv_cache: torch.Tensor, batch: BatchMetadata,
@@ -245,8 +235,9 @@ def minimax_m3_index_score(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, bl
     T, H, _ = idx_q.shape
     check_heads(fn, "idx_q", H, num_kv_heads)
     B = index_kv_cache.shape[1]
-    batch = prefill_batch(fn, cu_seqlens_q, seq_lens, block_table, T, max_query_len, B)
-    validate_step(fn, batch, prefix_lens, capturing(idx_q))
+    batch = prefill_batch(fn, cu_seqlens_q, seq_lens, block_table, T, max_query_len, B, prefix_lens)
+    if not capturing(idx_q):   # mm3's own scorer, no backend: its step's contents are checked here
+        check_on_host(batch, index_kv_cache.shape[0], entry=fn, names=VLLM_NAMES)
     return block_scores(idx_q, index_kv_cache, batch, num_blocks=cdiv(max_seq_len, B), max_query_len=max_query_len)
 
 
@@ -301,8 +292,7 @@ def minimax_m3_sparse_attn(q: torch.Tensor, kv_cache: torch.Tensor, topk_idx: to
     graph = capturing(q)
     B = kv_cache.shape[2]
     bt = int32_arg(fn, "block_table", block_table, 2, "[batch, max_blocks]")
-    batch = prefill_batch(fn, cu_seqlens_q, seq_lens, bt, T, max_query_len, B)
-    validate_step(fn, batch, prefix_lens, graph)
+    batch = prefill_batch(fn, cu_seqlens_q, seq_lens, bt, T, max_query_len, B, prefix_lens)
     if T:
         caches = attention_caches(fn, kv_cache, k_scale, v_scale, q, graph)
         params = _params(fn, _attention_params, Hq, num_kv_heads, D, B, topk_idx.shape[2], sm_scale)

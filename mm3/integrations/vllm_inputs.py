@@ -26,16 +26,29 @@ import torch
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import InputError
-from mm3.contract.kv_scales import check_kv_dtype, is_slot_scale, kv_scale, kv_scale_view
-from mm3.integrations.targets import settings
-from mm3.runtime.step import MAX_CLASSES, remember
+from mm3.contract.facts import ArgNames
+from mm3.contract.kv_scales import check_kv_dtype, is_slot_scale, kv_scale_view
+from mm3.runtime.step import MAX_CLASSES
 
-__all__ = ["FP8_DTYPES", "cdiv", "tensor_arg", "int32_arg", "check_heads", "topk_view", "out_rows", "decode_batch",
-           "prefill_batch", "validate_step", "index_caches", "attention_caches"]
+__all__ = ["FP8_DTYPES", "VLLM_NAMES", "DECODE_NAMES", "cdiv", "tensor_arg", "int32_arg", "check_heads", "topk_view",
+           "out_rows", "decode_batch", "prefill_batch", "index_caches", "attention_caches"]
 
 FP8_DTYPES = {d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
                                                              "float8_e5m2fnuz")) if d is not None}
 """The fp8 dtypes vLLM's ops accept (mm3 reads ``float8_e4m3fn`` K/V and says so for the others)."""
+
+
+VLLM_NAMES = ArgNames(q="q", index_q="idx_q", out="output", topk="topk_idx", k="kv_cache", v="kv_cache",
+                      index="index_kv_cache", k_scale="k_scale", v_scale="v_scale", query_start_loc="cu_seqlens_q",
+                      seq_lens="seq_lens", context_lens="prefix_lens", block_table="block_table",
+                      token_to_request="the tokens' requests (from cu_seqlens_q)",
+                      token_positions="the tokens' positions (from seq_lens and cu_seqlens_q)",
+                      build_hint="vLLM's attention metadata builder")
+"""vLLM's spelling of the prefill ops' arguments (errors name these)."""
+DECODE_NAMES = VLLM_NAMES._replace(query_start_loc="decode_query_len (the tokens of each request)",
+                                   token_positions="the tokens' positions (from seq_lens and decode_query_len)")
+"""vLLM's spelling of the decode ops' arguments (their batch is ``seq_lens.shape[0]`` requests of
+``decode_query_len`` tokens)."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -144,39 +157,15 @@ def decode_batch(fn: str, seq_lens: object, block_table: object, decode_query_le
 
 
 def prefill_batch(fn: str, cu_seqlens_q: object, seq_lens: object, block_table: torch.Tensor, num_tokens: int,
-                   max_query_len: int, block_size: int) -> BatchMetadata:
+                   max_query_len: int, block_size: int, prefix_lens: Optional[torch.Tensor] = None) -> BatchMetadata:
+    """A prefill batch on the device; ``prefix_lens`` become its context lengths (checked against
+    ``seq_lens`` and ``cu_seqlens_q`` with the step's contents)."""
     try:
         return BatchMetadata.from_device(cu_seqlens_q, seq_lens, block_table, num_decodes=0,  # type: ignore[arg-type]
-                                         num_tokens=num_tokens, max_query_len=max_query_len, block_size=block_size)
+                                         num_tokens=num_tokens, max_query_len=max_query_len, block_size=block_size,
+                                         context_lens=prefix_lens)
     except InputError as e:
-        raise InputError(f"{fn}: {e} (query_start_loc is cu_seqlens_q)") from None
-
-
-_VALIDATED: set[tuple[object, ...]] = set()
-
-
-def validate_step(fn: str, batch: BatchMetadata, prefix_lens: Optional[torch.Tensor], graph: bool) -> None:
-    """The lengths checked on the host (one sync) where the guard checks a step: the first eager call of
-    each function and device under ``check_contracts="first"``, every eager call under ``"always"``."""
-    mode = settings().check_contracts
-    key = (fn, batch.device)
-    if graph or mode == "never" or (mode == "first" and key in _VALIDATED):
-        return
-    try:
-        first = int(batch.query_start_loc[0])
-        if first != 0:   # a slice of a mixed batch's offsets, not rebased: tokens would map to the wrong rows
-            raise InputError(f"query_start_loc starts at {first}; pass the slice's offsets rebased to 0 "
-                             f"(cu_seqlens_q - cu_seqlens_q[0]) with q, topk_idx and output sliced alike")
-        batch.validate()
-    except InputError as e:
-        raise InputError(f"{fn}: cu_seqlens_q, seq_lens and block_table do not describe a step: {e}") from None
-    if prefix_lens is not None:
-        tensor_arg(fn, "prefix_lens", prefix_lens, 1, "[batch]")
-        if prefix_lens.shape != batch.seq_lens.shape or not bool((prefix_lens == batch.context_lens).all()):
-            raise InputError(f"{fn}: prefix_lens {prefix_lens.tolist()} is not seq_lens - query lengths "
-                             f"{batch.context_lens.tolist()}; mm3 reads a token's position from seq_lens and "
-                             f"cu_seqlens_q, so the three must agree")
-    remember(_VALIDATED, key)
+        raise InputError(f"{fn}: {e} (query_start_loc is cu_seqlens_q, context_lens is prefix_lens)") from None
 
 
 # -- caches --------------------------------------------------------------------------------------
@@ -189,22 +178,14 @@ def index_caches(index_cache: torch.Tensor, heads: int, dtype: torch.dtype, grap
     return PagedKVCache.rewrap(kv, kv, index_cache)
 
 
-_SCALES_OK: set[tuple[object, ...]] = set()
-
-
-def _scale(fn: str, name: str, scale: object, heads: int, slots: int, device: torch.device,
-           graph: bool) -> torch.Tensor:
+def _scale(fn: str, name: str, scale: object, heads: int, slots: int, device: torch.device) -> torch.Tensor:
+    """``scale`` as a cache keeps it (its values are checked where a step's contents are)."""
     if isinstance(scale, torch.Tensor) and scale.dim() == 2 and scale.shape[0] == heads and scale.shape[1] > slots:
         scale = scale[:, :slots]         # vLLM's buffer may hold more slots than the cache has
     try:
-        t = kv_scale_view(name, scale, num_kv_heads=heads, num_slots=slots, device=device)
-        key = (name, t.data_ptr(), tuple(t.shape), t.stride(), device)
-        if t.dim() == 1 and not graph and key not in _SCALES_OK:   # read once: a sync, impossible in capture
-            kv_scale(name, t, num_kv_heads=heads, num_slots=slots, device=device)
-            remember(_SCALES_OK, key)
+        return kv_scale_view(name, scale, num_kv_heads=heads, num_slots=slots, device=device)
     except InputError as e:
         raise InputError(f"{fn}: {e}") from None
-    return t
 
 
 def attention_caches(fn: str, kv_cache: torch.Tensor, k_scale: object, v_scale: object, q: torch.Tensor,
@@ -227,8 +208,8 @@ def attention_caches(fn: str, kv_cache: torch.Tensor, k_scale: object, v_scale: 
         (unit,) = _kept(("unit", kv_cache.device), graph, functools.partial(_unit_scale, kv_cache.device))
         ks = vs = unit.expand(H)
     else:
-        ks, vs = (_scale(fn, n, s, H, N * B, kv_cache.device, graph) for n, s in (("k_scale", k_scale),
-                                                                                   ("v_scale", v_scale)))
+        ks, vs = (_scale(fn, n, s, H, N * B, kv_cache.device) for n, s in (("k_scale", k_scale),
+                                                                            ("v_scale", v_scale)))
         if is_slot_scale(ks) != is_slot_scale(vs):
             raise InputError(f"{fn}: k_scale {tuple(ks.shape)} and v_scale {tuple(vs.shape)}: both per token slot "
                              f"([num_kv_heads, num_slots]) or neither")

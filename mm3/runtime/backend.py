@@ -4,8 +4,8 @@ pluggy is used to declare and validate the contract, not to dispatch: a
 :class:`Backend` holds the plugin's own hookimpl functions, resolved once by
 the registry, so hooks of different backends can never mix and a forward
 pays no ``pm.hook`` cost (``benchmarks/dispatch.py`` measures both). Each op
-method checks its arguments once - what every backend needs, and the limits
-this backend's capabilities declare (:mod:`mm3.contract.checks`) - and then
+method admits its call at the step's boundary (:mod:`mm3.runtime.step`: the
+arguments, the limits this backend's capabilities declare, its probe) and then
 calls the plugin, which checks only what is its own.
 """
 
@@ -17,11 +17,12 @@ import torch
 
 from mm3.contract.buffers import TopkBuffer
 from mm3.contract.capabilities import BackendCapabilities, Probe
-from mm3.contract.checks import check_attention_args, check_declared, check_index_args, check_topk_accepted
 from mm3.contract.errors import BackendUnavailableError, InputError, MM3Error, PluginError
 from mm3.contract.hookspecs import Op
 
+from mm3.contract.contents import check_on_host
 from mm3.runtime.discovery import PluginSource, call_hookimpl, exc_line
+from mm3.runtime.step import admit, describe
 
 if TYPE_CHECKING:
     import pluggy
@@ -95,7 +96,6 @@ class Backend:
         #: direct calls of the plugin's two op hooks (what a plain step runs: :mod:`mm3.runtime.step`)
         self.index_call = self._plan(Op.INDEX_TOPK)
         self.attention_call = self._plan(Op.ATTENTION)
-        self._within_limits: set[tuple[Any, ...]] = set()
 
     # -- facts ------------------------------------------------------------------
     @property
@@ -212,50 +212,46 @@ class Backend:
     def index_topk(self, index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
                    params: "SparseAttentionParams", out: TopkBuffer,
                    page_faults: "Optional[torch.Tensor]" = None) -> None:
-        """The indexer (docs/spec.md §3): the arguments checked once (:mod:`mm3.contract.checks`), then the hook.
+        """The indexer (docs/spec.md §3) on rows ``[0, T)`` of ``out``: admitted at the boundary
+        (:mod:`mm3.runtime.step`), then the plugin's hook.
 
         ``page_faults`` reaches a backend that declares ``reports_bad_page_ids`` (else ``None``).
+        A batch in host memory has its contents checked too; a device batch's are the caller's
+        (a layer, or the custom ops, check them without a synchronisation).
         """
-        fn = self._op(Op.INDEX_TOPK)
-        check_index_args(self._where[Op.INDEX_TOPK], index_q, caches, batch, params, out)
-        self._check_declared(Op.INDEX_TOPK, index_q.dtype, caches, batch, params, out)
+        self._op(Op.INDEX_TOPK)
         faults = page_faults if self.capabilities.reports_bad_page_ids else None
-        self._call(Op.INDEX_TOPK.hook, fn, index_q=index_q, caches=caches, batch=batch, params=params, out=out,
-                   page_faults=faults)
+        self._admitted(Op.INDEX_TOPK, caches, batch, params, out, index_q=index_q)
+        self.invoke(Op.INDEX_TOPK, (index_q, caches, batch, params, out, faults))
 
     def attention_forward(self, q: "torch.Tensor", caches: "PagedKVCache", topk: TopkBuffer,
                           batch: "BatchMetadata", params: "SparseAttentionParams",
                           out: "torch.Tensor") -> None:
-        """Sparse attention (docs/spec.md §4): the arguments checked once (:mod:`mm3.contract.checks`), then the hook."""
-        fn = self._op(Op.ATTENTION)
-        check_attention_args(self._where[Op.ATTENTION], q, caches, topk, batch, params, out)
-        self._check_declared(Op.ATTENTION, q.dtype, caches, batch, params, topk)
-        self._call(Op.ATTENTION.hook, fn, q=q, caches=caches, topk=topk, batch=batch, params=params, out=out)
+        """Sparse attention (docs/spec.md §4) into ``out[:T]``: admitted at the boundary, then the hook."""
+        self._op(Op.ATTENTION)
+        self._admitted(Op.ATTENTION, caches, batch, params, topk, q=q, out=out)
+        self.invoke(Op.ATTENTION, (q, caches, topk, batch, params, out))
 
-    def index_topk_unchecked(self, index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
-                             params: "SparseAttentionParams", out: TopkBuffer,
-                             page_faults: "Optional[torch.Tensor]" = None) -> None:
-        """The plugin's ``index_topk`` hook without mm3's argument checks (see :meth:`attention_forward_unchecked`);
-        ``page_faults`` only for a backend that declares ``reports_bad_page_ids``."""
+    def _admitted(self, op: Op, caches: "PagedKVCache", batch: "BatchMetadata", params: "SparseAttentionParams",
+                  topk: TopkBuffer, **tensors: "torch.Tensor") -> None:
+        where = self._where[op]
+        plan, _ = admit(describe(where, (op,), params, self if op == Op.INDEX_TOPK else None,
+                                 self if op == Op.ATTENTION else None, caches=caches, batch=batch, topk=topk,
+                                 **tensors))
+        if plan.convert_to or plan.index_via:
+            raise InputError(f"{where}: needs a dense {self.capabilities.topk_layout} top-k buffer (it declares "
+                             f"topk_requires_contiguous), got {topk!r}; convert it first: "
+                             f"buf.to_layout({self.capabilities.topk_layout!r}) (SparseAttention does this for you)")
+        if batch.block_table.device.type == "cpu":
+            check_on_host(batch, caches.num_pages, entry=where)
+
+    def invoke(self, op: Op, args: "tuple[Any, ...]") -> None:
+        """The plugin's ``op`` hook on ``args`` (the hook's spec order), no checks: what a step runs once the
+        boundary admitted the call (:mod:`mm3.runtime.step`). What the hook raises is named by :meth:`reraise`."""
         try:
-            self.index_call(index_q, caches, batch, params, out, page_faults)
+            (self.index_call if op == Op.INDEX_TOPK else self.attention_call)(*args)
         except Exception as e:
-            self.reraise(e, Op.INDEX_TOPK.hook)
-
-    def attention_forward_unchecked(self, q: "torch.Tensor", caches: "PagedKVCache", topk: TopkBuffer,
-                                    batch: "BatchMetadata", params: "SparseAttentionParams",
-                                    out: "torch.Tensor") -> None:
-        """The plugin's ``attention_forward`` hook without mm3's argument checks.
-
-        For a caller that ran the checked call (:meth:`attention_forward`) on this
-        call's shape class already (:class:`~mm3.runtime.step.OpTarget`): the
-        checks read shapes, dtypes and devices only, so they would pass again.
-        What the hook raises is named as in the checked call.
-        """
-        try:
-            self.attention_call(q, caches, topk, batch, params, out)
-        except Exception as e:
-            self.reraise(e, Op.ATTENTION.hook)
+            self.reraise(e, op.hook)
 
     def _call(self, hook: str, fn: "pluggy.HookImpl", **kwargs: Any) -> Any:
         """The plugin's ``hook``; what it raises is named by :meth:`reraise`."""
@@ -286,18 +282,6 @@ class Backend:
             f"backend {self.name!r} ({self.source}) failed in {hook}: {exc_line(e)}. The step has no "
             f"result; its rows of the top-k buffer and of out are undefined until the next step "
             f"rewrites them (the layer stays usable)"), self.name, hook) from e
-
-    def _check_declared(self, op: Op, dtype: "torch.dtype", caches: "PagedKVCache", batch: "BatchMetadata",
-                        params: "SparseAttentionParams", topk: TopkBuffer) -> None:
-        # Every step of a layer asks the same question of the capabilities: remember the answers
-        # that passed (a handful per process), so the limits cost a set lookup per call.
-        dql = batch.decode_query_len if batch.num_decodes else 1
-        key = (op, caches.device.type, dtype, caches.index_dtype, caches.dtype, params, dql)
-        if key not in self._within_limits:
-            check_declared(self._where[op], self.capabilities, op, device_type=key[1], dtype=dtype,
-                           index_dtype=key[3], params=params, decode_query_len=dql, kv_dtype=caches.dtype)
-            self._within_limits.add(key)
-        check_topk_accepted(self._where[op], self.capabilities, topk)
 
     def __repr__(self) -> str:
         c = self.capabilities

@@ -22,8 +22,8 @@ Example:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
@@ -31,30 +31,29 @@ from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.runtime.config import Settings, default_settings
 from mm3.contract.errors import InputError
-from mm3.contract.page_ids import PageIdFlag
-from mm3.debug.guard import capturing, guard_backend
+from mm3.contract.checks import check, check_layer_args
+from mm3.contract.contents import FaultFlag
+from mm3.contract.facts import LayerFacts
+from mm3.debug.guard import capturing, fill_sentinel
 from mm3.contract.params import SparseAttentionParams
 from mm3.runtime.backend import Backend
 from mm3.runtime.ops import batch_args
-from mm3.runtime.step import OpTarget, remember
+from mm3.runtime.step import BOTH, OpTarget, describe
 from mm3.runtime.registry import Registry, default_registry
 from mm3.runtime.scope import current_scope
 from mm3.runtime.selection import Selection, requirements_for, select
-from mm3.contract.checks import check_layer_args, check_step_inputs
 
 __all__ = ["SparseAttention"]
+
+_ENTRY = "SparseAttention.forward"
 
 DeviceLike = Union[str, torch.device]
 
 
 @dataclass
 class _Bound:
-    """One resolved choice: the backends, their bound calls and the persistent buffer.
-
-    ``indexer``/``attention`` are guarded unless ``check_contracts`` is
-    ``"never"``; ``target`` runs every step (eager, compiled, the custom ops) on
-    them or on the unguarded pair by the guard's policy (:mod:`mm3.runtime.step`).
-    """
+    """One resolved choice: the selection, the bound backends, the persistent buffer and the target
+    every step runs on (eager, compiled, the custom ops: :mod:`mm3.runtime.step`)."""
 
     selection: Selection
     indexer: Backend
@@ -62,21 +61,6 @@ class _Bound:
     topk: TopkBuffer
     convert_to: Optional[str]  # layout the attention needs, when a per-step copy is required
     target: OpTarget           # what torch.ops.mm3.* dispatch to for this choice
-    #: layer-level shape classes whose inputs passed every check of the step
-    inputs_ok: set[Any] = field(default_factory=set)
-    _rows: dict[int, TopkBuffer] = field(default_factory=dict)
-
-    @property
-    def checked(self) -> set[str]:
-        """Batch kinds already run through the guard (``"first"`` mode)."""
-        return self.target.checked
-
-    def rows(self, T: int) -> TopkBuffer:
-        """``topk.rows(0, T)``, built once per token count."""
-        got = self._rows.get(T)
-        if got is None:
-            got = self._rows[T] = self.topk.rows(0, T)
-        return got
 
 
 class SparseAttention:
@@ -143,7 +127,9 @@ class SparseAttention:
                                              kv_dtype=self.kv_dtype)
         self._bound: dict[tuple[str, Optional[str]], _Bound] = {}
         self._lock = threading.Lock()
-        self._page_ids = PageIdFlag(self.device)
+        self._flag = FaultFlag(self.device)
+        self._facts = LayerFacts(dtype, index_dtype, self.kv_dtype, self.device, max_num_tokens,
+                                 max_decode_query_len)
         self._resolve()  # select now so configuration errors surface at construction
 
     # -- selection -------------------------------------------------------------------
@@ -170,19 +156,17 @@ class SparseAttention:
     def _bind(self, backend: str, indexer_backend: Optional[str]) -> _Bound:
         sel = select(self.requirements, self.registry, backend=backend, indexer_backend=indexer_backend,
                      allow_fallback=self.settings.allow_fallback, device=self.device)
-        idx, att = fast = (sel.indexer, sel.attention)
-        if self.settings.check_contracts != "never":
-            idx, att = guard_backend(idx), guard_backend(att)
+        idx, att = sel.indexer, sel.attention
         p = self.params
         # Backend.alloc_topk_buffer already checks type, layout and shape against the declaration.
         buf = idx.alloc_topk_buffer(self.max_num_tokens, p.num_index_heads, p.topk, self.device)
+        mode = self.settings.check_contracts
+        if mode != "never":
+            fill_sentinel(buf)   # the guard then sees a stray write past a step's rows
         # What runs is what the trace says: both come from the selection's verdict on this buffer.
         sel = sel.for_buffer(buf)
-        convert_to = sel.topk_convert_to
-        mode = self.settings.check_contracts
-        target = OpTarget(idx, att, p, buf.layout, convert_to or buf.layout, plain=fast if mode == "first" else None,
-                          mode=mode, page_ids=self._page_ids)
-        return _Bound(sel, idx, att, buf, convert_to, target)
+        target = OpTarget(idx, att, p, topk=buf, mode=mode, flag=self._flag)
+        return _Bound(sel, idx, att, buf, sel.topk_convert_to, target)
 
     @property
     def selection(self) -> Selection:
@@ -221,56 +205,29 @@ class SparseAttention:
         ``out`` (optional) may have more rows than the step; only ``[0, T)`` is written.
         """
         b = self._resolve()
+        if out is None and isinstance(q, torch.Tensor):
+            out = torch.empty_like(q)
         if torch.compiler.is_compiling():  # one opaque node per op: nothing below is traced
-            self._check_inputs(b, q, index_q, caches, batch, out)
-            T = batch.num_tokens
-            out = torch.empty_like(q) if out is None else out
-            # the ops run the layer's own target: the same policy, guard and page-id checks as eager steps
+            # the layer's promises are judged once, at tracing; the ops admit each call as any caller's
+            check(describe(_ENTRY, BOTH, self.params, b.indexer, b.attention, caches=caches, batch=batch,
+                           topk=b.topk, index_q=index_q, q=q, out=out, layer=self._facts))
             args, c, handle = batch_args(batch), caches, b.target.handle
             torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, b.topk.storage, *args, handle, c.k_scale,
                                      c.v_scale)
-            topk = self._for_attention(b, b.topk.rows(0, T))
-            torch.ops.mm3.attention(q, c.k, c.v, c.index, topk.storage, *args, handle, out, c.k_scale, c.v_scale)
-            return out[:T]
-        # Every check of a step reads shapes, dtypes and devices only: a step of a class that
-        # passed them all (these inputs, and the backends' own) skips them.
-        try:
-            key: Any = (caches.shape_class, batch.shape_class, q.shape, q.dtype, q.device, index_q.shape,
-                        index_q.dtype, index_q.device, None if out is None else
-                        (out.shape, out.stride(), out.dtype, out.device))
-        except AttributeError:   # not a cache, a batch or tensors: the checks say which
-            key = None
-        trusted = key is not None and key in b.inputs_ok
-        if not trusted:
-            self._check_inputs(b, q, index_q, caches, batch, out)
+            torch.ops.mm3.attention(q, c.k, c.v, c.index, b.topk.storage, *args, handle, out, c.k_scale, c.v_scale)
+            return out[:batch.num_tokens]  # type: ignore[index]
+        b.target.run(_ENTRY, BOTH, caches=caches, batch=batch, topk=b.topk, index_q=index_q, q=q, out=out,
+                     layer=self._facts, graph=capturing(q))
         T = batch.num_tokens
-        if out is None:
-            out = torch.empty_like(q)
-        o = out if out.shape[0] == T else out[:T]
-        # the guard's policy ("first": a batch kind's first step is guarded, never while a CUDA
-        # graph is captured) and the page-id check are the target's, as for the custom ops
-        graph = capturing(q)
-        topk = b.rows(T)
-        # the attention reuses the indexer's decision: the same step, batch and caches (its own
-        # page-id check would find the table the indexer's just checked or recorded)
-        guarded = b.target.run_index_topk(index_q, caches, batch, topk, graph=graph, trusted=trusted)
-        b.target.run_attention(q, caches, self._for_attention(b, topk), batch, o, graph=graph, trusted=trusted,
-                               guarded=guarded)
-        if not trusted and key is not None:
-            remember(b.inputs_ok, key)
-        return o
-
-    def _check_inputs(self, b: _Bound, q: torch.Tensor, index_q: torch.Tensor, caches: PagedKVCache,
-                      batch: BatchMetadata, out: Optional[torch.Tensor]) -> None:
-        check_step_inputs(self.params, q, index_q, caches, batch, out, dtype=self.dtype,
-                          index_dtype=self.index_dtype, kv_dtype=self.kv_dtype, device=self.device,
-                          capacity=b.topk.num_tokens, max_decode_query_len=self.max_decode_query_len)
+        return out if out.shape[0] == T else out[:T]  # type: ignore[union-attr]
 
     def check_page_ids(self) -> None:
-        """Wait for the device and raise :class:`~mm3.contract.errors.InputError` if a step of this
-        layer used a block-table entry that is not a page of its cache (the steps surface it
-        themselves one step later; call this after the last step you care about)."""
-        self._page_ids.check()
+        """Wait for the device and raise :class:`~mm3.contract.errors.InputError` if a step of this layer
+        met bad batch contents on the device: a block-table entry that is not a page of its cache, or
+        lengths and positions that contradict each other (:mod:`mm3.contract.contents`; the steps surface
+        it themselves one step later: call this after the last step you care about, or after replaying
+        CUDA graphs)."""
+        self._flag.check()
 
     __call__ = forward
 

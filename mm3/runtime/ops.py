@@ -6,12 +6,18 @@ writes), so the compiler never traces the selection, the checks or a
 backend's launcher. The arguments are tensors and ints only: the step's
 metadata flattened (:func:`batch_args`) and a *handle* naming the bound
 backends the op dispatches to (:class:`OpTarget`, registered by
-:class:`~mm3.SparseAttention` when it binds them). Behind the op, the bound
-:class:`~mm3.runtime.backend.Backend` runs as in eager mode: its checks, then the plugin.
+:class:`~mm3.SparseAttention` when it binds them). Behind the op, the call is
+admitted at the step's boundary like any other (:mod:`mm3.runtime.step`), then
+the bound backend's hook runs.
 
 The top-k buffer (written by the indexer) and ``out`` (by the attention) are
 the ops' declared mutations; both are passed whole, the op writes rows
-``[0, T)`` where ``T`` is the step's token count.
+``[0, T)`` where ``T`` is the step's token count. ``topk`` is either the
+layer's own storage (``layer.topk_buffer.storage``: the op knows its layout),
+or the logical ``[H, T, K]`` view of the caller's memory, read through its
+strides (vLLM's convention: token-major ``[T, H, K]`` memory is passed as
+``memory.permute(1, 0, 2)``). Both ops read the same argument the same way, so
+what the indexer writes is what the attention reads, whatever the memory order.
 
 Example:
     >>> import torch, mm3
@@ -37,10 +43,12 @@ from typing import Optional, Union
 import torch
 
 from mm3.contract.batch import BatchMetadata
-from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.buffers import PagedKVCache
+from mm3.contract.facts import OPS_NAMES
+from mm3.contract.hookspecs import Op
 from mm3.runtime.step import OpTarget
 
-__all__ = ["OpTarget", "batch_args", "batch_from_args", "run_index_topk", "run_attention"]
+__all__ = ["OpTarget", "batch_args", "batch_from_args"]
 
 #: the flattened metadata of a step: 6 tensors, then 5 host ints (the shape class)
 BatchArgs = tuple[Union[torch.Tensor, int], ...]
@@ -81,18 +89,6 @@ def _graph(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def run_index_topk(target: OpTarget, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
-                   topk: TopkBuffer) -> None:
-    """The indexer of one step into ``topk.rows(0, T)`` (what ``torch.ops.mm3.index_topk`` runs)."""
-    target.run_index_topk(index_q, caches, batch, topk, graph=_graph(index_q))
-
-
-def run_attention(target: OpTarget, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
-                  batch: BatchMetadata, out: torch.Tensor) -> None:
-    """The attention of one step into ``out[:T]`` (what ``torch.ops.mm3.attention`` runs)."""
-    target.run_attention(q, caches, topk, batch, out, graph=_graph(q))
-
-
 # Defined with torch.library.Library rather than the custom_op decorator: the decorator's eager
 # call runs several Python layers (autograd, ADInplaceOrView, a dynamo-disable wrapper) that cost
 # about 25 us per call on the CPU; a
@@ -119,8 +115,9 @@ def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
     batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
                             token_positions, num_decodes, decode_query_len, num_decode_tokens,
                             max_prefill_query_len, block_size)
-    run_index_topk(target, index_q, PagedKVCache.rewrap(k, v, index, k_scale, v_scale), batch,
-                   target.topk_rows(topk, target.topk_layout, batch.num_tokens))
+    entry = "torch.ops.mm3.index_topk"
+    target.run(entry, (Op.INDEX_TOPK,), caches=PagedKVCache.rewrap(k, v, index, k_scale, v_scale), batch=batch,
+               topk=target.topk_of(topk, f"{entry}: topk"), index_q=index_q, graph=_graph(index_q), names=OPS_NAMES)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, topk: torch.Tensor,
@@ -134,8 +131,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Te
     batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
                             token_positions, num_decodes, decode_query_len, num_decode_tokens,
                             max_prefill_query_len, block_size)
-    run_attention(target, q, PagedKVCache.rewrap(k, v, index, k_scale, v_scale),
-                  target.topk_rows(topk, target.attention_topk_layout, batch.num_tokens), batch, out)
+    entry = "torch.ops.mm3.attention"
+    target.run(entry, (Op.ATTENTION,), caches=PagedKVCache.rewrap(k, v, index, k_scale, v_scale), batch=batch,
+               topk=target.topk_of(topk, f"{entry}: topk"), q=q, out=out, graph=_graph(q), names=OPS_NAMES)
 
 
 _LIB.impl("index_topk", index_topk, "CompositeExplicitAutograd")

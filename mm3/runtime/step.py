@@ -1,22 +1,26 @@
-"""One step on a bound backend pair, with the host work it needs done once, not every step.
+"""The boundary of a step: every entry point's inputs admitted by one call, then the hooks run.
 
-An :class:`OpTarget` is what a :class:`~mm3.SparseAttention` layer and the
-custom ops (:mod:`mm3.runtime.ops`) run a step on. It owns the per-step
-decisions, so the eager layer and an eagerly called ``torch.ops.mm3.*`` make
-the same ones:
+A layer's step, a custom op (:mod:`mm3.runtime.ops`), a vLLM drop-in call
+(:mod:`mm3.integrations.vllm`) and a bound backend's own op method
+(:class:`~mm3.runtime.backend.Backend`) all reach a plugin's hook the same way:
 
-* **which pair runs** (``Settings.check_contracts``): ``"first"`` runs the
-  first step of each batch kind through the contract guard (never while a CUDA
-  graph is captured), then the plain pair; ``"always"`` guards every step;
-  ``"never"`` none;
-* **page ids** (docs/errors.md §2.6): by the indexer's own kernels where its
-  backend reports bad ids (no work of mm3's), else once per batch
-  (:mod:`mm3.contract.page_ids`);
-* **argument checks, once per shape class**: the bound backend checks shapes,
-  dtypes and devices (:mod:`mm3.contract.checks`); those depend only on the
-  *shape class* of a call (:func:`call_class`), so a plain call of a class
-  already checked goes straight to the plugin's hook
-  (``Backend.index_topk_unchecked`` / ``attention_forward_unchecked``).
+1. :func:`describe` reads the call's facts (:class:`~mm3.contract.facts.StepFacts`:
+   shapes, dtypes, devices, the batch's host ints, the backends) from the
+   tensors as they are now;
+2. :func:`admit` looks the value up in the one memo of classes that passed, and
+   on a miss runs every argument rule (:func:`mm3.contract.checks.check`) and
+   keeps its :class:`~mm3.contract.checks.Plan` under the value;
+3. the contents (lengths, positions, page ids; :mod:`mm3.contract.contents`) are
+   judged every step: on the host for a batch in host memory and at the first
+   step of a class, else on the device with no synchronisation (by the
+   indexer's own kernels where its backend reports bad page ids);
+4. the hook runs, through the contract guard (:mod:`mm3.debug.guard`) when the
+   policy (``Settings.check_contracts``) says so: ``"first"`` guards the first
+   eager call of each op and batch kind, ``"always"`` every eager call,
+   ``"never"`` none; a call inside CUDA-graph capture is never guarded.
+
+An :class:`OpTarget` is the bound pair a layer (or a drop-in choice) runs on;
+``torch.ops.mm3.*`` find it by its :attr:`~OpTarget.handle`.
 
 Example:
     >>> import torch, mm3
@@ -27,16 +31,9 @@ Example:
     >>> layer = mm3.SparseAttention(p, dtype=torch.float32, max_num_tokens=16, backend="cpu_ref",
     ...                             settings=Settings(check_contracts="first"))
     >>> case = make_case(p, decodes=[40], prefills=[(5, 20)], dtype="float32")
-    >>> target, c, b = layer.op_target, case.caches, case.batch
-    >>> out = torch.zeros_like(case.q)
-    >>> for _ in range(2):     # a guarded first step of its kind, then a plain one
-    ...     guarded = target.run_index_topk(case.index_q, c, b, layer.topk_buffer, graph=False)
-    ...     target.run_attention(case.q, c, layer.topk_buffer, b, out, graph=False, guarded=guarded)
-    ...     print(guarded)
-    True
-    False
-    >>> sorted(target.checked), len(target.accepted)
-    (['mixed'], 2)
+    >>> out = layer(case.q, case.index_q, case.caches, case.batch)
+    >>> sorted(layer.op_target.guarded)     # the first step of its kind ran through the guard
+    [('attention', 'mixed'), ('index_topk', 'mixed')]
 """
 
 from __future__ import annotations
@@ -45,100 +42,163 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.checks import Plan, check
+from mm3.contract.contents import FaultFlag, check_on_host
 from mm3.contract.errors import InputError
-from mm3.contract.page_ids import PageIdFlag, check_page_ids
+from mm3.contract.facts import (
+    LAYER_NAMES, ArgNames, BatchFacts, CacheFacts, LayerFacts, StepFacts, TensorFacts, strided_facts,
+)
+from mm3.contract.hookspecs import Op
+from mm3.debug import guard
 
 if TYPE_CHECKING:
     from mm3.contract.params import SparseAttentionParams
     from mm3.runtime.backend import Backend
 
-__all__ = ["OpTarget", "call_class", "remember", "MAX_CLASSES"]
+__all__ = ["OpTarget", "describe", "admit", "IndexArgs", "AttentionArgs", "BOTH", "MAX_CLASSES"]
+
+#: classes remembered before the memo starts over (every prefill token count is a class; the
+#: rules of a forgotten class simply run again)
+MAX_CLASSES = 4096
+BOTH = (Op.INDEX_TOPK, Op.ATTENTION)
+
+_ADMITTED: dict[StepFacts, Plan] = {}
+_LOCK = threading.Lock()
+
+
+class IndexArgs(NamedTuple):
+    """The ``index_topk`` hook's arguments, in its spec's order."""
+
+    index_q: torch.Tensor
+    caches: PagedKVCache
+    batch: BatchMetadata
+    params: "SparseAttentionParams"
+    out: TopkBuffer
+    page_faults: Optional[torch.Tensor] = None
+
+
+class AttentionArgs(NamedTuple):
+    """The ``attention_forward`` hook's arguments, in its spec's order."""
+
+    q: torch.Tensor
+    caches: PagedKVCache
+    topk: TopkBuffer
+    batch: BatchMetadata
+    params: "SparseAttentionParams"
+    out: torch.Tensor
+
+
+def _tensor(name: str, t: object) -> TensorFacts:
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return TensorFacts(t.shape, t.dtype, t.device)
+
+
+def _wrong_types(entry: str, names: ArgNames, caches: object, batch: object, topk: object) -> InputError:
+    if not isinstance(caches, PagedKVCache):
+        return InputError(f"{entry}: caches must be an mm3.PagedKVCache, got {type(caches).__name__}; wrap your "
+                          f"tensors: PagedKVCache(k=..., v=..., index=...)")
+    if not isinstance(batch, BatchMetadata):
+        return InputError(f"{entry}: batch must be an mm3.BatchMetadata ({names.build_hint}), got "
+                          f"{type(batch).__name__}")
+    return InputError(f"{entry}: {names.topk} must be an mm3.TopkBuffer, got {type(topk).__name__}; allocate it "
+                      f"with TopkBuffer.allocate(...) or wrap the logical [H, T, K] view of your memory: "
+                      f"TopkBuffer(view)")
+
+
+def describe(entry: str, ops: tuple[str, ...], params: "SparseAttentionParams", indexer: Optional["Backend"],
+             attention: Optional["Backend"], *, caches: PagedKVCache, batch: BatchMetadata, topk: TopkBuffer,
+             index_q: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None,
+             out: Optional[torch.Tensor] = None, layer: Optional[LayerFacts] = None,
+             names: ArgNames = LAYER_NAMES) -> StepFacts:
+    """The facts of one call (:class:`~mm3.contract.facts.StepFacts`), read from its inputs as they are now.
+
+    Reads shapes, dtypes, devices and two tensors' strides; no contents, no synchronisation.
+    Raises :class:`InputError` naming an argument of the wrong type.
+    """
+    try:
+        k, v, ks, vs = caches.k, caches.v, caches.k_scale, caches.v_scale
+        c = CacheFacts(TensorFacts(k.shape, k.dtype, k.device), TensorFacts(v.shape, v.dtype, v.device),
+                       TensorFacts(caches.index.shape, caches.index.dtype, caches.index.device),
+                       None if ks is None else TensorFacts(ks.shape, ks.dtype, ks.device),
+                       None if vs is None else TensorFacts(vs.shape, vs.dtype, vs.device))
+        qsl, sl, bt, tr, pos = (batch.query_start_loc, batch.seq_lens, batch.block_table, batch.token_to_request,
+                                batch.token_positions)
+        ctx = batch.__dict__.get("context_lens")   # derived lazily for some batches: read only if there
+        b = BatchFacts(batch.num_decodes, batch.decode_query_len, batch.block_size, batch.num_decode_tokens,
+                       batch.max_prefill_query_len, TensorFacts(qsl.shape, qsl.dtype, qsl.device),
+                       TensorFacts(sl.shape, sl.dtype, sl.device), TensorFacts(bt.shape, bt.dtype, bt.device),
+                       TensorFacts(tr.shape, tr.dtype, tr.device), TensorFacts(pos.shape, pos.dtype, pos.device),
+                       None if ctx is None else TensorFacts(ctx.shape, ctx.dtype, ctx.device))
+        s = topk.storage
+        layout = topk.layout
+    except AttributeError:
+        raise _wrong_types(entry, names, caches, batch, topk) from None
+    return StepFacts(entry, names, ops, params, indexer, attention, layer,
+                     None if index_q is None else _tensor(names.index_q, index_q),
+                     None if q is None else _tensor(names.q, q),
+                     None if out is None else (_tensor(names.out, out)._replace(stride=out.stride())),
+                     layout, strided_facts(s), c, b)
+
+
+def admit(facts: StepFacts) -> tuple[Plan, bool]:
+    """``(plan, new)``: the :class:`~mm3.contract.checks.Plan` of ``facts``' class, from the memo or from
+    the rules (``new``: they ran now, and passed). Raises :class:`InputError` for a call that breaks one."""
+    plan = _ADMITTED.get(facts)
+    if plan is not None:
+        return plan, False
+    plan = check(facts)
+    with _LOCK:
+        if len(_ADMITTED) >= MAX_CLASSES:
+            _ADMITTED.clear()
+        _ADMITTED[facts] = plan
+    return plan, True
+
+
+def forget() -> None:
+    """Empty the memo of admitted classes (every later call runs the rules again)."""
+    with _LOCK:
+        _ADMITTED.clear()
+
 
 _TARGETS: "weakref.WeakValueDictionary[int, OpTarget]" = weakref.WeakValueDictionary()
 _NEXT = itertools.count(1)
-_LOCK = threading.Lock()
-
-#: shape classes remembered per target before the memory starts over (prefill steps of every
-#: token count are each a class; the checks of a forgotten class simply run again)
-MAX_CLASSES = 4096
-
-
-def remember(seen: set[Any], key: Any) -> None:
-    """Add ``key`` to the memo ``seen``, which starts over at :data:`MAX_CLASSES` entries."""
-    if len(seen) >= MAX_CLASSES:
-        seen.clear()
-    seen.add(key)
-
-
-def on_host(batch: BatchMetadata) -> bool:
-    """Whether ``batch``'s block table lives in host memory (its page ids are then checked there)."""
-    return batch.block_table.device.type == "cpu"
-
-
-def call_class(x: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata, topk: TopkBuffer,
-               out: Optional[torch.Tensor] = None) -> tuple[Any, ...]:
-    """The shape class of one hook call: everything its argument checks read, and nothing else.
-
-    ``x`` is ``index_q`` or ``q``. Shapes, dtypes and devices of the per-call
-    tensors, the top-k buffer's layout and strides, ``out``'s strides (its rows
-    must not overlap); the cache's and batch's facts come from their cached
-    :attr:`~mm3.PagedKVCache.shape_class` / :attr:`~mm3.BatchMetadata.shape_class`.
-    Raises ``AttributeError`` for arguments of the wrong type (the checks then name them).
-    """
-    s = topk.storage
-    return (x.shape, x.dtype, x.device, caches.shape_class, batch.shape_class, topk.layout, s.shape, s.stride(),
-            s.device, None if out is None else (out.shape, out.stride(), out.dtype, out.device))
 
 
 @dataclass(eq=False)
 class OpTarget:
-    """What a step runs on: the bound backends, the guard's policy, the page-id flag, the checked classes.
+    """The bound pair a step runs on, its guard policy and its fault flag.
 
     Registered under :attr:`handle` when built; ``torch.ops.mm3.*`` look it up by
-    that int. It lives as long as its owner (the layer) holds it.
+    that int. It lives as long as its owner (a layer, or a drop-in choice) holds it.
 
     Args:
-        indexer, attention: the pair of a checked step (guarded unless ``mode`` is ``"never"``).
-        params: the layer's parameters.
-        topk_layout / attention_topk_layout: the layouts of the buffer the indexer writes and
-            the attention reads.
-        plain: the unguarded pair of ``"first"`` mode's later steps (default: the pair above).
-        mode: ``check_contracts`` (``"first"``, ``"always"``, ``"never"``), or ``"plain"``:
-            no policy and no page-id check (what a compiled graph's ops run, host-free).
-        page_ids: the owner's device-side page-id flag (``None``: no page-id checks).
+        indexer, attention: the bound backends.
+        params: the owner's parameters.
+        topk: the owner's persistent top-k buffer (``None``: callers always pass their own).
+        mode: ``check_contracts``: ``"first"``, ``"always"`` or ``"never"`` (see the module's docstring).
+        flag: where device-side checks report (one per owner).
     """
 
     indexer: "Backend"
     attention: "Backend"
     params: "SparseAttentionParams"
-    topk_layout: str             # the layout of the buffer the indexer writes
-    attention_topk_layout: str   # the layout of the buffer the attention reads
-    plain: Optional[tuple["Backend", "Backend"]] = None
-    mode: str = "plain"
-    page_ids: Optional[PageIdFlag] = None
+    topk: Optional[TopkBuffer] = None
+    mode: str = "first"
+    flag: FaultFlag = field(default_factory=lambda: FaultFlag("cpu"))
     handle: int = field(init=False)
-    #: batch kinds whose step passed the guard ("first" mode)
-    checked: set[str] = field(default_factory=set)
-    #: shape classes (:func:`call_class`, per op) whose argument checks passed
-    accepted: set[Any] = field(default_factory=set)
-    #: (shape, strides, dtype, layout) of top-k storage the ops were given that passed its checks
-    _topk_ok: set[Any] = field(default_factory=set, repr=False)
+    #: (op, batch kind) pairs whose first eager call passed the guard ("first" mode)
+    guarded: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        if self.plain is None:
-            self.plain = (self.indexer, self.attention)
-        # a pair that is not guarded may skip the checks of a class it ran already
-        self._trusting = self.mode in ("never", "plain") or self.plain[0] is not self.indexer
-        # page ids (mm3.contract.page_ids): the indexer's kernels may report bad ones themselves, and
-        # an attention of a backend that declares it clamps every id it loads
-        self._indexer_reports = self.indexer.capabilities.reports_bad_page_ids
-        self._attention_clamps = self.attention.capabilities.reports_bad_page_ids
+        self._reports = self.indexer.capabilities.reports_bad_page_ids
+        self._clamps = self.attention.capabilities.reports_bad_page_ids
         with _LOCK:
             self.handle = next(_NEXT)
             _TARGETS[self.handle] = self
@@ -151,118 +211,75 @@ class OpTarget:
                              f"SparseAttention that is still alive")
         return target
 
-    # -- the custom ops' arguments -------------------------------------------------------------
-    def topk_rows(self, storage: torch.Tensor, layout: str, num_tokens: int) -> TopkBuffer:
-        """``TopkBuffer._wrap(storage, layout).rows(0, num_tokens)``, its checks run once per storage
-        shape, strides, dtype and layout (what they read)."""
-        key = (storage.shape, storage.stride(), storage.dtype, layout)
-        if key in self._topk_ok:
-            return TopkBuffer._checked_before(storage, layout).rows(0, num_tokens)
-        buf = TopkBuffer._wrap(storage, layout)
-        remember(self._topk_ok, key)
-        return buf.rows(0, num_tokens)
+    def topk_of(self, t: torch.Tensor, what: str) -> TopkBuffer:
+        """The top-k buffer a custom op was given: the owner's own buffer when ``t`` is its storage (same
+        address, shape and strides), else ``t`` read as the logical ``[H, T, K]`` view of the caller's memory
+        (its strides say the layout). ``what`` names the argument in errors."""
+        own = self.topk
+        if own is not None and isinstance(t, torch.Tensor):
+            s = own.storage
+            if t.data_ptr() == s.data_ptr() and t.shape == s.shape and t.stride() == s.stride():
+                return own
+        try:
+            return TopkBuffer(t)
+        except InputError as e:
+            raise InputError(f"{what}: {e}; pass the layer's own top-k storage (layer.topk_buffer.storage) or "
+                             f"the logical [H, T, K] view of your memory") from None
 
     # -- the policy ---------------------------------------------------------------------------
-    def _guarded(self, batch: BatchMetadata, graph: bool) -> bool:
-        """Whether this step runs the checked pair (``"first"``: a batch kind's first eager step)."""
-        if graph or self.mode in ("plain", "never"):
+    def _guard(self, op: str, kind: str, graph: bool) -> bool:
+        if graph or self.mode == "never":
             return False
-        return self.mode == "always" or batch.shape_class[0] not in self.checked
+        return self.mode == "always" or (op, kind) not in self.guarded
 
-    def _index_page_ids(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool,
-                        guarded: bool) -> Optional[torch.Tensor]:
-        """The page-id work of a step's first hook (:mod:`mm3.contract.page_ids`): raise what an
-        earlier step found, then check this step's table the cheapest way its indexer allows (a
-        guarded step, which waits for the device anyway, on the host at once). Returns the word to
-        pass to an indexer that reports bad ids itself."""
-        flag = self.page_ids
-        if flag is None:
-            return None
+    def _contents(self, f: StepFacts, caches: PagedKVCache, batch: BatchMetadata, new: bool,
+                  graph: bool) -> Optional[torch.Tensor]:
+        """Judge the step's contents the cheapest way that still sees them every step; returns the word to
+        pass a reporting indexer."""
+        flag = self.flag
         if not graph:
             flag.raise_pending()
-        if guarded:
-            check_page_ids(batch, caches.num_pages)
-        if self._indexer_reports:
-            flag.num_pages = caches.num_pages
-            return flag.word
-        if on_host(batch):
-            check_page_ids(batch, caches.num_pages)     # host memory: no device to wait for
-        else:
-            flag.record(batch, caches.num_pages, always=graph)
-        return None
+        flag.about(f.entry, f.names, caches.num_pages, batch)
+        runs_index = Op.INDEX_TOPK in f.ops
+        if batch.block_table.device.type == "cpu" or (new and not graph):
+            check_on_host(batch, caches.num_pages, entry=f.entry, names=f.names,
+                          scales=(caches.k_scale, caches.v_scale) if new else ())
+        elif not (self._reports if runs_index else self._clamps):
+            flag.record(batch, caches.num_pages)
+        return flag.word if runs_index and self._reports else None
 
-    def _attention_page_ids(self, batch: BatchMetadata, caches: PagedKVCache, graph: bool,
-                            guarded: bool) -> None:
-        """An attention that may read an id as an address gets the table checked (once per batch:
-        after its indexer's check this is a dict lookup)."""
-        flag = self.page_ids
-        if flag is None or self._attention_clamps:
-            return
-        if on_host(batch) or guarded:
-            check_page_ids(batch, caches.num_pages)
-        else:
-            flag.record(batch, caches.num_pages, always=graph)
-
-    # -- the two ops --------------------------------------------------------------------------
-    def run_index_topk(self, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata, topk: TopkBuffer,
-                       *, graph: bool, trusted: bool = False) -> bool:
-        """The indexer into ``topk.rows(0, T)``; ``trusted``: the caller checked this call's class already.
-        Returns whether the step is guarded (pass it to :meth:`run_attention` of the same step)."""
-        rows = topk if topk.num_tokens == batch.num_tokens else topk.rows(0, batch.num_tokens)
-        guarded = self._guarded(batch, graph)
-        faults = self._index_page_ids(batch, caches, graph, guarded)
-        args = (index_q, caches, batch, self.params, rows, faults)
-        be = self.indexer if guarded else self.plain[0]  # type: ignore[index]
-        key = None if guarded else False if trusted else self._unknown("index_topk", (index_q, caches, batch, rows))
-        if guarded or key is not False:
-            be.index_topk(*args)                         # checked, then the hook
-            if key:
-                remember(self.accepted, key)
-        else:
-            fn, n, kw = be.index_call                    # the hook itself: this class was checked
-            try:
-                fn(*args[:n], **{kw: faults}) if kw else fn(*args[:n])
-            except Exception as e:
-                be.reraise(e, "index_topk")
-        if faults is not None and not graph:
-            self.page_ids.after_step()  # type: ignore[union-attr]
-        return guarded
-
-    def run_attention(self, q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
-                      out: torch.Tensor, *, graph: bool, trusted: bool = False, guarded: Optional[bool] = None) -> None:
-        """The attention of rows ``[0, T)`` of ``topk`` into ``out[:T]``; a guarded step that
-        passes marks its batch kind checked (``"first"`` mode). ``guarded``: what
-        :meth:`run_index_topk` returned for this step (same batch and caches); None: decided here."""
+    # -- the step -------------------------------------------------------------------------------
+    def run(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
+            topk: TopkBuffer, index_q: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None,
+            out: Optional[torch.Tensor] = None, layer: Optional[LayerFacts] = None, graph: bool = False,
+            names: ArgNames = LAYER_NAMES) -> None:
+        """Admit the call, check its contents, run its hooks (``ops``: both, or one) on rows ``[0, T)``."""
+        f = describe(entry, ops, self.params, self.indexer if Op.INDEX_TOPK in ops else None,
+                     self.attention if Op.ATTENTION in ops else None, caches=caches, batch=batch, topk=topk,
+                     index_q=index_q, q=q, out=out, layer=layer, names=names)
+        plan, new = admit(f)
+        faults = self._contents(f, caches, batch, new, graph)
         T = batch.num_tokens
         rows = topk if topk.num_tokens == T else topk.rows(0, T)
-        o = out if out.shape[0] == T else out[:T]
-        args = (q, caches, rows, batch, self.params, o)
-        if guarded is None:
-            guarded = self._guarded(batch, graph)
-        self._attention_page_ids(batch, caches, graph, guarded)
-        be = self.attention if guarded else self.plain[1]  # type: ignore[index]
-        key = None if guarded else False if trusted else self._unknown("attention", (q, caches, batch, rows, o))
-        if guarded or key is not False:
-            be.attention_forward(*args)
-            if key:
-                remember(self.accepted, key)
-            if guarded and self.mode == "first":
-                self.checked.add(batch.shape_class[0])
-        else:
-            fn, n, _ = be.attention_call
-            try:
-                fn(*args[:n])
-            except Exception as e:
-                be.reraise(e, "attention_forward")
+        if Op.INDEX_TOPK in ops:
+            write = rows if plan.index_via is None else \
+                TopkBuffer.allocate(T, rows.num_heads, rows.topk, plan.index_via, rows.device)
+            self._call(self.indexer, IndexArgs(index_q, caches, batch, self.params, write, faults),  # type: ignore[arg-type]
+                       plan.kind, graph)
+            if write is not rows:
+                rows.copy_(write)
+        if Op.ATTENTION in ops:
+            read = rows if plan.convert_to is None else rows.to_layout(plan.convert_to)
+            o = out if out.shape[0] == T else out[:T]  # type: ignore[union-attr]
+            self._call(self.attention, AttentionArgs(q, caches, read, batch, self.params, o), plan.kind, graph)  # type: ignore[arg-type]
+        if faults is not None and not graph:
+            self.flag.after_step()
 
-    def _unknown(self, op: str, class_args: tuple[Any, ...]) -> Any:
-        """``False`` when this plain call's shape class passed its checks before (call the hook
-        directly), else the key to remember once the checked call passes (``None``: nothing to
-        remember: a guarded pair checks every call, or the arguments are of the wrong type)."""
-        if not self._trusting:
-            return None
-        try:
-            key = (op, call_class(*class_args))
-        except AttributeError:   # arguments of the wrong type: the checked call names them
-            return None
-        return False if key in self.accepted else key
+    def _call(self, be: "Backend", args: Any, kind: str, graph: bool) -> None:
+        op = Op.INDEX_TOPK if isinstance(args, IndexArgs) else Op.ATTENTION
+        if self._guard(op, kind, graph):
+            guard.checked_call(be, op, args)
+            if self.mode == "first":
+                self.guarded.add((op.value, kind))
+        else:
+            be.invoke(op, args)
