@@ -241,7 +241,7 @@ def test_input_errors_say_what_to_fix() -> None:
     T = case.batch.num_tokens
     with pytest.raises(InputError, match="index_q has shape"):
         be.index_topk(case.index_q[:, :1], case.caches, case.batch, p, TopkBuffer.allocate(T, 2, 4))
-    wrong_heads = r"the top-k buffer is \[H=1, K=4\] but params need \[H=2"
+    wrong_heads = r"the top-k buffer is head_major storage \[H, T, K\] = \(1, \d+, 4\), but the step needs \[H=2"
     with pytest.raises(InputError, match="cpu_ref.index_topk: " + wrong_heads):
         be.index_topk(case.index_q, case.caches, case.batch, p, TopkBuffer.allocate(T, 1, 4))
     with pytest.raises(InputError, match="block sizes disagree"):

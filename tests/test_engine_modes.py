@@ -62,13 +62,14 @@ def test_steps_in_every_engine_mode_match_the_oracle(path: str, mode: str, made_
             out = torch.full_like(case.q, float("nan"))
             got = step(case.q, case.index_q, case.caches, case.batch, out)
             torch.testing.assert_close(got.double(), _want(case), rtol=1e-5, atol=1e-5)
-    assert layer._resolve().checked == {"mixed"}      # the first step was guarded, as in production
+    # the first step was guarded, as in production
+    assert layer.op_target.guarded == {("index_topk", "mixed"), ("attention", "mixed")}
 
 
 @pytest.mark.parametrize("backend", ["cpu_ref", "cuda"])
 def test_a_bad_page_id_is_reported_under_inference_mode(backend: str) -> None:
-    """cpu_ref's table lives in host memory: checked on the host, raised by the step itself; the
-    Triton indexer reports it from its own loads, raised at the next step."""
+    """A table in host memory is checked on the host every step, whichever backend runs: the step
+    itself raises (on a GPU the Triton indexer reports it from its own loads: tests/gpu)."""
     layer = _layer(backend)
     with torch.inference_mode():
         good, other = _cases(True, "inference_mode")
@@ -78,14 +79,9 @@ def test_a_bad_page_id_is_reported_under_inference_mode(backend: str) -> None:
         bt[1, 1] = other.caches.num_pages + 3
         bad = mm3.BatchMetadata.build(b.query_lens, b.seq_lens_host, bt, block_size=b.block_size,
                                       num_decodes=b.num_decodes)
-        match = r"request 1, block 1: block_table\[1, 1\]"
-        if backend == "cpu_ref":
-            with pytest.raises(mm3.InputError, match=match):
-                layer(other.q, other.index_q, other.caches, bad)
-        else:
-            layer(other.q, other.index_q, other.caches, bad)      # clamped, never faults
-            with pytest.raises(mm3.InputError, match=match + ".*earlier step"):
-                layer(good.q, good.index_q, good.caches, good.batch)
+        match = r"request 1, block 1: batch.block_table\[1, 1\]"
+        with pytest.raises(mm3.InputError, match=match):
+            layer(other.q, other.index_q, other.caches, bad)
         got = layer(good.q, good.index_q, good.caches, good.batch)   # usable again
         torch.testing.assert_close(got.double(), _want(good), rtol=1e-5, atol=1e-5)
 
@@ -107,8 +103,8 @@ def test_the_triton_indexer_takes_page_faults_by_keyword() -> None:
         seen.append(page_faults)
     spy = type(impl)(impl.plugin, impl.plugin_name, hook, impl.opts)
     word = torch.zeros(1, dtype=torch.int64)
-    Backend(be.plugin, be.capabilities, be.source, {**be._impls, "index_topk": spy}).index_topk_unchecked(
-        None, None, None, None, None, word)
+    Backend(be.plugin, be.capabilities, be.source, {**be._impls, "index_topk": spy}).invoke(
+        Op.INDEX_TOPK, (None, None, None, None, None, word))
     assert seen == [word]
 
 
@@ -129,7 +125,7 @@ def test_a_device_table_of_a_backend_that_does_not_report_is_recorded(monkeypatc
                                   num_decodes=b.num_decodes)
     bad.block_table[0, 2] = -1      # after build (which would catch it): cpu_ref's gather accepts -1
     layer(other.q, other.index_q, other.caches, bad)
-    with pytest.raises(mm3.InputError, match=r"request 0, block 2: block_table\[0, 2\] .*earlier step"):
+    with pytest.raises(mm3.InputError, match=r"request 0, block 2: batch.block_table\[0, 2\] .*earlier step"):
         layer(good.q, good.index_q, good.caches, good.batch)
 
 

@@ -196,11 +196,11 @@ def test_update_from_device_refills_in_place() -> None:
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(num_tokens=6), "num_tokens=6 but the lengths give 7"),
-    (dict(num_decode_tokens=3), "num_decode_tokens=3 but the lengths give 2"),
-    (dict(max_query_len=4), "max_query_len=4 but a request has 5"),
-    (dict(seq_lens=[300, 129, 4]), "request 2: seq_len 4 < query_len 5"),
-    (dict(seq_lens=[300, 129, 600]), "needs 5 blocks of 128 but block_table has only 4 columns"),
+    (dict(num_tokens=6), r"ends query_start_loc at 7 tokens, but the step has 6 \(num_tokens\)"),
+    (dict(num_decode_tokens=3), "closes the decodes at token 2, but num_decode_tokens is 3"),
+    (dict(max_query_len=4), "request 2 holds 5 query tokens, more than max_prefill_query_len=4"),
+    (dict(seq_lens=[300, 129, 4]), "request 2 has seq_len 4 < query_len 5"),
+    (dict(seq_lens=[300, 129, 600]), "needs 5 blocks of 128 but the block table has only 4 columns"),
 ])
 def test_validate_names_what_is_wrong(bad: dict, match: str) -> None:
     kw = dict(num_decodes=2, num_tokens=7, max_query_len=5, block_size=128)

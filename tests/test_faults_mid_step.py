@@ -91,7 +91,8 @@ def test_a_raising_hook_is_named_and_the_next_step_is_right(mode: str, hook: str
         _run(layer, big)
     e = info.value
     assert (e.backend, e.hook) == ("boom", hook) and isinstance(e.__cause__, MockFault)   # type: ignore[attr-defined]
-    assert not layer._resolve().checked                       # "first": the failed step is guarded again
+    op = "index_topk" if hook == "index_topk" else "attention"
+    assert all(o != op for o, _ in layer.op_target.guarded)   # "first": the failed op is guarded again
     half = (big.batch.num_tokens + 1) // 2
     if hook == "index_topk":       # it wrote half the step's rows before raising
         assert (layer.topk_buffer.head_major()[:, :half] == GARBAGE).all()
@@ -192,10 +193,11 @@ def test_first_mode_catches_a_fault_on_the_first_step_of_a_kind_and_checks_again
     for _ in range(2):             # a failed first step does not count as checked: the next one is guarded too
         with pytest.raises(ContractViolation, match=rf"backend 'boom'.* in {hook}: rule {rule}"):
             _run(layer, small)
-        assert not layer._resolve().checked
+        op = "index_topk" if hook == "index_topk" else "attention"
+        assert (op, small.batch.kind) not in layer.op_target.guarded   # the failed op is guarded again
     boom.fault = None
     _assert_right(layer, small, _run(layer, small))
-    assert layer._resolve().checked == {small.batch.kind}
+    assert layer.op_target.guarded == {("index_topk", small.batch.kind), ("attention", small.batch.kind)}
 
 
 def test_steady_state_does_not_look() -> None:

@@ -362,7 +362,7 @@ def test_block_ids_outside_the_cache_are_input_errors() -> None:
     b = case.batch
     bad = BatchMetadata.build(b.query_lens, b.seq_lens_host, bt, block_size=16, num_decodes=b.num_decodes)
     layer = _layer(cpu_ref, "cpu_ref", GUARD_ON, case)
-    with pytest.raises(InputError, match=r"request 4, block 1: block_table\[4, 1\] = \d+ is not a page id"):
+    with pytest.raises(InputError, match=r"request 4, block 1: batch.block_table\[4, 1\] = \d+ is not a page id"):
         layer(case.q, case.index_q, case.caches, bad)
 
 

@@ -231,7 +231,7 @@ def test_bad_page_ids_raise_on_cpu_ref_with_any_setting(mode: str, page: int) ->
     case = _case("mixed")
     layer(case.q, case.index_q, case.caches, case.batch)           # warm: "mixed" is checked
     bad = _with_page(case, 1, 1, page)
-    with pytest.raises(InputError, match=rf"request 1, block 1: block_table\[1, 1\] = {page} is not a page id"):
+    with pytest.raises(InputError, match=rf"request 1, block 1: batch.block_table\[1, 1\] = {page} is not a page id"):
         layer(case.q, case.index_q, case.caches, bad)
     layer(case.q, case.index_q, case.caches, case.batch)           # the layer stays usable
 
@@ -244,7 +244,7 @@ def test_device_flag_keeps_the_first_offence_and_reports_it_once() -> None:
     flag.raise_pending()                                            # a good table: nothing
     flag.record(_with_page(case, 1, 0, -4), pages)
     flag.record(_with_page(case, 0, 2, pages), pages)               # the smaller (request, block) wins
-    with pytest.raises(InputError, match=r"request 0, block 2: block_table\[0, 2\] is not a page id .*found on the device"):
+    with pytest.raises(InputError, match=r"request 0, block 2: batch.block_table\[0, 2\] is not a page id .*found on the device"):
         flag.raise_pending()
     flag.raise_pending()                                            # reported once
     again = _with_page(case, 1, 0, -4)

@@ -186,20 +186,26 @@ class _Rules:
                             "does not select backends for: call the bound backend of one that declares "
                             "kv_slot_scales (mm3 backends), or use mm3.integrations.vllm, whose selection "
                             "requires them")
-        for name, t, tail in ((n.q, f.q, (p.num_heads, p.head_dim)),
-                              (n.index_q, f.index_q, (p.num_index_heads, p.index_head_dim))):
-            assert t is not None
+        given = [(n.q, f.q, (p.num_heads, p.head_dim), L.dtype), (n.index_q, f.index_q,
+                 (p.num_index_heads, p.index_head_dim), L.dtype)]
+        for name, t, tail, dtype in given:
+            if t is None:     # a call of one op: the other op's query is not part of it
+                continue
             if tuple(t.shape) != (T, *tail):
                 what = "num_heads, head_dim" if name == n.q else "num_index_heads, index_head_dim"
                 raise self.fail(f"{name} has shape {tuple(t.shape)}, expected {(T, *tail)} = [num_tokens, {what}]")
-        for name, dtype, want in ((n.q, f.q.dtype, L.dtype), (n.index_q, f.index_q.dtype, L.dtype),  # type: ignore[union-attr]
-                                  ("the k/v cache", f.caches.k.dtype, L.kv_dtype),
-                                  ("the index cache", f.caches.index.dtype, L.index_dtype)):
+            if t.dtype != dtype:
+                raise self.fail(f"{name} is {t.dtype} but this layer was built for {dtype}; cast it, or build the "
+                                f"layer with the matching dtype")
+            if not _on(t.device, L.device):
+                raise self.fail(f"{name} is on {t.device} but the layer runs on {L.device}; move it with .to()")
+        cache_dtypes = [("the index cache", f.caches.index.dtype, L.index_dtype, "index_dtype")] if f.index_q else []
+        cache_dtypes += [("the k/v cache", f.caches.k.dtype, L.kv_dtype, "kv_dtype")] if f.q else []
+        for name, dtype, want, arg in cache_dtypes:
             if dtype != want:
                 raise self.fail(f"{name} is {dtype} but this layer was built for {want}; cast it, or build the "
-                                f"layer with the matching dtype/kv_dtype/index_dtype")
-        for name, dev in ((n.q, f.q.device), (n.index_q, f.index_q.device), ("caches", f.caches.k.device),  # type: ignore[union-attr]
-                          ("batch", f.batch.seq_lens.device)):
+                                f"layer with {arg}={dtype}")
+        for name, dev in (("caches", f.caches.k.device), ("batch", f.batch.seq_lens.device)):
             if not _on(dev, L.device):
                 raise self.fail(f"{name} is on {dev} but the layer runs on {L.device}; move it with .to()")
         if T > L.capacity:
@@ -211,8 +217,8 @@ class _Rules:
                             f"{L.max_decode_query_len}; if the first num_decodes={b.num_decodes} requests are "
                             f"decodes with draft tokens, build the layer with a larger one; if one of them is a "
                             f"prefill, the batch is not decode-first: put every decode before the first prefill")
-        if f.out is not None and (f.out.dtype != L.dtype or f.out.device != f.q.device):  # type: ignore[union-attr]
-            raise self.fail(f"{n.out} is {f.out.dtype} on {f.out.device}; needs {L.dtype} on {f.q.device}")  # type: ignore[union-attr]
+        if f.out is not None and f.q is not None and (f.out.dtype != L.dtype or f.out.device != f.q.device):
+            raise self.fail(f"{n.out} is {f.out.dtype} on {f.out.device}; needs {L.dtype} on {f.q.device}")
 
     # -- what the hooks need ----------------------------------------------------------------------
     def hooks(self) -> tuple[Optional[str], Optional[str]]:

@@ -76,15 +76,15 @@ LENGTHS = 1 << 62
 _RULES = {
     1: "starts the step's query_start_loc at {v} instead of 0",
     2: "has a negative query length: query_start_loc decreases there",
-    3: "ends query_start_loc at {v} tokens, but the step has {T}",
+    3: "ends query_start_loc at {v} tokens, but the step has {T} (num_tokens)",
     4: "is one of the num_decodes={nd} decodes but holds {v} query tokens, not decode_query_len={dql} (or 0 "
        "for padding); if it is a prefill, num_decodes is too large",
     5: "closes the decodes at token {v}, but num_decode_tokens is {ndt}",
-    6: "has seq_len {v} smaller than its query length: seq_len counts the cached tokens including this step's",
+    6: "has seq_len {v} < query_len {q}: seq_len counts the cached tokens including this step's",
     7: "is a prefill without query tokens; prefills need >= 1 token (list empty requests among the decodes as "
        "padding)",
     8: "holds {v} query tokens, more than max_prefill_query_len={mpq} (which sizes the kernels' grids)",
-    9: "has seq_len {v}, whose blocks do not fit the block table's {M} columns",
+    9: "has seq_len {v}, which needs {need} blocks of {B} but the block table has only {M} columns",
     10: "has a position or request that the lengths do not give ({v})",
 }
 
@@ -100,18 +100,19 @@ def _where(rule: int, index: int) -> str:
 
 
 def _message(word: int, batch: "Optional[BatchMetadata]", num_pages: int, names: ArgNames,
-             value: object = "?", page: Optional[int] = None) -> str:
+             value: object = "?", page: Optional[int] = None, q: object = "?") -> str:
     if word < LENGTHS:
         r, b = word >> 32, word & 0xFFFFFFFF
         entry = f"{names.block_table}[{r}, {b}]" + ("" if page is None else f" = {page}")
         return (f"request {r}, block {b}: {entry} is not a page id in [0, {num_pages}) (the cache has {num_pages} "
                 f"pages); every entry a request's seq_len uses must name a page of the cache")
     rule, index = (word - LENGTHS) >> 40, word & ((1 << 40) - 1)
-    facts = dict(v=value, T="?", nd="?", dql="?", ndt="?", mpq="?", M="?")
+    facts: dict[str, object] = dict(v=value, q=q, T="?", nd="?", dql="?", ndt="?", mpq="?", M="?", B="?", need="?")
     if batch is not None:
-        facts.update(T=batch.num_tokens, nd=batch.num_decodes, dql=batch.decode_query_len,
+        B = batch.block_size
+        facts.update(T=batch.num_tokens, nd=batch.num_decodes, dql=batch.decode_query_len, B=B,
                      ndt=batch.__dict__.get("num_decode_tokens", "?"), mpq=batch.__dict__.get("max_prefill_query_len", "?"),
-                     M=batch.block_table.shape[1])
+                     M=batch.block_table.shape[1], need=-(-value // B) if isinstance(value, int) else "?")
     return (f"{_where(rule, index)} {_RULES[rule].format(**facts)}; fix {names.query_start_loc}, {names.seq_lens} "
             f"and {names.block_table} ({names.build_hint} checks them where they are made)")
 
@@ -161,10 +162,12 @@ def check_on_host(batch: "BatchMetadata", num_pages: int, *, entry: str, names: 
     R, M = bt.shape
     T, nd, B = batch.num_tokens, batch.num_decodes, batch.block_size
     ndt, mpq = batch.num_decode_tokens, batch.max_prefill_query_len
+    ql = qsl[1:] - qsl[:-1]
     for rule, (bad, value) in enumerate(_lengths_rules(qsl, sl, nd, batch.decode_query_len, ndt, mpq, B, M, T), 1):
         if bad.any():
             r = int(np.argmax(bad))
-            raise InputError(f"{entry}: " + _message(LENGTHS | rule << 40 | r, batch, num_pages, names, int(value[r])))
+            raise InputError(f"{entry}: " + _message(LENGTHS | rule << 40 | r, batch, num_pages, names, int(value[r]),
+                                                     q=int(ql[r])))
     pos, t2r = derive_tokens(torch.from_numpy(qsl), torch.from_numpy(sl), nd, T)
     ctx = batch.__dict__.get("context_lens")
     wrong = (pos.numpy() != host["token_positions"]) | (t2r.numpy() != host["token_to_request"])

@@ -78,6 +78,7 @@ import torch
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import ContractViolation
+from mm3.contract.hookspecs import Op
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.fences import Fence, false_flag, locate, mark_unwritten, still_marked
 from mm3.debug.inputs import finite_inputs
@@ -219,12 +220,12 @@ def _checked_index(be: Any, index_q: torch.Tensor, caches: PagedKVCache, batch: 
     """The indexer's call, with ``topk.*`` rules checked on rows ``[0, T)`` afterwards."""
     args = (index_q, caches, batch, params, out, page_faults)
     if capturing(out.storage):
-        return be.invoke("index_topk", args)
+        return be.invoke(Op.INDEX_TOPK, args)
     T = batch.num_tokens
     step = out.rows(0, T)
     fence = Fence(out.storage, step.storage)
     step.fill_(GUARD_SENTINEL)   # what the call leaves unwritten breaks topk.unwritten
-    be.invoke("index_topk", args)
+    be.invoke(Op.INDEX_TOPK, args)
 
     hm = step.head_major()
     codes = row_codes(hm, batch.token_positions, params) if T else None
@@ -260,7 +261,7 @@ def _checked_attention(be: Any, q: torch.Tensor, caches: PagedKVCache, topk: Top
     """The attention's call, with ``attention.*`` rules checked afterwards."""
     args = (q, caches, topk, batch, params, out)
     if capturing(q):
-        return be.invoke("attention", args)
+        return be.invoke(Op.ATTENTION, args)
     caps = be.capabilities
     if not caps.accepts_topk(topk.layout, topk.is_dense()):
         raise _violation(
@@ -274,7 +275,7 @@ def _checked_attention(be: Any, q: torch.Tensor, caches: PagedKVCache, topk: Top
     out_fence = Fence(out, out[:T])
     topk_fence = Fence(topk.storage, None)
     marked = mark_unwritten(out[:T])   # what the call leaves unwritten breaks attention.unwritten
-    be.invoke("attention", args)
+    be.invoke(Op.ATTENTION, args)
 
     if (tuple(out.shape), out.dtype, out.data_ptr()) != (shape, dtype, ptr):
         raise _violation(be, "attention_forward", "attention.out_replaced",

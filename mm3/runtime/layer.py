@@ -31,14 +31,14 @@ from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.runtime.config import Settings, default_settings
 from mm3.contract.errors import InputError
-from mm3.contract.checks import check, check_layer_args
+from mm3.contract.checks import check_layer_args
 from mm3.contract.contents import FaultFlag
 from mm3.contract.facts import LayerFacts
 from mm3.debug.guard import capturing, fill_sentinel
 from mm3.contract.params import SparseAttentionParams
 from mm3.runtime.backend import Backend
 from mm3.runtime.ops import batch_args
-from mm3.runtime.step import BOTH, OpTarget, describe
+from mm3.runtime.step import BOTH, OpTarget
 from mm3.runtime.registry import Registry, default_registry
 from mm3.runtime.scope import current_scope
 from mm3.runtime.selection import Selection, requirements_for, select
@@ -165,7 +165,7 @@ class SparseAttention:
             fill_sentinel(buf)   # the guard then sees a stray write past a step's rows
         # What runs is what the trace says: both come from the selection's verdict on this buffer.
         sel = sel.for_buffer(buf)
-        target = OpTarget(idx, att, p, topk=buf, mode=mode, flag=self._flag)
+        target = OpTarget(idx, att, p, topk=buf, mode=mode, flag=self._flag, layer=self._facts)
         return _Bound(sel, idx, att, buf, sel.topk_convert_to, target)
 
     @property
@@ -208,16 +208,14 @@ class SparseAttention:
         if out is None and isinstance(q, torch.Tensor):
             out = torch.empty_like(q)
         if torch.compiler.is_compiling():  # one opaque node per op: nothing below is traced
-            # the layer's promises are judged once, at tracing; the ops admit each call as any caller's
-            check(describe(_ENTRY, BOTH, self.params, b.indexer, b.attention, caches=caches, batch=batch,
-                           topk=b.topk, index_q=index_q, q=q, out=out, layer=self._facts))
+            # each op admits its call at run time, held to this layer's promises (its target carries them)
             args, c, handle = batch_args(batch), caches, b.target.handle
             torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, b.topk.storage, *args, handle, c.k_scale,
                                      c.v_scale)
             torch.ops.mm3.attention(q, c.k, c.v, c.index, b.topk.storage, *args, handle, out, c.k_scale, c.v_scale)
             return out[:batch.num_tokens]  # type: ignore[index]
         b.target.run(_ENTRY, BOTH, caches=caches, batch=batch, topk=b.topk, index_q=index_q, q=q, out=out,
-                     layer=self._facts, graph=capturing(q))
+                     graph=capturing(q))
         T = batch.num_tokens
         return out if out.shape[0] == T else out[:T]  # type: ignore[union-attr]
 

@@ -167,6 +167,11 @@ def forget() -> None:
         _ADMITTED.clear()
 
 
+def on_host(batch: BatchMetadata) -> bool:
+    """Whether ``batch``'s block table lives in host memory (its contents are then checked there, every step)."""
+    return batch.block_table.device.type == "cpu"
+
+
 _TARGETS: "weakref.WeakValueDictionary[int, OpTarget]" = weakref.WeakValueDictionary()
 _NEXT = itertools.count(1)
 
@@ -184,6 +189,8 @@ class OpTarget:
         topk: the owner's persistent top-k buffer (``None``: callers always pass their own).
         mode: ``check_contracts``: ``"first"``, ``"always"`` or ``"never"`` (see the module's docstring).
         flag: where device-side checks report (one per owner).
+        layer: the owning layer's promises (:class:`~mm3.contract.facts.LayerFacts`): every call on this
+            target is held to them, whichever entry point makes it (``None``: a target without a layer).
     """
 
     indexer: "Backend"
@@ -192,6 +199,7 @@ class OpTarget:
     topk: Optional[TopkBuffer] = None
     mode: str = "first"
     flag: FaultFlag = field(default_factory=lambda: FaultFlag("cpu"))
+    layer: Optional[LayerFacts] = None
     handle: int = field(init=False)
     #: (op, batch kind) pairs whose first eager call passed the guard ("first" mode)
     guarded: set[tuple[str, str]] = field(default_factory=set)
@@ -241,7 +249,7 @@ class OpTarget:
             flag.raise_pending()
         flag.about(f.entry, f.names, caches.num_pages, batch)
         runs_index = Op.INDEX_TOPK in f.ops
-        if batch.block_table.device.type == "cpu" or (new and not graph):
+        if on_host(batch) or (new and not graph):
             check_on_host(batch, caches.num_pages, entry=f.entry, names=f.names,
                           scales=(caches.k_scale, caches.v_scale) if new else ())
         elif not (self._reports if runs_index else self._clamps):
@@ -251,12 +259,11 @@ class OpTarget:
     # -- the step -------------------------------------------------------------------------------
     def run(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
             topk: TopkBuffer, index_q: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None,
-            out: Optional[torch.Tensor] = None, layer: Optional[LayerFacts] = None, graph: bool = False,
-            names: ArgNames = LAYER_NAMES) -> None:
+            out: Optional[torch.Tensor] = None, graph: bool = False, names: ArgNames = LAYER_NAMES) -> None:
         """Admit the call, check its contents, run its hooks (``ops``: both, or one) on rows ``[0, T)``."""
         f = describe(entry, ops, self.params, self.indexer if Op.INDEX_TOPK in ops else None,
                      self.attention if Op.ATTENTION in ops else None, caches=caches, batch=batch, topk=topk,
-                     index_q=index_q, q=q, out=out, layer=layer, names=names)
+                     index_q=index_q, q=q, out=out, layer=self.layer, names=names)
         plan, new = admit(f)
         faults = self._contents(f, caches, batch, new, graph)
         T = batch.num_tokens

@@ -103,6 +103,6 @@ def test_an_engine_capture_runs_the_plugin_kernels_only(mode: str, shared_pool: 
         case.batch.block_table[0, 1] = case.caches.num_pages + 5  # a bad id in the next replay
         g_layer.replay()
         torch.cuda.synchronize()
-        with pytest.raises(mm3.InputError, match=r"request 0, block 1: block_table\[0, 1\] is not a page id"):
+        with pytest.raises(mm3.InputError, match=r"request 0, block 1: batch.block_table\[0, 1\] is not a page id"):
             layer.check_page_ids()
         torch.cuda.synchronize()                                  # the context is still healthy

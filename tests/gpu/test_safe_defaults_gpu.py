@@ -47,7 +47,7 @@ def _layer(cuda_graph: bool = False) -> SparseAttention:
 @pytest.mark.parametrize("page", [-1, 1 << 20])
 def test_bad_page_id_on_the_first_step_raises_at_once(page: int) -> None:
     layer, case = _layer(), _case()
-    with pytest.raises(InputError, match=rf"request 1, block 2: block_table\[1, 2\] = {page} is not a page id"):
+    with pytest.raises(InputError, match=rf"request 1, block 2: batch.block_table\[1, 2\] = {page} is not a page id"):
         layer(case.q, case.index_q, case.caches, _bad(case, page))
 
 
@@ -57,7 +57,7 @@ def test_bad_page_id_in_steady_state_raises_at_the_next_step(page: int) -> None:
     layer(case.q, case.index_q, case.caches, case.batch)                  # "decode" checked
     layer(case.q, case.index_q, case.caches, _bad(case, page))            # device flag, no sync
     torch.cuda.synchronize()
-    with pytest.raises(InputError, match=r"request 1, block 2: block_table\[1, 2\] is not a page id .*found on the device"):
+    with pytest.raises(InputError, match=r"request 1, block 2: batch.block_table\[1, 2\] is not a page id .*found on the device"):
         layer(case.q, case.index_q, case.caches, case.batch)
     good = layer(case.q, case.index_q, case.caches, case.batch)            # usable again
     assert torch.isfinite(good).all()
@@ -87,7 +87,7 @@ def test_graph_capture_skips_the_guard_and_replays_check_page_ids(monkeypatch: p
     layer.check_page_ids()                                                 # a good table: nothing
     static.update_(_bad(case, 1 << 20))
     graph.replay()
-    with pytest.raises(InputError, match=r"request 1, block 2: block_table\[1, 2\] is not a page id"):
+    with pytest.raises(InputError, match=r"request 1, block 2: batch.block_table\[1, 2\] is not a page id"):
         layer.check_page_ids()
 
 
