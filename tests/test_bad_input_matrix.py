@@ -36,10 +36,10 @@ import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3.plugin import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe, SparseAttentionParams, TopkBuffer,
                         hookimpl)
 from mm3.runtime.config import Settings, reset_default_settings
-from mm3.contract.page_ids import PageIdFlag
+from mm3.contract.contents import FaultFlag
 from mm3.contract.errors import (BackendUnavailableError, ConfigError, ContractViolation, InputError, NoBackendError,
                         PluginError, UnknownBackendError)
-from mm3.debug import guard_backend
+from mm3.debug import checked_call
 from mm3.runtime.layer import SparseAttention
 from mm3.runtime.registry import Registry, default_registry
 from mm3.runtime.scope import use_backend
@@ -233,11 +233,13 @@ def _strict_direct(guarded: bool) -> Callable[[], Any]:
         c = ctx()
         plugin = StrictReader("strict", topk_layout="token_major", topk_requires_contiguous=True)
         be = Registry(plugins=[plugin], entry_points=False).get("strict")
-        if guarded:
-            be = guard_backend(be)
         buf = TopkBuffer.allocate(c.T, 2, 4, "head_major")
         cpu_ref.index_topk(c.case.index_q, c.case.caches, c.case.batch, c.p, buf)
-        be.attention_forward(c.case.q, c.case.caches, buf, c.case.batch, c.p, torch.empty_like(c.case.q))
+        args = (c.case.q, c.case.caches, buf, c.case.batch, c.p, torch.empty_like(c.case.q))
+        if guarded:          # the guard alone, around the very call (the bound backend refuses it first)
+            checked_call(be, "attention", args)
+        else:
+            be.attention_forward(*args)
     return call
 
 
@@ -267,7 +269,7 @@ def _page_id_flag() -> Any:
     c = ctx()
     bt = c.case.batch.block_table.clone()
     bt[3, 1] = -7
-    flag = PageIdFlag(bt.device)
+    flag = FaultFlag(bt.device)
     flag.record(c.rebatch(block_table=bt), c.case.caches.num_pages)       # on the device, no sync
     flag.raise_pending()
 
@@ -335,17 +337,17 @@ ROWS: list[Row] = [
         lambda: ctx().forward(caches=PagedKVCache(*(t.to("meta") for t in (
             ctx().case.caches.k, ctx().case.caches.v, ctx().case.caches.index))))),
     Row("kv-heads", FORWARD, "KV cache heads != num_kv_heads", InputError,
-        "cpu_ref.index_topk: caches have 1 KV heads, params.num_kv_heads is 2",
+        "SparseAttention.forward: the caches have 1 KV heads, params.num_kv_heads is 2",
         lambda: ctx().forward(caches=ctx().caches(k=ctx().case.caches.k[:, :, :1], v=ctx().case.caches.v[:, :, :1]))),
     Row("kv-head-dim", FORWARD, "KV head dim != head_dim", InputError,
-        "cpu_ref.attention_forward: KV cache heads have dim 8, params.head_dim is 16",
+        "SparseAttention.forward: KV cache heads have dim 8, params.head_dim is 16",
         lambda: ctx().forward(caches=ctx().caches(k=ctx().case.caches.k[..., :8], v=ctx().case.caches.v[..., :8]))),
     Row("cache-block-size", FORWARD, "cache pages hold another block size", InputError,
-        "cpu_ref.index_topk: block sizes disagree: cache pages hold 8 tokens",
+        "SparseAttention.forward: block sizes disagree: cache pages hold 8 tokens",
         lambda: ctx().forward(caches=ctx().caches(k=ctx().case.caches.k[:, :8], v=ctx().case.caches.v[:, :8],
                                                   index=ctx().case.caches.index[:, :8]))),
     Row("index-head-dim", FORWARD, "index key dim != index_head_dim", InputError,
-        "cpu_ref.index_topk: index cache keys have dim 8, params.index_head_dim is 16",
+        "SparseAttention.forward: index cache keys have dim 8, params.index_head_dim is 16",
         lambda: ctx().forward(caches=ctx().caches(index=ctx().case.caches.index[..., :8]))),
     Row("kv-layout-unknown", "PagedKVCache.allocate", "unknown page layout", InputError,
         "unknown KV cache layout 'NDH'", lambda: PagedKVCache.allocate(2, 16, 2, 16, 16, layout="NDH")),
@@ -355,7 +357,7 @@ ROWS: list[Row] = [
     Row("batch-device", FORWARD, "batch tensors on another device", InputError, "batch is on meta",
         lambda: ctx().forward(batch=ctx().case.batch.to("meta"))),
     Row("batch-block-size", FORWARD, "batch built for another block size", InputError,
-        "batch.block_size=32, params.block_size=16",
+        "the batch's block_size is 32, params.block_size is 16",
         lambda: ctx().forward(batch=ctx().rebatch(block_size=32))),
     Row("capacity", FORWARD, "step larger than the top-k buffer (max_num_tokens)", InputError,
         "step has 12 tokens but the top-k buffer holds 8",
@@ -370,15 +372,15 @@ ROWS: list[Row] = [
         lambda: _prefill_first()),
     Row("block-ids-outside-cache-guarded", FORWARD + " (check_contracts)",
         "block-table entry past the cache, batch built without num_pages", InputError,
-        "request 3, block 1: block_table[3, 1] = 18 is not a page id in [0, 13)",
+        "request 3, block 1: batch.block_table[3, 1] = 18 is not a page id in [0, 13)",
         _block_ids_outside_cache("always", 5)),
     Row("block-id-negative-unguarded", FORWARD + ' (check_contracts="never")',
         "negative block-table entry, batch built without num_pages", InputError,
-        "request 3, block 1: block_table[3, 1] = -3 is not a page id", _block_ids_outside_cache("never", -3)),
-    Row("block-id-device-flag", "PageIdFlag.raise_pending (GPU steps)",
+        "request 3, block 1: batch.block_table[3, 1] = -3 is not a page id", _block_ids_outside_cache("never", -3)),
+    Row("block-id-device-flag", "FaultFlag.raise_pending (GPU steps)",
         "a bad entry recorded on the device by an earlier step", InputError,
-        "request 3, block 1: block_table[3, 1] is not a page id in [0, 13); the cache has "
-        "13 pages. Build the batch with", _page_id_flag),
+        "request 3, block 1: batch.block_table[3, 1] is not a page id in [0, 13) (the cache has "
+        "13 pages)", _page_id_flag),
     # out
     Row("out-type", FORWARD, "out is not a tensor", InputError, "out must be a torch.Tensor",
         lambda: ctx().forward(out=[0.0])),
@@ -435,7 +437,7 @@ ROWS: list[Row] = [
         "request 0: seq_len 40 needs 3 blocks of 16 but block_table has only 2 columns",
         lambda: BatchMetadata.build([1], [40], _bt([0, 1]), block_size=16)),
     Row("block-id-outside-cache", BUILD, "block-table entry >= num_pages", InputError,
-        "request 0, block 1: block_table[0, 1] = 4 is not a page id in [0, 4)",
+        "request 0, block 1: batch.block_table[0, 1] = 4 is not a page id in [0, 4)",
         lambda: BatchMetadata.build([1], [20], _bt([0, 4]), block_size=16, num_pages=4)),
     Row("block-id-negative", BUILD, "negative block-table entry a request uses", InputError,
         "block_table[0, 0] = -2 is not a page id",
@@ -854,7 +856,7 @@ SECTIONS = [  # (heading, entry points whose rows it lists)
     ("Building a batch", ("BatchMetadata",)),
     ("Caches, top-k buffers, parameters", ("PagedKVCache", "TopkBuffer", "SparseAttentionParams")),
     ("Building a layer, choosing a backend", ("SparseAttention(", "use_backend", "Registry", "select", "Backend.")),
-    ("Calling the layer", ("SparseAttention.forward", "PageIdFlag")),
+    ("Calling the layer", ("SparseAttention.forward", "FaultFlag")),
     ("Settings", ("Settings",)),
 ]
 _SHORT = 110

@@ -42,7 +42,7 @@ from mm3 import SparseAttentionParams, TopkBuffer
 from mm3.runtime.config import Settings
 from mm3.contract.buffers import TORCH_DTYPES
 from mm3.contract.errors import BackendUnavailableError
-from mm3.debug import GUARD_SENTINEL, guard_backend
+from mm3.debug import GUARD_SENTINEL, checked_call
 from mm3.runtime.layer import SparseAttention
 from mm3.runtime.registry import Registry
 from mm3.testing.factories import Case, make_case
@@ -213,20 +213,21 @@ def _check_attention(out: torch.Tensor, ref: torch.Tensor, dtype: str, T: int) -
 # -- properties -------------------------------------------------------------------------------------------------------
 
 def _indexer_property(name: str, step: Step) -> None:
-    be = guard_backend(_backend(name))
+    be = _backend(name)
     case = step.case()
     p, T = case.params, case.batch.num_tokens
     buf = TopkBuffer.allocate(T + step.spare_rows, p.num_kv_heads, p.topk, step.writer, DEVICE)
     buf.fill_(GUARD_SENTINEL)
     with _rocm_allowed():
-        be.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, T))   # guarded: rules hold
+        be.index_topk(case.index_q, case.caches, case.batch, p, buf.rows(0, T))     # admitted
+        checked_call(be, "index_topk", (case.index_q, case.caches, case.batch, p, buf.rows(0, T), None))  # guarded
     bad = check_topk(buf.rows(0, T), case.index_q, case.caches, case.batch, p)
     assert not bad, "\n".join(map(str, bad[:5]))
     assert (buf.head_major()[:, T:] == GUARD_SENTINEL).all(), "rows past T were written"
 
 
 def _attention_property(name: str, step: Step) -> None:
-    be = guard_backend(_backend(name))
+    be = _backend(name)
     case = step.case()
     p, T = case.params, case.batch.num_tokens
     sel = oracle_topk(case.index_q, case.caches, case.batch, p).to_layout(step.reader)
@@ -236,7 +237,8 @@ def _attention_property(name: str, step: Step) -> None:
                      dtype=TORCH_DTYPES[step.dtype], device=DEVICE)
     with _rocm_allowed():
         # guarded: out[T:] and the top-k buffer stay untouched, padding rows are zero
-        be.attention_forward(case.q, case.caches, topk.rows(0, T), case.batch, p, out[:T])
+        be.attention_forward(case.q, case.caches, topk.rows(0, T), case.batch, p, out[:T])    # admitted
+        checked_call(be, "attention", (case.q, case.caches, topk.rows(0, T), case.batch, p, out[:T]))  # guarded
     _check_attention(out, oracle_attention(case.q, case.caches, sel, case.batch, p), step.dtype, T)
     assert torch.isnan(out[T:]).all(), "rows past T were written"
 

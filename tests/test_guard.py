@@ -20,10 +20,8 @@ from mm3.plugin import BackendCapabilities, Probe, SparseAttentionParams, TopkBu
 from mm3.runtime.config import Settings
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.errors import ContractViolation, InputError, PluginError
-from mm3.debug import (
-    GUARD_SENTINEL, RULES, GuardedBackend, check_topk_allocation, find_topk_violation, guard_backend,
-    unguarded,
-)
+import mm3.debug.guard as guard_mod
+from mm3.debug import GUARD_SENTINEL, RULES, check_topk_allocation, checked_call, find_topk_violation
 from mm3.runtime.layer import SparseAttention
 from mm3.runtime.registry import Registry
 from mm3.testing.factories import Case, make_case
@@ -271,13 +269,16 @@ def test_nonfinite_output_is_allowed_where_inputs_are_not_finite() -> None:
 
 def test_attention_input_layout_rule_blames_the_caller() -> None:
     case = _mixed(H=2)
-    be = guard_backend(Registry(plugins=[Faulty("strict", None, "token_major", requires_contiguous=True)],
-                                entry_points=False).get("strict"))
+    be = Registry(plugins=[Faulty("strict", None, "token_major", requires_contiguous=True)],
+                  entry_points=False).get("strict")
     T = case.batch.num_tokens
     head_major = TopkBuffer.allocate(T, 2, 4, "head_major")
     cpu_ref.index_topk(case.index_q, case.caches, case.batch, case.params, head_major)
+    args = (case.q, case.caches, head_major, case.batch, case.params, torch.empty_like(case.q))
     with pytest.raises(ContractViolation, match=r"attention.input_layout.*caller.*to_layout\('token_major'\)"):
-        be.attention_forward(case.q, case.caches, head_major, case.batch, case.params, torch.empty_like(case.q))
+        checked_call(be, "attention", args)
+    with pytest.raises(InputError, match=r"strict.attention_forward: needs a dense token_major top-k buffer"):
+        be.attention_forward(*args)     # the boundary refuses it before the guard would see it
     # the layer converts for such a backend, so through SparseAttention all is well
     out = _layer(Faulty("strict", None, "token_major", requires_contiguous=True), "strict", GUARD_ON, case)(
         case.q, case.index_q, case.caches, case.batch)
@@ -314,9 +315,10 @@ def test_allocation_checks() -> None:
 
 
 def test_guarded_allocation_is_sentinel_filled() -> None:
-    be = guard_backend(Registry(plugins=[cpu_ref], entry_points=False).get("cpu_ref"))
-    buf = be.alloc_topk_buffer(16, 2, 4, "cpu")
-    assert (buf.storage == GUARD_SENTINEL).all()
+    case = _mixed(H=2)
+    for settings, filled in ((GUARD_ON, True), (Settings(check_contracts="first"), True), (GUARD_OFF, False)):
+        buf = _layer(cpu_ref, "cpu_ref", settings, case).topk_buffer
+        assert bool((buf.storage == GUARD_SENTINEL).all()) == filled
     assert GUARD_SENTINEL != -1 and GUARD_SENTINEL < 0
 
 
@@ -335,15 +337,22 @@ def test_clean_backend_passes_and_output_is_unchanged(H: int, kv_layout: str) ->
     assert _max_err(outs[1], case) < 1e-5
 
 
-def test_layer_wraps_backends_only_when_asked() -> None:
+@pytest.mark.parametrize("settings, guarded", [(GUARD_ON, [2, 2]), (Settings(check_contracts="first"), [2, 0]),
+                                               (GUARD_OFF, [0, 0])], ids=["always", "first", "never"])
+def test_the_layer_guards_the_calls_its_policy_says(settings: Settings, guarded: list[int],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard wraps the very call a step makes (no wrapper class): counted per step."""
     case = _mixed(H=2)
-    on = _layer(cpu_ref, "cpu_ref", GUARD_ON, case)._resolve()
-    off = _layer(cpu_ref, "cpu_ref", GUARD_OFF, case)._resolve()
-    assert isinstance(on.indexer, GuardedBackend) and isinstance(on.attention, GuardedBackend)
-    assert not isinstance(off.indexer, GuardedBackend)
-    assert unguarded(on.indexer) is off.indexer.__class__ or unguarded(on.indexer).name == "cpu_ref"
-    assert on.indexer.name == "cpu_ref" and on.indexer.capabilities.topk_layout == "head_major"
-    assert guard_backend(on.indexer) is on.indexer                     # idempotent
+    calls: list[str] = []
+    real = guard_mod.checked_call
+    monkeypatch.setattr(guard_mod, "checked_call", lambda be, op, args, **kw: (calls.append(op), real(be, op, args))[1])
+    layer = _layer(cpu_ref, "cpu_ref", settings, case)
+    counts = []
+    for _ in range(2):
+        before = len(calls)
+        layer(case.q, case.index_q, case.caches, case.batch)
+        counts.append(len(calls) - before)
+    assert counts == guarded
 
 
 def test_the_suite_runs_the_production_default(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -367,14 +376,17 @@ def test_block_ids_outside_the_cache_are_input_errors() -> None:
 
 
 class _Replay:
-    """Writes precomputed outputs (whatever batch it is handed): isolates what the guard reads."""
+    """A plugin that writes precomputed outputs (whatever batch it is handed): isolates what the guard reads."""
 
     def __init__(self, out: torch.Tensor) -> None:
         self.out = out
-        self.name, self.source = "replay", None
-        self.capabilities = cpu_ref.CAPABILITIES
 
-    def attention_forward(self, q: Any, caches: Any, topk: Any, batch: Any, params: Any, out: torch.Tensor) -> None:
+    @hookimpl
+    def backend_capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(**{**cpu_ref.CAPABILITIES.model_dump(), "name": "replay", "ops": {"attention"}})
+
+    @hookimpl
+    def attention_forward(self, out: torch.Tensor) -> None:
         out.copy_(self.out)
 
 
@@ -390,10 +402,10 @@ def test_padding_is_read_from_device_positions_after_update_() -> None:
     want = torch.empty_like(again.q)
     cpu_ref.attention_forward(again.q, again.caches, sel, again.batch, p, want)
     assert (want[1] != 0).any()
-    guarded = guard_backend(_Replay(want))
-    guarded.attention_forward(again.q, again.caches, sel, first.batch, p, torch.empty_like(want))  # no alarm
+    replay = Registry(plugins=[_Replay(want)], entry_points=False).get("replay")
+    checked_call(replay, "attention", (again.q, again.caches, sel, first.batch, p, torch.empty_like(want)))  # no alarm
     # ... and a real padding row with output is still caught, from the device positions
     again.batch.update_(make_case(p, decodes=[70, 0, 40], dtype="float32", seed=1).batch)
     with pytest.raises(ContractViolation, match="attention.padding") as info:
-        guarded.attention_forward(again.q, again.caches, sel, again.batch, p, torch.empty_like(want))
+        checked_call(replay, "attention", (again.q, again.caches, sel, again.batch, p, torch.empty_like(want)))
     assert info.value.token == 1 and T == 3

@@ -1,12 +1,12 @@
 """Host work once per shape class, not per step, without losing a guarantee.
 
 * the eager custom ops make the layer's decisions: the guard runs on the first
-  step of each batch kind only, and their results match the fp64 oracle;
-* argument checks are skipped only for a call whose shape class passed them:
-  any input that differs in shape, dtype or device is checked (and refused) again;
+  call of each op and batch kind only, and their results match the fp64 oracle;
+* the argument rules run once per shape class (the facts value): any input that
+  differs in shape, dtype or device is a new class, checked (and refused) again;
 * an op called again with the same tensors, refilled in place with a new step
   of the same shapes, reads the new contents;
-* the page-id flag reads the host only while a recorded check may still report.
+* the fault flag reads the host only while a recorded check may still report.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import mm3
-from mm3.contract import page_ids
-from mm3.contract.page_ids import PageIdFlag
-from mm3.debug.guard import GuardedBackend
+import mm3.debug.guard as guard_mod
+import mm3.runtime.step as step_mod
+from mm3.contract import contents
+from mm3.contract.contents import FaultFlag
 from mm3.runtime.config import Settings
 from mm3.runtime.ops import batch_args, batch_from_args
 from mm3.testing.factories import make_case
@@ -48,14 +49,20 @@ def _want(case: Any) -> torch.Tensor:
     return oracle_attention(case.q, case.caches, sel, case.batch, P)
 
 
-def test_eager_ops_guard_the_first_step_of_each_kind_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def _count_guarded(monkeypatch: pytest.MonkeyPatch, which: str) -> list[str]:
     guarded: list[str] = []
-    real = GuardedBackend.index_topk
+    real = guard_mod.checked_call
 
-    def counted(self: GuardedBackend, *a: Any) -> None:
-        guarded.append(a[2].kind)
-        return real(self, *a)
-    monkeypatch.setattr(GuardedBackend, "index_topk", counted)
+    def counted(be: Any, op: str, args: Any, **k: Any) -> None:
+        if op == which:
+            guarded.append(args[3 if op == "attention" else 2].kind)
+        return real(be, op, args, **k)
+    monkeypatch.setattr(guard_mod, "checked_call", counted)
+    return guarded
+
+
+def test_eager_ops_guard_the_first_step_of_each_kind_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    guarded = _count_guarded(monkeypatch, "index_topk")
     layer = _layer()
     for seed, kw in enumerate([STEP, STEP, dict(decodes=[50], dtype="float32"), STEP]):
         case = make_case(P, seed=seed, **kw)
@@ -67,29 +74,22 @@ def test_eager_ops_guard_the_first_step_of_each_kind_only(monkeypatch: pytest.Mo
 
 
 def test_steady_state_skips_the_checks_of_a_checked_class_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mm3.runtime.backend as backend_mod
-    import mm3.runtime.layer as layer_mod
+    counts = {"rules": 0}
+    real = step_mod.check
 
-    counts = {"layer": 0, "backend": 0}
-    real_step, real_hook = layer_mod.check_step_inputs, backend_mod.check_index_args
-
-    def step_counted(*a: Any, **k: Any) -> None:
-        counts["layer"] += 1
-        return real_step(*a, **k)
-
-    def hook_counted(*a: Any, **k: Any) -> int:
-        counts["backend"] += 1
-        return real_hook(*a, **k)
-    monkeypatch.setattr(layer_mod, "check_step_inputs", step_counted)
-    monkeypatch.setattr(backend_mod, "check_index_args", hook_counted)
+    def counted(facts: Any) -> Any:
+        counts["rules"] += 1
+        return real(facts)
+    monkeypatch.setattr(step_mod, "check", counted)
+    step_mod.forget()
     layer = _layer()
     cases = [make_case(P, seed=s, **STEP) for s in range(4)]
     for case in cases:
         out = torch.full_like(case.q, float("nan"))
         got = layer(case.q, case.index_q, case.caches, case.batch, out)
         torch.testing.assert_close(got.double(), _want(case), rtol=1e-5, atol=1e-5)
-    # the first step (guarded) ran every check; the other three, of its class, none
-    assert counts == {"layer": 1, "backend": 1}
+    # the first step ran every rule; the other three, of its class, none
+    assert counts == {"rules": 1}
     case = cases[0]
     bad_out = torch.empty(case.q.shape, dtype=torch.float64)
     with pytest.raises(mm3.InputError, match="out is torch.float64"):
@@ -125,15 +125,15 @@ def test_ops_on_tensors_refilled_in_place_read_the_new_step() -> None:
     assert again_seen.seq_lens_host == (40, 33, 20) and again_seen.max_seq_len == 40
 
 
-def test_the_page_id_flag_is_host_memory_read_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fault_flag_is_host_memory_read_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """A reporting kernel's store lands where the host reads: an eager step starts no copy."""
-    flag = PageIdFlag("cpu")
+    flag = FaultFlag("cpu")
     assert flag.shared and flag.word.data_ptr() == flag._host.data_ptr()
     copies: list[int] = []
     real_copy = torch.Tensor.copy_
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(1) or real_copy(self, *a, **k))
     flag.after_step()
-    flag.word.fill_(page_ids.fault_word(0, 1))              # what a reporting kernel stores
+    flag.word.fill_(contents.fault_word(0, 1))              # what a reporting kernel stores
     with pytest.raises(mm3.InputError, match="block_table\\[0, 1\\] is not a page id"):
         flag.raise_pending()
     flag.raise_pending()                                    # reported once
@@ -142,10 +142,10 @@ def test_the_page_id_flag_is_host_memory_read_without_a_copy(monkeypatch: pytest
 
 def test_a_word_the_host_cannot_share_is_read_after_its_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the device cannot address host memory the word lives on the device: read only once copied."""
-    host = torch.full((1,), page_ids.NO_FAULT, dtype=torch.int64)
-    monkeypatch.setattr(page_ids, "_shared_word", lambda device: (host.clone(), host, False))
+    host = torch.full((1,), contents.NO_FAULT, dtype=torch.int64)
+    monkeypatch.setattr(contents, "_shared_word", lambda device: (host.clone(), host, False))
     good = make_case(P, seed=3, **STEP).batch
-    flag = PageIdFlag("cpu")
+    flag = FaultFlag("cpu")
     assert not flag.shared and flag.word.data_ptr() != flag._host.data_ptr()
     flag.raise_pending()
     assert not flag._copied
@@ -158,30 +158,23 @@ def test_a_word_the_host_cannot_share_is_read_after_its_copy(monkeypatch: pytest
     with pytest.raises(mm3.InputError, match="block_table\\[0, 1\\] is not a page id"):
         flag.raise_pending()
     flag.raise_pending()                      # reported once
-    flag.word.fill_(page_ids.fault_word(2, 0))
+    flag.word.fill_(contents.fault_word(2, 0))
     flag.raise_pending()                      # not copied yet: nothing read
     with pytest.raises(mm3.InputError, match="block_table\\[2, 0\\] is not a page id"):
         flag.check()
 
 
-def test_an_eager_layer_step_decides_the_guard_and_checks_the_page_ids_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The attention takes the indexer's decision (same step, batch and caches): one policy call per
-    step, and the guarded pair still runs, both hooks of it, on the first step of each kind."""
-    from mm3.runtime.step import OpTarget
+def test_a_layer_step_is_admitted_once_and_guards_both_hooks_of_a_new_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One admission per layer step (both hooks), one per custom op; the guard checks the indexer and the
+    attention of each kind's first step, through the same call the plain steps make."""
+    admitted: list[tuple[str, ...]] = []
+    real = step_mod.admit
 
-    calls: list[bool] = []
-    guarded: list[str] = []
-    real_first, real_att = OpTarget._guarded, GuardedBackend.attention_forward
-
-    def first_counted(self: OpTarget, *a: Any, **k: Any) -> bool:
-        calls.append(True)
-        return real_first(self, *a, **k)
-
-    def att_counted(self: GuardedBackend, *a: Any) -> None:
-        guarded.append(a[3].kind)
-        return real_att(self, *a)
-    monkeypatch.setattr(OpTarget, "_guarded", first_counted)
-    monkeypatch.setattr(GuardedBackend, "attention_forward", att_counted)
+    def counted(facts: Any) -> Any:
+        admitted.append(facts.ops)
+        return real(facts)
+    monkeypatch.setattr(step_mod, "admit", counted)
+    guarded = _count_guarded(monkeypatch, "attention")
     layer = _layer()
     kinds = [STEP, STEP, dict(decodes=[50], dtype="float32"), STEP]
     for seed, kw in enumerate(kinds):
@@ -189,9 +182,8 @@ def test_an_eager_layer_step_decides_the_guard_and_checks_the_page_ids_once(monk
         out = torch.full_like(case.q, float("nan"))
         got = layer(case.q, case.index_q, case.caches, case.batch, out)
         torch.testing.assert_close(got.double(), _want(case), rtol=1e-5, atol=1e-5)
-    assert calls == [True] * len(kinds)       # the indexer's only
+    assert admitted == [("index_topk", "attention")] * len(kinds)
     assert guarded == ["mixed", "decode"]     # the attention of each kind's first step is guarded
-    # an op called on its own still decides for itself
-    case = make_case(P, seed=9, **STEP)
+    case = make_case(P, seed=9, **STEP)        # an op called on its own is admitted on its own
     _ops(layer, case, torch.full_like(case.q, float("nan")))
-    assert len(calls) == len(kinds) + 2
+    assert admitted[len(kinds):] == [("index_topk",), ("attention",)]

@@ -12,7 +12,6 @@ import torch
 
 import mm3
 from mm3.contract.buffers import PagedKVCache
-from mm3.contract.checks import check_declared
 from mm3.contract.errors import InputError
 from mm3.runtime.distributed import rank_shard
 from mm3.runtime.registry import Registry
@@ -72,9 +71,15 @@ def test_capabilities_say_who_cannot_read_them() -> None:
                                 "does not declare kv_slot_scales"]
     assert plain.unmet(req.for_ops("index_topk")) == []          # an indexer never reads K/V
     assert plain.model_copy(update={"kv_slot_scales": True}).unmet(req) == []
-    with pytest.raises(InputError, match="plain.attention_forward: cannot read K/V scales per token slot"):
-        check_declared("plain.attention_forward", plain, "attention", device_type="cpu", dtype=torch.float32,
-                       index_dtype=torch.bfloat16, params=P, decode_query_len=1, kv_dtype=FP8, kv_slot_scales=True)
+    # the bound backend's boundary applies the same rule to a call
+    be = Registry([MockBackend("plain", kv_slot_scales=False)], entry_points=False).get("plain")
+    case = make_case(P, decodes=[40], dtype="float32", kv_dtype="float8_e4m3fn", seed=0)
+    c = case.caches
+    slots = c.num_pages * c.block_size
+    scaled = PagedKVCache(c.k, c.v, c.index, torch.ones(P.num_kv_heads, slots), torch.ones(P.num_kv_heads, slots))
+    topk = mm3.TopkBuffer.allocate(case.batch.num_tokens, P.num_kv_heads, P.topk)
+    with pytest.raises(InputError, match="plain.attention_forward: .*cannot read K/V scales per token slot"):
+        be.attention_forward(case.q, scaled, topk, case.batch, P, torch.empty_like(case.q))
 
 
 def test_selection_passes_over_a_backend_that_cannot_read_them() -> None:

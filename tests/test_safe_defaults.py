@@ -31,8 +31,8 @@ import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import BatchMetadata, SparseAttentionParams
 from mm3.runtime.config import Settings
 from mm3.contract.errors import ContractViolation, InputError
-from mm3.contract.page_ids import PageIdFlag, check_page_ids
-from mm3.debug import GuardedBackend
+from mm3.contract.contents import FaultFlag, check_on_host
+import mm3.debug.guard as guard_mod
 from mm3.runtime.layer import SparseAttention
 from mm3.runtime.registry import Registry
 from mm3.testing.factories import Case, make_case
@@ -165,13 +165,15 @@ def _layer(plugin: Any, name: str, settings: Settings = FIRST) -> SparseAttentio
 
 
 def _count_guarded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The batch kinds of the indexer calls the guard checks."""
     calls: list[str] = []
-    real = GuardedBackend.index_topk
+    real = guard_mod.checked_call
 
-    def counted(self: GuardedBackend, *a: Any) -> None:
-        calls.append(a[2].kind)
-        return real(self, *a)
-    monkeypatch.setattr(GuardedBackend, "index_topk", counted)
+    def counted(be: Any, op: str, args: Any, **kw: Any) -> None:
+        if op == "index_topk":
+            calls.append(args[2].kind)
+        return real(be, op, args, **kw)
+    monkeypatch.setattr(guard_mod, "checked_call", counted)
     return calls
 
 
@@ -202,7 +204,7 @@ def test_a_faulty_plugin_is_caught_on_each_new_kind_by_default() -> None:
         case = _case(kind)
         with pytest.raises(ContractViolation, match="backend 'faulty'.*index_topk: rule topk.range"):
             layer(case.q, case.index_q, case.caches, case.batch)
-    assert not layer._resolve().checked            # a failed check is repeated next time
+    assert not layer.op_target.guarded             # a failed check is repeated next time
 
 
 def test_cuda_graph_capture_never_pays(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -211,7 +213,7 @@ def test_cuda_graph_capture_never_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(layer_module, "capturing", lambda t: True)
     case = _case("decode")
     layer(case.q, case.index_q, case.caches, case.batch)
-    assert calls == [] and not layer._resolve().checked   # the eager step after capture is still checked
+    assert calls == [] and not layer.op_target.guarded   # the eager step after capture is still checked
 
 
 # -- page ids ------------------------------------------------------------------------------------
@@ -239,7 +241,7 @@ def test_bad_page_ids_raise_on_cpu_ref_with_any_setting(mode: str, page: int) ->
 def test_device_flag_keeps_the_first_offence_and_reports_it_once() -> None:
     case = _case("mixed")
     pages = case.caches.num_pages
-    flag = PageIdFlag("cpu")
+    flag = FaultFlag("cpu")
     flag.record(case.batch, pages)
     flag.raise_pending()                                            # a good table: nothing
     flag.record(_with_page(case, 1, 0, -4), pages)
@@ -248,27 +250,23 @@ def test_device_flag_keeps_the_first_offence_and_reports_it_once() -> None:
         flag.raise_pending()
     flag.raise_pending()                                            # reported once
     again = _with_page(case, 1, 0, -4)
-    flag.record(again, pages)
-    with pytest.raises(InputError, match=r"block_table\[1, 0\] is not a page id"):
-        flag.raise_pending()
-    flag.record(again, pages)                                       # this batch was recorded: skipped
-    flag.check()
-    flag.record(again, pages, always=True)                          # a capture records every time
-    with pytest.raises(InputError, match=r"block_table\[1, 0\] is not a page id"):
-        flag.check()
+    for _ in range(2):                                              # the same batch is checked every time
+        flag.record(again, pages)
+        with pytest.raises(InputError, match=r"block_table\[1, 0\] is not a page id"):
+            flag.check()
 
 
 def test_a_refilled_batch_is_checked_again() -> None:
-    """The verdict is the batch's, dropped when its tensors are refilled through ``update_``."""
+    """Nothing is remembered about a batch: refilled through ``update_``, it is judged as it is now."""
     case = _case("mixed")
     pages = case.caches.num_pages
     b = case.batch
     batch = BatchMetadata.build(b.query_lens, b.seq_lens_host, b.block_table.clone(), block_size=b.block_size,
                                 num_decodes=b.num_decodes, decode_query_len=b.decode_query_len)
-    check_page_ids(batch, pages)
+    check_on_host(batch, pages, entry="test")
     batch.update_(_with_page(case, 1, 1, pages + 5))
     with pytest.raises(InputError, match=rf"block_table\[1, 1\] = {pages + 5}"):
-        check_page_ids(batch, pages)
+        check_on_host(batch, pages, entry="test")
 
 
 class _NoHostReads(TorchDispatchMode):
@@ -284,8 +282,8 @@ def test_device_flag_records_without_reading_a_value_on_the_host() -> None:
     """What a GPU step and a CUDA-graph capture run: no host read (on the GPU it would sync)."""
     case = _case("mixed")
     pages = case.caches.num_pages
-    flag = PageIdFlag("cpu")
+    flag = FaultFlag("cpu")
     with _NoHostReads():
-        flag.record(_with_page(case, 1, 0, pages + 3), pages, always=True)
+        flag.record(_with_page(case, 1, 0, pages + 3), pages)
     with pytest.raises(InputError, match=r"block_table\[1, 0\] is not a page id"):
         flag.raise_pending()

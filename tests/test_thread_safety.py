@@ -22,7 +22,6 @@ import mm3.runtime.registry as registry_module
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import SparseAttentionParams
 from mm3.runtime.config import Settings
-from mm3.debug import GuardedBackend
 from mm3.runtime.layer import SparseAttention
 from mm3.runtime.discovery import PluginLoadWarning
 from mm3.runtime.registry import Registry, default_registry, reset_default_registry
@@ -158,7 +157,7 @@ def test_sparse_attention_built_and_run_from_32_threads(mode: str) -> None:
             layer = build(reg)                        # selection, binding and buffer allocation race here
             out = layer(case.q, case.index_q, case.caches, case.batch)
             b = layer._resolve()
-            return b.indexer.name, b.attention.name, isinstance(b.attention, GuardedBackend), out
+            return b.indexer.name, b.attention.name, b.target.mode != "never", out
 
         results = _race(worker)
         assert {(r[0], r[1]) for r in results} == {("mock", "mock")}   # auto picked the same one everywhere

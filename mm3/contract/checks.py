@@ -251,7 +251,11 @@ class _Rules:
                                 f"{n.q}'s dtype")
         for name, t, tail in rows:
             if len(t.shape) != 1 + len(tail) or tuple(t.shape[1:]) != tail or t.shape[0] < T:
-                raise self.fail(f"{name} has shape {tuple(t.shape)}, expected [{T}, {', '.join(map(str, tail))}]")
+                what = "num_heads, head_dim" if tail == (p.num_heads, p.head_dim) else \
+                    "num_index_heads, index_head_dim"
+                raise self.fail(f"{name} has shape {tuple(t.shape)}; needs [>= {T}, {', '.join(map(str, tail))}] = "
+                                f"[>= the step's tokens, {what}]: one row per token of the batch, heads as params "
+                                f"say")
         if f.out is not None and f.out.stride is not None and overlaps_itself((T, *f.out.shape[1:]), f.out.stride):
             raise self.fail(f"{n.out} has strides {f.out.stride} for shape {tuple(f.out.shape)}: several of its "
                             f"elements share memory (an expand()-ed or as_strided tensor), so writes would "

@@ -304,10 +304,15 @@ class FaultFlag:
         """Name what a fault found from now on belongs to (no device work)."""
         self.entry, self.names, self.num_pages, self._batch = entry, names, num_pages, batch
 
-    def record(self, batch: "BatchMetadata", num_pages: int) -> None:
-        """Check ``batch``'s contents against ``num_pages`` with torch ops on its device; no host sync."""
+    def record(self, batch: "BatchMetadata", num_pages: int, *, graph: bool = False) -> None:
+        """Check ``batch``'s contents against ``num_pages`` with torch ops on its device; no host sync.
+
+        ``graph``: inside CUDA-graph capture (the replays lower the word; an eager step reads it).
+        """
         self.num_pages, self._batch = num_pages, batch
         torch.minimum(self.word, _device_word(batch, num_pages), out=self.word)
+        if not graph:
+            self.after_step()
 
     def after_step(self) -> None:
         """After an eager step that may have lowered the word: where the word is device memory, start

@@ -34,7 +34,7 @@ from mm3.contract.errors import InputError
 from mm3.contract.checks import check_layer_args
 from mm3.contract.contents import FaultFlag
 from mm3.contract.facts import LayerFacts
-from mm3.debug.guard import capturing, fill_sentinel
+from mm3.debug.guard import capturing, check_topk_allocation, fill_sentinel
 from mm3.contract.params import SparseAttentionParams
 from mm3.runtime.backend import Backend
 from mm3.runtime.ops import batch_args
@@ -161,8 +161,10 @@ class SparseAttention:
         # Backend.alloc_topk_buffer already checks type, layout and shape against the declaration.
         buf = idx.alloc_topk_buffer(self.max_num_tokens, p.num_index_heads, p.topk, self.device)
         mode = self.settings.check_contracts
-        if mode != "never":
-            fill_sentinel(buf)   # the guard then sees a stray write past a step's rows
+        if mode != "never":   # the guard checks what the hook returned, then marks it to see stray writes
+            check_topk_allocation(buf, layout=idx.capabilities.topk_layout, num_tokens=self.max_num_tokens,
+                                  num_heads=p.num_index_heads, topk=p.topk, device=self.device, backend=idx)
+            fill_sentinel(buf)
         # What runs is what the trace says: both come from the selection's verdict on this buffer.
         sel = sel.for_buffer(buf)
         target = OpTarget(idx, att, p, topk=buf, mode=mode, flag=self._flag, layer=self._facts)
@@ -215,7 +217,7 @@ class SparseAttention:
             torch.ops.mm3.attention(q, c.k, c.v, c.index, b.topk.storage, *args, handle, out, c.k_scale, c.v_scale)
             return out[:batch.num_tokens]  # type: ignore[index]
         b.target.run(_ENTRY, BOTH, caches=caches, batch=batch, topk=b.topk, index_q=index_q, q=q, out=out,
-                     graph=capturing(q))
+                     graph=isinstance(q, torch.Tensor) and capturing(q))
         T = batch.num_tokens
         return out if out.shape[0] == T else out[:T]  # type: ignore[union-attr]
 

@@ -140,10 +140,10 @@ def describe(entry: str, ops: tuple[str, ...], params: "SparseAttentionParams", 
         layout = topk.layout
     except AttributeError:
         raise _wrong_types(entry, names, caches, batch, topk) from None
+    index, attend = Op.INDEX_TOPK in ops, Op.ATTENTION in ops
     return StepFacts(entry, names, ops, params, indexer, attention, layer,
-                     None if index_q is None else _tensor(names.index_q, index_q),
-                     None if q is None else _tensor(names.q, q),
-                     None if out is None else (_tensor(names.out, out)._replace(stride=out.stride())),
+                     _tensor(names.index_q, index_q) if index else None, _tensor(names.q, q) if attend else None,
+                     _tensor(names.out, out)._replace(stride=out.stride()) if attend else None,  # type: ignore[union-attr]
                      layout, strided_facts(s), c, b)
 
 
@@ -253,7 +253,7 @@ class OpTarget:
             check_on_host(batch, caches.num_pages, entry=f.entry, names=f.names,
                           scales=(caches.k_scale, caches.v_scale) if new else ())
         elif not (self._reports if runs_index else self._clamps):
-            flag.record(batch, caches.num_pages)
+            flag.record(batch, caches.num_pages, graph=graph)
         return flag.word if runs_index and self._reports else None
 
     # -- the step -------------------------------------------------------------------------------
