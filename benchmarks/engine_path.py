@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import mm3
+from mm3.contract.hookspecs import Op
 from mm3.runtime.ops import batch_args
 
 from mm3_benchmarks import inputs
@@ -125,7 +126,7 @@ def measure(tp: int = 1, batch: int = 1, context: int = 65536, index_dtype: str 
                                     index_dtype=inputs.INDEX_DTYPES[index_dtype], kv_dtype=kv,
                                     max_num_tokens=batch, backend=backend, cuda_graph=True)
         target = layer.op_target
-        idx, att = target.plain  # type: ignore[misc]
+        idx, att = target.indexer, target.attention
         buf = layer.topk_buffer
 
         def layer_step(s: inputs.StepInputs) -> Fn:
@@ -144,8 +145,8 @@ def measure(tp: int = 1, batch: int = 1, context: int = 65536, index_dtype: str 
             rows = buf.rows(0, s.batch.num_tokens)
 
             def run() -> None:
-                idx.index_topk_unchecked(s.index_q, s.caches, s.batch, p, rows)
-                att.attention_forward_unchecked(s.q, s.caches, rows, s.batch, p, s.out)
+                idx.invoke(Op.INDEX_TOPK, (s.index_q, s.caches, s.batch, p, rows, None))
+                att.invoke(Op.ATTENTION, (s.q, s.caches, rows, s.batch, p, s.out))
             return run
 
         result: dict[str, Any] = dict(tp=tp, batch=batch, context=context, index_dtype=index_dtype,

@@ -1,18 +1,16 @@
 """What the safe defaults cost: the first guarded step vs the steady state, side by side.
 
 With ``check_contracts = "first"`` (the default) a layer runs the contract
-guard on the first step of each kind of batch, then steps aside; the page ids
-of every new block table are checked (on the host for a host table, else by
-a few device ops, no sync). This prints, in one run, for one step shape:
+guard on the first call of each op and kind of batch, then steps aside; a
+step's contents are checked every step (on the host for a host table, by the
+indexer's kernels or a few device ops otherwise, no sync). This prints, in
+one run, for one step shape:
 
 * ``first step``: the first step of a layer in ``"first"`` mode (guarded) and
   in ``"never"`` mode, after a warm-up layer compiled every kernel;
-* ``steady``: best-of-N step time of both layers afterwards (the same batch
-  object, so its block table is checked once, as in an engine whose layers
-  share one batch per step), and of a ``"never"`` layer with the page-id
-  check removed (the library before these defaults);
-* ``page-id check``: one device-side :class:`PageIdFlag` record (the per-step,
-  once-per-batch cost when the block table lives on a GPU), best of N.
+* ``steady``: best-of-N step time of both layers afterwards;
+* ``contents check``: one device-side :class:`FaultFlag` record (the per-step
+  cost for a backend whose kernels do not report bad page ids), best of N.
 
 Run (CPU, cpu_ref, the development container's shape)::
 
@@ -33,7 +31,7 @@ import torch
 
 from mm3 import SparseAttention, SparseAttentionParams
 from mm3.runtime.config import Settings
-from mm3.contract.page_ids import PageIdFlag
+from mm3.contract.contents import FaultFlag
 from mm3.testing.factories import make_case
 
 __all__ = ["measure"]
@@ -71,19 +69,17 @@ def measure(*, device: str = "cpu", backend: str = "cpu_ref", tp: int = 8, decod
     for _ in range(2):
         run(layer("never"))()                                  # compile and warm every kernel
     first, never = layer("first"), layer("never")
-    bare = layer("never")
-    bare._check_page_ids = lambda *a, **k: None                # type: ignore[method-assign]
     row: dict[str, Any] = {"device": str(dev), "backend": backend, "tokens": T,
                            "first_step_first": _timed(run(first), dev),
                            "first_step_never": _timed(run(never), dev)}
-    steady: dict[str, list[float]] = {"first": [], "never": [], "no_page_check": []}
+    steady: dict[str, list[float]] = {"first": [], "never": []}
     for _ in range(repeat):                                    # interleaved: noise hits all alike
-        for label, lay in (("first", first), ("never", never), ("no_page_check", bare)):
+        for label, lay in (("first", first), ("never", never)):
             steady[label].append(_timed(run(lay), dev))
     row.update({f"steady_{k}": min(v) for k, v in steady.items()})
-    flag = PageIdFlag(dev)
-    row["page_id_record"] = min(_timed(lambda: flag.record(case.batch, case.caches.num_pages, always=True), dev)
-                                for _ in range(repeat))
+    flag = FaultFlag(dev)
+    row["contents_record"] = min(_timed(lambda: flag.record(case.batch, case.caches.num_pages, graph=True), dev)
+                                 for _ in range(repeat))
     flag.check()
     return row
 
@@ -102,11 +98,11 @@ def main() -> None:  # python -m mm3_benchmarks.first_step_cost
                 prefills=a.prefills, repeat=a.repeat)
     print(f"{r['backend']} on {r['device']}, M3 TP{a.tp}, {r['tokens']} tokens "
           f"({a.decodes} decodes of ~{a.context}, {a.prefills} prefills); ms, steady = best of {a.repeat}")
-    print(f"{'':<34}{'first':>10}{'never':>10}{'no page check':>15}")
+    print(f"{'':<34}{'first':>10}{'never':>10}")
     print(f"{'first step (after warm-up)':<34}{r['first_step_first']:>10.3f}{r['first_step_never']:>10.3f}")
-    print(f"{'steady state':<34}{r['steady_first']:>10.3f}{r['steady_never']:>10.3f}"
-          f"{r['steady_no_page_check']:>15.3f}")
-    print(f"{'page-id check on the device':<34}{r['page_id_record']:>10.3f}  (once per new block table)")
+    print(f"{'steady state':<34}{r['steady_first']:>10.3f}{r['steady_never']:>10.3f}")
+    print(f"{'contents check on the device':<34}{r['contents_record']:>10.3f}  (a step whose indexer does not "
+          f"report bad page ids itself)")
 
 
 if __name__ == "__main__":

@@ -26,28 +26,32 @@ from typing import Any, Sequence
 import torch
 
 from mm3 import SparseAttention, SparseAttentionParams, TopkBuffer
+from mm3.contract.hookspecs import Op
+from mm3.debug.guard import checked_call, fill_sentinel
+from mm3.plugin import BackendCapabilities, hookimpl
 from mm3.runtime.config import Settings
-from mm3.debug.guard import GuardedBackend
+from mm3.runtime.registry import Registry
 from mm3.testing.factories import make_case
 
 __all__ = ["measure_overhead"]
 
 
 class _Replay:
-    """A backend that copies precomputed results: timing it isolates the guard's own cost."""
+    """A plugin that copies precomputed results: timing it isolates the guard's own cost."""
 
-    def __init__(self, inner: Any, topk: TopkBuffer, out: torch.Tensor) -> None:
-        self.inner, self.topk, self.out = inner, topk, out
-        self.name, self.capabilities, self.source = inner.name, inner.capabilities, inner.source
+    def __init__(self, caps: BackendCapabilities, topk: TopkBuffer, out: torch.Tensor) -> None:
+        self.caps, self.topk, self.out = caps.model_copy(update={"name": "replay"}), topk, out
 
-    def alloc_topk_buffer(self, *args: Any) -> TopkBuffer:
-        return self.inner.alloc_topk_buffer(*args)
+    @hookimpl
+    def backend_capabilities(self) -> BackendCapabilities:
+        return self.caps
 
-    def index_topk(self, index_q: Any, caches: Any, batch: Any, params: Any, out: TopkBuffer) -> None:
+    @hookimpl
+    def index_topk(self, out: TopkBuffer) -> None:
         out.copy_(self.topk)
 
-    def attention_forward(self, q: Any, caches: Any, topk: Any, batch: Any, params: Any,
-                          out: torch.Tensor) -> None:
+    @hookimpl
+    def attention_forward(self, out: torch.Tensor) -> None:
         out.copy_(self.out)
 
 
@@ -79,23 +83,22 @@ def measure_overhead(repeat: int = 9, shapes: Sequence[int] = (8, 2)) -> list[di
         out = torch.empty_like(case.q)
         be.index_topk(case.index_q, case.caches, case.batch, p, topk)
         be.attention_forward(case.q, case.caches, topk, case.batch, p, out)
-        replay = _Replay(be, topk, out)
-        plain, guarded = replay, GuardedBackend(replay)
-        buf = guarded.alloc_topk_buffer(1024, p.num_kv_heads, p.topk, "cpu")
+        replay = Registry(plugins=[_Replay(be.capabilities, topk, out)], entry_points=False).get("replay")
+        buf = fill_sentinel(replay.alloc_topk_buffer(1024, p.num_kv_heads, p.topk, "cpu"))
         step_out = torch.empty_like(out)
 
-        def step(b: Any) -> None:
+        def step(run: Any) -> None:     # the hook calls a step makes once admitted, plain or guarded
             rows = buf.rows(0, T)
-            b.index_topk(case.index_q, case.caches, case.batch, p, rows)
-            b.attention_forward(case.q, case.caches, rows, case.batch, p, step_out)
+            run(replay, Op.INDEX_TOPK, (case.index_q, case.caches, case.batch, p, rows, None))
+            run(replay, Op.ATTENTION, (case.q, case.caches, rows, case.batch, p, step_out))
 
         times: dict[str, list[float]] = {"off": [], "on": [], "replay": [], "replay+guard": []}
         for i in range(repeat + 2):
             # Interleaved, so allocator warm-up and machine noise hit all alike.
             got = {label: timed(lambda: layer(case.q, case.index_q, case.caches, case.batch))
                    for label, layer in layers.items()}
-            got["replay"] = timed(lambda: step(plain))
-            got["replay+guard"] = timed(lambda: step(guarded))
+            got["replay"] = timed(lambda: step(lambda b, op, args: b.invoke(op, args)))
+            got["replay+guard"] = timed(lambda: step(checked_call))
             if i >= 2:  # the first two rounds warm up
                 for k, v in got.items():
                     times[k].append(v)

@@ -10,19 +10,24 @@ that loses leaves with its code. ``mm3 bench --variants slowlaunch,sep`` (or ``A
 This module imports a backend on purpose: it is benchmark code, never loaded by
 the core.
 
+Each variant is a real backend (its own plugin, registered in a registry of its
+own), so the harness calls it exactly as it calls the cuda plugin.
+
 Example:
-    >>> [v.name for v in make_variants("sep,tiles")]
-    ['cuda[sep]', 'cuda[tiles]']
+    >>> [(v.name, v.backend.name) for v in make_variants("sep,tiles")]
+    [('cuda[sep]', 'cuda_sep'), ('cuda[tiles]', 'cuda_tiles')]
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
-import torch
+from mm3.runtime.backend import Backend
+from mm3.runtime.registry import Registry
 
-__all__ = ["VARIANTS", "VariantBackend", "make_variants"]
+__all__ = ["VARIANTS", "Variant", "make_variants"]
 
 #: name -> (``override`` arguments of the cuda plugin's LaunchConfig, step kinds it changes)
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
@@ -45,33 +50,35 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
 }
 
 
-class VariantBackend:
-    """Quacks like :class:`mm3.runtime.backend.Backend` for the harness: name, alloc, index_topk, attention_forward."""
+@dataclass(frozen=True)
+class Variant:
+    """One variant: its report name (``cuda[sep]``), the step kinds it changes, its overrides, and the bound
+    backend that runs it (the cuda plugin's hooks on the overridden launch config, named ``cuda_sep``)."""
 
-    def __init__(self, name: str, overrides: dict[str, Any], kinds: tuple[str, ...]) -> None:
-        from mm3_backends.cuda.plugin import PLATFORM
-        from mm3_backends.triton.launch import override
-        from mm3_backends.triton.plugin_factory import make_hookimpls
-
-        self.name = f"cuda[{name}]"
-        self.kinds = kinds
-        self.overrides = overrides
-        self._hooks = make_hookimpls(replace(PLATFORM, launch=override(PLATFORM.launch, **overrides)))
-        self.index_topk = self._hooks.index_topk
-        self.attention_forward = self._hooks.attention_forward
-
-    def alloc_topk_buffer(self, num_tokens: int, num_heads: int, topk: int, device: Any):  # noqa: ANN201
-        return self._hooks.alloc_topk_buffer(num_tokens=num_tokens, num_heads=num_heads, topk=topk,
-                                             device=torch.device(device))
+    name: str
+    kinds: tuple[str, ...]
+    overrides: dict[str, Any]
+    backend: Backend
 
 
-def make_variants(spec: str) -> list[VariantBackend]:
-    """``"a,b"`` or ``"ALL"`` -> variant backends (unknown names raise ``KeyError`` listing the known)."""
+def _variant(name: str, overrides: dict[str, Any], kinds: tuple[str, ...]) -> Variant:
+    from mm3_backends.cuda.plugin import PLATFORM
+    from mm3_backends.triton.launch import override
+    from mm3_backends.triton.plugin_factory import make_hookimpls
+
+    platform = replace(PLATFORM, name=f"cuda_{name}", launch=override(PLATFORM.launch, **overrides))
+    plugin = SimpleNamespace(**make_hookimpls(platform)._asdict())
+    backend = Registry(plugins=[plugin], entry_points=False).get(platform.name)
+    return Variant(f"cuda[{name}]", kinds, overrides, backend)
+
+
+def make_variants(spec: str) -> list[Variant]:
+    """``"a,b"`` or ``"ALL"`` -> variants (unknown names raise ``KeyError`` listing the known)."""
     names = list(VARIANTS) if spec.strip().upper() == "ALL" else [n.strip() for n in spec.split(",") if n.strip()]
     out = []
     for n in names:
         if n not in VARIANTS:
             raise KeyError(f"unknown variant {n!r}; known: {', '.join(VARIANTS)}")
         ov, kinds = VARIANTS[n]
-        out.append(VariantBackend(n, ov, kinds))
+        out.append(_variant(n, ov, kinds))
     return out

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import mm3
+from mm3.contract.hookspecs import Op
 from mm3.integrations import targets
 from mm3.integrations import vllm as ops
 
@@ -102,7 +103,7 @@ def build(p: mm3.SparseAttentionParams, *, batch: int, context: int, layers: int
 def _rows(p: mm3.SparseAttentionParams, kv: torch.Tensor, index: torch.Tensor, caches: mm3.PagedKVCache,
           layer: mm3.SparseAttention, context: int) -> dict[str, Callable[[Step], Fn]]:
     H, K = p.num_kv_heads, p.topk
-    idx, att = layer.op_target.plain  # type: ignore[misc]
+    idx, att = layer.op_target.indexer, layer.op_target.attention
     buf = layer.topk_buffer
 
     def dropin(s: Step) -> Fn:
@@ -127,8 +128,8 @@ def _rows(p: mm3.SparseAttentionParams, kv: torch.Tensor, index: torch.Tensor, c
         rows = buf.rows(0, s.batch.num_tokens)
 
         def run() -> None:
-            idx.index_topk_unchecked(s.index_q, caches, s.batch, p, rows)
-            att.attention_forward_unchecked(s.q, caches, rows, s.batch, p, s.layer_out)
+            idx.invoke(Op.INDEX_TOPK, (s.index_q, caches, s.batch, p, rows, None))
+            att.invoke(Op.ATTENTION, (s.q, caches, rows, s.batch, p, s.layer_out))
         return run
 
     return {"dropin": dropin, "layer": layer_step, "layer_refill": layer_refill, "hooks": hooks}

@@ -61,17 +61,20 @@ def test_slot_scaled_fp8_kv_mixed_batch_on_the_triton_backends(backend: str) -> 
     assert used == {(backend, backend)}, used
 
 
-def test_a_bad_page_id_is_reported_by_the_kernels() -> None:
-    """The Triton indexer reports bad block-table entries (reports_bad_page_ids): no fault, an InputError later."""
+def test_a_bad_page_id_is_reported_by_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton indexer reports bad block-table entries (reports_bad_page_ids): no fault, an InputError later.
+    The CPU table stands in for a device one (a host table is checked on the host, every step)."""
+    import mm3.runtime.step as step
     from mm3.integrations import vllm as ops
 
+    monkeypatch.setattr(step, "on_host", lambda batch: False)
     s = vllm_step(P, decodes=(70, 33), prefills=(), seed=13)
     c, b = s.case, s.case.batch
     bad = s.block_table.clone()
     bad[1, 0] = c.caches.num_pages + 3
     targets.configure()
     with mm3.use_backend("cuda"):
-        for table in (s.block_table, bad):   # the first call of a kind is the guard's, which checks on the host
+        for table in (s.block_table, bad):   # the first call of a class is checked on the host, then the kernels
             ops.minimax_m3_index_decode(c.index_q, c.caches.index, table, s.seq_lens, b.max_seq_len, 4, 1, 1, 2, 1, 1)
     with pytest.raises(mm3.InputError, match=r"request 1, block 0: block_table\[1, 0\] is not a page id"):
         targets.check_page_ids()

@@ -143,18 +143,6 @@ class TritonPlatform:
             max_decode_query_len=self.max_decode_query_len, cuda_graph_safe=True, reports_bad_page_ids=True,
             kv_slot_scales=True)
 
-    def device_problem(self, device: torch.device) -> str:
-        """Why the kernels cannot run on tensors of ``device`` ('' if they can)."""
-        if device.type == "cuda":
-            return ""
-        if device.type == "cpu":
-            mode = _loaded_kernel_mode()
-            if mode == "compiled" or (not mode and not _interpreter_on()):
-                return ("got CPU tensors; the Triton kernels need a GPU, or TRITON_INTERPRET=1 set before "
-                        "the kernels are imported (test-only)")
-            return ""
-        return f"device type {device.type!r} is not supported (cuda, or cpu under the Triton interpreter)"
-
     def launch_config(self, device: torch.device) -> LaunchConfig:
         """The launch config for ``device``: sized for its multiprocessor count, or the interpreter's
         (:func:`.interpreter_config.for_interpreter`) for CPU tensors; cached per device."""
@@ -185,12 +173,12 @@ def _sized_config(launch: LaunchConfig, device_index: int) -> LaunchConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_modules() -> tuple[Any, Any, Any]:
-    """(checks, indexer, attention): imported at the first step, not with the plugin (they import
-    Triton), then kept (an import statement per hook call costs host time)."""
-    from . import attention, checks, indexer
+def _kernel_modules() -> tuple[Any, Any]:
+    """(indexer, attention): imported at the first step, not with the plugin (they import Triton), then
+    kept (an import statement per hook call costs host time)."""
+    from . import attention, indexer
 
-    return checks, indexer, attention
+    return indexer, attention
 
 
 class TritonHooks(NamedTuple):
@@ -223,10 +211,9 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
     def index_topk(index_q: torch.Tensor, caches: "PagedKVCache", batch: "BatchMetadata",
                    params: "SparseAttentionParams", out: TopkBuffer,
                    page_faults: Optional[torch.Tensor] = None) -> None:
-        checks, indexer, _ = _kernel_modules()
-        # mm3's Backend checked the arguments and the declared limits; these are the plugin's own.
-        checks.check_device(platform.name, caches.device, platform.device_problem)
-        checks.check_index_q(platform.name, caps, index_q)
+        # mm3 admitted the call: the arguments, the declared limits (index_q's dtype too) and this
+        # plugin's probe on the tensors' device (CPU tensors only under the interpreter)
+        indexer, _ = _kernel_modules()
         if batch.num_tokens:
             indexer.index_topk(index_q, caches, batch, params, out, platform.launch_config(caches.device),
                                page_faults)
@@ -234,8 +221,7 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
     @hookimpl
     def attention_forward(q: torch.Tensor, caches: "PagedKVCache", topk: TopkBuffer, batch: "BatchMetadata",
                           params: "SparseAttentionParams", out: torch.Tensor) -> None:
-        checks, _, attention = _kernel_modules()
-        checks.check_device(platform.name, caches.device, platform.device_problem)
+        _, attention = _kernel_modules()
         if batch.num_tokens:
             attention.attention_forward(q, caches, topk, batch, params, out,
                                         platform.launch_config(caches.device))

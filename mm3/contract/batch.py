@@ -139,14 +139,6 @@ class BatchMetadata:
         """
         return batch_kind(self.num_requests, self.num_decodes, self.decode_query_len)
 
-    @cached_property
-    def shape_class(self) -> tuple[object, ...]:
-        """What a step's argument checks read of this batch, once per batch (:mod:`mm3.runtime.step`);
-        shapes only, so :meth:`update_` and :meth:`update_from_device_` (same shapes) keep it."""
-        return (self.kind, self.num_tokens, self.num_requests, self.num_decodes, self.decode_query_len,
-                self.block_size, self.seq_lens.device, self.block_table.device, self.query_start_loc.device,
-                self.token_positions.device)
-
     # -- construction ----------------------------------------------------------------
     @classmethod
     def build(cls, query_lens: IntSeq, seq_lens: IntSeq, block_table: torch.Tensor, *,

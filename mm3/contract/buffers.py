@@ -20,8 +20,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Any, Literal, Optional, Union, cast, get_args
+from typing import Literal, Optional, Union, cast, get_args
 
 import torch
 
@@ -413,17 +412,6 @@ class PagedKVCache:
     @property
     def device(self) -> torch.device:
         return self.k.device
-
-    @cached_property
-    def shape_class(self) -> tuple[Any, ...]:
-        """What a step's argument checks read of this cache, computed once per cache object.
-
-        Shapes, dtypes, device, scaled or not: a step whose call was checked with
-        a cache of this class skips the checks (:mod:`mm3.runtime.step`). The
-        cache's tensors must therefore not be resized in place (build a new cache).
-        """
-        return (self.k.shape, self.k.dtype, self.k.device, self.index.shape, self.index.dtype, self.kv_scaled,
-                self.slot_scaled)
 
     @property
     def kv_layout(self) -> KVCacheLayout:

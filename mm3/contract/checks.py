@@ -279,11 +279,14 @@ class _Rules:
             raise self.fail(f"{n.topk} must be 3-D int32, got {s.dtype} {tuple(s.shape)}")
         H, rows, K = (s.shape[0], s.shape[1], s.shape[2]) if head_major else (s.shape[1], s.shape[0], s.shape[2])
         order = "[H, T, K]" if head_major else "[T, H, K]"
-        if (H, K) != (p.num_kv_heads, p.topk) or rows < T:
+        if (H, K) != (p.num_kv_heads, p.topk):
             raise self.fail(f"{n.topk} is {layout} storage {order} = {tuple(s.shape)}, but the step needs "
                             f"[H={p.num_kv_heads}, T>={T}, K={p.topk}] (num_kv_heads, tokens, topk): a tensor in the "
                             f"other layout ([T, H, K] token-major memory read as [H, T, K], or the reverse) is "
                             f"vLLM's MiniMax-M3 bug; pass the logical [H, T, K] view of your memory")
+        if rows < T:
+            raise self.fail(f"{n.topk} holds {rows} rows but the step has {T} tokens; pass rows(0, T) of a buffer "
+                            f"sized for the most tokens per step")
         if not in_storage_order(s.shape, s.stride):  # type: ignore[arg-type]
             raise self.fail(f"{n.topk} of shape {tuple(s.shape)} has strides {s.stride}: its memory is not in "
                             f"{layout} order {order}, so a kernel would write other tokens' rows")
@@ -303,10 +306,9 @@ class _Rules:
             x = f.index_q if op == Op.INDEX_TOPK else f.q
             assert x is not None
             caps = be.capabilities
-            where = f"{self.f.entry}: backend {caps.name!r}"
             probe = be.probe(device)
             if not probe.available:
-                raise InputError(f"{where} cannot run on {device} here: {probe.reason}")
+                raise self.fail(f"backend {caps.name!r} cannot run on {device} here: {probe.reason}")
             # model_construct: these values come from tensors, not users; a dtype no backend
             # declares must reach unmet() and be named there, not fail validation here.
             req = Requirements.model_construct(
@@ -319,8 +321,8 @@ class _Rules:
             if op == Op.INDEX_TOPK and dtype_name(x.dtype) not in caps.dtypes:
                 reasons.append(f"{self.n.index_q} dtype {x.dtype} not in {sorted(caps.dtypes)}")
             if reasons:
-                raise InputError(f"{where}.{Op(op).hook}: {'; '.join(reasons)}: outside what it declares; choose "
-                                 f"another backend or change the input")
+                raise self.fail(f"{'; '.join(reasons)}: outside what backend {caps.name!r} declares for {op.value}; "
+                                f"choose another backend or change the input")
 
 
 def check(facts: StepFacts) -> Plan:

@@ -74,7 +74,8 @@ LENGTHS = 1 << 62
 
 # the rules other than page ids, by number: (what, about a request or a token)
 _RULES = {
-    1: "starts the step's query_start_loc at {v} instead of 0",
+    1: "starts {qsl} at {v} instead of 0 (offsets sliced from a longer batch's must be rebased: subtract the "
+       "first entry, and slice the per-token tensors alike)",
     2: "has a negative query length: query_start_loc decreases there",
     3: "ends query_start_loc at {v} tokens, but the step has {T} (num_tokens)",
     4: "is one of the num_decodes={nd} decodes but holds {v} query tokens, not decode_query_len={dql} (or 0 "
@@ -107,7 +108,7 @@ def _message(word: int, batch: "Optional[BatchMetadata]", num_pages: int, names:
         return (f"request {r}, block {b}: {entry} is not a page id in [0, {num_pages}) (the cache has {num_pages} "
                 f"pages); every entry a request's seq_len uses must name a page of the cache")
     rule, index = (word - LENGTHS) >> 40, word & ((1 << 40) - 1)
-    facts: dict[str, object] = dict(v=value, q=q, T="?", nd="?", dql="?", ndt="?", mpq="?", M="?", B="?", need="?")
+    facts: dict[str, object] = dict(v=value, q=q, qsl=names.query_start_loc, T="?", nd="?", dql="?", ndt="?", mpq="?", M="?", B="?", need="?")
     if batch is not None:
         B = batch.block_size
         facts.update(T=batch.num_tokens, nd=batch.num_decodes, dql=batch.decode_query_len, B=B,
