@@ -193,7 +193,7 @@ def test_topk_from_tied_and_nan_scores_goes_to_lowest_ids() -> None:
     ("tokens", "decode_query_len=1; a decode batch holds"),
     ("fp8_flavour", "kv_cache: K/V cache dtype torch.float8_e5m2 unsupported"),
     ("one_scale", "k_scale and v_scale must both be given"),
-    ("prefix", r"prefix_lens\[0\] = \d+ but its seq_len and query length give \d+ cached tokens"),
+    ("prefix", r"request 0 has prefix_lens \d+, but its seq_len and query length give \d+ cached tokens"),
     ("cu_seqlens", "starts cu_seqlens_q at 2 instead of 0 .*must be rebased"),
     ("out_topk", r"out has shape \(2, 8, 5\), needs"),
     ("int64_table", "block_table must be int32"),

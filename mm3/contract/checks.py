@@ -44,7 +44,7 @@ import torch
 from mm3.contract.buffers import dtype_name, in_storage_order, is_dense_storage
 from mm3.contract.capabilities import Requirements
 from mm3.contract.errors import InputError
-from mm3.contract.facts import StepFacts, TensorFacts
+from mm3.contract.facts import StepFacts, TensorFacts, view
 from mm3.contract.hookspecs import Op
 from mm3.contract.kv_scales import FP8_KV_DTYPE
 
@@ -330,11 +330,11 @@ def check(facts: StepFacts) -> Plan:
 
     A pure function of ``facts``: the boundary keeps its result by the value.
     """
-    rules = _Rules(facts)
+    rules = _Rules(view(facts))
     rules.batch()
     rules.caches()
     rules.layer()
     convert_to, index_via = rules.hooks()
     rules.declared()
-    return Plan(convert_to, index_via, facts.batch.kind)
+    return Plan(convert_to, index_via, rules.f.batch.kind)
 

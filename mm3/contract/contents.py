@@ -87,6 +87,7 @@ _RULES = {
     8: "holds {v} query tokens, more than max_prefill_query_len={mpq} (which sizes the kernels' grids)",
     9: "has seq_len {v}, which needs {need} blocks of {B} but the block table has only {M} columns",
     10: "has a position or request that the lengths do not give ({v})",
+    11: "has {context_lens} {v} cached tokens",
 }
 
 
@@ -108,7 +109,7 @@ def _message(word: int, batch: "Optional[BatchMetadata]", num_pages: int, names:
         return (f"request {r}, block {b}: {entry} is not a page id in [0, {num_pages}) (the cache has {num_pages} "
                 f"pages); every entry a request's seq_len uses must name a page of the cache")
     rule, index = (word - LENGTHS) >> 40, word & ((1 << 40) - 1)
-    facts: dict[str, object] = dict(v=value, q=q, qsl=names.query_start_loc, T="?", nd="?", dql="?", ndt="?", mpq="?", M="?", B="?", need="?")
+    facts: dict[str, object] = dict(v=value, q=q, qsl=names.query_start_loc, context_lens=names.context_lens, T="?", nd="?", dql="?", ndt="?", mpq="?", M="?", B="?", need="?")
     if batch is not None:
         B = batch.block_size
         facts.update(T=batch.num_tokens, nd=batch.num_decodes, dql=batch.decode_query_len, B=B,
@@ -118,31 +119,62 @@ def _message(word: int, batch: "Optional[BatchMetadata]", num_pages: int, names:
             f"and {names.block_table} ({names.build_hint} checks them where they are made)")
 
 
-def _lengths_rules(qsl: np.ndarray, sl: np.ndarray, nd: int, dql: int, ndt: int, mpq: int, B: int, M: int,
-                   T: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``(bad, value)`` per rule (1..9) over the requests, on the host."""
+def _request_rules(qsl: np.ndarray, sl: np.ndarray, nd: int, dql: int, ndt: int, mpq: int, B: int, M: int,
+                   T: int) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """``(bad, value)`` of rules 1..9 over the requests (``qsl`` and ``sl`` int64)."""
     R = sl.shape[0]
     ql = qsl[1:] - qsl[:-1]
     req = np.arange(R)
-    dec, pad = req < nd, (req < nd) & (sl == 0)
-    first = np.zeros(R, bool)
-    if R:
-        first[0] = True
-    last = np.zeros(R, bool)
-    if R:
-        last[-1] = True
-    zeros = np.zeros(R, np.int64)
-    return [
-        (first & (qsl[0] != 0), zeros + qsl[0]),
-        (ql < 0, ql),
-        (last & (qsl[-1] != T), zeros + qsl[-1]),
-        (dec & (ql != 0) & (ql != dql), ql),
-        (first & (qsl[min(nd, R)] != ndt), zeros + qsl[min(nd, R)]),
-        (~pad & (sl < ql), sl),
-        (~dec & (ql < 1), ql),
-        (~dec & (ql > mpq), ql),
-        ((sl < 0) | ((sl + B - 1) // B > M), sl),
-    ]
+    dec = req < nd
+    pad = dec & (sl == 0)
+    first, last = req == 0, req == R - 1
+    return ((first & (qsl[0] != 0), qsl[:-1]), (ql < 0, ql), (last & (qsl[-1] != T), qsl[1:]),
+            (dec & (ql != 0) & (ql != dql), ql), (first & (qsl[min(nd, R)] != ndt), qsl[min(nd, R)] + 0 * req),
+            (~pad & (sl < ql), sl), (~dec & (ql < 1), ql), (~dec & (ql > mpq), ql),
+            ((sl < 0) | ((sl + B - 1) // B > M), sl))
+
+
+def _first_fault(qsl: np.ndarray, sl: np.ndarray, bt: np.ndarray, t2r: np.ndarray, pos: np.ndarray,
+                 ctx: Optional[np.ndarray], nd: int, dql: int, ndt: int, mpq: int, B: int, T: int,
+                 num_pages: int) -> Optional[tuple[int, object, object]]:
+    """``(word, value, query length)`` of the first rule the host arrays break, or ``None``. numpy only: a
+    good step costs a few vectorised passes; which rule broke is worked out only when one did."""
+    R, M = bt.shape
+    if not R:
+        return None if T == 0 else (LENGTHS | 3 << 40, int(qsl[-1]), "?")
+    qsl, sl = qsl.astype(np.int64), sl.astype(np.int64)
+    rules = _request_rules(qsl, sl, nd, dql, ndt, mpq, B, M, T)
+    any_bad = rules[0][0]
+    for bad, _ in rules[1:]:
+        any_bad = any_bad | bad
+    ql = qsl[1:] - qsl[:-1]
+    if np.count_nonzero(any_bad):
+        for rule, (bad, value) in enumerate(rules, 1):
+            if np.count_nonzero(bad):
+                r = int(np.argmax(bad))
+                return LENGTHS | rule << 40 | r, int(value[r]), int(ql[r])
+    # every token's request and position as the lengths give them (padding decodes: -1)
+    pad = (np.arange(R) < nd) & (sl == 0)
+    want_req = np.repeat(np.arange(R), ql)
+    want_pos = np.arange(T) - np.repeat(qsl[1:] - sl, ql)
+    want_pos[pad[want_req]] = -1
+    wrong = (want_pos != pos) | (want_req != t2r)
+    if np.count_nonzero(wrong):
+        t = int(np.argmax(wrong))
+        return (LENGTHS | 10 << 40 | t, f"position {int(pos[t])} of request {int(t2r[t])}, expected "
+                f"{int(want_pos[t])} of request {int(want_req[t])}", "?")
+    if ctx is not None:
+        want_ctx = np.where(pad, 0, np.maximum(sl - ql, 0))
+        bad = ctx != want_ctx
+        if np.count_nonzero(bad):
+            r = int(np.argmax(bad))
+            return LENGTHS | 11 << 40 | r, f"{int(ctx[r])}, but its seq_len and query length give {int(want_ctx[r])}", "?"
+    used = np.arange(M)[None, :] < ((sl + B - 1) // B)[:, None]
+    bad = used & ((bt < 0) | (bt >= num_pages))
+    if np.count_nonzero(bad):
+        r, b = (int(v) for v in np.argwhere(bad)[0])
+        return fault_word(r, b), int(bt[r, b]), "?"
+    return None
 
 
 def check_on_host(batch: "BatchMetadata", num_pages: int, *, entry: str, names: ArgNames = LAYER_NAMES,
@@ -157,39 +189,16 @@ def check_on_host(batch: "BatchMetadata", num_pages: int, *, entry: str, names: 
         if s is not None and s.dim() == 1 and not bool((torch.isfinite(s) & (s > 0)).all()):
             raise InputError(f"{entry}: {name} must be finite and > 0 for every KV head (value = stored * scale), "
                              f"got {s.tolist()}")
-    host = {f: getattr(batch, f).cpu().numpy().astype(np.int64)
-            for f in ("query_start_loc", "seq_lens", "block_table", "token_to_request", "token_positions")}
-    qsl, sl, bt = host["query_start_loc"], host["seq_lens"], host["block_table"]
-    R, M = bt.shape
-    T, nd, B = batch.num_tokens, batch.num_decodes, batch.block_size
-    ndt, mpq = batch.num_decode_tokens, batch.max_prefill_query_len
-    ql = qsl[1:] - qsl[:-1]
-    for rule, (bad, value) in enumerate(_lengths_rules(qsl, sl, nd, batch.decode_query_len, ndt, mpq, B, M, T), 1):
-        if bad.any():
-            r = int(np.argmax(bad))
-            raise InputError(f"{entry}: " + _message(LENGTHS | rule << 40 | r, batch, num_pages, names, int(value[r]),
-                                                     q=int(ql[r])))
-    pos, t2r = derive_tokens(torch.from_numpy(qsl), torch.from_numpy(sl), nd, T)
     ctx = batch.__dict__.get("context_lens")
-    wrong = (pos.numpy() != host["token_positions"]) | (t2r.numpy() != host["token_to_request"])
-    if wrong.any():
-        t = int(np.argmax(wrong))
-        raise InputError(f"{entry}: " + _message(LENGTHS | 10 << 40 | t, batch, num_pages, names,
-                                                 f"position {int(host['token_positions'][t])} of request "
-                                                 f"{int(host['token_to_request'][t])}, expected {int(pos[t])} "
-                                                 f"of request {int(t2r[t])}"))
-    if ctx is not None:
-        want = derive_context(torch.from_numpy(qsl), torch.from_numpy(sl), nd).numpy()
-        got = ctx.cpu().numpy()
-        if (got != want).any():
-            r = int(np.argmax(got != want))
-            raise InputError(f"{entry}: request {r}: {names.context_lens}[{r}] = {int(got[r])} but its seq_len and "
-                             f"query length give {int(want[r])} cached tokens; the three must agree")
-    need = (sl + B - 1) // B
-    bad = (np.arange(M)[None, :] < need[:, None]) & ((bt < 0) | (bt >= num_pages))
-    if bad.any():
-        r, b = (int(v) for v in np.argwhere(bad)[0])
-        raise InputError(f"{entry}: " + _message(fault_word(r, b), batch, num_pages, names, page=int(bt[r, b])))
+    a = [t.cpu().numpy() for t in (batch.query_start_loc, batch.seq_lens, batch.block_table, batch.token_to_request,
+                                   batch.token_positions)]
+    fault = _first_fault(*a, None if ctx is None else ctx.cpu().numpy(), batch.num_decodes,
+                         batch.decode_query_len, batch.num_decode_tokens, batch.max_prefill_query_len,
+                         batch.block_size, batch.num_tokens, num_pages)
+    if fault is not None:
+        word, value, q = fault
+        page = value if word < LENGTHS else None
+        raise InputError(f"{entry}: " + _message(word, batch, num_pages, names, value, page=page, q=q))
 
 
 def derive_context(qsl: torch.Tensor, sl: torch.Tensor, nd: int) -> torch.Tensor:
@@ -232,6 +241,9 @@ def _device_word(batch: "BatchMetadata", num_pages: int) -> torch.Tensor:
         tok = torch.arange(T, device=dev)
         wrong = (pos != batch.token_positions) | (t2r != batch.token_to_request)
         words.append(torch.where(wrong, LENGTHS | 10 << 40 | tok, NO_FAULT).amin() if T else words[0])
+        ctx = batch.__dict__.get("context_lens")
+        if ctx is not None:
+            words.append(torch.where(ctx != derive_context(qsl, sl, nd), LENGTHS | 11 << 40 | req, NO_FAULT).amin())
         need = (sl + B - 1) // B
         cols = torch.arange(M, device=dev)
         bad = (cols[None, :] < need[:, None]) & ((bt < 0) | (bt >= num_pages))

@@ -51,9 +51,7 @@ from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.checks import Plan, check
 from mm3.contract.contents import FaultFlag, check_on_host
 from mm3.contract.errors import InputError
-from mm3.contract.facts import (
-    LAYER_NAMES, ArgNames, BatchFacts, CacheFacts, LayerFacts, StepFacts, TensorFacts, strided_facts,
-)
+from mm3.contract.facts import LAYER_NAMES, ArgNames, LayerFacts, StepFacts
 from mm3.contract.hookspecs import Op
 from mm3.debug import guard
 
@@ -94,10 +92,10 @@ class AttentionArgs(NamedTuple):
     out: torch.Tensor
 
 
-def _tensor(name: str, t: object) -> TensorFacts:
+def _tensor(name: str, t: object) -> tuple[Any, ...]:
     if not isinstance(t, torch.Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    return TensorFacts(t.shape, t.dtype, t.device)
+    return (t.shape, t.dtype, t.device)
 
 
 def _wrong_types(entry: str, names: ArgNames, caches: object, batch: object, topk: object) -> InputError:
@@ -122,20 +120,19 @@ def describe(entry: str, ops: tuple[str, ...], params: "SparseAttentionParams", 
     Reads shapes, dtypes, devices and two tensors' strides; no contents, no synchronisation.
     Raises :class:`InputError` naming an argument of the wrong type.
     """
+    # plain tuples in the order of the facts' fields (view() names them): this runs every step
     try:
-        k, v, ks, vs = caches.k, caches.v, caches.k_scale, caches.v_scale
-        c = CacheFacts(TensorFacts(k.shape, k.dtype, k.device), TensorFacts(v.shape, v.dtype, v.device),
-                       TensorFacts(caches.index.shape, caches.index.dtype, caches.index.device),
-                       None if ks is None else TensorFacts(ks.shape, ks.dtype, ks.device),
-                       None if vs is None else TensorFacts(vs.shape, vs.dtype, vs.device))
+        k, v, ix, ks, vs = caches.k, caches.v, caches.index, caches.k_scale, caches.v_scale
+        c = ((k.shape, k.dtype, k.device), (v.shape, v.dtype, v.device), (ix.shape, ix.dtype, ix.device),
+             None if ks is None else (ks.shape, ks.dtype, ks.device),
+             None if vs is None else (vs.shape, vs.dtype, vs.device))
         qsl, sl, bt, tr, pos = (batch.query_start_loc, batch.seq_lens, batch.block_table, batch.token_to_request,
                                 batch.token_positions)
         ctx = batch.__dict__.get("context_lens")   # derived lazily for some batches: read only if there
-        b = BatchFacts(batch.num_decodes, batch.decode_query_len, batch.block_size, batch.num_decode_tokens,
-                       batch.max_prefill_query_len, TensorFacts(qsl.shape, qsl.dtype, qsl.device),
-                       TensorFacts(sl.shape, sl.dtype, sl.device), TensorFacts(bt.shape, bt.dtype, bt.device),
-                       TensorFacts(tr.shape, tr.dtype, tr.device), TensorFacts(pos.shape, pos.dtype, pos.device),
-                       None if ctx is None else TensorFacts(ctx.shape, ctx.dtype, ctx.device))
+        b = (batch.num_decodes, batch.decode_query_len, batch.block_size, batch.num_decode_tokens,
+             batch.max_prefill_query_len, (qsl.shape, qsl.dtype, qsl.device), (sl.shape, sl.dtype, sl.device),
+             (bt.shape, bt.dtype, bt.device), (tr.shape, tr.dtype, tr.device), (pos.shape, pos.dtype, pos.device),
+             None if ctx is None else (ctx.shape, ctx.dtype, ctx.device))
         s = topk.storage
         layout = topk.layout
     except AttributeError:
@@ -143,8 +140,8 @@ def describe(entry: str, ops: tuple[str, ...], params: "SparseAttentionParams", 
     index, attend = Op.INDEX_TOPK in ops, Op.ATTENTION in ops
     return StepFacts(entry, names, ops, params, indexer, attention, layer,
                      _tensor(names.index_q, index_q) if index else None, _tensor(names.q, q) if attend else None,
-                     _tensor(names.out, out)._replace(stride=out.stride()) if attend else None,  # type: ignore[union-attr]
-                     layout, strided_facts(s), c, b)
+                     (*_tensor(names.out, out), out.stride()) if attend else None,  # type: ignore[union-attr]
+                     layout, (s.shape, s.dtype, s.device, s.stride()), c, b)  # type: ignore[arg-type]
 
 
 def admit(facts: StepFacts) -> tuple[Plan, bool]:
@@ -203,6 +200,8 @@ class OpTarget:
     handle: int = field(init=False)
     #: (op, batch kind) pairs whose first eager call passed the guard ("first" mode)
     guarded: set[tuple[str, str]] = field(default_factory=set)
+    #: rows(0, T) views of the owner's buffer by T (a slice costs more host time than the lookup)
+    _rows: dict[int, TopkBuffer] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._reports = self.indexer.capabilities.reports_bad_page_ids
@@ -267,7 +266,12 @@ class OpTarget:
         plan, new = admit(f)
         faults = self._contents(f, caches, batch, new, graph)
         T = batch.num_tokens
-        rows = topk if topk.num_tokens == T else topk.rows(0, T)
+        if topk.num_tokens == T:
+            rows = topk
+        elif topk is self.topk:
+            rows = self._rows.get(T) or self._rows.setdefault(T, topk.rows(0, T))
+        else:
+            rows = topk.rows(0, T)
         if Op.INDEX_TOPK in ops:
             write = rows if plan.index_via is None else \
                 TopkBuffer.allocate(T, rows.num_heads, rows.topk, plan.index_via, rows.device)

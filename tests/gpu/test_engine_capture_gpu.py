@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import mm3
+from mm3.contract.hookspecs import Op
 from gpu_reference import POISON_TOPK, assert_step_right, build_case
 
 GPU = torch.cuda.is_available()
@@ -72,7 +73,7 @@ def test_an_engine_capture_runs_the_plugin_kernels_only(mode: str, shared_pool: 
                            width=case.batch.block_table.shape[1])
         assert step2.caches.num_pages == case.caches.num_pages   # its table's ids fit the captured caches
         layer = mm3.SparseAttention(P, device="cuda", max_num_tokens=8, backend="cuda", cuda_graph=True)
-        idx, att = layer.op_target.plain  # type: ignore[misc]
+        idx, att = layer.op_target.indexer, layer.op_target.attention
         buf = layer.topk_buffer
         out = torch.full_like(case.q, float("nan"))
         pool = torch.cuda.graph_pool_handle() if shared_pool else None
@@ -82,8 +83,8 @@ def test_an_engine_capture_runs_the_plugin_kernels_only(mode: str, shared_pool: 
 
         def hooks_step() -> None:
             rows = buf.rows(0, case.batch.num_tokens)
-            idx.index_topk_unchecked(case.index_q, case.caches, case.batch, P, rows)
-            att.attention_forward_unchecked(case.q, case.caches, rows, case.batch, P, out)
+            idx.invoke(Op.INDEX_TOPK, (case.index_q, case.caches, case.batch, P, rows, None))   # the bare hooks
+            att.invoke(Op.ATTENTION, (case.q, case.caches, rows, case.batch, P, out))
 
         g_hooks = _capture(hooks_step, pool)
         g_layer = _capture(layer_step, pool)

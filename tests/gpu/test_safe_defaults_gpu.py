@@ -1,6 +1,6 @@
 """Safe defaults on the GPU (docs/errors.md §2.1, §2.6): bad page ids raise on the cuda backend.
 
-* the first step of a kind runs guarded and raises at once, naming request, block and id;
+* the first step of a shape class is checked on the host and raises at once, naming request, block and id;
 * in steady state the check runs on the device without a sync and raises at the next step
   (or at ``SparseAttention.check_page_ids()``), and the layer stays usable;
 * under CUDA-graph capture the check is captured: a replay with a bad id in the refreshed
@@ -15,7 +15,7 @@ import torch
 from mm3 import BatchMetadata, SparseAttentionParams
 from mm3.runtime.config import Settings
 from mm3.contract.errors import InputError
-from mm3.debug import GuardedBackend
+import mm3.debug.guard as guard_mod
 from mm3.runtime.layer import SparseAttention
 from mm3.testing.factories import Case, make_case
 
@@ -68,8 +68,8 @@ def test_graph_capture_skips_the_guard_and_replays_check_page_ids(monkeypatch: p
     layer, case = _layer(cuda_graph=True), _case()
     layer(case.q, case.index_q, case.caches, case.batch)                  # eager warm-up, guarded
     guarded: list[int] = []
-    real = GuardedBackend.index_topk
-    monkeypatch.setattr(GuardedBackend, "index_topk", lambda self, *a: guarded.append(1) or real(self, *a))
+    real = guard_mod.checked_call
+    monkeypatch.setattr(guard_mod, "checked_call", lambda *a, **k: guarded.append(1) or real(*a, **k))
     b = case.batch
     static = BatchMetadata.build(b.query_lens, b.seq_lens_host, b.block_table.clone(), block_size=b.block_size,
                                  num_decodes=b.num_decodes)
@@ -94,13 +94,13 @@ def test_graph_capture_skips_the_guard_and_replays_check_page_ids(monkeypatch: p
 def test_the_page_id_word_is_host_memory_the_kernels_write() -> None:
     """The flag's word is pinned host memory mapped into the GPU: the indexer's store lands where the
     host reads, so an eager step makes no copy (a word left on the device would cost one per step)."""
-    from mm3.contract.page_ids import PageIdFlag
+    from mm3.contract.contents import FaultFlag
 
     for device in ("cuda", torch.device("cuda", torch.cuda.current_device())):
-        flag = PageIdFlag(device)
+        flag = FaultFlag(device)
         assert flag.shared and flag.word.is_cuda and flag.word.data_ptr() == flag._host.data_ptr(), device
     layer, case = _layer(), _case()
-    assert layer._page_ids.shared
+    assert layer._flag.shared
     layer(case.q, case.index_q, case.caches, case.batch)                  # guarded first step
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

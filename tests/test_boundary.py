@@ -1,0 +1,307 @@
+"""One boundary for a step: what it remembers, and that no entry point gives a silent wrong answer.
+
+* The memo of admitted classes is keyed by the facts value itself: every field of it (every fact a
+  rule may read) changes the key, and the rules read nothing but that value.
+* Three inputs that used to pass silently raise through every entry point (the layer, the custom
+  ops, the vLLM drop-in, the tensor-parallel layer): a block table rewritten in place after a good
+  step; token-major top-k memory given to the ops (correct, read as the view it is); a
+  ``from_device`` batch whose lengths contradict its query starts.
+* Every batch tensor an engine rewrites in place between steps: the next step raises, or reads the
+  new contents (checked against the fp64 oracle), never the old ones and never a silent difference.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import mm3
+import mm3.runtime.step as step_mod
+from mm3.contract.checks import Plan, check
+from mm3.contract.facts import StepFacts
+from mm3.integrations import targets
+from mm3.integrations import vllm as ops
+from mm3.runtime.config import Settings
+from mm3.runtime.ops import batch_args
+from mm3.testing.factories import make_case
+from mm3.testing.oracle import oracle_attention, oracle_topk
+
+P = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16, num_index_heads=2, index_head_dim=16,
+                              block_size=16, topk=4)
+STEP = dict(decodes=[70, 40], prefills=[(9, 30)], dtype="float32")
+
+
+def _layer(**kw: Any) -> mm3.SparseAttention:
+    return mm3.SparseAttention(P, dtype=torch.float32, max_num_tokens=32, backend="cpu_ref", **kw)
+
+
+def _want(q: torch.Tensor, index_q: torch.Tensor, caches: mm3.PagedKVCache, batch: mm3.BatchMetadata,
+          p: mm3.SparseAttentionParams = P) -> torch.Tensor:
+    return oracle_attention(q, caches, oracle_topk(index_q, caches, batch, p), batch, p)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)    # fp32 against fp64
+
+
+# -- the memo: keyed by the value, every field counts --------------------------------------------------
+
+def _facts() -> StepFacts:
+    layer, case = _layer(), make_case(P, seed=0, **STEP)
+    t = layer.op_target
+    out = torch.empty_like(case.q)
+    return step_mod.describe("test", step_mod.BOTH, P, t.indexer, t.attention, caches=case.caches,
+                             batch=case.batch, topk=t.topk, index_q=case.index_q, q=case.q, out=out,
+                             layer=t.layer)
+
+
+def _leaves(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Paths of every leaf of nested tuples (a torch.Size is a leaf: it is one fact)."""
+    if isinstance(value, tuple) and not isinstance(value, torch.Size):
+        return [p for i, v in enumerate(value) for p in _leaves(v, path + (i,))]
+    return [path]
+
+
+def _replaced(value: Any, path: tuple[Any, ...], new: Any) -> Any:
+    if not path:
+        return new
+    items = list(value)
+    items[path[0]] = _replaced(items[path[0]], path[1:], new)
+    return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+
+
+def test_every_fact_is_part_of_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No hand-built key: the memo's key is the facts value, so a fact that changes is a new class and its
+    rules run again (a new field added to the facts for a new rule counts the same way, with no key to edit)."""
+    facts = _facts()
+    leaves = _leaves(facts)
+    assert len(leaves) > 40
+    runs: list[StepFacts] = []
+    monkeypatch.setattr(step_mod, "check", lambda f: runs.append(f) or Plan(None, None, "mixed"))
+    step_mod.forget()
+    step_mod.admit(facts)
+    step_mod.admit(facts)
+    assert len(runs) == 1                                  # the same value: remembered
+    for path in leaves:
+        other = _replaced(facts, path, object())           # equal to nothing
+        assert other != facts, path
+        before = len(runs)
+        step_mod.admit(other)
+        assert len(runs) == before + 1, f"changing {path} did not make a new class"
+    step_mod.forget()
+
+
+def test_the_rules_read_the_facts_value_only() -> None:
+    """``check`` takes one argument, and the value holds no tensor: a rule cannot read a tensor's contents,
+    nor anything the key leaves out."""
+    assert list(inspect.signature(check).parameters) == ["facts"]
+    facts = _facts()
+    stack: list[Any] = [facts]
+    while stack:
+        v = stack.pop()
+        assert not isinstance(v, torch.Tensor)
+        if isinstance(v, tuple):
+            stack.extend(v)
+    check(facts)
+
+
+def test_a_fact_a_rule_reads_changes_the_key_and_the_verdict() -> None:
+    """The out tensor's strides are a fact (the overlap rule reads them): an expand()-ed out is a new class,
+    judged and refused, whatever passed before."""
+    facts = _facts()
+    step_mod.admit(facts)
+    overlapping = facts._replace(out=(*facts.out[:3], (0, 16, 1)))
+    assert overlapping != facts
+    with pytest.raises(mm3.InputError, match="share memory"):
+        step_mod.admit(overlapping)
+
+
+# -- case 1: a block table rewritten in place --------------------------------------------------------------
+
+def _rewrite_page(table: torch.Tensor, num_pages: int) -> None:
+    table[0, 4] = num_pages + 100            # request 0 (70 tokens) uses blocks 0..4
+
+
+def _tp_layer() -> Any:
+    return mm3.TensorParallelSparseAttention(P, rank=0, world_size=1, dtype=torch.float32, max_num_tokens=32,
+                                             backend="cpu_ref")
+
+
+ENTRIES: dict[str, Callable[[Any, Any], None]] = {}
+
+
+def _entry(name: str) -> Callable[[Callable[[Any, Any], None]], Callable[[Any, Any], None]]:
+    def add(fn: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+        ENTRIES[name] = fn
+        return fn
+    return add
+
+
+@_entry("layer")
+def _via_layer(layer: Any, case: Any) -> torch.Tensor:
+    return layer(case.q, case.index_q, case.caches, case.batch)
+
+
+@_entry("tensor-parallel layer")
+def _via_tp(layer: Any, case: Any) -> torch.Tensor:
+    return layer(case.q, case.index_q, case.caches, case.batch)
+
+
+@_entry("custom ops")
+def _via_ops(layer: Any, case: Any) -> torch.Tensor:
+    c, args, h = case.caches, batch_args(case.batch), layer.op_target.handle
+    out = torch.full_like(case.q, float("nan"))
+    torch.ops.mm3.index_topk(case.index_q, c.k, c.v, c.index, layer.topk_buffer.storage, *args, h)
+    torch.ops.mm3.attention(case.q, c.k, c.v, c.index, layer.topk_buffer.storage, *args, h, out)
+    return out
+
+
+def _make(entry: str) -> Any:
+    return _tp_layer() if entry == "tensor-parallel layer" else _layer()
+
+
+@pytest.mark.parametrize("entry", ["layer", "tensor-parallel layer", "custom ops"])
+@pytest.mark.parametrize("mode", ["first", "always", "never"])
+def test_a_block_table_rewritten_in_place_raises(entry: str, mode: str) -> None:
+    layer = _make(entry) if mode == "first" else _layer(settings=Settings(check_contracts=mode))
+    run = ENTRIES[entry] if mode == "first" else ENTRIES["layer" if entry != "custom ops" else entry]
+    case = make_case(P, seed=1, **STEP)
+    got = run(layer, case)                                              # a good step
+    _close(got, _want(case.q, case.index_q, case.caches, case.batch))
+    _rewrite_page(case.batch.block_table, case.caches.num_pages)       # the engine's next table, in place
+    for _ in range(2):                                                  # every step, not once per batch
+        with pytest.raises(mm3.InputError, match=r"request 0, block 4: .*block_table\[0, 4\] = \d+ is not a page id"):
+            run(layer, case)
+
+
+def test_a_block_table_rewritten_in_place_raises_through_the_dropin() -> None:
+    from vllm_steps import vllm_step
+
+    targets.configure()
+    s = vllm_step(P, decodes=(70, 33), prefills=(), seed=2)
+    c, b = s.case, s.case.batch
+    args = (c.index_q, c.caches.index, s.block_table, s.seq_lens, b.max_seq_len, 4, 1, 1, 2, 1, 1)
+    ops.minimax_m3_index_decode(*args)
+    _rewrite_page(s.block_table, c.caches.num_pages)
+    with pytest.raises(mm3.InputError, match=r"minimax_m3_index_decode: request 0, block 4: block_table\[0, 4\]"):
+        ops.minimax_m3_index_decode(*args)
+    with pytest.raises(mm3.InputError, match=r"minimax_m3_sparse_attn_decode: request 0, block 4"):
+        ops.minimax_m3_sparse_attn_decode(c.q, s.kv_cache, s.topk_view, s.block_table, s.seq_lens, 2,
+                                          P.softmax_scale, s.output, 1)
+
+
+def test_check_page_ids_reports_a_device_fault_of_an_earlier_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table the host cannot read without a sync (CPU tensors stand in for device ones): cpu_ref does not
+    report bad ids itself, so the step records the check on the device and check_page_ids() raises."""
+    monkeypatch.setattr(step_mod, "on_host", lambda batch: False)
+    layer, case = _layer(), make_case(P, seed=3, **STEP)
+    layer(case.q, case.index_q, case.caches, case.batch)               # the class's first step: on the host
+    _rewrite_page(case.batch.block_table, case.caches.num_pages)
+    layer(case.q, case.index_q, case.caches, case.batch)               # recorded, no sync
+    with pytest.raises(mm3.InputError, match=r"request 0, block 4: .*found on the device"):
+        layer.check_page_ids()
+
+
+# -- case 2: token-major top-k memory through the custom ops -----------------------------------------------
+
+def test_token_major_memory_through_the_ops_is_read_as_the_view_it_is() -> None:
+    """The ops read a caller's top-k tensor as the logical [H, T, K] view (vLLM's convention) for both the
+    indexer and the attention, so [T, H, K] memory with T == H is one consistent view: the answer is right."""
+    layer = _layer()
+    case = make_case(P, decodes=[70, 40], dtype="float32", seed=4)     # T == H == 2
+    c, args, h = case.caches, batch_args(case.batch), layer.op_target.handle
+    memory = torch.full((2, 2, P.topk), -7, dtype=torch.int32)          # [T, H, K], token-major
+    out = torch.full_like(case.q, float("nan"))
+    torch.ops.mm3.index_topk(case.index_q, c.k, c.v, c.index, memory, *args, h)
+    torch.ops.mm3.attention(case.q, c.k, c.v, c.index, memory, *args, h, out)
+    _close(out, _want(case.q, case.index_q, c, case.batch))
+    right = memory.permute(1, 0, 2)                                    # the honest view of the same memory
+    out2 = torch.full_like(case.q, float("nan"))
+    torch.ops.mm3.index_topk(case.index_q, c.k, c.v, c.index, right, *args, h)
+    torch.ops.mm3.attention(case.q, c.k, c.v, c.index, right, *args, h, out2)
+    torch.testing.assert_close(out2, out)
+
+
+def test_token_major_memory_of_another_token_count_names_the_layout() -> None:
+    layer = _layer()
+    case = make_case(P, decodes=[70, 40, 33], dtype="float32", seed=5)  # T = 3, H = 2
+    c, args, h = case.caches, batch_args(case.batch), layer.op_target.handle
+    memory = torch.full((3, 2, P.topk), -1, dtype=torch.int32)          # [T, H, K] passed as if [H, T, K]
+    with pytest.raises(mm3.InputError, match=r"torch.ops.mm3.index_topk: topk is head_major storage \[H, T, K\] "
+                                             r"= \(3, 2, 4\).*vLLM's MiniMax-M3 bug; pass the logical \[H, T, K\] view"):
+        torch.ops.mm3.index_topk(case.index_q, c.k, c.v, c.index, memory, *args, h)
+
+
+# -- case 3: a from_device batch whose lengths contradict each other --------------------------------------
+
+def _short_seq_batch() -> tuple[Any, mm3.BatchMetadata]:
+    case = make_case(P, prefills=[(9, 30)], dtype="float32", seed=6)
+    b = case.batch
+    bad = mm3.BatchMetadata.from_device(b.query_start_loc, torch.tensor([3], dtype=torch.int32), b.block_table,
+                                        num_decodes=0, num_tokens=9, max_query_len=9, block_size=16)
+    return case, bad
+
+
+@pytest.mark.parametrize("entry", ["layer", "tensor-parallel layer", "custom ops"])
+def test_a_from_device_batch_with_contradicting_lengths_raises(entry: str) -> None:
+    case, bad = _short_seq_batch()
+    assert bad.token_positions.tolist()[:3] == [-6, -5, -4]             # derived as given: contradictory
+    layer = _make(entry)
+    with pytest.raises(mm3.InputError, match=r"request 0 has seq_len 3 < query_len 9"):
+        ENTRIES[entry](layer, type(case)(case.params, case.q, case.index_q, case.caches, bad))
+
+
+def test_a_prefill_whose_seq_len_is_shorter_than_its_query_raises_through_the_dropin() -> None:
+    targets.configure()
+    case, _ = _short_seq_batch()
+    c, b = case.caches, case.batch
+    from vllm_steps import combined_kv
+
+    topk = torch.zeros(2, 9, P.topk, dtype=torch.int32)
+    with pytest.raises(mm3.InputError, match=r"minimax_m3_sparse_attn: request 0 has seq_len 3 < query_len 9"):
+        ops.minimax_m3_sparse_attn(case.q, combined_kv(case), topk, b.block_table, b.query_start_loc,
+                                   torch.tensor([3], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 9, 2,
+                                   P.softmax_scale, torch.empty_like(case.q))
+
+
+# -- every batch tensor rewritten in place between steps ----------------------------------------------------
+
+def _rewrite(batch: mm3.BatchMetadata, what: str, num_pages: int) -> None:
+    """Rewrite one of the batch's tensors in place, as an engine's buggy update might."""
+    if what == "block_table (bad id)":
+        batch.block_table[2, 1] = num_pages + 1
+    elif what == "block_table (other page)":      # a valid page: the step must read it
+        batch.block_table[0, 2] = int(batch.block_table[1, 0])
+    elif what == "seq_lens":
+        batch.seq_lens[0] += 3
+    elif what == "query_start_loc":
+        batch.query_start_loc[2] += 1
+    elif what == "token_positions":
+        batch.token_positions[5] += 1
+    elif what == "token_to_request":
+        batch.token_to_request[4] = 0
+    elif what == "context_lens":
+        batch.context_lens[2] -= 1
+
+
+REWRITES = ["block_table (bad id)", "block_table (other page)", "seq_lens", "query_start_loc", "token_positions",
+            "token_to_request", "context_lens"]
+
+
+@pytest.mark.parametrize("entry", ["layer", "tensor-parallel layer", "custom ops"])
+@pytest.mark.parametrize("what", REWRITES)
+def test_an_in_place_rewrite_raises_or_is_read(entry: str, what: str) -> None:
+    layer = _make(entry)
+    case = make_case(P, seed=7, **STEP)
+    ENTRIES[entry](layer, case)
+    _rewrite(case.batch, what, case.caches.num_pages)
+    try:
+        got = ENTRIES[entry](layer, case)
+    except mm3.InputError:
+        assert what != "block_table (other page)"
+        return
+    assert what == "block_table (other page)", f"{what} rewritten in place passed silently"
+    _close(got, _want(case.q, case.index_q, case.caches, case.batch))
