@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
@@ -129,8 +130,10 @@ def release_for(version: tuple[int, int]) -> Optional[Release]:
     return next((r for r in RELEASES if r.first <= version <= r.last), None)
 
 
+@functools.lru_cache(maxsize=1)
 def installed_version() -> Optional[tuple[int, int]]:
-    """(major, minor) of the Triton this process imports, without importing it; None if there is none."""
+    """(major, minor) of the Triton this process imports, without importing it; None if there is none
+    (asked once: the probes ask on every selection)."""
     mod = sys.modules.get("triton")
     text = getattr(mod, "__version__", None)
     if text is None:

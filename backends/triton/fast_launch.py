@@ -128,9 +128,8 @@ class _Kernel:
         return tuple(out)
 
 
-def _hooks_installed() -> bool:
-    """A launch hook (a profiler) needs Triton's launch metadata: take its path then."""
-    return compat.hooks_installed()
+#: a launch hook (a profiler) is installed: it needs Triton's launch metadata, so take Triton's path
+_hooks_installed = compat.hooks_installed
 
 
 _UNUSABLE: Optional[str] = None
