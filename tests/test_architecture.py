@@ -194,9 +194,9 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
     # a docstring example's import is an edge; an installed module importing a test helper is caught
     fake = tmp_path / "mm3_backends_fake.py"
     fake.write_text('"""Doc.\n\n    >>> from mm3_backends.cuda.plugin import NVIDIA_LAUNCH\n"""\n'
-                    "import launch_dump\n")
+                    "import decode_steps\n")
     code, docs = _imports(fake, "mm3_backends.triton.fake"), _imports(fake, "mm3_backends.triton.fake", True)
-    assert (code, docs) == ({"tests_or_tools.launch_dump"}, {"mm3_backends.cuda.plugin"}), (code, docs)
+    assert (code, docs) == ({"tests_or_tools.decode_steps"}, {"mm3_backends.cuda.plugin"}), (code, docs)
     assert all(forbidden("mm3_backends.triton.fake", dst) for dst in code | docs)
 
 

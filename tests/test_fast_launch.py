@@ -3,18 +3,15 @@
 What a GPU must show (the direct launch writes what Triton's launch writes, bit
 for bit, also under CUDA-graph capture) is tests/gpu/test_fast_launch_gpu.py;
 here: which launches go direct, with which arguments in which order, every
-fallback (each said by a warning), and that the installed Triton is one the
-adapter fits: its JIT calls a compiled kernel's launcher as the adapter does,
-its launchers take that call, and its launch hooks are seen. A Triton release
-that changes any of these fails here, before a GPU run would find the host
-time back at Triton's own binding.
+fallback (each said by a warning), and the launch recorder. That the installed
+Triton is one the adapter fits (its JIT calls a compiled kernel's launcher as
+the adapter does, its launchers take that call, its launch hooks are seen) is
+tests/test_triton_compat.py.
 """
 
 from __future__ import annotations
 
-import ast
 import inspect
-import textwrap
 import warnings
 from typing import Any
 
@@ -23,6 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from mm3_backends.triton import compat  # noqa: E402
 from mm3_backends.triton import fast_launch as fl  # noqa: E402
 
 
@@ -79,13 +77,11 @@ class _Jit:
 
 @pytest.fixture(autouse=True)
 def _driver(monkeypatch: pytest.MonkeyPatch) -> None:
-    from triton.runtime.driver import driver
-
     monkeypatch.setattr(fl, "_WARNED", set())   # each test sees its fallbacks said
 
     active = type("Active", (), {"get_current_device": staticmethod(lambda: 0),
                                  "get_current_stream": staticmethod(lambda d: 1234)})()
-    monkeypatch.setattr(driver, "_active", active)   # what driver.active returns
+    monkeypatch.setattr(compat, "active_driver", lambda: active)
 
 
 def test_the_first_launch_of_a_class_is_tritons_then_direct_with_the_constexprs_appended() -> None:
@@ -133,7 +129,7 @@ def test_the_prefill_kernels_leave_their_per_step_counts_unspecialized() -> None
     """The step's offsets and counts (which change every prefill step) are ``do_not_specialize``:
     without it every step is a new call class and the fast launch never goes direct."""
     from mm3_backends.triton import attention, indexer, prefill_attention, prefill_plan
-    from mm3_backends.triton.tl_utils import unspecialized_params
+    from mm3_backends.triton.compat import unspecialized_params
 
     per_step = {prefill_plan._pair_count_kernel: {"tok0", "Tc", "first_request", "num_req", "nb_max"},
                 prefill_plan._pair_place_kernel: {"tok0", "Tc", "first_request", "num_req", "nb_max"},
@@ -183,60 +179,18 @@ def test_a_launcher_that_takes_another_call_is_never_called_and_said() -> None:
         fast(_Jit(launcher=_OtherLauncher()), (1,), (x, 7, 16), {"BLOCK": 32}, {})
 
 
-def _jit_launch_call() -> ast.Call:
-    """The call of a compiled kernel's launcher in the installed Triton's ``JITFunction.run``."""
-    from triton.runtime.jit import JITFunction
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(JITFunction.run)))
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and n.func.attr == "run" and isinstance(n.func.value, ast.Name) and n.func.value.id == "kernel"]
-    assert len(calls) == 1, f"JITFunction.run calls kernel.run {len(calls)} times"
-    return calls[0]
-
-
-def test_the_installed_tritons_jit_calls_the_launcher_as_the_adapter_does() -> None:
-    """The adapter calls ``run(grid x 3, stream, function, packed_metadata, launch metadata, enter hook,
-    exit hook, *every parameter)``: the call Triton's own JIT makes. Another call here (a new argument,
-    another order, the parameters passed otherwise) is a Triton the adapter does not fit."""
-    call = _jit_launch_call()
-    head = [ast.unparse(a) for a in call.args[:fl.LAUNCH_HEAD]]
-    assert head[:7] == ["grid_0", "grid_1", "grid_2", "stream", "kernel.function", "kernel.packed_metadata",
-                        "launch_metadata"], head
-    assert head[7].endswith("launch_enter_hook") and head[8].endswith("launch_exit_hook"), head
-    rest = call.args[fl.LAUNCH_HEAD:]
-    assert len(rest) == 1 and isinstance(rest[0], ast.Starred) and "bound_args" in ast.unparse(rest[0]), \
-        "the kernel's parameters are passed otherwise than as *bound_args.values() (every parameter)"
-    assert not call.keywords
-
-
-def test_the_installed_tritons_launchers_take_that_call() -> None:
-    from triton.backends.amd.driver import HIPLauncher
-    from triton.backends.nvidia.driver import CudaLauncher
-
-    for launcher in (CudaLauncher, HIPLauncher):
-        assert fl.launcher_problem(launcher) == "", fl.launcher_problem(launcher)
-
-
-def test_a_launch_hook_of_the_installed_triton_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A profiler's launch hook needs Triton's launch metadata: while one is installed every launch
-    takes Triton's path. Where this Triton keeps its hooks is looked up; a move fails here."""
-    holder = fl._hook_holder()
-    assert not fl._hooks_installed()
-    hook = getattr(holder, "launch_enter_hook")
-
-    def profiler(metadata: Any) -> None:
-        return None
-    if hasattr(hook, "add"):     # a chain of hooks (Triton >= 3.8)
-        hook.add(profiler)
-        try:
-            assert fl._hooks_installed()
-        finally:
-            hook.remove(profiler)
-    else:
-        monkeypatch.setattr(holder, "launch_enter_hook", profiler)
-        assert fl._hooks_installed()
-        monkeypatch.undo()
-    assert not fl._hooks_installed()
+def test_a_triton_without_an_internal_the_direct_launch_reads_launches_through_triton_and_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release that moved one of them (compat.INTERNALS): every kernel takes Triton's launch, said once."""
+    monkeypatch.setitem(compat.INTERNALS, compat.DIRECT_LAUNCH,
+                        (*compat.INTERNALS[compat.DIRECT_LAUNCH], "triton.runtime.jit:JITFunction.moved_away"))
+    monkeypatch.setattr(fl, "_UNUSABLE", None)
+    fast, x = fl.FastLauncher(), torch.zeros(8)
+    with pytest.warns(fl.FastLaunchWarning, match=r"this Triton lacks triton\.runtime\.jit:JITFunction\.moved_away"):
+        for k in (_Jit(), _Jit()):
+            for _ in range(2):
+                fast(k, (1,), (x, 7, 16), {"BLOCK": 32}, {})
+    assert fast.stats() == {"direct": 0, "triton": 0, "disabled": 4}
 
 
 class _Interpreted(_Jit):
@@ -275,3 +229,18 @@ def test_equal_constexprs_in_new_dicts_are_one_class_and_kept_dicts_are_known_by
     kernel = fast._kernel(k)
     assert kernel.static_token(const, opts) == kernel.static_token({"BLOCK": 32}, {"num_warps": 4})
     assert kernel.static_token({"BLOCK": 64}, opts) != kernel.static_token(const, opts)
+
+
+def test_recording_sees_every_launch_and_makes_none() -> None:
+    k, x = _Jit(), torch.zeros(8)
+    with fl.recording() as launches:
+        fl.launch(k, (2,), (x, 7, 16), {"BLOCK": 32}, {"num_warps": 4}, fast=True)
+        fl.launch(k, (3, 1), (x, 8, 16), {"BLOCK": 64}, {}, fast=False)
+        with pytest.raises(RuntimeError, match="already being recorded"):
+            with fl.recording():
+                pass
+    assert k.calls == []
+    assert [(r.kernel, r.grid, r.args, r.constexprs, r.options) for r in launches] == [
+        (k, (2,), (x, 7, 16), {"BLOCK": 32}, {"num_warps": 4}), (k, (3, 1), (x, 8, 16), {"BLOCK": 64}, {})]
+    fl.launch(k, (1,), (x, 7, 16), {"BLOCK": 32}, {}, fast=False)     # after the block: launched again
+    assert len(k.calls) == 1

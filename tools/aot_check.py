@@ -39,7 +39,7 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
 
 @dataclass
 class Launch:
-    """One recorded kernel launch: the JIT function, its arguments and launch options."""
+    """One recorded kernel launch: the JIT function, its arguments, constexprs and launch options."""
 
     label: str
     kernel: Any
@@ -89,31 +89,16 @@ class Launch:
         return sig, constexprs, attrs
 
 
-class _Recorder:
-    def __init__(self, kernel: Any, label: str, sink: list[Launch]) -> None:
-        self.kernel, self.label, self.sink = kernel, label, sink
-
-    def __getitem__(self, grid: Any):  # noqa: ANN204 - mimics JITFunction[grid]
-        def launch(*args: Any, **kwargs: Any) -> None:
-            opts = {k: v for k, v in kwargs.items() if k not in self.kernel.arg_names}
-            self.sink.append(Launch(self.label, self.kernel, args, kwargs, opts))
-        return launch
-
-
 def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
-    """Every launch the plugin's hooks make on a mixed M3 step per shape variant (nothing runs)."""
+    """Every launch the plugin's hooks make on a mixed M3 step per shape variant (nothing runs: the
+    launch layer records them, ``fast_launch.recording``)."""
     from mm3.contract import SparseAttentionParams, TopkBuffer
     from mm3.testing.factories import make_case
-    from mm3_backends.triton import attention, indexer, prefill_attention, prefill_plan
+    from mm3_backends.triton import attention, indexer
+    from mm3_backends.triton.fast_launch import recording
     from mm3_backends.triton.launch import override
 
-    sink: list[Launch] = []
-    kernels = {m: [n for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
-               for m in (indexer, attention, prefill_attention, prefill_plan)}
-    saved = {(m, n): getattr(m, n) for m, names in kernels.items() for n in names}
-    try:
-        for (m, n), k in saved.items():
-            setattr(m, n, _Recorder(k, f"{label}:{n}", sink))
+    with recording() as launches:
         # PDL off, as the compile check always ran: its launches are proven on the GPU (tests/gpu)
         cfg = override(plugin_spec.launch.for_device_sms(132), algorithms=dict(pdl=False))
         # (tp, dtype, index dtype, decode query len, decodes, prefills[, K/V dtype]); fp32 (tests only) is left out:
@@ -141,10 +126,7 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
             topk = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, plugin_spec.topk_layout)
             indexer.index_topk(case.index_q, case.caches, case.batch, p, topk, cfg)
             attention.attention_forward(case.q, case.caches, topk, case.batch, p, torch.empty_like(case.q), cfg)
-    finally:
-        for (m, n), k in saved.items():
-            setattr(m, n, k)
-    return sink
+    return [Launch(f"{label}:{x.name}", x.kernel, x.args, {**x.constexprs, **x.options}, x.options) for x in launches]
 
 
 def _nvidia_usage(kernel: Any) -> str:

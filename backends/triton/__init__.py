@@ -6,11 +6,14 @@
 * :mod:`.kernel_configs`, :mod:`.prefill_config` - tile sizes, warps and stages per kernel family;
 * :mod:`.algorithms` - which kernel variants run, and the kernels' numerics;
 * :mod:`.interpreter_config` - a plugin's launch config under Triton's CPU interpreter (small tiles);
-* :mod:`.interpreter` - the interpreter made to compute bf16 as a GPU does (applied under it);
+* :mod:`.interpreter`, :mod:`.interpreter_speed` - the interpreter made to compute bf16 as a GPU does,
+  and exact shortcuts through it (applied under it);
+* :mod:`.compat` - every private internal of Triton the modules here rely on, checked per release;
 * :mod:`.checks` - what the plugins check themselves (device, index query dtype);
 * :mod:`.plugin_factory` - builds a plugin's hooks from a :class:`TritonPlatform`;
 * :mod:`.fast_launch`, :mod:`.plans`, :mod:`.scratch`, :mod:`.arrivals` - host time of a launch
-  (direct launches, launch parameters kept per shape class, kept scratch, last-program counters).
+  (the one launch function: direct launches and a recording of launches; launch parameters kept per
+  shape class, kept scratch, last-program counters).
 
 No module here knows a platform: each plugin (``backends/cuda``, ``backends/rocm``)
 owns its launch config (``tuning.py``) and says which launch options apply.

@@ -53,6 +53,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .compat import current_raw_stream
+
 __all__ = ["arrival_counters", "capturing", "capture_matters", "in_own_thread", "stream_key", "MIN_COUNTERS",
            "offer_ready_flags", "claim_ready_flags"]
 
@@ -74,18 +76,11 @@ _KEEP: list[torch.Tensor] = []
 _LOCK = threading.Lock()
 
 
-try:   # the raw handle without a Stream object (what Triton's launcher uses; CUDA and ROCm builds)
-    from torch._C import _cuda_getCurrentRawStream as _raw_stream
-except ImportError:
-    def _raw_stream(index: int) -> int:
-        return torch.cuda.current_stream(index).cuda_stream
-
-
 def stream_key(device: torch.device) -> tuple[torch.device, int]:
     """What buffers kept for ``device``'s current stream are keyed by: the device and the raw stream
     handle (no Stream object is made), or the calling thread for CPU tensors."""
     if device.type == "cuda":
-        return device, _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+        return device, current_raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     # CPU tensors (Triton's interpreter): no stream orders two threads' launches, so one set per thread
     return device, threading.get_ident()
 

@@ -18,21 +18,21 @@ one integer width, so only its width (32 or 64 bits) is in the class: a step
 with new such values still launches directly. The current stream is read on
 every launch, so launches inside CUDA-graph capture are captured as usual.
 
-The one adapter to Triton's internals: the kept binary's launcher
-(``CompiledKernel.run``) is called as Triton's own JIT calls it,
-``run(grid_x, grid_y, grid_z, stream, function, packed_metadata,
-launch_metadata, enter_hook, exit_hook, *every_parameter)`` (Triton 3.3 to
-3.9, NVIDIA and AMD launchers alike), with no launch metadata and no hooks.
-:func:`launcher_problem` checks a launcher against that call before its first
-use. Where the installed Triton's launcher does not take it, or its launcher
-passes the runtime parameters only (Triton < 3.3), or the first direct launch
-raises, the kernel falls back to ``kernel[grid](...)`` for good and a
-:class:`FastLaunchWarning` says so, once per reason: the launches stay
-right, only slower. tests/test_fast_launch.py fails on a Triton whose
-launchers take another call. Interpreted kernels (``TRITON_INTERPRET=1``)
-take Triton's path silently (nothing is compiled), and so does every call
-while a launch hook (a profiler) is installed, which needs Triton's launch
-metadata.
+What this needs of Triton's internals is :mod:`.compat`'s (the launcher's
+calling convention, the JIT function's parameters, the driver, the launch
+hooks), checked there per release. Where the installed Triton lacks one of
+them, its launcher does not take the call (or passes the runtime parameters
+only, Triton < 3.3), or the first direct launch raises, the kernel falls
+back to ``kernel[grid](...)`` for good and a :class:`FastLaunchWarning` says
+so, once per reason: the launches stay right, only slower. Interpreted
+kernels (``TRITON_INTERPRET=1``) take Triton's path silently (nothing is
+compiled), and so does every call while a launch hook (a profiler) is
+installed, which needs Triton's launch metadata.
+
+Every launch of the Triton plugins goes through :func:`launch`, so
+:func:`recording` sees all of them: it records each launch instead of making
+it (tests/test_launch_invariants.py checks what must hold of them,
+tools/aot_check.py compiles them for each GPU target).
 
 Example:
     >>> fast = FastLauncher()
@@ -42,15 +42,17 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import threading
 import warnings
+from contextlib import contextmanager
 from operator import itemgetter
-from typing import Any, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 
-__all__ = ["FastLauncher", "FastLaunchWarning", "launch", "launcher_problem", "MAX_CLASSES", "LAUNCH_HEAD"]
+from . import compat
+
+__all__ = ["FastLauncher", "FastLaunchWarning", "launch", "recording", "Launch", "MAX_CLASSES"]
 
 #: call classes kept per kernel before the memory starts over
 MAX_CLASSES = 1024
@@ -58,70 +60,21 @@ MAX_CLASSES = 1024
 _I32_END = 2**31
 
 
-def _installed(hook: Any) -> bool:
-    # Triton >= 3.8 holds a chain of hooks (empty: nothing installed), older ones a callable or None
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _hook_holder() -> Any:
-    """Where this Triton keeps its launch hooks (looked up once: an import per launch costs ~1 us)."""
-    global _HOOKS
-    if _HOOKS is None:
-        try:
-            from triton import knobs
-
-            holder: Any = knobs.runtime
-            if not hasattr(holder, "launch_enter_hook"):
-                raise AttributeError("launch_enter_hook")
-        except (ImportError, AttributeError):  # Triton < 3.4 keeps them on CompiledKernel
-            from triton.compiler import CompiledKernel
-
-            holder = CompiledKernel
-        _HOOKS = holder
-    return _HOOKS
-
-
-_HOOKS: Any = None
-
-
-def _hooks_installed() -> bool:
-    """A launch enter/exit hook (a profiler) needs Triton's launch metadata: take its path then."""
-    h = _HOOKS if _HOOKS is not None else _hook_holder()
-    try:
-        return _installed(h.launch_enter_hook) or _installed(h.launch_exit_hook)
-    except AttributeError:
-        return False
-
-
-def _driver() -> Any:
-    """Triton's driver proxy (imported once)."""
-    global _DRIVER
-    if _DRIVER is None:
-        from triton.runtime.driver import driver
-
-        _DRIVER = driver
-    return _DRIVER
-
-
-_DRIVER: Any = None
-
-
 class _Kernel:
     """One JIT function's kept binaries, by call class."""
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
-        self.names: list[str] = list(getattr(fn, "arg_names", ()))
-        self.defaults = {p.name: p.default for p in getattr(fn, "params", ()) if _has_default(p)}
+        params = compat.jit_params(fn)
+        # an interpreted function, a wrapper or a test's recorder is launched as it asks to be
+        self.disabled = params is None
+        self.names: list[str] = params.names if params else []
+        self.defaults: dict[str, Any] = params.defaults if params else {}
+        #: positions of the runtime parameters Triton does not specialize (``do_not_specialize``)
+        self.free: frozenset[int] = params.free if params else frozenset()
         #: call class -> (the binary's launcher, its leading arguments, the constexprs' values)
         self.binaries: dict[Any, tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = {}
-        # an InterpretedFunction has no device caches; anything else that is not a JIT function
-        # (a wrapper, a test's recorder) is launched as it asks to be
-        self.disabled = not (hasattr(fn, "device_caches") and self.names)
         self.split: Optional[tuple[Any, Any, Any]] = None
-        #: positions of the runtime parameters Triton does not specialize (``do_not_specialize``)
-        self.free = frozenset(p.num for p in getattr(fn, "params", ())
-                              if getattr(p, "do_not_specialize", False) and not getattr(p, "is_constexpr", True))
         #: (id(constexprs), id(options)) -> (the two dicts, their token); equal items -> one token
         self.static: dict[tuple[int, int], tuple[Any, Any, int]] = {}
         self.tokens: dict[tuple[Any, ...], int] = {}
@@ -175,36 +128,28 @@ class _Kernel:
         return tuple(out)
 
 
-#: the launcher's leading parameters: grid (3), stream, function, packed metadata, launch metadata
-#: and the enter/exit hooks; the kernel's parameters follow as ``*args``
-LAUNCH_HEAD = 9
+#: a launch hook (a profiler) is installed: it needs Triton's launch metadata, so take Triton's path
+_hooks_installed = compat.hooks_installed
+
+
+_UNUSABLE: Optional[str] = None
+
+
+def _direct_launch_problem() -> str:
+    """'' when the installed Triton has every internal the direct launch reads, else what it lacks
+    (asked once per process)."""
+    global _UNUSABLE
+    if _UNUSABLE is None:
+        lacking = compat.missing(compat.DIRECT_LAUNCH)
+        _UNUSABLE = f"this Triton lacks {'; '.join(lacking)}" if lacking else ""
+    return _UNUSABLE
 
 
 class FastLaunchWarning(RuntimeWarning):
     """The direct launch is off for a kernel: it launches through Triton's own binding (slower host)."""
 
 
-_PROBLEMS: dict[type, str] = {}
 _WARNED: set[str] = set()
-
-
-def launcher_problem(launcher_type: type) -> str:
-    """'' when a compiled kernel's launcher (an instance of ``launcher_type``) can take the call this
-    module makes (:data:`LAUNCH_HEAD` positional arguments, then the kernel's), else why it cannot."""
-    problem = _PROBLEMS.get(launcher_type)
-    if problem is None:
-        try:
-            params = list(inspect.signature(launcher_type.__call__).parameters.values())[1:]   # after self
-            positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            rest = any(p.kind == p.VAR_POSITIONAL for p in params)
-            keywords = [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
-            problem = "" if rest and len(positional) <= LAUNCH_HEAD and not keywords else (
-                f"{launcher_type.__qualname__}({', '.join(map(str, params))}) does not take "
-                f"{LAUNCH_HEAD} launch arguments then the kernel's, as Triton's JIT passes them")
-        except (TypeError, ValueError) as e:
-            problem = f"the signature of {launcher_type!r} cannot be read ({e})"
-        _PROBLEMS[launcher_type] = problem
-    return problem
 
 
 def _fall_back(kernel: "_Kernel", why: str) -> None:
@@ -217,10 +162,6 @@ def _fall_back(kernel: "_Kernel", why: str) -> None:
         warnings.warn(f"mm3_backends.triton.fast_launch: {why} (Triton {triton.__version__}); kernels such as "
                       f"{getattr(kernel.fn, '__name__', kernel.fn)!s} launch through Triton's own binding, right "
                       f"but with more host time per launch", FastLaunchWarning, stacklevel=3)
-
-
-def _has_default(p: Any) -> bool:
-    return getattr(p, "default", inspect.Parameter.empty) is not inspect.Parameter.empty
 
 
 class FastLauncher:
@@ -244,6 +185,8 @@ class FastLauncher:
         if k is None or k.fn is not fn:
             with self._lock:
                 k = self._kernels[id(fn)] = _Kernel(fn)
+            if not k.disabled and _direct_launch_problem():
+                _fall_back(k, _direct_launch_problem())
         return k
 
     def __call__(self, fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -255,7 +198,7 @@ class FastLauncher:
         if k.disabled or _hooks_installed():
             return self._through_triton(fn, grid, args, kwargs, options)
         try:
-            active = _driver().active
+            active = compat.active_driver()
             dev = active.get_current_device()
             key = (dev, k.arg_class(args), k.static_token(kwargs, options))
         except RuntimeError:   # no GPU driver (CPU tensors without the interpreter): Triton says why
@@ -268,20 +211,13 @@ class FastLauncher:
             compiled = fn[grid](*args, **kwargs, **options)
             self._counts["triton"] += 1
             tail = k.tail(len(args), kwargs)
-            src = getattr(compiled, "src", None)
-            sig = getattr(src, "signature", None)
-            # Triton >= 3.3 launches with every parameter, constexprs included (their launcher skips
-            # them); an older one wants the runtime ones only: keep its path
-            if tail is None or not hasattr(compiled, "function") or sig is None or len(sig) != len(k.names):
-                return _fall_back(k, "the compiled kernel's source signature does not list every parameter, "
-                                     "constexprs included (Triton < 3.3 launches the runtime ones only)")
-            run = compiled.run
-            problem = launcher_problem(type(run))
-            if problem:
-                return _fall_back(k, problem)
+            direct = compat.compiled_launch(compiled, len(k.names)) if tail is not None else \
+                "a constexpr of the call has no value"
+            if isinstance(direct, str):
+                return _fall_back(k, direct)
             if len(k.binaries) >= MAX_CLASSES:
                 k.binaries.clear()
-            k.binaries[key] = (run, (compiled.function, compiled.packed_metadata, None, None, None), tail)
+            k.binaries[key] = (*direct, tail)
             return
         run, head, tail = kept
         g = (*grid, 1, 1)
@@ -302,10 +238,50 @@ class FastLauncher:
 _DEFAULT = FastLauncher()
 
 
+class Launch(NamedTuple):
+    """One launch, as :func:`recording` keeps it: ``kernel[grid](*args, **constexprs, **options)``."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constexprs: dict[str, Any]
+    options: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return getattr(self.kernel, "__name__", repr(self.kernel))
+
+
+_RECORDS: Optional[list[Launch]] = None
+
+
+@contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """Every :func:`launch` made in the block, recorded and not made (nothing runs, nothing is compiled);
+    for tests and tools, one block at a time per process.
+
+    Example:
+        >>> with recording() as launches:
+        ...     launch(print, (2, 1), ("x",), {"BLOCK": 16}, {"num_warps": 4}, fast=True)
+        >>> [(r.grid, r.constexprs) for r in launches]
+        [((2, 1), {'BLOCK': 16})]
+    """
+    global _RECORDS
+    if _RECORDS is not None:
+        raise RuntimeError("launches are already being recorded")
+    _RECORDS = []
+    try:
+        yield _RECORDS
+    finally:
+        _RECORDS = None
+
+
 def launch(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any],
            fast: bool) -> None:
     """``fn[grid](*args, **kwargs, **options)``, through the process's :class:`FastLauncher` when ``fast``."""
-    if fast:
+    if _RECORDS is not None:
+        _RECORDS.append(Launch(fn, tuple(grid), tuple(args), kwargs, options))
+    elif fast:
         _DEFAULT(fn, grid, args, kwargs, options)
     else:
         fn[grid](*args, **kwargs, **options)

@@ -24,8 +24,10 @@ The kernel modules install it when they are imported under the interpreter
 (:mod:`.tl_utils`), so the plugins' hooks, the test suite and a direct call
 of the kernels all compute the same. The patch is process-wide: other
 interpreted kernels in the process get correct bf16 too. On a GPU nothing is
-patched. tests/test_interpreter_bf16.py compares each patched operation with
-torch's bf16 on the CPU and fails when a Triton release moves what it patches.
+patched. What it replaces is Triton's private interpreter, reached through
+:mod:`.compat` (``compat.INTERNALS[compat.BF16]`` names it, checked per Triton
+release by tests/test_triton_compat.py); tests/test_interpreter_bf16.py
+compares each patched operation with torch's bf16 on the CPU.
 
 Example:
     >>> import numpy as np
@@ -43,10 +45,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import compat
+
 __all__ = ["install", "missing", "bf16_to_f32", "f32_to_bf16", "PATCHED"]
 
 #: the interpreter builder's methods :func:`install` replaces
-PATCHED = ("cast_impl", "create_fp_to_fp", "binary_op", "unary_op", "create_dot")
+PATCHED = tuple(i.rpartition(".")[2] for i in compat.INTERNALS[compat.BF16] if ":InterpreterBuilder." in i)
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 
@@ -68,13 +72,7 @@ def f32_to_bf16(values: np.ndarray) -> np.ndarray:
 
 def missing() -> list[str]:
     """What :func:`install` needs and the installed Triton's interpreter lacks ([] when all is there)."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError as e:
-        return [f"triton.runtime.interpreter ({e})"]
-    gone = [name for name in ("InterpreterBuilder", "TensorHandle", "_get_np_dtype") if not hasattr(interpreter, name)]
-    builder = getattr(interpreter, "InterpreterBuilder", None)
-    return gone + [f"InterpreterBuilder.{name}" for name in PATCHED if not hasattr(builder, name)]
+    return compat.missing(compat.BF16)
 
 
 def install() -> bool:
@@ -84,12 +82,11 @@ def install() -> bool:
         return True
     lacking = missing()
     if lacking:
-        warnings.warn(f"mm3_backends.triton: Triton's interpreter lacks {', '.join(lacking)}; bf16 kernels "
+        warnings.warn(f"mm3_backends.triton: Triton's interpreter lacks {'; '.join(lacking)}; bf16 kernels "
                       f"under TRITON_INTERPRET=1 compute wrong results on this Triton (run bf16 on a GPU)",
                       RuntimeWarning, stacklevel=2)
         return False
-    from triton.runtime import interpreter
-
+    interpreter = compat.interpreter_module()
     builder = interpreter.InterpreterBuilder
     for name, new in _replacements(interpreter).items():
         _ORIGINALS[name] = getattr(builder, name)
@@ -103,7 +100,7 @@ def _replacements(interp: Any) -> dict[str, Callable[..., Any]]:
     Handle, np_dtype = interp.TensorHandle, interp._get_np_dtype
     bf16 = tl.bfloat16
     # an explicit round-towards-zero cast to bf16 keeps the interpreter's truncation
-    rtz = getattr(getattr(getattr(interp, "_ir", None), "ROUNDING_MODE", None), "RTZ", None)
+    rtz = interp._ir.ROUNDING_MODE.RTZ
 
     def widened(handle: Any) -> np.ndarray:
         return bf16_to_f32(handle.data) if handle.dtype.scalar == bf16 else handle.data
@@ -118,7 +115,7 @@ def _replacements(interp: Any) -> dict[str, Callable[..., Any]]:
 
     def create_fp_to_fp(self: Any, src: Any, dst_type: Any, rounding_mode: Any) -> Any:
         s, d = src.dtype.scalar, dst_type.scalar
-        if d == bf16 and s == tl.float32 and (rtz is None or rounding_mode != rtz):
+        if d == bf16 and s == tl.float32 and rounding_mode != rtz:
             return Handle(f32_to_bf16(src.data), d)
         out = _ORIGINALS["create_fp_to_fp"](self, src, dst_type, rounding_mode)
         if s == tl.float8e4nv and d in (tl.float16, tl.float32, bf16):

@@ -63,16 +63,20 @@ import ast
 import inspect
 import textwrap
 import types
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import triton.language as tl
-from triton.runtime import interpreter
+
+from . import compat
 
 __all__ = ["install", "bypassed", "is_elementwise", "missing"]
 
 _originals: dict[tuple[Any, str], Any] = {}   # (object, attribute) -> the interpreter's own
+#: Triton's interpreter (what the shortcuts replace is named in ``compat.INTERNALS``, checked per release)
+interpreter: Any = compat.interpreter_module()
 
 
 def _replace(obj: Any, name: str, new: Any) -> None:
@@ -97,9 +101,7 @@ def bypassed() -> Iterator[None]:
 # -- 1. overflow checks ---------------------------------------------------------------------------
 
 def _install_unread_checks_skipped() -> None:
-    sem = getattr(interpreter, "interpreter_semantic", None)
-    if not hasattr(sem, "binary_op_sanitize_overflow_impl"):
-        return
+    sem = interpreter.interpreter_semantic
     check = sem.binary_op_sanitize_overflow_impl
 
     def binary_op_sanitize_overflow_impl(self: Any, lhs: Any, rhs: Any, binary_op: Callable) -> None:
@@ -125,8 +127,6 @@ def _visible_langs(fn: Any) -> frozenset[int]:
 
 
 def _install_patch_once() -> None:
-    if not all(hasattr(interpreter, n) for n in ("GridExecutor", "_patch_lang", "_LangPatchScope")):
-        return
     run = interpreter.GridExecutor.__call__
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -211,8 +211,6 @@ def _column_fold(self: Any, input: tuple) -> list:
 
 
 def _install_column_fold() -> None:
-    if not all(hasattr(getattr(interpreter, "ReduceOps", None), n) for n in ("generic_reduce", "unravel", "to_tensor")):
-        return
     slow = interpreter.ReduceOps.generic_reduce
 
     def generic_reduce(self: Any, input: tuple) -> list:
@@ -230,8 +228,6 @@ def _value(c: Any) -> Any:
 
 
 def _install_numpy_sorts() -> None:
-    if not hasattr(interpreter, "TensorHandle") or not hasattr(tl, "topk") or not hasattr(tl, "standard"):
-        return
     network_topk, network_sort = tl.topk, tl.sort
 
     def sorted_values(x: Any, k: Any, dim: Any, descending: bool) -> Any:
@@ -250,40 +246,47 @@ def _install_numpy_sorts() -> None:
         return isinstance(data, np.ndarray) and np.issubdtype(data.dtype, np.integer) and \
             dim in (None, -1, data.ndim - 1)
 
-    def topk(x: Any, k: Any, dim: Any = None, descending: Any = True, **kwargs: Any) -> Any:
-        if kwargs or not exact(x, dim):
-            return network_topk(x, k, dim=dim, descending=descending, **kwargs)
-        return sorted_values(x, _value(k), dim, bool(_value(descending)))
+    # the caller's arguments are passed on as given: not every release's tl.topk takes ``descending``
+    # (compat.RELEASES)
+    def topk(x: Any, k: Any, dim: Any = None, **kwargs: Any) -> Any:
+        if set(kwargs) - {"descending"} or not exact(x, dim):
+            return network_topk(x, k, dim=dim, **kwargs)
+        return sorted_values(x, _value(k), dim, bool(_value(kwargs.get("descending", True))))
 
-    def sort(x: Any, dim: Any = None, descending: Any = False, **kwargs: Any) -> Any:
-        if kwargs or not exact(x, dim):
-            return network_sort(x, dim=dim, descending=descending, **kwargs)
-        return sorted_values(x, None, dim, bool(_value(descending)))
+    def sort(x: Any, dim: Any = None, **kwargs: Any) -> Any:
+        if set(kwargs) - {"descending"} or not exact(x, dim):
+            return network_sort(x, dim=dim, **kwargs)
+        return sorted_values(x, None, dim, bool(_value(kwargs.get("descending", False))))
 
     for module in (tl, tl.standard):
         _replace(module, "topk", topk)
         _replace(module, "sort", sort)
 
 
-#: each shortcut: its installer, and the name of one thing it replaces (kept in ``_originals`` when taken)
-_SHORTCUTS = {"unread overflow checks": (_install_unread_checks_skipped, "binary_op_sanitize_overflow_impl"),
-              "helper calls patched once": (_install_patch_once, "_patch_lang"),
-              "column fold": (_install_column_fold, "generic_reduce"),
-              "numpy sorts": (_install_numpy_sorts, "topk")}
+#: each shortcut's installer, by its name in ``compat.SHORTCUTS``
+_SHORTCUTS = dict(zip(compat.SHORTCUTS, (_install_unread_checks_skipped, _install_patch_once, _install_column_fold,
+                                         _install_numpy_sorts)))
+_taken: list[str] = []
 
 
 def missing() -> list[str]:
     """The shortcuts :func:`install` left out, because this Triton's interpreter lacks what they replace."""
-    taken = {name for _, name in _originals}
-    return [shortcut for shortcut, (_, name) in _SHORTCUTS.items() if name not in taken]
+    return [shortcut for shortcut in _SHORTCUTS if shortcut not in _taken]
 
 
 def install() -> None:
     """Install the shortcuts (call only when the interpreter is on; a second call does nothing).
 
-    A shortcut whose interpreter internals this Triton lacks is left out (the interpreter is then
-    slower, not wrong); tests/test_interpreter_shortcuts.py fails so that it shows."""
-    if _originals:
+    A shortcut whose interpreter internals this Triton lacks (:func:`.compat.missing`) is left out,
+    and a warning says so: the interpreter is then slower, not wrong."""
+    if _taken:
         return
-    for setup, _ in _SHORTCUTS.values():
+    for shortcut, setup in _SHORTCUTS.items():
+        lacking = compat.missing(shortcut)
+        if lacking:
+            warnings.warn(f"mm3_backends.triton: the interpreter shortcut {shortcut!r} is left out, Triton's "
+                          f"interpreter lacks {'; '.join(lacking)} (kernels run slower under TRITON_INTERPRET=1, "
+                          f"not wrong)", RuntimeWarning, stacklevel=2)
+            continue
         setup()
+        _taken.append(shortcut)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .interpreter_config import INTERPRETER_KEYS, INTERPRETER_ROWS, size
+
 __all__ = ["DecodeIndexConfig", "PrefillIndexConfig", "DecodeAttentionConfig", "TokenTileAttentionConfig"]
 
 
@@ -37,7 +39,7 @@ class DecodeIndexConfig:
     #: score programs are sized for ``target_programs * programs_factor``
     programs_factor: int
     #: keys per inner tile (a divisor of the block size, >= 16): bounds registers
-    block_n: int
+    block_n: int = size(interpreter=INTERPRETER_KEYS)
     num_stages: int
     #: (streamed decode, ``Algorithms.streamed_decode``) waves of score programs: launched request
     #: by request, the requests finish one wave after another, and the attention of those done
@@ -49,7 +51,7 @@ class DecodeIndexConfig:
 class PrefillIndexConfig:
     """The prefill indexer: a tile holds ``rows`` = tokens x index heads."""
 
-    rows: int
+    rows: int = size(interpreter=INTERPRETER_ROWS)
     warps: int
     #: keys per inner tile (its tiles hold many rows, so it wants fewer keys than the decode one)
     block_n: int
@@ -86,7 +88,7 @@ class DecodeAttentionConfig:
     #: (persistent kernel) programs per multiprocessor; ``target_programs`` is two per SM
     flat_programs_per_sm: int
     #: keys per inner tile
-    block_n: int
+    block_n: int = size(interpreter=INTERPRETER_KEYS)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class TokenTileAttentionConfig:
     """The token-tile prefill attention (used when ``LaunchConfig.prefill_attention`` is None):
     a tile holds ``rows`` = tokens x the query heads of one KV group."""
 
-    rows: int
+    rows: int = size(interpreter=INTERPRETER_ROWS)
     warps: int
     #: keys per inner tile (register pressure of its many-row tiles)
     block_n: int

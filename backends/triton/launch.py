@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from .algorithms import Algorithms, Numerics
+from .interpreter_config import INTERPRETER_PROGRAMS, size
 from .kernel_configs import DecodeAttentionConfig, DecodeIndexConfig, PrefillIndexConfig, TokenTileAttentionConfig
 from .prefill_config import PrefillAttentionConfig
 
@@ -56,7 +57,7 @@ class LaunchConfig:
     """
 
     #: programs that fill the device (2 x SMs on NVIDIA, 2 x CUs on AMD)
-    target_programs: int
+    target_programs: int = size(interpreter=INTERPRETER_PROGRAMS)
     decode_index: DecodeIndexConfig
     prefill_index: PrefillIndexConfig
     decode_attention: DecodeAttentionConfig

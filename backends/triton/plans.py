@@ -9,7 +9,7 @@ a launcher adds the step's tensors and strides.
 
 Plans are keyed by the config object's identity (each plugin sizes its config
 once per device, ``TritonPlatform.launch_config``) and held with it, so a key
-cannot outlive its config (tests/test_launch_parameters.py shows a plan
+cannot outlive its config (tests/test_launch_invariants.py shows a plan
 derived once per shape class).
 """
 

@@ -27,6 +27,7 @@ from mm3.contract import BackendCapabilities, KVCacheLayout, Probe, TopkLayout
 from mm3.contract import hookimpl
 from mm3.contract import MINIMAX_M3_MAX_DECODE_QUERY_LEN
 
+from . import compat
 from .interpreter_config import for_interpreter
 from .launch import LaunchConfig
 
@@ -65,7 +66,16 @@ def interpreter_probe(backend: str) -> Probe:
     if kernels == "compiled":
         return Probe.no(f"{backend}: the Triton kernels were imported before TRITON_INTERPRET=1 was set, "
                         f"so they are compiled for a GPU; set it before importing mm3_backends.triton")
-    return Probe.named_only("Triton interpreter on CPU tensors (TRITON_INTERPRET=1; test-only, slow)")
+    if compat.interpreter_problem():
+        return Probe.no(f"{backend}: {compat.interpreter_problem()}")
+    return Probe.named_only(_with_release_note("Triton interpreter on CPU tensors (TRITON_INTERPRET=1; "
+                                               "test-only, slow)"))
+
+
+def _with_release_note(reason: str) -> str:
+    """``reason``, and where the installed Triton is not a release :mod:`.compat` was checked on, that too."""
+    note = compat.release_note()
+    return f"{reason}; {note}" if note else reason
 
 
 def _kernels_interpreted() -> bool:
@@ -90,8 +100,7 @@ def _loaded_kernel_mode() -> str:
     mod = sys.modules.get(f"{__package__}.attention")
     if mod is None:
         return ""
-    kernel = getattr(mod, "_decode_attention_kernel")
-    return "interpreted" if type(kernel).__name__ == "InterpretedFunction" else "compiled"
+    return compat.kernel_mode(getattr(mod, "_decode_attention_kernel"))
 
 
 @dataclass(frozen=True)
@@ -125,7 +134,7 @@ class TritonPlatform:
             return Probe.no(problem)
         if not torch.cuda.is_available():
             return Probe.no("no GPU is visible (torch.cuda.is_available() is False)")
-        return Probe.no(triton_missing()) if triton_missing() else Probe.yes(note)
+        return Probe.no(triton_missing()) if triton_missing() else Probe.yes(_with_release_note(note))
 
     def capabilities(self) -> BackendCapabilities:
         return BackendCapabilities(

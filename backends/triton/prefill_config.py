@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .interpreter_config import INTERPRETER_ROWS, size
+
 __all__ = ["PrefillAttentionConfig"]
 
 
@@ -29,7 +31,7 @@ class PrefillAttentionConfig:
     """
 
     #: query rows of one tile (tokens x the G query heads of a KV head); a power of two >= G
-    rows: int
+    rows: int = size(interpreter=INTERPRETER_ROWS)
     warps: int
     #: persistent programs per multiprocessor, each walking its runs' tiles as one
     #: software-pipelined loop of ``stages`` stages

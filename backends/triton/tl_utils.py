@@ -17,8 +17,7 @@ from .launch import LaunchConfig
 
 __all__ = ["dot_config", "launch_options", "decode_launch_options", "interpreting", "pdl_enabled", "pdl_prologue",
            "streamed_enabled", "pdl_available", "release_dependents", "grid_wait",
-           "TL_DTYPES", "kv_scale_args", "kv_scale", "slot_scales", "load_page", "arrive_last", "step_kernel",
-           "unspecialized_params"]
+           "TL_DTYPES", "kv_scale_args", "kv_scale", "slot_scales", "load_page", "arrive_last", "step_kernel"]
 
 try:  # programmatic dependent launch (Hopper+): Triton >= 3.4 has these
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
@@ -41,6 +40,7 @@ def step_kernel(*per_step: str) -> Any:
     binding every argument through Triton again.
 
     Example:
+        >>> from mm3_backends.triton.compat import unspecialized_params
         >>> @step_kernel("n")
         ... def fill(x_ptr, n, B: tl.constexpr):
         ...     tl.store(x_ptr + tl.arange(0, B), n)
@@ -50,22 +50,15 @@ def step_kernel(*per_step: str) -> Any:
     return triton.jit(do_not_specialize=list(per_step))
 
 
-def unspecialized_params(kernel: Any) -> set[str]:
-    """The parameters ``kernel`` declares ``do_not_specialize`` (:func:`step_kernel`), compiled or
-    interpreted (the interpreter keeps the declaration, not Triton's parameter objects)."""
-    params = getattr(kernel, "params", None)
-    if params is not None:
-        return {p.name for p in params if p.do_not_specialize}
-    names = list(getattr(kernel, "arg_names", ()))
-    return {n if isinstance(n, str) else names[n] for n in getattr(kernel, "kwargs", {}).get("do_not_specialize") or ()}
-
-
 def interpreting() -> bool:
     """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-if interpreting():   # every kernel module imports this one: both are in force before any kernel runs
+if interpreting():
+    # every kernel module imports this one, so whoever runs a kernel under the interpreter (a plugin's
+    # hook, `mm3 check`, a test, a direct call) has both in force first; each reaches Triton's private
+    # interpreter through .compat, and says so in a warning where this Triton's is not what it knows
     from . import interpreter, interpreter_speed
 
     interpreter.install()          # bf16 and e4m3 NaNs as a GPU computes them
