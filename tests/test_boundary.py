@@ -255,11 +255,11 @@ def test_a_from_device_batch_with_contradicting_lengths_raises(entry: str) -> No
 
 
 def test_a_prefill_whose_seq_len_is_shorter_than_its_query_raises_through_the_dropin() -> None:
-    targets.configure()
-    case, _ = _short_seq_batch()
-    c, b = case.caches, case.batch
     from vllm_steps import combined_kv
 
+    targets.configure()
+    case, _ = _short_seq_batch()
+    b = case.batch
     topk = torch.zeros(2, 9, P.topk, dtype=torch.int32)
     with pytest.raises(mm3.InputError, match=r"minimax_m3_sparse_attn: request 0 has seq_len 3 < query_len 9"):
         ops.minimax_m3_sparse_attn(case.q, combined_kv(case), topk, b.block_table, b.query_start_loc,
