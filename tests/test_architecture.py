@@ -146,6 +146,8 @@ def forbidden(src: str, dst: str) -> str:
             return "the shared Triton package imports none of its users"
         if _within(src, "mm3_backends.triton") and _within(dst, "mm3.testing"):
             return "the shared Triton package does not import the testing kit"
+        if _within(dst, "mm3") and dst not in ("mm3", "mm3.plugin") and not _within(dst, "mm3.testing"):
+            return "a backend imports mm3 through mm3.plugin, the face a third-party plugin author is given"
         plugin, target = src.split(".")[:2], dst.split(".")[:2]
         if target[0] == "mm3_backends" and len(target) > 1 and target != plugin and target[1] != "triton":
             return "a backend imports no other plugin"

@@ -49,10 +49,10 @@ from typing import Callable, Literal
 
 import torch
 
-from mm3.contract import BatchMetadata
-from mm3.contract import PagedKVCache, TopkBuffer
-from mm3.contract import InputError
-from mm3.contract import SparseAttentionParams
+from mm3.plugin import BatchMetadata
+from mm3.plugin import PagedKVCache, TopkBuffer
+from mm3.plugin import InputError
+from mm3.plugin import SparseAttentionParams
 
 from ._common import DEFAULT_MAX_ELEMENTS, gather_pages, page_ids
 

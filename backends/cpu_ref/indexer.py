@@ -37,9 +37,9 @@ from typing import Iterator
 
 import torch
 
-from mm3.contract import BatchMetadata
-from mm3.contract import PagedKVCache, TopkBuffer
-from mm3.contract import SparseAttentionParams
+from mm3.plugin import BatchMetadata
+from mm3.plugin import PagedKVCache, TopkBuffer
+from mm3.plugin import SparseAttentionParams
 
 from ._common import DEFAULT_MAX_ELEMENTS, gather_pages
 

@@ -7,9 +7,9 @@ head-major top-k buffers but reads and writes any layout through
 a request is picked before it.
 
 Example:
-    >>> from mm3.runtime.registry import Registry
+    >>> from mm3.testing.helpers import RegistryFactory
     >>> import mm3_backends.cpu_ref.plugin as cpu_ref
-    >>> be = Registry(plugins=[cpu_ref], entry_points=False).get("cpu_ref")
+    >>> be = RegistryFactory()(cpu_ref).get("cpu_ref")
     >>> be.capabilities.topk_layout, be.probe("cpu").available
     ('head_major', True)
 """

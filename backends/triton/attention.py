@@ -51,9 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mm3.contract import BatchMetadata
-from mm3.contract import PagedKVCache, TopkBuffer
-from mm3.contract import SparseAttentionParams
+from mm3.plugin import BatchMetadata
+from mm3.plugin import PagedKVCache, TopkBuffer
+from mm3.plugin import SparseAttentionParams
 
 from .arrivals import arrival_counters, claim_ready_flags
 from .fast_launch import launch

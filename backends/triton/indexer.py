@@ -42,9 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mm3.contract import BatchMetadata
-from mm3.contract import PagedKVCache, TopkBuffer
-from mm3.contract import SparseAttentionParams
+from mm3.plugin import BatchMetadata
+from mm3.plugin import PagedKVCache, TopkBuffer
+from mm3.plugin import SparseAttentionParams
 
 from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2

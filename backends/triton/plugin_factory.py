@@ -22,19 +22,15 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
-from mm3.contract import TopkBuffer
-from mm3.contract import BackendCapabilities, KVCacheLayout, Probe, TopkLayout
-from mm3.contract import hookimpl
-from mm3.contract import MINIMAX_M3_MAX_DECODE_QUERY_LEN
+from mm3.plugin import BackendCapabilities, Probe, SparseAttentionParams, TopkBuffer, hookimpl
 
 from . import compat
 from .interpreter_config import for_interpreter
 from .launch import LaunchConfig
 
 if TYPE_CHECKING:
-    from mm3.contract import BatchMetadata
-    from mm3.contract import PagedKVCache
-    from mm3.contract import SparseAttentionParams
+    from mm3.plugin import BatchMetadata
+    from mm3.plugin import PagedKVCache
 
 __all__ = ["TritonPlatform", "TritonHooks", "make_hookimpls", "triton_missing", "interpreter_probe",
            "SUPPORTED_TILE_SIZES"]
@@ -115,13 +111,13 @@ class TritonPlatform:
 
     name: str
     description: str
-    topk_layout: TopkLayout
+    topk_layout: str            # "head_major" | "token_major": its capabilities validate it
     platform_check: Callable[[], tuple[str, str]]
     launch: LaunchConfig
     native: Callable[[], bool]
     priority: int = 100
-    kv_cache_layout: KVCacheLayout = "NHD"
-    max_decode_query_len: int = MINIMAX_M3_MAX_DECODE_QUERY_LEN
+    kv_cache_layout: str = "NHD"
+    max_decode_query_len: int = SparseAttentionParams.MINIMAX_M3_MAX_DECODE_QUERY_LEN
 
     def probe(self, device: torch.device) -> Probe:
         """CPU: the interpreter only; GPU: the platform check, a visible device, Triton."""

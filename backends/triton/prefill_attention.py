@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mm3.contract.batch import BatchMetadata
-from mm3.contract.buffers import PagedKVCache, TopkBuffer
-from mm3.contract.params import SparseAttentionParams
+from mm3.plugin import BatchMetadata
+from mm3.plugin import PagedKVCache, TopkBuffer
+from mm3.plugin import SparseAttentionParams
 
 from .fast_launch import launch
 from .launch import next_pow2

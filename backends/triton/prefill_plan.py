@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mm3.contract.batch import BatchMetadata
+from mm3.plugin import BatchMetadata
 
 from .fast_launch import launch
 from .launch import next_pow2

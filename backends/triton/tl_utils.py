@@ -235,7 +235,7 @@ def load_page(entry_ptr, num_pages, mask=None):
 @triton.jit
 def load_reported_page(entry_ptr, num_pages, faults_ptr, request, block):
     """:func:`load_page` of ``block_table[request, block]`` that also reports a bad id: it lowers
-    the word at ``faults_ptr`` to ``request << 32 | block`` (mm3.contract.page_ids), so the layer
+    the word at ``faults_ptr`` to ``request << 32 | block`` (mm3.contract.contents), so the layer
     learns of it with no check of its own. The indexer loads every used entry: it reports for
     the step. Cost: a compare on a value already loaded; the word is read and written only for a
     bad id. The word is host memory mapped into the device, where atomics are not portable: a

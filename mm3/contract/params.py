@@ -8,7 +8,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -34,9 +34,14 @@ class SparseAttentionParams(BaseModel):
         (8, 0.125, 1)
         >>> SparseAttentionParams.minimax_m3(tp_size=2).num_heads      # MiniMax-M3's shapes per TP rank
         32
+        >>> SparseAttentionParams.MINIMAX_M3_MAX_DECODE_QUERY_LEN       # its longest decode: 1 + 7 drafts
+        8
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    #: the longest decode query MiniMax-M3 runs (1 + draft tokens): a GPU backend's natural
+    #: ``max_decode_query_len`` (plugins read it here, through :mod:`mm3.plugin`)
+    MINIMAX_M3_MAX_DECODE_QUERY_LEN: ClassVar[int] = MINIMAX_M3_MAX_DECODE_QUERY_LEN
 
     num_heads: int = Field(gt=0)
     num_kv_heads: int = Field(gt=0)
