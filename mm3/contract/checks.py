@@ -37,18 +37,18 @@ Example:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from mm3.contract.buffers import dtype_name, in_storage_order, is_dense_storage
 from mm3.contract.capabilities import Requirements
 from mm3.contract.errors import InputError
-from mm3.contract.facts import StepFacts, TensorFacts, view
+from mm3.contract.facts import BatchFacts, CacheFacts, StepFacts, TensorFacts
 from mm3.contract.hookspecs import Op
 from mm3.contract.kv_scales import FP8_KV_DTYPE
 
-__all__ = ["check", "Plan", "check_layer_args", "overlaps_itself"]
+__all__ = ["check", "Plan", "view", "check_layer_args", "overlaps_itself"]
 
 _INDEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
@@ -103,6 +103,20 @@ def overlaps_itself(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 def _on(device: torch.device, want: torch.device) -> bool:
     """``device`` is ``want`` (a device without an index matches any of its type)."""
     return device.type == want.type and (want.index is None or device.index is None or device == want)
+
+
+def _tensor_view(t: Optional[tuple[Any, ...]]) -> Optional[TensorFacts]:
+    return None if t is None else TensorFacts(*t)
+
+
+def view(facts: StepFacts) -> StepFacts:
+    """``facts`` with every nested tuple as its named type (what the rules read; same value)."""
+    c, b = facts.caches, facts.batch
+    caches = CacheFacts(*(_tensor_view(t) for t in c))
+    batch = BatchFacts(*b[:5], *(_tensor_view(t) for t in b[5:]))
+    return facts._replace(index_q=_tensor_view(facts.index_q), q=_tensor_view(facts.q),
+                          out=_tensor_view(facts.out), topk=_tensor_view(facts.topk), caches=caches,
+                          batch=batch)
 
 
 class _Rules:

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 __all__ = ["TensorFacts", "CacheFacts", "BatchFacts", "LayerFacts", "StepFacts", "ArgNames", "tensor_facts",
-           "strided_facts", "batch_kind", "view", "LAYER_NAMES", "OPS_NAMES", "HOOK_NAMES"]
+           "strided_facts", "batch_kind", "LAYER_NAMES", "OPS_NAMES", "HOOK_NAMES"]
 
 
 def batch_kind(num_requests: int, num_decodes: int, decode_query_len: int) -> str:
@@ -162,8 +162,8 @@ class StepFacts(NamedTuple):
     ``layer``: a layer's own promises, ``None`` for other entry points.
 
     The boundary builds the nested facts as plain tuples in their fields' order
-    (it does so every step, and a tuple is the cheapest value); :func:`view`
-    names them for the rules. Equal either way: a tuple compares and hashes by
+    (it does so every step, and a tuple is the cheapest value); the rules name
+    them (:func:`mm3.contract.checks.view`). Equal either way: a tuple compares and hashes by
     its items.
     """
 
@@ -182,16 +182,3 @@ class StepFacts(NamedTuple):
     caches: CacheFacts
     batch: BatchFacts
 
-
-def _tensor_view(t: Optional[tuple[Any, ...]]) -> Optional[TensorFacts]:
-    return None if t is None else TensorFacts(*t)
-
-
-def view(facts: StepFacts) -> StepFacts:
-    """``facts`` with every nested tuple as its named type (what the rules read; same value)."""
-    c, b = facts.caches, facts.batch
-    caches = CacheFacts(*(_tensor_view(t) for t in c))
-    batch = BatchFacts(*b[:5], *(_tensor_view(t) for t in b[5:]))
-    return facts._replace(index_q=_tensor_view(facts.index_q), q=_tensor_view(facts.q),
-                          out=_tensor_view(facts.out), topk=_tensor_view(facts.topk), caches=caches,
-                          batch=batch)
