@@ -191,7 +191,7 @@ def test_topk_from_tied_and_nan_scores_goes_to_lowest_ids() -> None:
 @pytest.mark.parametrize("case, match", [
     ("heads", "num_kv_heads=3"),
     ("tokens", "decode_query_len=1; a decode batch holds"),
-    ("fp8_flavour", "kv_cache: K/V cache dtype torch.float8_e5m2 unsupported"),
+    ("fp8_flavour", "kv_cache: K/V cache dtype torch.float8_e4m3fnuz unsupported"),
     ("one_scale", "k_scale and v_scale must both be given"),
     ("prefix", "prefix_lens .* is not seq_lens - query lengths"),
     ("cu_seqlens", "do not describe a step"),
@@ -213,7 +213,7 @@ def test_unserved_arguments_are_named(case: str, match: str) -> None:
         elif case == "tokens":
             ops.minimax_m3_index_decode(c.index_q[:3], *dec[1:], 2, 1, 1)
         elif case == "fp8_flavour":
-            ops.minimax_m3_sparse_attn(**{**attn, "kv_cache": s.kv_cache.to(torch.float8_e5m2)})
+            ops.minimax_m3_sparse_attn(**{**attn, "kv_cache": s.kv_cache.to(torch.float8_e4m3fnuz)})
         elif case == "one_scale":
             ops.minimax_m3_sparse_attn(**{**attn, "kv_cache": s.kv_cache.to(torch.float8_e4m3fn),
                                           "k_scale": torch.ones(1)})

@@ -244,7 +244,7 @@ def check_attention_args(where: str, q: torch.Tensor, caches: PagedKVCache, topk
                          f"{params.head_dim}")
     if caches.dtype != q.dtype and not caches.kv_scaled:
         raise InputError(f"{where}: KV cache dtype {caches.dtype} differs from q's {q.dtype}; cast one of them, "
-                         f"or store K/V in float8_e4m3fn with k_scale/v_scale")
+                         f"or store K/V in fp8 (float8_e4m3fn, float8_e5m2) with k_scale/v_scale")
     if out.dtype != q.dtype:
         raise InputError(f"{where}: out dtype {out.dtype} differs from q's {q.dtype}; the output is in q's dtype")
     return T
