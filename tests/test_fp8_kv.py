@@ -1,6 +1,8 @@
-"""fp8 (e4m3) K/V caches with scales: the contract, selection, the reference backend and the layer.
+"""fp8 (e4m3, e5m2) K/V caches with scales: the contract, selection, the reference backend and the layer.
 
-The Triton kernels' fp8 paths run in tests/test_fp8_kv_interpreter.py (CPU) and tests/gpu (H200).
+Each fp8 format is declared on its own (``kv_cache_dtypes``): a backend that reads e4m3 only is
+passed over for e5m2, with the reason. The Triton kernels' fp8 paths run in
+tests/test_fp8_kv_interpreter.py (CPU) and tests/gpu (H200).
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from mm3_backends.cpu_ref import attention as cpu_attention
 from mm3_backends.cpu_ref import plugin as cpu_ref
 
 FP8 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FORMATS = ["float8_e4m3fn", "float8_e5m2"]
 PLAIN = {"bfloat16", "float16", "float32"}  # what a backend written before fp8 K/V declares (the default)
+E4M3_ONLY = PLAIN | {"float8_e4m3fn"}       # what a backend written before e5m2 declares
 
 
 def _params(h: int = 2, g: int = 2) -> mm3.SparseAttentionParams:
@@ -114,24 +119,47 @@ def test_selection_explains_a_backend_that_cannot_read_fp8_kv() -> None:
                                                                                              entry_points=False))
 
 
-def test_bound_backend_refuses_fp8_kv_outside_its_declaration() -> None:
-    plain = MockBackend("plain_attn", ops={"attention"}, topk_layout="head_major", kv_cache_dtypes=PLAIN)
+@pytest.mark.parametrize("declared, kv_dtype", [(PLAIN, "float8_e4m3fn"), (E4M3_ONLY, "float8_e5m2")])
+def test_bound_backend_refuses_fp8_kv_outside_its_declaration(declared: set[str], kv_dtype: str) -> None:
+    plain = MockBackend("plain_attn", ops={"attention"}, topk_layout="head_major", kv_cache_dtypes=declared)
     be = Registry([plain], entry_points=False).get("plain_attn")
     p = _params()
-    case = make_case(p, decodes=[40], dtype="float32", kv_dtype="float8_e4m3fn")
+    case = make_case(p, decodes=[40], dtype="float32", kv_dtype=kv_dtype)
     sel = oracle_topk(case.index_q, case.caches, case.batch, p)
-    with pytest.raises(InputError, match="plain_attn.attention_forward: KV cache dtype float8_e4m3fn not in"):
+    with pytest.raises(InputError, match=f"plain_attn.attention_forward: KV cache dtype {kv_dtype} not in"):
         be.attention_forward(case.q, case.caches, sel, case.batch, p, torch.empty_like(case.q))
+
+
+def test_selection_passes_over_a_backend_that_reads_e4m3_only() -> None:
+    """The fp8 formats are declared one by one: e4m3 does not imply e5m2, and the trace says which it reads."""
+    e4m3 = MockBackend("e4m3_only", ops={"attention", "index_topk"}, topk_layout="head_major", priority=5,
+                       kv_cache_dtypes=E4M3_ONLY)
+    reg = Registry([e4m3, cpu_ref], entry_points=False)
+    assert mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=FP8, max_num_tokens=16,
+                               registry=reg).selection.attention.name == "e4m3_only"
+    layer = mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=E5M2, max_num_tokens=16, registry=reg)
+    assert layer.selection.attention.name == "cpu_ref"
+    text = layer.explain()
+    assert "KV cache float8_e5m2" in text
+    assert "e4m3_only  rejected: KV cache dtype float8_e5m2 not in ['bfloat16', 'float16', 'float32', " \
+           "'float8_e4m3fn'] (cannot read float8_e5m2 K/V: of fp8 formats it reads float8_e4m3fn only)" in text
+    with pytest.raises(mm3.BackendUnavailableError, match="cannot read float8_e5m2 K/V"):
+        mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=E5M2, registry=reg, backend="e4m3_only")
+    with pytest.raises(NoBackendError, match="e4m3_only: KV cache dtype float8_e5m2 not in"):
+        mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=E5M2,
+                            registry=Registry([e4m3], entry_points=False))
 
 
 # -- the reference backend and the layer ----------------------------------------------------------
 
+@pytest.mark.parametrize("kv_dtype", FORMATS)
 @pytest.mark.parametrize("strategy", ["gather", "dense"])
 @pytest.mark.parametrize("kv_scale, layout", [("head", "NHD"), ("tensor", "HND"), ("slot", "NHD"), ("slot", "HND")])
-def test_cpu_ref_matches_the_oracle_on_the_dequantized_cache(strategy: str, kv_scale: str, layout: str) -> None:
+def test_cpu_ref_matches_the_oracle_on_the_dequantized_cache(strategy: str, kv_scale: str, layout: str,
+                                                             kv_dtype: str) -> None:
     p = _params(h=2, g=3)
     case = make_case(p, decodes=[70, 33], prefills=[(9, 60), (3, 3)], padding_decodes=1, decode_query_len=2,
-                     dtype="float32", kv_dtype="float8_e4m3fn", kv_scale=kv_scale, kv_layout=layout, seed=5)
+                     dtype="float32", kv_dtype=kv_dtype, kv_scale=kv_scale, kv_layout=layout, seed=5)
     sel = oracle_topk(case.index_q, case.caches, case.batch, p)
     out = torch.full_like(case.q, float("nan"))
     cpu_attention.attention_forward(case.q, case.caches, sel, case.batch, p, out, strategy=strategy)
@@ -144,17 +172,43 @@ def test_cpu_ref_matches_the_oracle_on_the_dequantized_cache(strategy: str, kv_s
     assert (oracle_attention(case.q, raw, sel, case.batch, p) - ref).abs().max() > 1.0
 
 
-def test_layer_end_to_end_with_fp8_index_and_fp8_kv() -> None:
+@pytest.mark.parametrize("kv_dtype, kv_scale", [(FP8, "head"), (E5M2, "head"), (E5M2, "tensor"), (E5M2, "unit")])
+def test_layer_end_to_end_with_fp8_index_and_fp8_kv(kv_dtype: torch.dtype, kv_scale: str) -> None:
+    """Through mm3.SparseAttention: scales per KV head, one per tensor, and 1.0 (values stored as they are)."""
     p = _params()
     case = make_case(p, decodes=[90, 40], prefills=[(12, 80)], decode_query_len=2, dtype="float32",
-                     index_dtype="float8_e4m3fn", kv_dtype="float8_e4m3fn", seed=9)
-    layer = mm3.SparseAttention(p, dtype=torch.float32, index_dtype=FP8, kv_dtype=FP8, max_num_tokens=32,
+                     index_dtype="float8_e4m3fn", kv_dtype=kv_dtype, kv_scale=kv_scale, seed=9)
+    layer = mm3.SparseAttention(p, dtype=torch.float32, index_dtype=FP8, kv_dtype=kv_dtype, max_num_tokens=32,
                                 max_decode_query_len=2, backend="cpu_ref")
     out = layer(case.q, case.index_q, case.caches, case.batch)
     sel = layer.topk_buffer.rows(0, case.batch.num_tokens)
     assert (out.double() - oracle_attention(case.q, case.caches, sel, case.batch, p)).abs().max() < 1e-5
     with pytest.raises(InputError, match="k/v cache is torch.float32 but this layer was built for .*float8"):
         layer(case.q, case.index_q, case.caches.dequantized(torch.float32), case.batch)
+    other = E5M2 if kv_dtype == FP8 else FP8      # the other fp8 format is another dtype, not the same cache
+    with pytest.raises(InputError, match=f"k/v cache is {other} but this layer was built for {kv_dtype}"):
+        layer(case.q, case.index_q, PagedKVCache(case.caches.k.to(other), case.caches.v.to(other),
+                                                 case.caches.index, case.caches.k_scale, case.caches.v_scale),
+              case.batch)
+
+
+def test_e5m2_holds_values_past_e4m3s_range() -> None:
+    """e5m2 stores up to 57344 (e4m3: 448): stored values up to 57344 read back exactly, scaled, by the
+    reference and the oracle (what the Triton kernels are held to in the interpreter tests and on the GPU)."""
+    p = _params(h=2, g=3)
+    case = make_case(p, decodes=[70, 33], prefills=[(9, 60)], dtype="float32", kv_dtype=E5M2, seed=6)
+    g = torch.Generator().manual_seed(6)
+    normal = [torch.randn(case.caches.k.shape, generator=g) for _ in range(2)]
+    wide = [(x * (57344 / x.abs().max())).to(E5M2) for x in normal]     # the largest at e5m2's largest, 7 * 8192
+    assert wide[0].float().abs().max() == 57344 and torch.isfinite(wide[0].float()).all()
+    assert (wide[0].float().abs() > torch.finfo(FP8).max).float().mean() > 0.5   # most beyond e4m3's 448
+    scale = torch.tensor([1 / 8192])
+    caches = PagedKVCache(*wide, case.caches.index, scale, scale)
+    assert torch.equal(caches.dequantized(torch.float64).k, wide[0].double() / 8192)   # exact: a power of two
+    sel = oracle_topk(case.index_q, caches, case.batch, p)
+    out = torch.full_like(case.q, float("nan"))
+    cpu_attention.attention_forward(case.q, caches, sel, case.batch, p, out)
+    assert (out.double() - oracle_attention(case.q, caches, sel, case.batch, p)).abs().max() < 1e-5
 
 
 def test_tensor_parallel_shard_keeps_its_heads_scales() -> None:
@@ -179,4 +233,20 @@ def test_conformance_skips_fp8_kv_cases_a_backend_does_not_declare() -> None:
     ref = plan_cases(Registry([cpu_ref], entry_points=False).get("cpu_ref"), dtypes=["float32"],
                      index_dtypes=["bfloat16"])
     results = [c.run() for c in ref if "kv_fp8" in c.name]
+    assert len(results) == 4 and all(r.status == "pass" for r in results), [r.message for r in results]
+
+
+def test_conformance_runs_e5m2_cases_only_on_backends_that_declare_e5m2() -> None:
+    from mm3.testing.conformance.suite import plan_cases
+
+    e4m3 = Registry([MockBackend("e4m3_only", ops={"attention"}, topk_layout="head_major",
+                                 kv_cache_dtypes=E4M3_ONLY)], entry_points=False).get("e4m3_only")
+    plan = {c.name: c for c in plan_cases(e4m3, dtypes=["float32"], index_dtypes=["bfloat16"])}
+    e5m2 = [c for n, c in plan.items() if "kv_e5m2" in n]
+    assert e5m2 and all("cannot read float8_e5m2 K/V: of fp8 formats it reads float8_e4m3fn only" in c.skip
+                        for c in e5m2)
+    assert not any(c.skip for n, c in plan.items() if "kv_fp8" in n)
+    ref = plan_cases(Registry([cpu_ref], entry_points=False).get("cpu_ref"), dtypes=["float32"],
+                     index_dtypes=["bfloat16"])
+    results = [c.run() for c in ref if "kv_e5m2" in c.name]
     assert len(results) == 4 and all(r.status == "pass" for r in results), [r.message for r in results]

@@ -2,8 +2,8 @@
 
 The seed's case first (token-major top-k storage behind a head-major view, a
 mixed batch of decodes, a padding decode and prefills with a prefix), then
-speculative decodes under ``torch.inference_mode()``, fp8 K/V with scalar,
-per-head and per-(KV head, slot) scales, ids a row must ignore, ``out=``'s
+speculative decodes under ``torch.inference_mode()``, fp8 K/V (e4m3, e5m2) with
+no scales, scalar, per-head and per-(KV head, slot) scales, ids a row must ignore, ``out=``'s
 stable address, the score functions, and the arguments mm3 refuses.
 """
 
@@ -59,9 +59,10 @@ def test_every_call_guarded() -> None:
     assert_step_right(s)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("kv_scale", ["tensor", "head", "slot"])
-def test_fp8_kv_scales(kv_scale: str) -> None:
-    s = vllm_step(P, **MIXED, kv_dtype="float8_e4m3fn", kv_scale=kv_scale, seed=3)
+def test_fp8_kv_scales(kv_scale: str, kv_dtype: str) -> None:
+    s = vllm_step(P, **MIXED, kv_dtype=kv_dtype, kv_scale=kv_scale, seed=3)
     ks, vs = s.k_scale, s.v_scale
     if kv_scale == "tensor":     # vLLM's layer scale: one element
         ks, vs = ks[:1].clone().reshape(()), vs[:1].clone()
@@ -74,6 +75,39 @@ def test_fp8_kv_scales(kv_scale: str) -> None:
     raw = mm3.PagedKVCache(c.caches.k.double(), c.caches.v.double(), c.caches.index)
     unscaled = oracle_attention(c.q, raw, TopkBuffer(s.topk_view[:, :c.batch.num_tokens]), c.batch, P)
     assert float((s.output.double() - unscaled).abs().max()) > 1.0
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_kv_without_scales_reads_values_as_stored(kv_dtype: str) -> None:
+    """vLLM passes k_scale=v_scale=None for an fp8 cache it did not calibrate: the values are read as stored."""
+    s = vllm_step(P, **MIXED, kv_dtype=kv_dtype, kv_scale="unit", seed=4)
+    s.k_scale = s.v_scale = None
+    run_step(s)
+    assert_step_right(s)      # against the oracle on the cache with scale 1.0
+
+
+def test_selection_explains_a_backend_that_cannot_read_e5m2() -> None:
+    """A backend that reads e4m3 K/V only: pinned, selection says why; auto picks one that reads e5m2."""
+    from mm3.runtime.registry import Registry
+    from mm3.testing.mock import MockBackend
+    from mm3_backends.cpu_ref import plugin as cpu_ref
+
+    e4m3 = MockBackend("e4m3_only", priority=50, kv_cache_dtypes={"float32", "float8_e4m3fn"})
+    registry = Registry(plugins=[e4m3, cpu_ref], entry_points=False)
+    targets.configure(registry=registry)
+    s = vllm_step(P, decodes=(70,), prefills=(), kv_dtype="float8_e5m2", kv_scale="head", seed=8)
+    c = s.case
+    args = (c.q, s.kv_cache, s.topk_view[:, :1], s.block_table, s.seq_lens, 2, 0.25, s.output, 1, s.k_scale,
+            s.v_scale)
+    with mm3.use_backend("e4m3_only", registry=registry), pytest.raises(
+            mm3.BackendUnavailableError, match="cannot read float8_e5m2 K/V: of fp8 formats it reads float8_e4m3fn"):
+        ops.minimax_m3_sparse_attn_decode(*args)
+    with mm3.use_backend("auto", registry=registry):
+        s.topk_view[:, :1] = 0
+        ops.minimax_m3_sparse_attn_decode(*args)
+    chosen = [x for x in targets.selections() if x.requirements.kv_cache_dtype == "float8_e5m2"]
+    assert chosen and all(x.attention.name == "cpu_ref" for x in chosen)
+    assert "e4m3_only  rejected: KV cache dtype float8_e5m2 not in" in chosen[-1].explain()
 
 
 def test_ignored_ids_select_nothing() -> None:
