@@ -17,11 +17,12 @@ So a bf16 step of the Triton plugins selects the wrong blocks and outputs
 garbage there, and ``mm3 check cuda`` on a CPU reports FAIL for a kernel that is
 right. :func:`install` patches the interpreter's builder so that bf16 operands
 are widened to fp32 (exact), the operation runs in fp32 and a bf16 result is
-rounded to nearest even; e5m2 is widened from its bits (an e5m2 byte is the
-upper half of the fp16 of the same value: exact, as a GPU widens it); every
-other dtype still takes the interpreter's own code. It is what a GPU does for bf16 up to the order of a dot's sum. Left as
+rounded to nearest even; every other dtype still takes the interpreter's own
+code. It is what a GPU does for bf16 up to the order of a dot's sum. Left as
 they are: reductions, scans, clamps and fma over bf16 blocks (the kernels
-reduce and clamp fp32 values only).
+reduce and clamp fp32 values only). e4m3 NaNs are kept NaN, and e5m2 is
+widened from its bits (an e5m2 byte is the upper half of the fp16 of the same
+value: exact, as a GPU widens it).
 
 The kernel modules install it when they are imported under the interpreter
 (:mod:`.tl_utils`), so the plugins' hooks, the test suite and a direct call
