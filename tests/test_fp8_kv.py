@@ -15,7 +15,7 @@ from mm3.contract.buffers import PagedKVCache
 from mm3.contract.errors import InputError, NoBackendError
 from mm3.runtime.distributed import rank_shard
 from mm3.runtime.registry import Registry
-from mm3.testing.factories import make_case
+from mm3.testing.factories import full_range_fp8, make_case
 from mm3.testing.mock import MockBackend
 from mm3.testing.oracle import oracle_attention, oracle_topk
 from mm3_backends.cpu_ref import attention as cpu_attention
@@ -192,19 +192,18 @@ def test_layer_end_to_end_with_fp8_index_and_fp8_kv(kv_dtype: torch.dtype, kv_sc
               case.batch)
 
 
-def test_e5m2_holds_values_past_e4m3s_range() -> None:
-    """e5m2 stores up to 57344 (e4m3: 448): stored values up to 57344 read back exactly, scaled, by the
-    reference and the oracle (what the Triton kernels are held to in the interpreter tests and on the GPU)."""
+@pytest.mark.parametrize("kv_dtype", [FP8, E5M2])
+def test_stored_values_across_the_whole_fp8_range(kv_dtype: torch.dtype) -> None:
+    """Stored values up to the format's largest (e4m3: 448; e5m2: 57344, past e4m3's range) read back
+    exactly, scaled, by the reference and the oracle (the Triton kernels: tests/test_fp8_kv_interpreter.py,
+    tests/gpu)."""
     p = _params(h=2, g=3)
-    case = make_case(p, decodes=[70, 33], prefills=[(9, 60)], dtype="float32", kv_dtype=E5M2, seed=6)
-    g = torch.Generator().manual_seed(6)
-    normal = [torch.randn(case.caches.k.shape, generator=g) for _ in range(2)]
-    wide = [(x * (57344 / x.abs().max())).to(E5M2) for x in normal]     # the largest at e5m2's largest, 7 * 8192
-    assert wide[0].float().abs().max() == 57344 and torch.isfinite(wide[0].float()).all()
-    assert (wide[0].float().abs() > torch.finfo(FP8).max).float().mean() > 0.5   # most beyond e4m3's 448
-    scale = torch.tensor([1 / 8192])
-    caches = PagedKVCache(*wide, case.caches.index, scale, scale)
-    assert torch.equal(caches.dequantized(torch.float64).k, wide[0].double() / 8192)   # exact: a power of two
+    case = make_case(p, decodes=[70, 33], prefills=[(9, 60)], dtype="float32", kv_dtype=kv_dtype, seed=6)
+    caches = full_range_fp8(case.caches, torch.Generator().manual_seed(6))
+    assert caches.k.float().abs().max() == torch.finfo(kv_dtype).max and torch.isfinite(caches.v.float()).all()
+    if kv_dtype == E5M2:
+        assert (caches.k.float().abs() > torch.finfo(FP8).max).float().mean() > 0.5   # mostly past e4m3's 448
+    assert torch.equal(caches.dequantized(torch.float64).k, caches.k.double() * caches.k_scale[0].item())
     sel = oracle_topk(case.index_q, caches, case.batch, p)
     out = torch.full_like(case.q, float("nan"))
     cpu_attention.attention_forward(case.q, caches, sel, case.batch, p, out)

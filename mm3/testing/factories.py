@@ -23,7 +23,7 @@ from mm3.contract.errors import InputError
 from mm3.contract.kv_scales import FP8_KV_DTYPES
 from mm3.contract.params import SparseAttentionParams
 
-__all__ = ["Case", "make_case", "random_caches"]
+__all__ = ["Case", "make_case", "random_caches", "full_range_fp8"]
 
 
 @dataclass
@@ -148,3 +148,34 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
     index_q = torch.randn(T, params.num_index_heads, params.index_head_dim, generator=g)
     index_q = index_q.to(dtype).to(device)
     return Case(params, q, index_q, caches, batch)
+
+
+def full_range_fp8(caches: PagedKVCache, generator: torch.Generator) -> PagedKVCache:
+    """``caches`` with new fp8 K and V spanning their format's whole finite range, read back as N(0, 1).
+
+    N(0, 1) values are stored with the largest magnitude at the format's largest finite
+    value (448 for e4m3, 57344 for e5m2), and a per-tensor scale takes them back to the
+    values drawn (the distribution every tolerance is set for): a reader that widens
+    the stored values through a narrower type, or saturates them, is far off. Same
+    shapes, layout and index cache; new tensors (``caches`` is not changed).
+
+    Example:
+        >>> p = SparseAttentionParams(num_heads=2, num_kv_heads=1, head_dim=16, num_index_heads=1,
+        ...                           index_head_dim=16, block_size=16, topk=2)
+        >>> c = make_case(p, decodes=[40], kv_dtype="float8_e5m2", dtype="float32").caches
+        >>> w = full_range_fp8(c, torch.Generator().manual_seed(0))
+        >>> w.k.float().abs().max().item(), bool(w.dequantized().k.abs().max() < 6)
+        (57344.0, True)
+    """
+    if caches.dtype not in FP8_KV_DTYPES:
+        raise InputError(f"full_range_fp8 needs fp8 K/V ({FP8_KV_DTYPES}), got {caches.dtype}")
+    largest = torch.finfo(caches.dtype).max
+    stored, scales = [], []
+    for t in (caches.k, caches.v):
+        x = torch.randn(t.shape, generator=generator)
+        factor = largest / x.abs().max()
+        out = torch.empty_like(t)
+        out.copy_((x * factor).to(t.dtype).to(t.device))
+        stored.append(out)
+        scales.append((1 / factor).reshape(1).to(torch.float32).to(caches.device))
+    return PagedKVCache(stored[0], stored[1], caches.index, scales[0], scales[1])
