@@ -102,21 +102,31 @@ def test_fp8_kv_needs_no_q_in_fp8_but_other_mismatches_fail() -> None:
 
 # -- selection ------------------------------------------------------------------------------------
 
-def test_selection_explains_a_backend_that_cannot_read_fp8_kv() -> None:
+@pytest.mark.parametrize("declared, kv_dtype, reason", [
+    (PLAIN, FP8, "['bfloat16', 'float16', 'float32'] (cannot read fp8 K/V with scales)"),
+    # the fp8 formats are declared one by one: e4m3 does not imply e5m2, and the trace says which it reads
+    (E4M3_ONLY, E5M2, "['bfloat16', 'float16', 'float32', 'float8_e4m3fn'] (cannot read float8_e5m2 K/V: of fp8 "
+                      "formats it reads float8_e4m3fn only)"),
+], ids=["plain-e4m3", "e4m3_only-e5m2"])
+def test_selection_explains_a_backend_that_cannot_read_fp8_kv(declared: set[str], kv_dtype: torch.dtype,
+                                                              reason: str) -> None:
     plain = MockBackend("plain_attn", ops={"attention", "index_topk"}, topk_layout="head_major", priority=5,
-                        kv_cache_dtypes=PLAIN)
+                        kv_cache_dtypes=declared)
     reg = Registry([plain, cpu_ref], entry_points=False)
-    layer = mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=FP8, max_num_tokens=16, registry=reg)
+    name = str(kv_dtype).removeprefix("torch.")
+    if "float8_e4m3fn" in declared:     # for the fp8 format it reads, it is chosen
+        assert mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=FP8, max_num_tokens=16,
+                                   registry=reg).selection.attention.name == "plain_attn"
+    layer = mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=kv_dtype, max_num_tokens=16, registry=reg)
     assert layer.selection.attention.name == "cpu_ref"
     text = layer.explain()
-    assert "KV cache float8_e4m3fn" in text
-    assert "plain_attn  rejected: KV cache dtype float8_e4m3fn not in ['bfloat16', 'float16', 'float32'] " \
-           "(cannot read fp8 K/V with scales)" in text
-    with pytest.raises(mm3.BackendUnavailableError, match="KV cache dtype float8_e4m3fn not in"):
-        mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=FP8, registry=reg, backend="plain_attn")
-    with pytest.raises(NoBackendError, match="plain_attn: KV cache dtype float8_e4m3fn"):
-        mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=FP8, registry=Registry([plain],
-                                                                                             entry_points=False))
+    assert f"KV cache {name}" in text
+    assert f"plain_attn  rejected: KV cache dtype {name} not in {reason}" in text
+    with pytest.raises(mm3.BackendUnavailableError, match=f"KV cache dtype {name} not in"):
+        mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=kv_dtype, registry=reg, backend="plain_attn")
+    with pytest.raises(NoBackendError, match=f"plain_attn: KV cache dtype {name}"):
+        mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=kv_dtype, registry=Registry([plain],
+                                                                                                 entry_points=False))
 
 
 @pytest.mark.parametrize("declared, kv_dtype", [(PLAIN, "float8_e4m3fn"), (E4M3_ONLY, "float8_e5m2")])
@@ -128,26 +138,6 @@ def test_bound_backend_refuses_fp8_kv_outside_its_declaration(declared: set[str]
     sel = oracle_topk(case.index_q, case.caches, case.batch, p)
     with pytest.raises(InputError, match=f"plain_attn.attention_forward: KV cache dtype {kv_dtype} not in"):
         be.attention_forward(case.q, case.caches, sel, case.batch, p, torch.empty_like(case.q))
-
-
-def test_selection_passes_over_a_backend_that_reads_e4m3_only() -> None:
-    """The fp8 formats are declared one by one: e4m3 does not imply e5m2, and the trace says which it reads."""
-    e4m3 = MockBackend("e4m3_only", ops={"attention", "index_topk"}, topk_layout="head_major", priority=5,
-                       kv_cache_dtypes=E4M3_ONLY)
-    reg = Registry([e4m3, cpu_ref], entry_points=False)
-    assert mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=FP8, max_num_tokens=16,
-                               registry=reg).selection.attention.name == "e4m3_only"
-    layer = mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=E5M2, max_num_tokens=16, registry=reg)
-    assert layer.selection.attention.name == "cpu_ref"
-    text = layer.explain()
-    assert "KV cache float8_e5m2" in text
-    assert "e4m3_only  rejected: KV cache dtype float8_e5m2 not in ['bfloat16', 'float16', 'float32', " \
-           "'float8_e4m3fn'] (cannot read float8_e5m2 K/V: of fp8 formats it reads float8_e4m3fn only)" in text
-    with pytest.raises(mm3.BackendUnavailableError, match="cannot read float8_e5m2 K/V"):
-        mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=E5M2, registry=reg, backend="e4m3_only")
-    with pytest.raises(NoBackendError, match="e4m3_only: KV cache dtype float8_e5m2 not in"):
-        mm3.SparseAttention(_params(), dtype=torch.float32, kv_dtype=E5M2,
-                            registry=Registry([e4m3], entry_points=False))
 
 
 # -- the reference backend and the layer ----------------------------------------------------------

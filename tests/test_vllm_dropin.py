@@ -86,30 +86,6 @@ def test_fp8_kv_without_scales_reads_values_as_stored(kv_dtype: str) -> None:
     assert_step_right(s)      # against the oracle on the cache with scale 1.0
 
 
-def test_selection_explains_a_backend_that_cannot_read_e5m2() -> None:
-    """A backend that reads e4m3 K/V only: pinned, selection says why; auto picks one that reads e5m2."""
-    from mm3.runtime.registry import Registry
-    from mm3.testing.mock import MockBackend
-    from mm3_backends.cpu_ref import plugin as cpu_ref
-
-    e4m3 = MockBackend("e4m3_only", priority=50, kv_cache_dtypes={"float32", "float8_e4m3fn"})
-    registry = Registry(plugins=[e4m3, cpu_ref], entry_points=False)
-    targets.configure(registry=registry)
-    s = vllm_step(P, decodes=(70,), prefills=(), kv_dtype="float8_e5m2", kv_scale="head", seed=8)
-    c = s.case
-    args = (c.q, s.kv_cache, s.topk_view[:, :1], s.block_table, s.seq_lens, 2, 0.25, s.output, 1, s.k_scale,
-            s.v_scale)
-    with mm3.use_backend("e4m3_only", registry=registry), pytest.raises(
-            mm3.BackendUnavailableError, match="cannot read float8_e5m2 K/V: of fp8 formats it reads float8_e4m3fn"):
-        ops.minimax_m3_sparse_attn_decode(*args)
-    with mm3.use_backend("auto", registry=registry):
-        s.topk_view[:, :1] = 0
-        ops.minimax_m3_sparse_attn_decode(*args)
-    chosen = [x for x in targets.selections() if x.requirements.kv_cache_dtype == "float8_e5m2"]
-    assert chosen and all(x.attention.name == "cpu_ref" for x in chosen)
-    assert "e4m3_only  rejected: KV cache dtype float8_e5m2 not in" in chosen[-1].explain()
-
-
 def test_ignored_ids_select_nothing() -> None:
     """-1, negative ids, ids past the token's blocks and repeats add nothing (vLLM's decode kernel skips them)."""
     s = vllm_step(P, decodes=(70, 33), prefills=((9, 40),), seed=4)
@@ -261,28 +237,35 @@ def test_unserved_arguments_are_named(case: str, match: str) -> None:
             ops.minimax_m3_index_decode(c.index_q[:2], c.caches.index, s.block_table[:2].long(), *dec[3:], 2, 1, 1)
 
 
-def test_selection_explains_a_backend_that_cannot_read_slot_scales() -> None:
-    """A backend that reads [Hkv] scales only: pinned, selection says why; auto picks one that reads them."""
+@pytest.mark.parametrize("declares, kv_dtype, kv_scale, reason", [
+    (dict(kv_slot_scales=False), "float8_e4m3fn", "slot", "cannot read K/V scales per token slot"),
+    (dict(kv_cache_dtypes={"float32", "float8_e4m3fn"}), "float8_e5m2", "head",
+     "cannot read float8_e5m2 K/V: of fp8 formats it reads float8_e4m3fn only"),
+], ids=["slot_scales", "e5m2"])
+def test_selection_explains_a_backend_that_cannot_read_the_kv_cache(declares: dict, kv_dtype: str, kv_scale: str,
+                                                                    reason: str) -> None:
+    """A backend that reads [Hkv] scales only, or e4m3 K/V only: pinned, selection says why; auto picks one
+    that reads the cache."""
     from mm3.runtime.registry import Registry
     from mm3.testing.mock import MockBackend
     from mm3_backends.cpu_ref import plugin as cpu_ref
 
-    heads_only = MockBackend("heads_only", priority=50, kv_slot_scales=False)
-    registry = Registry(plugins=[heads_only, cpu_ref], entry_points=False)
+    limited = MockBackend("limited", priority=50, **declares)
+    registry = Registry(plugins=[limited, cpu_ref], entry_points=False)
     targets.configure(registry=registry)
-    s = vllm_step(P, decodes=(70,), prefills=(), kv_dtype="float8_e4m3fn", kv_scale="slot", seed=8)
+    s = vllm_step(P, decodes=(70,), prefills=(), kv_dtype=kv_dtype, kv_scale=kv_scale, seed=8)
     c = s.case
     args = (c.q, s.kv_cache, s.topk_view[:, :1], s.block_table, s.seq_lens, 2, 0.25, s.output, 1, s.k_scale,
             s.v_scale)
-    with mm3.use_backend("heads_only", registry=registry), pytest.raises(
-            mm3.BackendUnavailableError, match="cannot read K/V scales per token slot"):
+    with mm3.use_backend("limited", registry=registry), pytest.raises(mm3.BackendUnavailableError, match=reason):
         ops.minimax_m3_sparse_attn_decode(*args)
     with mm3.use_backend("auto", registry=registry):
         s.topk_view[:, :1] = 0
         ops.minimax_m3_sparse_attn_decode(*args)
-    chosen = [x for x in targets.selections() if x.requirements.kv_slot_scales]
+    chosen = [x for x in targets.selections()
+              if (x.requirements.kv_cache_dtype, x.requirements.kv_slot_scales) == (kv_dtype, kv_scale == "slot")]
     assert chosen and all(x.attention.name == "cpu_ref" for x in chosen)
-    assert "heads_only" in chosen[-1].explain() and "scales per token slot" in chosen[-1].explain()
+    assert "limited  rejected: " in chosen[-1].explain() and reason in chosen[-1].explain()
 
 
 def test_captured_calls_need_an_eager_first_call_and_a_graph_safe_backend(monkeypatch: pytest.MonkeyPatch) -> None:
