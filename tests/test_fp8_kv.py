@@ -162,7 +162,8 @@ def test_cpu_ref_matches_the_oracle_on_the_dequantized_cache(strategy: str, kv_s
     assert (oracle_attention(case.q, raw, sel, case.batch, p) - ref).abs().max() > 1.0
 
 
-@pytest.mark.parametrize("kv_dtype, kv_scale", [(FP8, "head"), (E5M2, "head"), (E5M2, "tensor"), (E5M2, "unit")])
+@pytest.mark.parametrize("kv_dtype, kv_scale", [(FP8, "head"), (E5M2, "head"), (E5M2, "tensor"), (E5M2, "unit")],
+                         ids=["e4m3-head", "e5m2-head", "e5m2-tensor", "e5m2-unit"])
 def test_layer_end_to_end_with_fp8_index_and_fp8_kv(kv_dtype: torch.dtype, kv_scale: str) -> None:
     """Through mm3.SparseAttention: scales per KV head, one per tensor, and 1.0 (values stored as they are)."""
     p = _params()
@@ -182,7 +183,7 @@ def test_layer_end_to_end_with_fp8_index_and_fp8_kv(kv_dtype: torch.dtype, kv_sc
               case.batch)
 
 
-@pytest.mark.parametrize("kv_dtype", [FP8, E5M2])
+@pytest.mark.parametrize("kv_dtype", [FP8, E5M2], ids=["e4m3", "e5m2"])
 def test_stored_values_across_the_whole_fp8_range(kv_dtype: torch.dtype) -> None:
     """Stored values up to the format's largest (e4m3: 448; e5m2: 57344, past e4m3's range) read back
     exactly, scaled, by the reference and the oracle (the Triton kernels: tests/test_fp8_kv_interpreter.py,

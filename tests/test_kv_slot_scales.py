@@ -89,7 +89,7 @@ def test_selection_passes_over_a_backend_that_cannot_read_them() -> None:
     assert "with scales per token slot" in sel.explain()
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_the_layer_refuses_caches_it_did_not_select_for(kv_dtype: torch.dtype) -> None:
     case = make_case(P, decodes=[40], dtype="float32", kv_dtype=kv_dtype, kv_scale="slot")
     layer = mm3.SparseAttention(P, dtype=torch.float32, kv_dtype=kv_dtype, max_num_tokens=4, backend="cpu_ref")

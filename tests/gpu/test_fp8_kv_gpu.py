@@ -98,7 +98,8 @@ def _check_step(hooks: Any, p: SparseAttentionParams, case: Any, q: Optional[tor
     return err.max().item(), err.mean().item()
 
 
-@pytest.mark.parametrize("path, kv_dtype", [("fp16", FP8), ("bf16", FP8), ("fp16", E5M2)])
+@pytest.mark.parametrize("path, kv_dtype", [("fp16", FP8), ("bf16", FP8), ("fp16", E5M2)],
+                         ids=["fp16-e4m3", "bf16-e4m3", "fp16-e5m2"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bf16_queries_on_fp8_kv_against_fp64(name: str, path: str, kv_dtype: torch.dtype) -> None:
     tp, idx_dtype, layout, dq, decodes, prefills = CASES[name]
@@ -110,7 +111,7 @@ def test_bf16_queries_on_fp8_kv_against_fp64(name: str, path: str, kv_dtype: tor
     assert max_err <= TOL[0] and mean_err <= TOL[1], (max_err, mean_err)
 
 
-@pytest.mark.parametrize("kv_dtype", [FP8, E5M2])
+@pytest.mark.parametrize("kv_dtype", [FP8, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("name", ["tp1_idxbf16_q1_nhd", "tp8_idxbf16_q3_hnd"])
 def test_slot_scaled_fp8_kv_against_fp64(name: str, kv_dtype: torch.dtype) -> None:
     """Scales per KV head and token slot (vLLM's [Hkv, num_slots]): the decode and prefill attention
@@ -126,7 +127,7 @@ def test_slot_scaled_fp8_kv_against_fp64(name: str, kv_dtype: torch.dtype) -> No
 
 
 @pytest.mark.parametrize("path", ["fp16", "bf16"])
-@pytest.mark.parametrize("kv_dtype", [FP8, E5M2])
+@pytest.mark.parametrize("kv_dtype", [FP8, E5M2], ids=["e4m3", "e5m2"])
 def test_stored_values_across_the_whole_fp8_range(kv_dtype: torch.dtype, path: str) -> None:
     """K/V stored up to the format's largest finite value (e5m2: 57344, past e4m3's 448; fp16's largest is
     65504) and scaled back to N(0, 1) (mm3.testing.factories.full_range_fp8): both dot paths widen them
