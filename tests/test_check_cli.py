@@ -188,7 +188,7 @@ def test_full_runs_the_larger_shapes(mm3_registry, mock_backend, capsys) -> None
     added = {c["name"]: c["status"] for c in full if c["name"] not in {q["name"] for q in quick}}
     assert set(added) == {f"{kind}/{step}:{dt}" for kind, dt in (("indexer", "bfloat16"), ("attention", "float32"),
                                                                 ("composed", "float32+bfloat16"))
-                          for step in ("large", "large_kv_fp8")}, added
+                          for step in ("large", "large_kv_fp8", "large_kv_e5m2_slot")}, added
     # the attention-only backend runs the larger attention steps and skips the others
-    assert [n for n, status in added.items() if status == "pass"] == ["attention/large:float32",
-                                                                      "attention/large_kv_fp8:float32"], added
+    assert [n for n, status in added.items() if status == "pass"] == [
+        "attention/large:float32", "attention/large_kv_fp8:float32", "attention/large_kv_e5m2_slot:float32"], added

@@ -133,7 +133,7 @@ def test_steps_of_other_shape_classes_do_not_recompile_every_time() -> None:
     assert len(graphs) <= 3, f"{len(graphs)} compilations for {len(shapes)} steps"
 
 
-@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn, torch.float8_e5m2], ids=["plain", "e4m3", "e5m2"])
 def test_compiled_layer_against_the_oracle(kv_dtype: torch.dtype | None) -> None:
     """The ops carry an fp8 cache's scales: dropping them would be off by the scale, far past 1e-5."""
     layer = _layer(kv_dtype=kv_dtype) if kv_dtype else _layer()

@@ -1,6 +1,6 @@
 """fp8 K/V with bf16 queries dotted in fp16 (``numerics.kv_fp8_as_f16``), through Triton's interpreter.
 
-In the decode kernels every dot is fp16 (keys and values widened e4m3 -> fp16
+In the decode kernels every dot is fp16 (keys and values widened e4m3 or e5m2 -> fp16
 exactly, query rows scaled per row by a power of two, ``P`` in fp16) with fp32
 accumulation: their rows are held to fp16's tolerances (docs/spec.md §4). The
 prefill kernels widen K/V to bf16 and dot in bf16 (bf16's tolerances; the
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from mm3.contract.params import SparseAttentionParams
-from mm3.testing.factories import make_case
+from mm3.testing.factories import full_range_fp8, make_case
 from mm3.testing.oracle import oracle_attention, oracle_topk
 from mm3_backends.triton.launch import override
 
@@ -51,15 +51,19 @@ def _configs() -> dict[str, object]:
 
 
 def _run(path: str, *, layout: str = "NHD", kv_scale: str = "head", row_scales: object = None,
-         scale: object = None, seed: int = 0, cfg: object = None) -> None:
-    """One mixed step with bf16 queries (rows times ``row_scales``) on fp8 K/V, checked against the oracle."""
+         scale: object = None, seed: int = 0, cfg: object = None, kv_dtype: str = "float8_e4m3fn",
+         full_range: bool = False) -> None:
+    """One mixed step with bf16 queries (rows times ``row_scales``) on fp8 K/V, checked against the oracle
+    (``full_range``: K/V stored across the whole fp8 range, :func:`~mm3.testing.factories.full_range_fp8`)."""
     from mm3_backends.triton import attention
 
     p = SparseAttentionParams(num_heads=6, num_kv_heads=2, head_dim=32, num_index_heads=2, index_head_dim=32,
                               block_size=16, topk=4, scale=scale)
     case = make_case(p, decodes=[70, 33], prefills=[(9, 60), (3, 3)], padding_decodes=1, decode_query_len=2,
-                     dtype="float16", index_dtype="float16", kv_dtype="float8_e4m3fn", kv_scale=kv_scale,
+                     dtype="float16", index_dtype="float16", kv_dtype=kv_dtype, kv_scale=kv_scale,
                      kv_layout=layout, seed=seed)
+    if full_range:
+        case.caches = full_range_fp8(case.caches, torch.Generator().manual_seed(seed))
     q = case.q.float()
     if row_scales is not None:
         rows = torch.arange(q.shape[0] * p.num_heads) % len(row_scales)
@@ -84,6 +88,20 @@ def test_bf16_queries_on_fp8_kv_match_oracle(path: str, layout: str) -> None:
     """Every attention kernel on the fp16 path (the undo factor of the query scaling is 2^-13 here,
     so a kernel that dropped it would be far off), per-KV-head and per-tensor scales."""
     _run(path, layout=layout, kv_scale="head" if layout == "HND" else "tensor", seed=len(path) + len(layout))
+
+
+@pytest.mark.parametrize("path, layout, kv_scale", [("persistent_decode+block_grouped_prefill", "HND", "tensor"),
+                                                    ("grid_decode+token_tile_prefill", "NHD", "head")])
+def test_bf16_queries_on_e5m2_kv_match_oracle(path: str, layout: str, kv_scale: str) -> None:
+    """The fp16 dots on e5m2 K/V (widened e5m2 -> fp16 exactly: the same exponent range), both decode kernels."""
+    _run(path, layout=layout, kv_scale=kv_scale, seed=len(path) + len(layout) + 1, kv_dtype="float8_e5m2")
+
+
+@pytest.mark.parametrize("path", sorted(_configs()))
+def test_bf16_queries_on_e5m2_values_past_e4m3s_range(path: str) -> None:
+    """e5m2 K/V stored up to 57344 (fp16's largest is 65504): the fp16 dots hold them exactly, and the
+    scaled query rows (up to 2^15) times them stay far inside fp32's range."""
+    _run(path, seed=9, kv_dtype="float8_e5m2", full_range=True)
 
 
 @pytest.mark.parametrize("magnitude", [1e6, 1e-6, "mixed"])

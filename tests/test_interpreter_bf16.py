@@ -1,10 +1,10 @@
-"""backends/triton/interpreter.py: bf16 and e4m3 NaNs under Triton's interpreter compute what torch computes.
+"""backends/triton/interpreter.py: bf16, e4m3 NaNs and e5m2 under Triton's interpreter compute what torch computes.
 
 Each patched operation runs in a small kernel through the interpreter and is
 compared with torch's bf16 on the CPU (which widens to fp32, computes, and
 rounds to nearest even, as a GPU's bf16 units do): dots, fp32 -> bf16 casts
 (ties, NaN, infinities, overflow), elementwise arithmetic and comparisons,
-int <-> bf16 casts, every e4m3 bit pattern widened. The interpreter's own code
+int <-> bf16 casts, every e4m3 and e5m2 bit pattern widened. The interpreter's own code
 (the patch taken out) fails the same checks, so they can fail. The patch must
 be installed, which fails when a Triton release moves what it replaces.
 """
@@ -129,18 +129,31 @@ def test_casts_between_bf16_and_other_types_convert_values(src: torch.dtype, dst
     assert torch.equal(out, x.to(dst))
 
 
+def _every_byte_widened(fp8: torch.dtype, dst: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of the 256 ``fp8`` bytes widened to ``dst`` by a kernel, and by torch."""
+    x = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8)
+    out = torch.empty(256, dtype=dst)
+    _cast_kernel[(1,)](x, out, 256)
+    return out, x.to(dst)
+
+
 @pytest.mark.parametrize("dst", [torch.bfloat16, torch.float16, torch.float32])
 def test_every_e4m3_value_widens_as_torch_widens_it(dst: torch.dtype, interpreters_own) -> None:
-    x = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
-    want = x.to(dst)
-
-    def run() -> torch.Tensor:
-        out = torch.empty(256, dtype=dst)
-        _cast_kernel[(1,)](x, out, 256)
-        return out
-    got = run()
+    got, want = _every_byte_widened(torch.float8_e4m3fn, dst)
     nan = want.isnan()
     assert nan.sum() == 2 and got[nan].isnan().all(), "e4m3's NaN (S.1111.111) must stay NaN"
     assert torch.equal(got[~nan], want[~nan])
     interpreters_own()
-    assert not run()[nan].isnan().any()
+    assert not _every_byte_widened(torch.float8_e4m3fn, dst)[0][nan].isnan().any()
+
+
+@pytest.mark.parametrize("dst", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_e5m2_value_widens_as_torch_widens_it(dst: torch.dtype, interpreters_own) -> None:
+    """An e5m2 K/V cache's bytes: subnormals, the largest finite (57344), infinities and NaNs, exactly."""
+    got, want = _every_byte_widened(torch.float8_e5m2, dst)
+    nan = want.isnan()
+    assert nan.sum() == 6 and got[nan].isnan().all(), "e5m2's NaNs (S.11111.xx, xx != 0) must stay NaN"
+    assert torch.equal(got[~nan], want[~nan]) and got.isinf().sum() == 2
+    interpreters_own()
+    got = _every_byte_widened(torch.float8_e5m2, dst)[0]
+    assert not torch.equal(got[~nan], want[~nan]) or not got[nan].isnan().all()

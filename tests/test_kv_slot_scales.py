@@ -1,8 +1,10 @@
 """fp8 K/V scales per (KV head, token slot), vLLM's ``[num_kv_heads, num_slots]``: the contract and selection.
 
-cpu_ref and the oracle read them (tests/test_fp8_kv.py, the conformance cases
-``attention/kv_fp8_slot_*``); the Triton backends do not declare them yet, so
-selection must say why it passes them over (tests/test_vllm_dropin.py).
+For both fp8 formats (e4m3, e5m2). cpu_ref and the oracle read them
+(tests/test_fp8_kv.py, the conformance cases ``attention/kv_fp8_slot_*`` and
+``attention/kv_e5m2_slot_*``), and so do the Triton backends
+(tests/test_vllm_interpreter.py); selection must say why it passes over a
+backend that does not (tests/test_vllm_dropin.py).
 """
 
 from __future__ import annotations
@@ -92,9 +94,10 @@ def test_selection_passes_over_a_backend_that_cannot_read_them() -> None:
     assert "with scales per token slot" in sel.explain()
 
 
-def test_the_layer_refuses_caches_it_did_not_select_for() -> None:
-    case = make_case(P, decodes=[40], dtype="float32", kv_dtype="float8_e4m3fn", kv_scale="slot")
-    layer = mm3.SparseAttention(P, dtype=torch.float32, kv_dtype=FP8, max_num_tokens=4, backend="cpu_ref")
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_the_layer_refuses_caches_it_did_not_select_for(kv_dtype: torch.dtype) -> None:
+    case = make_case(P, decodes=[40], dtype="float32", kv_dtype=kv_dtype, kv_scale="slot")
+    layer = mm3.SparseAttention(P, dtype=torch.float32, kv_dtype=kv_dtype, max_num_tokens=4, backend="cpu_ref")
     with pytest.raises(InputError, match="which SparseAttention does not select backends for"):
         layer(case.q, case.index_q, case.caches, case.batch)
 

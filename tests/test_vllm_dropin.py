@@ -2,8 +2,8 @@
 
 The seed's case first (token-major top-k storage behind a head-major view, a
 mixed batch of decodes, a padding decode and prefills with a prefix), then
-speculative decodes under ``torch.inference_mode()``, fp8 K/V with scalar,
-per-head and per-(KV head, slot) scales, ids a row must ignore, ``out=``'s
+speculative decodes under ``torch.inference_mode()``, fp8 K/V (e4m3, e5m2) with
+no scales, scalar, per-head and per-(KV head, slot) scales, ids a row must ignore, ``out=``'s
 stable address, the score functions, and the arguments mm3 refuses.
 """
 
@@ -59,9 +59,10 @@ def test_every_call_guarded() -> None:
     assert_step_right(s)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("kv_scale", ["tensor", "head", "slot"])
-def test_fp8_kv_scales(kv_scale: str) -> None:
-    s = vllm_step(P, **MIXED, kv_dtype="float8_e4m3fn", kv_scale=kv_scale, seed=3)
+def test_fp8_kv_scales(kv_scale: str, kv_dtype: str) -> None:
+    s = vllm_step(P, **MIXED, kv_dtype=kv_dtype, kv_scale=kv_scale, seed=3)
     ks, vs = s.k_scale, s.v_scale
     if kv_scale == "tensor":     # vLLM's layer scale: one element
         ks, vs = ks[:1].clone().reshape(()), vs[:1].clone()
@@ -74,6 +75,15 @@ def test_fp8_kv_scales(kv_scale: str) -> None:
     raw = mm3.PagedKVCache(c.caches.k.double(), c.caches.v.double(), c.caches.index)
     unscaled = oracle_attention(c.q, raw, TopkBuffer(s.topk_view[:, :c.batch.num_tokens]), c.batch, P)
     assert float((s.output.double() - unscaled).abs().max()) > 1.0
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_kv_without_scales_reads_values_as_stored(kv_dtype: str) -> None:
+    """vLLM passes k_scale=v_scale=None for an fp8 cache it did not calibrate: the values are read as stored."""
+    s = vllm_step(P, **MIXED, kv_dtype=kv_dtype, kv_scale="unit", seed=4)
+    s.k_scale = s.v_scale = None
+    run_step(s)
+    assert_step_right(s)      # against the oracle on the cache with scale 1.0
 
 
 def test_ignored_ids_select_nothing() -> None:
@@ -191,7 +201,7 @@ def test_topk_from_tied_and_nan_scores_goes_to_lowest_ids() -> None:
 @pytest.mark.parametrize("case, match", [
     ("heads", "num_kv_heads=3"),
     ("tokens", "decode_query_len=1; a decode batch holds"),
-    ("fp8_flavour", "kv_cache: K/V cache dtype torch.float8_e5m2 unsupported"),
+    ("fp8_flavour", "kv_cache: K/V cache dtype torch.float8_e4m3fnuz unsupported"),
     ("one_scale", "k_scale and v_scale must both be given"),
     ("prefix", r"request 0 has prefix_lens \d+, but its seq_len and query length give \d+ cached tokens"),
     ("cu_seqlens", "starts cu_seqlens_q at 2 instead of 0 .*must be rebased"),
@@ -213,7 +223,7 @@ def test_unserved_arguments_are_named(case: str, match: str) -> None:
         elif case == "tokens":
             ops.minimax_m3_index_decode(c.index_q[:3], *dec[1:], 2, 1, 1)
         elif case == "fp8_flavour":
-            ops.minimax_m3_sparse_attn(**{**attn, "kv_cache": s.kv_cache.to(torch.float8_e5m2)})
+            ops.minimax_m3_sparse_attn(**{**attn, "kv_cache": s.kv_cache.to(torch.float8_e4m3fnuz)})
         elif case == "one_scale":
             ops.minimax_m3_sparse_attn(**{**attn, "kv_cache": s.kv_cache.to(torch.float8_e4m3fn),
                                           "k_scale": torch.ones(1)})
@@ -227,28 +237,35 @@ def test_unserved_arguments_are_named(case: str, match: str) -> None:
             ops.minimax_m3_index_decode(c.index_q[:2], c.caches.index, s.block_table[:2].long(), *dec[3:], 2, 1, 1)
 
 
-def test_selection_explains_a_backend_that_cannot_read_slot_scales() -> None:
-    """A backend that reads [Hkv] scales only: pinned, selection says why; auto picks one that reads them."""
+@pytest.mark.parametrize("declares, kv_dtype, kv_scale, reason", [
+    (dict(kv_slot_scales=False), "float8_e4m3fn", "slot", "cannot read K/V scales per token slot"),
+    (dict(kv_cache_dtypes={"float32", "float8_e4m3fn"}), "float8_e5m2", "head",
+     "cannot read float8_e5m2 K/V: of fp8 formats it reads float8_e4m3fn only"),
+], ids=["slot_scales", "e5m2"])
+def test_selection_explains_a_backend_that_cannot_read_the_kv_cache(declares: dict, kv_dtype: str, kv_scale: str,
+                                                                    reason: str) -> None:
+    """A backend that reads [Hkv] scales only, or e4m3 K/V only: pinned, selection says why; auto picks one
+    that reads the cache."""
     from mm3.runtime.registry import Registry
     from mm3.testing.mock import MockBackend
     from mm3_backends.cpu_ref import plugin as cpu_ref
 
-    heads_only = MockBackend("heads_only", priority=50, kv_slot_scales=False)
-    registry = Registry(plugins=[heads_only, cpu_ref], entry_points=False)
+    limited = MockBackend("limited", priority=50, **declares)
+    registry = Registry(plugins=[limited, cpu_ref], entry_points=False)
     targets.configure(registry=registry)
-    s = vllm_step(P, decodes=(70,), prefills=(), kv_dtype="float8_e4m3fn", kv_scale="slot", seed=8)
+    s = vllm_step(P, decodes=(70,), prefills=(), kv_dtype=kv_dtype, kv_scale=kv_scale, seed=8)
     c = s.case
     args = (c.q, s.kv_cache, s.topk_view[:, :1], s.block_table, s.seq_lens, 2, 0.25, s.output, 1, s.k_scale,
             s.v_scale)
-    with mm3.use_backend("heads_only", registry=registry), pytest.raises(
-            mm3.BackendUnavailableError, match="cannot read K/V scales per token slot"):
+    with mm3.use_backend("limited", registry=registry), pytest.raises(mm3.BackendUnavailableError, match=reason):
         ops.minimax_m3_sparse_attn_decode(*args)
     with mm3.use_backend("auto", registry=registry):
         s.topk_view[:, :1] = 0
         ops.minimax_m3_sparse_attn_decode(*args)
-    chosen = [x for x in targets.selections() if x.requirements.kv_slot_scales]
+    chosen = [x for x in targets.selections()
+              if (x.requirements.kv_cache_dtype, x.requirements.kv_slot_scales) == (kv_dtype, kv_scale == "slot")]
     assert chosen and all(x.attention.name == "cpu_ref" for x in chosen)
-    assert "heads_only" in chosen[-1].explain() and "scales per token slot" in chosen[-1].explain()
+    assert "limited  rejected: " in chosen[-1].explain() and reason in chosen[-1].explain()
 
 
 def test_captured_calls_need_an_eager_first_call_and_a_graph_safe_backend(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,8 +2,9 @@
 
 The seed's case (token-major top-k storage behind a head-major view, a mixed
 batch with a padding decode and prefills with a prefix) and speculative
-decodes with fp8 scales per KV head and per (KV head, token slot), each
-backend pinned with ``mm3.use_backend``. float32 / float16 run here and bf16
+decodes with fp8 scales per KV head and per (KV head, token slot), e4m3 and
+e5m2 (with no scales, a scalar, per KV head and per slot), each backend pinned
+with ``mm3.use_backend``. float32 / float16 run here and bf16
 on the GPU (tests/gpu/test_vllm_gpu.py).
 """
 
@@ -48,17 +49,36 @@ def test_speculative_decode_fp8_kv_on_cuda() -> None:
     assert_step_right(s, torch.float16)
 
 
-@pytest.mark.parametrize("backend", ["cuda", "rocm"])
-def test_slot_scaled_fp8_kv_mixed_batch_on_the_triton_backends(backend: str) -> None:
+@pytest.mark.parametrize("backend, kv_dtype", [("cuda", "float8_e4m3fn"), ("rocm", "float8_e4m3fn"),
+                                               ("cuda", "float8_e5m2"), ("rocm", "float8_e5m2")])
+def test_slot_scaled_fp8_kv_mixed_batch_on_the_triton_backends(backend: str, kv_dtype: str) -> None:
     """vLLM's per-(KV head, token slot) scales, read by both plugins' decode and prefill attention."""
     targets.configure()
     with torch.inference_mode(), mm3.use_backend(backend):
         s = vllm_step(P, decodes=(60, 41), padding=1, prefills=((9, 40),), dtype="float16",
-                      kv_dtype="float8_e4m3fn", kv_scale="slot", seed=14)
+                      kv_dtype=kv_dtype, kv_scale="slot", seed=14)
         run_step(s)
     assert_step_right(s, torch.float16)
     used = {(x.indexer.name, x.attention.name) for x in targets.selections() if x.requirements.kv_slot_scales}
     assert used == {(backend, backend)}, used
+
+
+@pytest.mark.parametrize("backend, kv_scale", [("cuda", "unit"), ("rocm", "tensor"), ("cuda", "head")])
+def test_e5m2_kv_mixed_batch_on_the_triton_backends(backend: str, kv_scale: str) -> None:
+    """vLLM's fp8_e5m2 KV cache: without scales (k_scale=v_scale=None), a scalar one, per KV head."""
+    targets.configure()
+    with torch.inference_mode(), mm3.use_backend(backend):
+        s = vllm_step(P, decodes=(60, 41), padding=1, prefills=((9, 40),), dql=2, dtype="float16",
+                      kv_dtype="float8_e5m2", kv_scale=kv_scale, seed=15)
+        if kv_scale == "unit":
+            s.k_scale = s.v_scale = None
+        elif kv_scale == "tensor":     # vLLM's layer scale: one element
+            s.k_scale, s.v_scale = s.k_scale[:1].clone().reshape(()), s.v_scale[:1].clone()
+        run_step(s)
+    assert_step_right(s, torch.float16)
+    used = {(x.attention.name, x.requirements.kv_cache_dtype) for x in targets.selections()
+            if x.requirements.kv_cache_dtype}
+    assert used == {(backend, "float8_e5m2")}, used
 
 
 def test_a_bad_page_id_is_reported_by_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,7 +34,7 @@ import torch
 __all__ = ["Launch", "record_launches", "compile_launch", "main"]
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
 @dataclass
@@ -115,6 +115,8 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
             (m3(tp_size=1), torch.bfloat16, torch.float8_e4m3fn, 1, [300] * 64, [(5, 260)], "float8_e4m3fn"),
             # fp8 K/V scaled per (KV head, token slot): each key's own factors in the attention kernels
             (m3(tp_size=8), torch.bfloat16, torch.bfloat16, 2, [300] * 64, [(5, 260)], "float8_e4m3fn", "slot"),
+            # e5m2 K/V: the same kernels, widening e5m2 (to fp16 in decode, to bf16 in prefill)
+            (m3(tp_size=1), torch.bfloat16, torch.bfloat16, 1, [300] * 64, [(5, 260)], "float8_e5m2"),
             (tiny, torch.bfloat16, torch.bfloat16, 1, [1], [(1, 1)]),
             (tiny, torch.bfloat16, torch.bfloat16, 1, [1], [(1, 1)], "float8_e4m3fn"),
         ]

@@ -15,7 +15,7 @@ Two strategies compute the same thing; the choice is only about speed:
 (``dense`` while its context is at most :data:`DENSE_MAX_BLOCKS_PER_TOPK`
 times ``topk`` blocks).
 
-fp8 K/V caches (``float8_e4m3fn`` with scales) are widened to fp32 and
+fp8 K/V caches (``float8_e4m3fn`` or ``float8_e5m2`` with scales) are widened to fp32 (exact) and
 multiplied by their scale (per head, or per head and token slot) as they are
 gathered, then the same math runs: the reference reads the dequantized cache
 (docs/spec.md §1).

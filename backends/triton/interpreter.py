@@ -1,4 +1,4 @@
-"""Triton's CPU interpreter made to compute bf16 and e4m3 NaNs as a GPU does.
+"""Triton's CPU interpreter made to compute bf16, e4m3 NaNs and e5m2 as a GPU does.
 
 Under ``TRITON_INTERPRET=1`` the interpreter runs each kernel operation in
 numpy, which has no bfloat16: it keeps a bf16 value as its 16 bits in a
@@ -9,7 +9,9 @@ numpy, which has no bfloat16: it keeps a bf16 value as its 16 bits in a
   integers too (``q * q`` is wrong, and so is ``a < b`` for negative values);
 * fp32 -> bf16 truncates, where a GPU rounds to nearest even; an int <-> bf16
   cast converts the bits, not the value;
-* an e4m3 NaN (``0x7f``/``0xff``) widens to +-480, as if it were a number.
+* an e4m3 NaN (``0x7f``/``0xff``) widens to +-480, as if it were a number;
+* e5m2 widens wrongly: its subnormals to fp16 lose bits (``0x01`` gives 0), its
+  infinities and NaNs to fp32 and bf16 become numbers (``0x7c`` gives 65536).
 
 So a bf16 step of the Triton plugins selects the wrong blocks and outputs
 garbage there, and ``mm3 check cuda`` on a CPU reports FAIL for a kernel that is
@@ -18,7 +20,9 @@ are widened to fp32 (exact), the operation runs in fp32 and a bf16 result is
 rounded to nearest even; every other dtype still takes the interpreter's own
 code. It is what a GPU does for bf16 up to the order of a dot's sum. Left as
 they are: reductions, scans, clamps and fma over bf16 blocks (the kernels
-reduce and clamp fp32 values only).
+reduce and clamp fp32 values only). e4m3 NaNs are kept NaN, and e5m2 is
+widened from its bits (an e5m2 byte is the upper half of the fp16 of the same
+value: exact, as a GPU widens it).
 
 The kernel modules install it when they are imported under the interpreter
 (:mod:`.tl_utils`), so the plugins' hooks, the test suite and a direct call
@@ -117,6 +121,12 @@ def _replacements(interp: Any) -> dict[str, Callable[..., Any]]:
         s, d = src.dtype.scalar, dst_type.scalar
         if d == bf16 and s == tl.float32 and rounding_mode != rtz:
             return Handle(f32_to_bf16(src.data), d)
+        if s == tl.float8e5 and d in (tl.float16, tl.float32, bf16):
+            # e5m2 is fp16 with the low byte dropped: widen through fp16, exactly
+            half = (src.data.astype(np.uint16) << np.uint16(8)).view(np.float16)
+            if d == tl.float16:
+                return Handle(half, d)
+            return Handle(f32_to_bf16(half.astype(np.float32)) if d == bf16 else half.astype(np.float32), d)
         out = _ORIGINALS["create_fp_to_fp"](self, src, dst_type, rounding_mode)
         if s == tl.float8e4nv and d in (tl.float16, tl.float32, bf16):
             # e4m3fn has no infinity: S.1111.111 is its NaN

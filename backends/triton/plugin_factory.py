@@ -142,7 +142,7 @@ class TritonPlatform:
             kv_cache_layout=self.kv_cache_layout,
             dtypes={"bfloat16", "float16", "float32"},
             index_cache_dtypes={"bfloat16", "float16", "float32", "float8_e4m3fn"},
-            kv_cache_dtypes={"bfloat16", "float16", "float32", "float8_e4m3fn"},
+            kv_cache_dtypes={"bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"},
             head_dims=SUPPORTED_TILE_SIZES, index_head_dims=SUPPORTED_TILE_SIZES,
             block_sizes=SUPPORTED_TILE_SIZES, max_topk=64, max_gqa_group=64,
             max_decode_query_len=self.max_decode_query_len, cuda_graph_safe=True, reports_bad_page_ids=True,

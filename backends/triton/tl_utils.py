@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mm3.contract import FP8_KV_DTYPES
+
 from .launch import LaunchConfig
 
 __all__ = ["dot_config", "launch_options", "decode_launch_options", "interpreting", "pdl_enabled", "pdl_prologue",
@@ -61,17 +63,18 @@ if interpreting():
     # interpreter through .compat, and says so in a warning where this Triton's is not what it knows
     from . import interpreter, interpreter_speed
 
-    interpreter.install()          # bf16 and e4m3 NaNs as a GPU computes them
+    interpreter.install()          # bf16, e4m3 NaNs and e5m2 as a GPU computes them
     interpreter_speed.install()    # exact shortcuts through the interpreter's own machinery
 
 
 def dot_config(a: torch.dtype, b: torch.dtype, fp8_as_f16: bool = False) -> tuple[Any, str, bool]:
     """``(operand dtype, input_precision, SCALE_Q)`` for a ``tl.dot`` of an ``a`` tile with a ``b`` tile.
 
-    Same 16-bit dtype: native tensor-core dot. An fp8 ``b`` (an index or K/V
-    cache) with a 16-bit ``a``: ``b`` is widened exactly to ``a``'s dtype; with
-    ``fp8_as_f16`` a bf16 ``a`` is dotted in fp16 instead, because e4m3 -> fp16
-    is one native conversion per two values on sm_89+ and e4m3 -> bf16 several,
+    Same 16-bit dtype: native tensor-core dot. An fp8 ``b`` (an e4m3 index or K/V
+    cache, an e5m2 K/V cache) with a 16-bit ``a``: ``b`` is widened exactly to ``a``'s
+    dtype; with ``fp8_as_f16`` a bf16 ``a`` is dotted in fp16 instead, because e4m3 ->
+    fp16 is one native conversion per two values on sm_89+ and e4m3 -> bf16 several
+    (e5m2 -> fp16 keeps fp16's exponent: the byte is the fp16's upper half),
     and its rows are then scaled into fp16's range (``SCALE_Q``:
     :func:`.tiles.load_query_rows`). Anything else (fp32, or two different
     16-bit types) goes through fp32 with ``ieee`` precision, because tf32 would
@@ -80,10 +83,12 @@ def dot_config(a: torch.dtype, b: torch.dtype, fp8_as_f16: bool = False) -> tupl
     Example:
         >>> dot_config(torch.bfloat16, torch.float8_e4m3fn, fp8_as_f16=True)[1:]
         ('tf32', True)
+        >>> dot_config(torch.float16, torch.float8_e5m2)[1:]
+        ('tf32', False)
     """
     if a == b and a in (torch.float16, torch.bfloat16):
         return TL_DTYPES[a], "tf32", False
-    if b == torch.float8_e4m3fn and a in (torch.float16, torch.bfloat16):
+    if b in FP8_KV_DTYPES and a in (torch.float16, torch.bfloat16):
         if fp8_as_f16 and a == torch.bfloat16:
             return tl.float16, "tf32", True
         return TL_DTYPES[a], "tf32", False

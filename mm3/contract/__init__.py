@@ -27,6 +27,7 @@ from mm3.contract.errors import (
     PluginError, UnknownBackendError,
 )
 from mm3.contract.hookspecs import ALL_OPS, HOOK_NAMES, PROJECT, Op, hookimpl, hookspec
+from mm3.contract.kv_scales import FP8_KV_DTYPES
 from mm3.contract.params import MINIMAX_M3_MAX_DECODE_QUERY_LEN, SparseAttentionParams
 
 __all__ = [
@@ -37,7 +38,7 @@ __all__ = [
     "DType", "IndexDType", "KVDType",
     # what a hook receives
     "TopkBuffer", "PagedKVCache", "BatchMetadata", "SparseAttentionParams",
-    "MINIMAX_M3_MAX_DECODE_QUERY_LEN", "TORCH_DTYPES", "dtype_name",
+    "MINIMAX_M3_MAX_DECODE_QUERY_LEN", "TORCH_DTYPES", "FP8_KV_DTYPES", "dtype_name",
     # checks
     "check", "Plan", "StepFacts", "check_layer_args",
     # errors

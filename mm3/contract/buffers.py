@@ -26,7 +26,7 @@ import torch
 
 from mm3.contract.capabilities import KVCacheLayout, TopkLayout
 from mm3.contract.errors import InputError
-from mm3.contract.kv_scales import FP8_KV_DTYPE, ScaleLike, cache_scales, dequantize, is_slot_scale
+from mm3.contract.kv_scales import FP8_KV_DTYPES, ScaleLike, cache_scales, dequantize, is_slot_scale
 
 __all__ = ["TopkBuffer", "PagedKVCache", "TORCH_DTYPES", "dtype_name", "in_storage_order", "is_dense_storage"]
 
@@ -35,6 +35,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
     "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
 
 
@@ -274,7 +275,7 @@ class PagedKVCache:
     heads-first and returns the permuted (logical) view. Kernels index through
     the tensors' strides, so both layouts work without copies.
 
-    K and V may be stored in ``float8_e4m3fn`` with ``k_scale`` and
+    K and V may be stored in fp8, ``float8_e4m3fn`` or ``float8_e5m2``, with ``k_scale`` and
     ``v_scale`` (docs/spec.md §1): ``value = float(stored) * scale``. A scale
     is per tensor (a number, or a float32 tensor ``[]``/``[1]``), per KV head
     (``[Hkv]``) or per KV head and token slot (``[Hkv, num_pages * block_size]``,
@@ -366,7 +367,7 @@ class PagedKVCache:
                                device=device).transpose(1, 2)
 
         index = torch.empty(num_pages, block_size, index_head_dim, dtype=index_dtype, device=device)
-        if dtype == FP8_KV_DTYPE:
+        if dtype in FP8_KV_DTYPES:
             k_scale = 1.0 if k_scale is None else k_scale
             v_scale = 1.0 if v_scale is None else v_scale
         return cls(kv(), kv(), index, k_scale, v_scale)

@@ -46,8 +46,9 @@ KVCacheLayout = Literal["NHD", "HND"]
 
 DType = Literal["bfloat16", "float16", "float32"]
 IndexDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
-KVDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
-"""A K/V cache dtype: the attention dtype, or ``float8_e4m3fn`` with scales (docs/spec.md §1)."""
+KVDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
+"""A K/V cache dtype: the attention dtype, or fp8 (``float8_e4m3fn``, ``float8_e5m2``) with scales
+(docs/spec.md §1). A backend lists each fp8 format it reads: one it does not list is passed over."""
 
 
 class _Frozen(BaseModel):
@@ -92,7 +93,8 @@ class BackendCapabilities(_Frozen):
                                                       description="index cache dtypes the indexer reads")
     kv_cache_dtypes: frozenset[KVDType] = Field(
         frozenset({"bfloat16", "float16", "float32"}),
-        description="K/V cache dtypes the attention reads; float8_e4m3fn = scaled fp8, dequantized on load")
+        description="K/V cache dtypes the attention reads; float8_e4m3fn and float8_e5m2 = scaled fp8, "
+                    "dequantized on load, each declared on its own")
     head_dims: Optional[frozenset[int]] = Field(None, description="attention head dims it supports; None = any")
     index_head_dims: Optional[frozenset[int]] = Field(None, description="index head dims it supports; None = any")
     block_sizes: Optional[frozenset[int]] = Field(None, description="KV page (= sparse block) sizes it supports; "
@@ -143,8 +145,8 @@ class BackendCapabilities(_Frozen):
             reasons.append(f"dtype {req.dtype} not in {sorted(self.dtypes)}")
         kv = req.kv_cache_dtype or req.dtype
         if Op.ATTENTION in req.ops and kv not in self.kv_cache_dtypes:
-            reasons.append(f"KV cache dtype {kv} not in {sorted(self.kv_cache_dtypes)} (cannot read "
-                           f"{'fp8 K/V with scales' if kv == 'float8_e4m3fn' else 'this K/V cache'})")
+            reasons.append(f"KV cache dtype {kv} not in {sorted(self.kv_cache_dtypes)} "
+                           f"({_cannot_read(kv, self.kv_cache_dtypes)})")
         if Op.ATTENTION in req.ops and req.kv_slot_scales and not self.kv_slot_scales:
             reasons.append("cannot read K/V scales per token slot (k_scale/v_scale [Hkv, num_slots]): it "
                            "does not declare kv_slot_scales")
@@ -171,6 +173,16 @@ class BackendCapabilities(_Frozen):
         if req.cuda_graph and not self.cuda_graph_safe:
             reasons.append("CUDA-graph capture requested but backend is not cuda_graph_safe")
         return reasons
+
+
+def _cannot_read(kv: str, declared: frozenset[str]) -> str:
+    """Why a backend declaring K/V cache dtypes ``declared`` cannot read a ``kv`` cache, in words."""
+    if not kv.startswith("float8_"):
+        return "cannot read this K/V cache"
+    formats = sorted(d for d in declared if d.startswith("float8_"))
+    if formats:
+        return f"cannot read {kv} K/V: of fp8 formats it reads {' and '.join(formats)} only"
+    return "cannot read fp8 K/V with scales"
 
 
 class Requirements(_Frozen):

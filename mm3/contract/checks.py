@@ -46,7 +46,7 @@ from mm3.contract.capabilities import Requirements
 from mm3.contract.errors import InputError
 from mm3.contract.facts import BatchFacts, CacheFacts, StepFacts, TensorFacts
 from mm3.contract.hookspecs import Op
-from mm3.contract.kv_scales import FP8_KV_DTYPE
+from mm3.contract.kv_scales import FP8_KV_DTYPES
 
 __all__ = ["check", "Plan", "view", "check_layer_args", "overlaps_itself"]
 
@@ -173,8 +173,8 @@ class _Rules:
         devices = {c.k.device, c.v.device, c.index.device}
         if len(devices) != 1:
             raise self.fail(f"the caches live on different devices: {sorted(map(str, devices))}")
-        if (c.k_scale is None) != (c.v_scale is None) or (c.k.dtype == FP8_KV_DTYPE) != (c.k_scale is not None):
-            raise self.fail(f"{n.k_scale} and {n.v_scale} go with fp8 (float8_e4m3fn) K/V and only with it: got "
+        if (c.k_scale is None) != (c.v_scale is None) or (c.k.dtype in FP8_KV_DTYPES) != (c.k_scale is not None):
+            raise self.fail(f"{n.k_scale} and {n.v_scale} go with fp8 (float8_e4m3fn, float8_e5m2) K/V and only with it: got "
                             f"{c.k.dtype} K/V with {'no ' if c.k_scale is None else ''}scales")
         P, B, H = c.k.shape[:3]
         for name, s in ((n.k_scale, c.k_scale), (n.v_scale, c.v_scale)):
@@ -259,7 +259,7 @@ class _Rules:
                 raise self.fail(f"KV cache heads have dim {c.k.shape[3]}, params.head_dim is {p.head_dim}")
             if c.k.dtype != f.q.dtype and c.k_scale is None:
                 raise self.fail(f"the KV cache dtype {c.k.dtype} differs from {n.q}'s {f.q.dtype}; cast one of them, "
-                                f"or store K/V in float8_e4m3fn with k_scale/v_scale")
+                                f"or store K/V in fp8 (float8_e4m3fn, float8_e5m2) with k_scale/v_scale")
             if f.out.dtype != f.q.dtype:
                 raise self.fail(f"{n.out} dtype {f.out.dtype} differs from {n.q}'s {f.q.dtype}; the output is in "
                                 f"{n.q}'s dtype")

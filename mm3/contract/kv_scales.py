@@ -1,7 +1,9 @@
 """The scales of an fp8 K/V cache (docs/spec.md §1): checked once, kept as views of what was given.
 
-An fp8 (``float8_e4m3fn``) K or V cache stores ``value / scale``; a reader
-dequantizes with ``value = float(stored) * scale``. Three granularities:
+An fp8 K or V cache (:data:`FP8_KV_DTYPES`: ``float8_e4m3fn`` or ``float8_e5m2``,
+vLLM's ``fp8_e4m3`` and ``fp8_e5m2`` KV-cache dtypes) stores ``value / scale``; a
+reader widens the stored value exactly and dequantizes with
+``value = float(stored) * scale``. Three granularities:
 
 * **per tensor**: a Python number, or a float32 tensor of shape ``[]`` or
   ``[1]`` (vLLM's ``k_scale``/``v_scale`` of a layer);
@@ -42,11 +44,16 @@ import torch
 
 from mm3.contract.errors import InputError
 
-__all__ = ["FP8_KV_DTYPE", "ScaleLike", "kv_scale", "kv_scale_view", "check_kv_dtype", "cache_scales",
+__all__ = ["FP8_KV_DTYPES", "ScaleLike", "kv_scale", "kv_scale_view", "check_kv_dtype", "cache_scales",
            "is_slot_scale", "dequantize"]
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-"""The one fp8 storage type of a K/V cache (e4m3: vLLM's ``fp8``/``fp8_e4m3`` KV-cache dtype)."""
+FP8_KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The fp8 storage types of a K/V cache: e4m3 (vLLM's ``fp8``/``fp8_e4m3``: 3 mantissa bits, finite
+up to 448) and e5m2 (vLLM's ``fp8_e5m2``: 2 mantissa bits, finite up to 57344, with infinities).
+Both widen exactly to fp16, bf16 and fp32; a backend declares which it reads
+(``BackendCapabilities.kv_cache_dtypes``). The fnuz variants are not K/V cache types."""
+
+_FP8_NAMES = " or ".join(str(d) for d in FP8_KV_DTYPES)
 
 ScaleLike = Union[float, torch.Tensor]
 
@@ -114,17 +121,18 @@ def dequantize(values: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Ten
 
 
 def check_kv_dtype(dtype: torch.dtype, k_scale: Optional[object], v_scale: Optional[object]) -> bool:
-    """True when K/V are scaled fp8; :class:`InputError` for scales without fp8 or fp8 without scales."""
-    fp8 = dtype == FP8_KV_DTYPE
+    """True when K/V are scaled fp8 (:data:`FP8_KV_DTYPES`); :class:`InputError` for another 1-byte
+    float, scales without fp8 or fp8 without scales."""
+    fp8 = dtype in FP8_KV_DTYPES
     if dtype.is_floating_point and dtype.itemsize == 1 and not fp8:
-        raise InputError(f"K/V cache dtype {dtype} unsupported; fp8 K/V caches are {FP8_KV_DTYPE}")
+        raise InputError(f"K/V cache dtype {dtype} unsupported; fp8 K/V caches are {_FP8_NAMES}")
     given = [n for n, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is not None]
     if fp8 and len(given) != 2:
-        raise InputError(f"{FP8_KV_DTYPE} K/V caches need k_scale and v_scale (value = stored * scale; "
+        raise InputError(f"{dtype} K/V caches need k_scale and v_scale (value = stored * scale; "
                          f"pass 1.0 for unscaled values)")
     if not fp8 and given:
-        raise InputError(f"{' and '.join(given)} given for a {dtype} K/V cache; scales belong to "
-                         f"{FP8_KV_DTYPE} caches only: drop them, or store K/V in fp8")
+        raise InputError(f"{' and '.join(given)} given for a {dtype} K/V cache; scales belong to fp8 "
+                         f"({_FP8_NAMES}) caches only: drop them, or store K/V in fp8")
     return fp8
 
 

@@ -35,7 +35,7 @@ __all__ = ["FP8_DTYPES", "VLLM_NAMES", "DECODE_NAMES", "cdiv", "tensor_arg", "in
 
 FP8_DTYPES = {d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
                                                              "float8_e5m2fnuz")) if d is not None}
-"""The fp8 dtypes vLLM's ops accept (mm3 reads ``float8_e4m3fn`` K/V and says so for the others)."""
+"""The fp8 dtypes vLLM's ops accept (mm3 reads ``float8_e4m3fn`` and ``float8_e5m2`` K/V, says so for the others)."""
 
 
 VLLM_NAMES = ArgNames(q="q", index_q="idx_q", out="output", topk="topk_idx", k="kv_cache", v="kv_cache",

@@ -71,8 +71,9 @@ class SparseAttention:
         device: where inputs live; selection probes backends on it.
         dtype: attention dtype of ``q``, ``index_q`` and the KV cache.
         index_dtype: dtype of the index cache (bf16, or float8_e4m3fn).
-        kv_dtype: dtype of the K/V caches when it is not ``dtype``: ``torch.float8_e4m3fn``
-            (scaled fp8, see :class:`~mm3.contract.buffers.PagedKVCache`). ``None``: ``dtype``.
+        kv_dtype: dtype of the K/V caches when it is not ``dtype``: ``torch.float8_e4m3fn`` or
+            ``torch.float8_e5m2`` (scaled fp8, see :class:`~mm3.contract.buffers.PagedKVCache`).
+            ``None``: ``dtype``.
         max_num_tokens: the largest step (tokens) this layer will see; sizes the
             persistent top-k buffer.
         max_decode_query_len: 1 + draft tokens for speculative decoding.

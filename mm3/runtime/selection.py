@@ -191,7 +191,8 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
                      kv_slot_scales: bool = False) -> Requirements:
     """The :class:`Requirements` of running ``params`` with these dtypes on ``device``.
 
-    ``kv_dtype``: the K/V cache dtype when it is not ``q_dtype`` (``float8_e4m3fn``, scaled);
+    ``kv_dtype``: the K/V cache dtype when it is not ``q_dtype`` (``float8_e4m3fn`` or
+    ``float8_e5m2``, scaled);
     ``kv_slot_scales``: its scales are per KV head and token slot (docs/spec.md §1).
 
     Example:
@@ -217,7 +218,7 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
                             cuda_graph=cuda_graph, kv_slot_scales=kv_slot_scales)
     except ValidationError as e:
         raise InputError(f"unsupported request: {describe_validation_error(e)}; attention runs in bfloat16/float16/float32 "
-                         f"the K/V cache in that dtype or float8_e4m3fn, the index cache in "
+                         f"the K/V cache in that dtype or float8_e4m3fn/float8_e5m2, the index cache in "
                          f"bfloat16/float16/float32/float8_e4m3fn") from None
 
 

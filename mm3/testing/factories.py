@@ -20,10 +20,10 @@ import torch
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import TORCH_DTYPES, PagedKVCache
 from mm3.contract.errors import InputError
-from mm3.contract.kv_scales import FP8_KV_DTYPE
+from mm3.contract.kv_scales import FP8_KV_DTYPES
 from mm3.contract.params import SparseAttentionParams
 
-__all__ = ["Case", "make_case", "random_caches"]
+__all__ = ["Case", "make_case", "random_caches", "full_range_fp8"]
 
 
 @dataclass
@@ -48,10 +48,13 @@ def _dtype(d: Union[str, torch.dtype]) -> torch.dtype:
 
 def _fp8_scales(num_kv_heads: int, num_slots: int, kv_scale: str, generator: torch.Generator) -> torch.Tensor:
     """Random K or V scales in [0.02, 0.05): one per tensor (``[1]``), per KV head (``[Hkv]``), or per
-    KV head and token slot (``[Hkv, num_slots]``)."""
+    KV head and token slot (``[Hkv, num_slots]``); ``"unit"``: the one scale 1.0 (values stored as they
+    are, what an engine's fp8 cache without scales means)."""
     shapes = {"tensor": (1,), "head": (num_kv_heads,), "slot": (num_kv_heads, num_slots)}
+    if kv_scale == "unit":
+        return torch.ones(1)
     if kv_scale not in shapes:
-        raise InputError(f"kv_scale must be 'tensor', 'head' or 'slot', got {kv_scale!r}")
+        raise InputError(f"kv_scale must be 'tensor', 'head', 'slot' or 'unit', got {kv_scale!r}")
     return 0.02 + 0.03 * torch.rand(shapes[kv_scale], generator=generator)
 
 
@@ -61,12 +64,15 @@ def random_caches(params: SparseAttentionParams, num_pages: int, *, dtype: torch
                   kv_scale: str = "head") -> PagedKVCache:
     """Caches filled with N(0, 1) values (never zeros), generated on the CPU then moved.
 
-    ``kv_dtype=torch.float8_e4m3fn`` stores K and V as ``value / scale`` with
-    random scales (``kv_scale``: ``"head"``, ``"tensor"`` or ``"slot"``), so a
-    reader that skips a scale, or takes another head's or slot's, is far off.
+    An fp8 ``kv_dtype`` (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) stores K and V as
+    ``value / scale`` with random scales (``kv_scale``: ``"head"``, ``"tensor"`` or ``"slot"``),
+    so a reader that skips a scale, or takes another head's or slot's, is far off (``"unit"``:
+    scale 1.0, the values stored as they are). The stored
+    values (|N(0, 1)| / 0.02 < 300 in practice) lie well inside both formats' finite range (448,
+    57344); rounding to fp8 changes the stored values, and the oracle reads them as stored.
     """
     kv_dtype = kv_dtype or dtype
-    fp8 = kv_dtype == FP8_KV_DTYPE
+    fp8 = kv_dtype in FP8_KV_DTYPES
     slots = num_pages * params.block_size
     scales = [_fp8_scales(params.num_kv_heads, slots, kv_scale, generator).to(device) if fp8 else None
               for _ in range(2)]
@@ -99,8 +105,9 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
     that keep their token slots; ``empty_decodes`` adds decodes with no tokens.
     Pages are a random permutation with spare pages; unused block-table entries
     hold ``-1`` so a backend that reads past a request's blocks is caught.
-    ``kv_dtype="float8_e4m3fn"`` builds scaled fp8 K/V (``kv_scale``: ``"head"``,
-    ``"tensor"`` or ``"slot"``, see :func:`random_caches`); ``None`` stores them in ``dtype``.
+    ``kv_dtype="float8_e4m3fn"`` or ``"float8_e5m2"`` builds scaled fp8 K/V (``kv_scale``:
+    ``"head"``, ``"tensor"``, ``"slot"`` or ``"unit"``, see :func:`random_caches`); ``None``
+    stores them in ``dtype``.
     """
     g = generator or torch.Generator().manual_seed(seed)
     dtype, index_dtype = _dtype(dtype), _dtype(index_dtype)
@@ -141,3 +148,34 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
     index_q = torch.randn(T, params.num_index_heads, params.index_head_dim, generator=g)
     index_q = index_q.to(dtype).to(device)
     return Case(params, q, index_q, caches, batch)
+
+
+def full_range_fp8(caches: PagedKVCache, generator: torch.Generator) -> PagedKVCache:
+    """``caches`` with new fp8 K and V spanning their format's whole finite range, read back as N(0, 1).
+
+    N(0, 1) values are stored with the largest magnitude at the format's largest finite
+    value (448 for e4m3, 57344 for e5m2), and a per-tensor scale takes them back to the
+    values drawn (the distribution every tolerance is set for): a reader that widens
+    the stored values through a narrower type, or saturates them, is far off. Same
+    shapes, layout and index cache; new tensors (``caches`` is not changed).
+
+    Example:
+        >>> p = SparseAttentionParams(num_heads=2, num_kv_heads=1, head_dim=16, num_index_heads=1,
+        ...                           index_head_dim=16, block_size=16, topk=2)
+        >>> c = make_case(p, decodes=[40], kv_dtype="float8_e5m2", dtype="float32").caches
+        >>> w = full_range_fp8(c, torch.Generator().manual_seed(0))
+        >>> w.k.float().abs().max().item(), bool(w.dequantized().k.abs().max() < 6)
+        (57344.0, True)
+    """
+    if caches.dtype not in FP8_KV_DTYPES:
+        raise InputError(f"full_range_fp8 needs fp8 K/V ({FP8_KV_DTYPES}), got {caches.dtype}")
+    largest = torch.finfo(caches.dtype).max
+    stored, scales = [], []
+    for t in (caches.k, caches.v):
+        x = torch.randn(t.shape, generator=generator)
+        factor = largest / x.abs().max()
+        out = torch.empty_like(t)
+        out.copy_((x * factor).to(t.dtype).to(t.device))
+        stored.append(out)
+        scales.append((1 / factor).reshape(1).to(torch.float32).to(caches.device))
+    return PagedKVCache(stored[0], stored[1], caches.index, scales[0], scales[1])

@@ -16,6 +16,7 @@ import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.kv_scales import FP8_KV_DTYPES
 from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import make_case
 
@@ -49,7 +50,7 @@ def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefill
     16-wide heads, whose CPU-made caches are tiny; the real caches are drawn
     here on the GPU, ``num_pages`` of them (at least what the batch uses).
     ``width`` (block-table columns) defaults to the longest request's blocks + 3.
-    ``kv_dtype=torch.float8_e4m3fn`` stores K/V as ``value / scale`` with a
+    An fp8 ``kv_dtype`` (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) stores K/V as ``value / scale`` with a
     random scale per KV head (K) and one per tensor (V); with ``kv_scale="slot"``
     both scales are random per KV head and token slot (``[Hkv, num_pages * block_size]``).
     """
@@ -64,7 +65,7 @@ def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefill
     pages = max(num_pages or 0, int(batch.block_table.max()) + 1)
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
-    fp8 = kv_dtype == torch.float8_e4m3fn
+    fp8 = kv_dtype in FP8_KV_DTYPES
     Hkv = params.num_kv_heads
     shapes = ((Hkv, pages * B), (Hkv, pages * B)) if kv_scale == "slot" else ((Hkv,), (1,))
     scales = tuple(0.02 + 0.03 * torch.rand(sh, device=dev, generator=g) for sh in shapes) if fp8 else (None, None)

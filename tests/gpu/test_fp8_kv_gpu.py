@@ -1,4 +1,4 @@
-"""fp8 (e4m3) K/V caches on the GPU: the fp16-dot path with bf16 queries, and the decode step in a CUDA graph.
+"""fp8 (e4m3, e5m2) K/V caches on the GPU: the fp16-dot path with bf16 queries, and the decode step in a CUDA graph.
 
 * The cuda plugin dots bf16 queries against fp8 K/V in fp16 (``numerics.kv_fp8_as_f16``:
   query rows scaled per row by a power of two, K/V widened e4m3 -> fp16, P in fp16)
@@ -13,6 +13,10 @@
   for bit, at batch 64 (the persistent kernel's programs take two items each)
   and in a speculative step with flash-decoding splits; with scales per KV head and
   token slot too (eager, mixed steps, and a captured decode step).
+* e5m2 K/V (vLLM's ``fp8_e5m2``) through the same kernels: the cases above at M3
+  shapes, per-KV-head and per-slot scales, a captured decode step; stored
+  values across e5m2's whole range (up to 57344, past e4m3's 448) on both dot
+  paths; and through ``mm3.SparseAttention`` on both plugins, eager and captured.
 
 Run on a CUDA machine: ``pytest tests/gpu/test_fp8_kv_gpu.py -q`` (skipped elsewhere).
 """
@@ -25,7 +29,9 @@ from typing import Any, Optional
 import pytest
 import torch
 
+import mm3
 from mm3.contract.params import SparseAttentionParams
+from mm3.testing.factories import full_range_fp8
 from mm3_backends.cuda import plugin as cuda_plugin
 
 from gpu_reference import (attention_reference, block_scores, build_case, capture, replay_step, sample_tokens,
@@ -35,6 +41,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 FP8 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 SENTINEL = -7
 # docs/spec.md §4 for bf16 against fp64: (max, mean)
 TOL = (2e-2, 3e-4)
@@ -91,30 +98,89 @@ def _check_step(hooks: Any, p: SparseAttentionParams, case: Any, q: Optional[tor
     return err.max().item(), err.mean().item()
 
 
-@pytest.mark.parametrize("path", ["fp16", "bf16"])
+@pytest.mark.parametrize("path, kv_dtype", [("fp16", FP8), ("bf16", FP8), ("fp16", E5M2)],
+                         ids=["fp16-e4m3", "bf16-e4m3", "fp16-e5m2"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bf16_queries_on_fp8_kv_against_fp64(name: str, path: str) -> None:
+def test_bf16_queries_on_fp8_kv_against_fp64(name: str, path: str, kv_dtype: torch.dtype) -> None:
     tp, idx_dtype, layout, dq, decodes, prefills = CASES[name]
     p = SparseAttentionParams.minimax_m3(tp_size=tp)
     case = build_case(p, decodes=decodes, prefills=prefills, decode_query_len=dq, padding_decodes=1,
                       dtype=torch.bfloat16, index_dtype=idx_dtype, kv_layout=layout, seed=len(name) + tp,
-                      kv_dtype=FP8)
+                      kv_dtype=kv_dtype)
     max_err, mean_err = _check_step(_hooks(path), p, case)
     assert max_err <= TOL[0] and mean_err <= TOL[1], (max_err, mean_err)
 
 
+@pytest.mark.parametrize("kv_dtype", [FP8, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("name", ["tp1_idxbf16_q1_nhd", "tp8_idxbf16_q3_hnd"])
-def test_slot_scaled_fp8_kv_against_fp64(name: str) -> None:
+def test_slot_scaled_fp8_kv_against_fp64(name: str, kv_dtype: torch.dtype) -> None:
     """Scales per KV head and token slot (vLLM's [Hkv, num_slots]): the decode and prefill attention
     read each key's own K and V factors."""
     tp, idx_dtype, layout, dq, decodes, prefills = CASES[name]
     p = SparseAttentionParams.minimax_m3(tp_size=tp)
     case = build_case(p, decodes=decodes, prefills=prefills, decode_query_len=dq, padding_decodes=1,
                       dtype=torch.bfloat16, index_dtype=idx_dtype, kv_layout=layout, seed=len(name) + tp + 1,
-                      kv_dtype=FP8, kv_scale="slot")
+                      kv_dtype=kv_dtype, kv_scale="slot")
     assert case.caches.slot_scaled
     max_err, mean_err = _check_step(cuda_plugin, p, case)
     assert max_err <= TOL[0] and mean_err <= TOL[1], (max_err, mean_err)
+
+
+@pytest.mark.parametrize("path", ["fp16", "bf16"])
+@pytest.mark.parametrize("kv_dtype", [FP8, E5M2], ids=["e4m3", "e5m2"])
+def test_stored_values_across_the_whole_fp8_range(kv_dtype: torch.dtype, path: str) -> None:
+    """K/V stored up to the format's largest finite value (e5m2: 57344, past e4m3's 448; fp16's largest is
+    65504) and scaled back to N(0, 1) (mm3.testing.factories.full_range_fp8): both dot paths widen them
+    exactly, so the step is held to the usual tolerances."""
+    tp, idx_dtype, layout, dq, decodes, prefills = CASES["tp8_idxbf16_q3_hnd"]
+    p = SparseAttentionParams.minimax_m3(tp_size=tp)
+    case = build_case(p, decodes=decodes, prefills=prefills, decode_query_len=dq, padding_decodes=1,
+                      dtype=torch.bfloat16, index_dtype=idx_dtype, kv_layout=layout, seed=11, kv_dtype=kv_dtype)
+    case = replace(case, caches=full_range_fp8(case.caches, torch.Generator().manual_seed(11)))
+    assert case.caches.k.float().abs().max().item() == torch.finfo(kv_dtype).max
+    max_err, mean_err = _check_step(_hooks(path), p, case)
+    assert max_err <= TOL[0] and mean_err <= TOL[1], (max_err, mean_err)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "rocm"])
+def test_e5m2_kv_through_the_layer_eager_and_captured(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mm3.SparseAttention(kv_dtype=torch.float8_e5m2) on a Triton plugin: a mixed step eager against the
+    fp64 references, then a decode step captured in a CUDA graph and replayed == eager, bit for bit.
+    (The rocm plugin runs here through its test-only override, in a registry of its own.)"""
+    from mm3.runtime.registry import Registry
+    from mm3_backends.rocm import plugin as rocm_plugin
+
+    monkeypatch.setenv(rocm_plugin.ALLOW_NON_ROCM_ENV, "1")
+    registry = Registry(plugins=[cuda_plugin, rocm_plugin], entry_points=False)
+    p = SparseAttentionParams.minimax_m3(tp_size=8)
+    layer = mm3.SparseAttention(p, device="cuda", dtype=torch.bfloat16, kv_dtype=E5M2, max_num_tokens=2048,
+                                max_decode_query_len=2, backend=backend, cuda_graph=True, registry=registry)
+    assert layer.selection.attention.name == backend and "KV cache float8_e5m2" in layer.explain()
+    case = build_case(p, decodes=[K16, 3000, K8 + 5], prefills=[(300, K8 + 300), (40, 40)], padding_decodes=1,
+                      decode_query_len=2, dtype=torch.bfloat16, seed=12, kv_dtype=E5M2, kv_scale="head")
+    out = layer(case.q, case.index_q, case.caches, case.batch)
+    T = case.batch.num_tokens
+    step = layer.topk_buffer.rows(0, T)
+    toks = sample_tokens(case.batch)
+    errors = selection_errors(step, block_scores(case.index_q, case.caches, case.batch, p, toks), p)
+    assert not errors, "\n".join(errors[:5])
+    ref = attention_reference(case.q, case.caches, step, case.batch, p, toks)
+    err = (out[toks].double() - torch.stack([ref[t] for t in toks])).abs()
+    assert err.max().item() <= TOL[0] and err.mean().item() <= TOL[1], (err.max().item(), err.mean().item())
+
+    dec = build_case(p, decodes=[K8 + 11 * i for i in range(16)], prefills=[], dtype=torch.bfloat16, seed=13,
+                     kv_dtype=E5M2, kv_scale="tensor", num_pages=16 * (K16 // 128 + 2) + 64, width=K16 // 128 + 2)
+    q, iq, buf = dec.q.clone(), dec.index_q.clone(), torch.full_like(dec.q, float("nan"))
+    graph = capture(lambda: layer(q, iq, dec.caches, dec.batch, out=buf))
+    new = build_case(p, decodes=[K16 - 97 * i for i in range(16)], prefills=[], dtype=torch.bfloat16, seed=14,
+                     kv_dtype=E5M2, kv_scale="tensor", num_pages=16 * (K16 // 128 + 2) + 64, width=K16 // 128 + 2)
+    dec.batch.update_(new.batch)
+    q.copy_(new.q)
+    iq.copy_(new.index_q)
+    graph.replay()
+    eager = layer(new.q, new.index_q, dec.caches, new.batch)
+    torch.cuda.synchronize()
+    assert torch.equal(buf[:dec.batch.num_tokens], eager), "replay differs from eager"
 
 
 @pytest.mark.parametrize("magnitude", [1e6, 1e-6])
@@ -143,17 +209,20 @@ GRAPH_CASES = {
     "tp1_b8_spec_q2": (1, 8, 2),
     "tp8_b32_q1": (8, 32, 1),
     "tp1_b16_q1_slot": (1, 16, 1),
+    "tp1_b64_q1_e5m2": (1, 64, 1),
+    "tp1_b8_spec_q2_e5m2_slot": (1, 8, 2),
 }
 
 
 @pytest.mark.parametrize("name", sorted(GRAPH_CASES))
 def test_fp8_kv_decode_step_in_cuda_graph(name: str) -> None:
-    """Capture indexer + attention on fp8 K/V and an fp8 index; replay with new inputs == eager."""
+    """Capture indexer + attention on fp8 K/V (e4m3, or e5m2) and an fp8 index; replay with new inputs == eager."""
     tp, n, dq = GRAPH_CASES[name]
     p = SparseAttentionParams.minimax_m3(tp_size=tp)
     pages, width = n * (K16 // 128 + 2) + 64, K16 // 128 + 2
     kw = dict(prefills=[], decode_query_len=dq, width=width, num_pages=pages, dtype=torch.bfloat16,
-              index_dtype=FP8, kv_dtype=FP8, kv_scale="slot" if name.endswith("_slot") else "head")
+              index_dtype=FP8, kv_dtype=E5M2 if "_e5m2" in name else FP8,
+              kv_scale="slot" if name.endswith("_slot") else "head")
     first = build_case(p, decodes=[K8 + 11 * i for i in range(n)], seed=1, **kw)
     # same shapes (requests, query lengths, table width); new lengths, pages, queries (one padding row)
     replays = [build_case(p, decodes=[K16 - 97 * i for i in range(n - 1)], padding_decodes=1, seed=2, **kw),

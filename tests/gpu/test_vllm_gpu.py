@@ -11,7 +11,8 @@ attention (``minimax_m3_sparse_attn``) runs eagerly after it, as vLLM's
 piecewise graphs run it (the cuda backend sizes its prefill grid from host
 lengths). Everything is checked against the fp64 references: every decode
 token and a spread of prefill tokens, the selection tie-tolerantly, the output
-within bf16's tolerance, the rows past the step untouched.
+within bf16's tolerance, the rows past the step untouched. The same with
+vLLM's ``fp8_e5m2`` KV cache and per-tensor scales (``k_scale``/``v_scale``).
 
 Run on a CUDA machine (skips elsewhere)::
 
@@ -19,6 +20,8 @@ Run on a CUDA machine (skips elsewhere)::
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import pytest
 import torch
@@ -59,18 +62,23 @@ def _capture(fn) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
     return g
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e5m2], ids=["bf16_kv", "e5m2_kv"])
 @pytest.mark.parametrize("dql", [1, 2])
-def test_the_six_functions_in_a_cuda_graph(dql: int) -> None:
+def test_the_six_functions_in_a_cuda_graph(dql: int, kv_dtype: Optional[torch.dtype]) -> None:
     targets.configure(mm3.Settings(backend="cuda"))
     try:
         with torch.inference_mode():
-            _run(dql)
+            _run(dql, kv_dtype)
     finally:
         targets.configure()
 
 
-def _run(dql: int) -> None:
-    case = build_case(P, decodes=DECODES, prefills=PREFILLS, decode_query_len=dql, padding_decodes=1, seed=3)
+def _run(dql: int, kv_dtype: Optional[torch.dtype] = None) -> None:
+    case = build_case(P, decodes=DECODES, prefills=PREFILLS, decode_query_len=dql, padding_decodes=1, seed=3,
+                      kv_dtype=kv_dtype, kv_scale="head")
+    # vLLM's layer scales of an fp8 cache: one element each (None for a 16-bit cache)
+    ks, vs = ((case.caches.k_scale[:1].clone(), case.caches.v_scale[:1].clone()) if case.caches.kv_scaled
+              else (None, None))
     b, H, K = case.batch, P.num_kv_heads, P.topk
     nd, td, T = b.num_decodes, b.num_decode_tokens, b.num_tokens
     kv = _combined_kv(case.caches)
@@ -93,7 +101,7 @@ def _run(dql: int) -> None:
         ops.minimax_m3_index_decode(iq[:td], index, bt[:nd], sl[:nd], max_seq, K, P.init_blocks, P.local_blocks,
                                     H, dql, 4, out=view[:, :td])
         ops.minimax_m3_sparse_attn_decode(q[:td], kv, view[:, :td], bt[:nd], sl[:nd], H, P.softmax_scale,
-                                          out[:td], dql)
+                                          out[:td], dql, ks, vs)
         ops.minimax_m3_index_decode_score(iq[:td], index, bt[:nd], sl[:nd], max_seq, P.init_blocks,
                                           P.local_blocks, H, dql, 4, score_out=dscore)
         score = ops.minimax_m3_index_score(iq[td:T], index, bt[nd:], qsl_pf, sl[nd:], ctx_pf, mq, max_seq, H)
@@ -101,7 +109,7 @@ def _run(dql: int) -> None:
 
     def prefill_attention() -> None:
         ops.minimax_m3_sparse_attn(q[td:T], kv, view[:, td:T], bt[nd:], qsl_pf, sl[nd:], ctx_pf, mq, H,
-                                   P.softmax_scale, out[td:T])
+                                   P.softmax_scale, out[td:T], ks, vs)
 
     g = _capture(step)
     chosen = {x.attention.name for x in targets.selections()}
@@ -120,7 +128,10 @@ def _run(dql: int) -> None:
     torch.cuda.synchronize()
     batch = mm3.BatchMetadata.build(list(b.query_lens), new, bt, block_size=P.block_size, num_decodes=nd,
                                     decode_query_len=dql, device="cuda")
-    step_case = type(case)(P, q, iq, case.caches, batch)
+    caches = case.caches
+    if ks is not None:     # the reference reads the scales the calls were given: the one element of each
+        caches = mm3.PagedKVCache(caches.k, caches.v, caches.index, ks, vs)
+    step_case = type(case)(P, q, iq, caches, batch)
     assert_step_right(step_case, P, storage, out, f"vLLM drop-in, dql={dql}", layout="token_major")
     # the decode scores (torch scorer) against the fp64 reference's, forced blocks included
     ref = block_scores(iq, case.caches, batch, P, [t for t in sample_tokens(batch) if t < td])

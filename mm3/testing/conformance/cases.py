@@ -78,12 +78,15 @@ class Step:
     kv_layout: str = "NHD"
     nan_tokens: tuple[int, ...] = ()
     ties: str = ""   # exact ties planted in the index keys (TIES); selections must equal the oracle's
-    kv_fp8: str = ""  # "head" / "tensor" / "slot": K/V in float8_e4m3fn, scales per head / tensor / (head, slot)
+    # "head" / "tensor" / "slot" / "unit": K/V in fp8 (kv_format), scales per head / tensor / (head, slot),
+    # or the one scale 1.0 (an engine's fp8 cache without scales)
+    kv_fp8: str = ""
+    kv_format: str = "float8_e4m3fn"  # the fp8 format of K/V when kv_fp8 is set: float8_e4m3fn or float8_e5m2
 
     @property
     def kv_dtype(self) -> Optional[str]:
         """The K/V cache dtype when it is not the attention dtype (scaled fp8), else ``None``."""
-        return "float8_e4m3fn" if self.kv_fp8 else None
+        return self.kv_format if self.kv_fp8 else None
 
     def params(self) -> SparseAttentionParams:
         return SparseAttentionParams(num_heads=self.H * self.G, num_kv_heads=self.H, head_dim=self.D,
@@ -372,6 +375,15 @@ ATTENTION_STEPS: dict[str, Step] = {
     "kv_fp8_slot_mixed": Step(H=2, G=4, K=16, decodes=(420, 300), padding=1, prefills=((6, 380),), kv_fp8="slot"),
     "kv_fp8_slot_spec_decode_hnd": Step(H=1, G=8, D=64, K=16, dq=3, decodes=(400,), prefills=((5, 330),),
                                         kv_layout="HND", kv_fp8="slot"),
+    # fp8 e5m2 K/V (vLLM's fp8_e5m2): a backend must list float8_e5m2 in kv_cache_dtypes
+    "kv_e5m2_mixed": Step(H=2, G=4, K=16, decodes=(420, 300), padding=1, prefills=((6, 380),), kv_fp8="head",
+                          kv_format="float8_e5m2"),
+    "kv_e5m2_spec_decode_hnd": Step(H=1, G=8, D=64, K=16, dq=3, decodes=(400,), prefills=((5, 330),),
+                                    kv_layout="HND", kv_fp8="tensor", kv_format="float8_e5m2"),
+    "kv_e5m2_slot_mixed": Step(H=2, G=4, K=16, decodes=(420, 300), padding=1, prefills=((6, 380),), kv_fp8="slot",
+                               kv_format="float8_e5m2"),
+    "kv_e5m2_unscaled_spec_decode": Step(H=1, G=8, D=64, K=16, dq=2, decodes=(330, 170), prefills=((7, 290),),
+                                         kv_fp8="unit", kv_format="float8_e5m2"),
 }
 
 COMPOSED_STEPS: dict[str, Step] = {
@@ -386,6 +398,8 @@ LARGE_STEPS: dict[str, Step] = {
     # fp8 K/V composed with a bf16 and an fp8 index cache (the quick plan has the fp8 attention cases)
     "large_kv_fp8": Step(H=2, G=4, D=128, Di=128, B=32, K=8, dq=2, decodes=(1400, 700), padding=1,
                          prefills=((9, 9), (80, 1100)), kv_fp8="head"),
+    "large_kv_e5m2_slot": Step(H=2, G=4, D=128, Di=128, B=32, K=8, dq=2, decodes=(1300, 800), padding=1,
+                               prefills=((11, 11), (70, 1000)), kv_fp8="slot", kv_format="float8_e5m2"),
 }
 """Bigger shapes, added when ``quick=False`` (indexer, attention and composed)."""
 
