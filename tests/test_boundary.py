@@ -305,3 +305,31 @@ def test_an_in_place_rewrite_raises_or_is_read(entry: str, what: str) -> None:
         return
     assert what == "block_table (other page)", f"{what} rewritten in place passed silently"
     _close(got, _want(case.q, case.index_q, case.caches, case.batch))
+
+
+DROPIN_REWRITES = {
+    "block_table": lambda t: t["block_table"].__setitem__((0, 1), 10_000),
+    "seq_lens": lambda t: t["seq_lens"].__setitem__(0, 2),                 # shorter than its query
+    "cu_seqlens_q": lambda t: t["cu_seqlens_q"].__setitem__(1, 4),
+    "prefix_lens": lambda t: t["prefix_lens"].__setitem__(0, 0),
+}
+
+
+@pytest.mark.parametrize("what", sorted(DROPIN_REWRITES))
+def test_an_in_place_rewrite_of_vllms_tensors_raises_through_the_dropin(what: str) -> None:
+    """vLLM refills its metadata tensors in place every step: the drop-in judges what they hold at each call."""
+    from vllm_steps import vllm_step
+
+    targets.configure()
+    s = vllm_step(P, decodes=(), prefills=((9, 40), (5, 5)), seed=8)
+    c, b = s.case, s.case.batch
+    t = dict(block_table=s.block_table.clone(), seq_lens=s.seq_lens.clone(), cu_seqlens_q=b.query_start_loc.clone(),
+             prefix_lens=b.context_lens.clone())
+
+    def call() -> None:
+        ops.minimax_m3_sparse_attn(c.q, s.kv_cache, s.topk_view, t["block_table"], t["cu_seqlens_q"], t["seq_lens"],
+                                   t["prefix_lens"], 9, 2, P.softmax_scale, s.output)
+    call()
+    DROPIN_REWRITES[what](t)
+    with pytest.raises(mm3.InputError, match=r"^minimax_m3_sparse_attn: "):
+        call()
