@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mm3.contract import FP8_KV_DTYPES
-
 from .launch import LaunchConfig
 
 __all__ = ["dot_config", "launch_options", "decode_launch_options", "interpreting", "pdl_enabled", "pdl_prologue",
@@ -88,7 +86,8 @@ def dot_config(a: torch.dtype, b: torch.dtype, fp8_as_f16: bool = False) -> tupl
     """
     if a == b and a in (torch.float16, torch.bfloat16):
         return TL_DTYPES[a], "tf32", False
-    if b in FP8_KV_DTYPES and a in (torch.float16, torch.bfloat16):
+    # an fp8 K/V cache: the only one-byte floats a call can bring (the boundary admitted its dtype)
+    if b.itemsize == 1 and b.is_floating_point and a in (torch.float16, torch.bfloat16):
         if fp8_as_f16 and a == torch.bfloat16:
             return tl.float16, "tf32", True
         return TL_DTYPES[a], "tf32", False
