@@ -28,7 +28,7 @@ from mm3.testing.helpers import write_distribution
 
 HEALTHY = textwrap.dedent("""
     # A working third-party backend: the reference math under another name.
-    from mm3 import Probe, hookimpl
+    from mm3.plugin import Probe, hookimpl
     from mm3_backends.cpu_ref import plugin as _ref
 
     @hookimpl
@@ -57,7 +57,7 @@ def _caps(name: str, layout: str = "head_major") -> str:
 def _plugin(caps: str, attention_args: str = "q, caches, topk, batch, params, out",
             probe: str = "return Probe.yes()", header: str = "") -> str:
     return textwrap.dedent(f"""
-        from mm3 import BackendCapabilities, Probe, hookimpl
+        from mm3.plugin import BackendCapabilities, Probe, hookimpl
         {header}
         @hookimpl
         def backend_capabilities():
