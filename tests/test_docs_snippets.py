@@ -172,7 +172,9 @@ def docs_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             del sys.modules[name]
 
 
-@pytest.mark.parametrize("doc", DOCS)
+# docs/testing.md runs two conformance suites and a pytest session: tens of seconds, so `slow`
+@pytest.mark.parametrize("doc", [pytest.param(d, marks=pytest.mark.slow) if d == "docs/testing.md" else d
+                                 for d in DOCS])
 def test_doc_snippets_run(doc: str, docs_sandbox: Path) -> None:
     path = REPO / doc
     assert path.is_file(), f"{doc} is missing"
@@ -273,6 +275,7 @@ def _mm3(args: list[str], cwd: Path, site: Optional[Path] = None,
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow   # a venv, a pip install and `mm3 check` in fresh interpreters
 def test_plugin_guide_package_installs_and_passes_check(tmp_path: Path) -> None:
     """Build the guide's package from its blocks alone, install it as it says, run its commands."""
     blocks = parse_blocks(GUIDE.read_text())
@@ -328,6 +331,7 @@ def _fake_installed_distribution(site: Path, name: str, version: str, url: str) 
     return sorted(p.relative_to(site).as_posix() for p in info.iterdir())
 
 
+@pytest.mark.slow   # the test above, in a pytest session of its own
 def test_plugin_guide_test_leaves_an_installed_my_attn_alone(tmp_path: Path) -> None:
     """A user who followed the guide has their own `my-attn` (installed from a folder under the temp
     directory); the guide's test, run in their environment, must leave it installed.
@@ -340,7 +344,7 @@ def test_plugin_guide_test_leaves_an_installed_my_attn_alone(tmp_path: Path) -> 
     their_project = Path(tempfile.mkdtemp(dir=tmp_path)) / "my-attn"
     before = _fake_installed_distribution(site, "my-attn", "0.0.7", their_project.as_uri())
     r = subprocess.run([str(user), "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "no:randomly",
-                        f"{Path(__file__).resolve()}::test_plugin_guide_package_installs_and_passes_check"],
+                        "-m", "slow", f"{Path(__file__).resolve()}::test_plugin_guide_package_installs_and_passes_check"],
                        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
     after = subprocess.run([str(user), "-c", "import importlib.metadata as m; print(m.version('my-attn'))"],
