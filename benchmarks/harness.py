@@ -763,8 +763,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = _environment(dev)
     env.update(backend=be.name, reference=ref.name if ref is not None else None, command=_command_line(),
-               rotate_bytes=ctx.rotate_bytes, tiny=bool(args.tiny), cuda_graphs=ctx.gpu,
-               ceilings_skipped="--tiny" if args.tiny else "--no-ceilings" if args.no_ceilings else None)
+               rotate_bytes=ctx.rotate_bytes, tiny=bool(args.tiny), cuda_graphs=ctx.gpu)
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
     ctx.progress = Progress(len(grid) + (0 if args.no_ceilings else 1))
     ctx.log(f"mm3 bench on {env.get('gpu', dev)}: backend {be.name}, {len(grid)} configurations, "

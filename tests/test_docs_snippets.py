@@ -320,15 +320,15 @@ def test_plugin_guide_package_installs_and_passes_check(tmp_path: Path) -> None:
 
 def _fake_installed_distribution(site: Path, name: str, version: str, url: str) -> list[str]:
     """A distribution as pip leaves it in ``site`` (METADATA, INSTALLER, direct_url.json, RECORD); its files."""
+    from mm3.testing.helpers import write_distribution
+
+    write_distribution(site, name, version)
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True)
-    files = {"METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", "INSTALLER": "pip\n",
-             "direct_url.json": json.dumps({"url": url, "dir_info": {"editable": True}})}
-    for file, text in files.items():
-        (info / file).write_text(text)
-    record = [f"{info.name}/{file},," for file in [*files, "RECORD"]]
-    (info / "RECORD").write_text("\n".join(record) + "\n")
-    return sorted(p.relative_to(site).as_posix() for p in info.iterdir())
+    (info / "INSTALLER").write_text("pip\n")
+    (info / "direct_url.json").write_text(json.dumps({"url": url, "dir_info": {"editable": True}}))
+    files = sorted([*(p.name for p in info.iterdir()), "RECORD"])
+    (info / "RECORD").write_text("".join(f"{info.name}/{file},,\n" for file in files))
+    return [f"{info.name}/{file}" for file in files]
 
 
 @pytest.mark.slow   # the test above, in a pytest session of its own
