@@ -94,3 +94,14 @@ def test_the_device_line_asks_the_accelerator_api(monkeypatch: pytest.MonkeyPatc
     assert version_cmd.describe_device() == "cuda:1 Some GPU #1 (2 visible)"
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     assert version_cmd.describe_device().startswith("cpu (")
+
+
+def test_a_setting_that_stops_the_registry_still_gives_a_report(fake_plugins: None, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MM3_CHECK_CONTRACTS", "bogus")
+    reset_default_registry()
+    assert main(["version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"mm3 {mm3.__version__}") and "device: " in out
+    assert "(registry): no distribution (entry point -), not loaded: ConfigError: invalid mm3 settings: " \
+           "check_contracts (from env MM3_CHECK_CONTRACTS)" in out, out

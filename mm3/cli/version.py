@@ -73,12 +73,22 @@ def describe_device() -> str:
 
 
 def _plugins() -> list[dict[str, Any]]:
-    """Every ``mm3.backends`` plugin the registry discovered: loaded backends, then excluded ones."""
+    """Every ``mm3.backends`` plugin the registry discovered: loaded backends, then excluded ones.
+
+    A setting that stops the registry from loading (a bad ``MM3_PLUGINS``...) is reported as a
+    row: a bug report needs the rest of the lines all the same.
+    """
+    from mm3.contract.errors import MM3Error
     from mm3.runtime.registry import default_registry
 
-    reg = default_registry()
+    try:
+        reg = default_registry()
+        backends = reg.backends()
+    except MM3Error as e:
+        return [{"name": "(registry)", "distribution": None, "version": None, "entry_point": "-",
+                 "status": f"not loaded: {type(e).__name__}: {e}"}]
     rows = [{"name": b.name, "distribution": b.source.distribution, "version": b.source.version,
-             "entry_point": b.source.entry_point, "status": "loaded"} for b in reg.backends()]
+             "entry_point": b.source.entry_point, "status": "loaded"} for b in backends]
     rows += [{"name": p.name, "distribution": p.distribution, "version": p.version,
               "entry_point": p.source.entry_point, "status": f"excluded [{p.stage}]: {p.error}"}
              for p in reg.problems()]
