@@ -309,10 +309,13 @@ def _row_sets_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.sort(-1).values == b.sort(-1).values).all(-1)
 
 
-def _check_against_reference(ctx: Context, p: SparseAttentionParams, s: inputs.StepInputs,
+def _check_against_reference(ctx: Context, be: Any, p: SparseAttentionParams, s: inputs.StepInputs,
                              buf: TopkBuffer, rows: slice, sub: BatchMetadata) -> dict:
-    """cpu_ref on a sub-batch (the rows ``rows`` of the step): selection agreement and attention error."""
+    """The reference backend on a sub-batch (the rows ``rows`` of the step that ``be`` computed):
+    selection agreement and attention error; ``{}`` when there is no reference other than ``be``."""
     ref = ctx.reference
+    if ref is None or ref is be:
+        return {}
     n = rows.stop - rows.start
     rbuf = ref.alloc_topk_buffer(n, p.num_index_heads, p.topk, ctx.device)
     ref.index_topk(s.index_q[rows].contiguous(), s.caches, sub, p, rbuf)
@@ -324,6 +327,21 @@ def _check_against_reference(ctx: Context, p: SparseAttentionParams, s: inputs.S
     err = (out.float() - s.out[rows].float()).abs()
     return {"sel_match": float(same.float().mean().item()), "rows_checked": int(same.numel()),
             "attn_max_err": float(err.max().item()), "attn_mean_err": float(err.mean().item())}
+
+
+def _merge_checks(got: list[dict]) -> dict:
+    """The worst of several sub-batch checks (``{}`` when none was made)."""
+    if not got or not got[0]:
+        return {}
+    return {"sel_match": min(g["sel_match"] for g in got), "rows_checked": sum(g["rows_checked"] for g in got),
+            "attn_max_err": max(g["attn_max_err"] for g in got), "attn_mean_err": max(g["attn_mean_err"] for g in got)}
+
+
+def _check_text(check: dict) -> str:
+    """A check for the progress log: agreement and error, or why there is none."""
+    if "sel_match" not in check:
+        return "not checked (no reference other than the backend under test)"
+    return f"sel {check['sel_match'] * 100:.0f}% max err {check['attn_max_err']:.1e}"
 
 
 def _time_parts(ctx: Context, be: Any, p: SparseAttentionParams, sets: list[inputs.StepInputs],
@@ -398,10 +416,8 @@ def run_decode(ctx: Context, c: DecodeCfg) -> None:
         rows = slice(r * c.qlen, (r + 1) * c.qlen)
         sub = BatchMetadata.build([c.qlen], [c.context], s0.batch.block_table[r:r + 1], block_size=p.block_size,
                                   num_decodes=1, decode_query_len=c.qlen, device=ctx.device)
-        got.append(_check_against_reference(ctx, p, s0, b0, rows, sub))
-    check = {"sel_match": min(g["sel_match"] for g in got), "rows_checked": sum(g["rows_checked"] for g in got),
-             "attn_max_err": max(g["attn_max_err"] for g in got),
-             "attn_mean_err": max(g["attn_mean_err"] for g in got)}
+        got.append(_check_against_reference(ctx, be, p, s0, b0, rows, sub))
+    check = _merge_checks(got)
     kv_tokens = counts.distinct_kv_tokens(b0.head_major()[:, :T], s0.batch.seq_lens, c.qlen, p.block_size)
     elt = 1 if c.index_dtype == FP8 else 2
     nbytes = counts.decode_bytes(p, batch=c.batch, context=c.context, qlen=c.qlen, index_elt=elt,
@@ -417,8 +433,7 @@ def run_decode(ctx: Context, c: DecodeCfg) -> None:
         rec = ctx.add(**base, impl=f"mm3:{be.name}", part=part, bytes=nbytes[part], **t.as_dict(),
                       check=check if part == "step" else None, kernels=kernels if part == "step" else None)
         summary.append(f"{part} {_fmt_t(t.ms)}" + (f" ({rec['pct_copy']:.0f}% copy)" if "pct_copy" in rec else ""))
-    ctx.log(f"{c.name} [{S} sets] mm3:{be.name}: " + ", ".join(summary) +
-            f" | check: sel {check['sel_match'] * 100:.0f}% max err {check['attn_max_err']:.1e}")
+    ctx.log(f"{c.name} [{S} sets] mm3:{be.name}: " + ", ".join(summary) + f" | check: {_check_text(check)}")
     for vb in _variants_for(ctx, c, "decode"):
         _run_variant(ctx, p, c, vb, sets, base, nbytes=nbytes, graph=True, ref_ms=tm)
 
@@ -493,7 +508,7 @@ def _run_variant(ctx: Context, p: SparseAttentionParams, c: Any, vb: Any, sets: 
             rows = slice(c.chunk - n, c.chunk)
             sub = BatchMetadata.build([n], [c.context + c.chunk], s0.batch.block_table, block_size=p.block_size,
                                       num_decodes=0, device=ctx.device)
-        check = _check_against_reference(ctx, p, s0, b0, rows, sub)
+        check = _check_against_reference(ctx, vb, p, s0, b0, rows, sub)
         parts = ("indexer", "attention", "step") if base["kind"] == "decode" else c.parts
         tm = _time_parts(ctx, vbe, p, sets, bufs, parts, graph=graph)
         out = []
@@ -503,8 +518,7 @@ def _run_variant(ctx: Context, p: SparseAttentionParams, c: Any, vb: Any, sets: 
                     check=check if part == "step" else None)
             ratio = ref_ms[part].ms / t.ms if part in ref_ms else float("nan")
             out.append(f"{part} {_fmt_t(t.ms)} ({ratio:.2f}x)")
-        ctx.log(f"  variant {vb.name}: " + ", ".join(out) +
-                f" | sel {check['sel_match'] * 100:.0f}% max err {check['attn_max_err']:.1e}")
+        ctx.log(f"  variant {vb.name}: " + ", ".join(out) + f" | {_check_text(check)}")
     except Exception as e:
         ctx.add(**base, impl=f"mm3:{vb.name}", part="step", error=_err(e))
         ctx.log(f"  variant {vb.name}: ERROR {_err(e)[:200]}")
@@ -552,7 +566,7 @@ def run_prefill(ctx: Context, c: PrefillCfg) -> None:
     rows = slice(c.chunk - n, c.chunk)
     sub = BatchMetadata.build([n], [c.context + c.chunk], s.batch.block_table, block_size=p.block_size,
                               num_decodes=0, device=ctx.device)
-    check = _check_against_reference(ctx, p, s, buf, rows, sub)
+    check = _check_against_reference(ctx, be, p, s, buf, rows, sub)
     sel = buf.head_major()[:, :c.chunk]
     pos = s.batch.token_positions
     cnt = counts.prefill_counts(p, sel, pos, index_elt=2, kv_elt=_kv_elt(c))
@@ -579,8 +593,7 @@ def run_prefill(ctx: Context, c: PrefillCfg) -> None:
                       dense_flops=cnt["dense_flops"] if part != "indexer" else None)
         summary.append(f"{part} {_fmt_t(t.ms)} ({report.rate(rec['TFLOPs'])} TFLOP/s)")
     ctx.log(f"{c.name} mm3:{be.name}: " + ", ".join(summary) +
-            f" | overlap {check['overlap_next_token']:.2f}, sel {check['sel_match'] * 100:.0f}%,"
-            f" max err {check['attn_max_err']:.1e}")
+            f" | overlap {check['overlap_next_token']:.2f}, check: {_check_text(check)}")
     for vb in _variants_for(ctx, c, "prefill"):
         _run_variant(ctx, p, c, vb, [s], base, counts_=cnt, flops=flops, graph=False, ref_ms=tm)
 
@@ -681,6 +694,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def _pick_backend(name: str, device: torch.device, params: SparseAttentionParams) -> Any:
+    """The backend ``name``, or for ``"auto"`` the one auto selection picks for both ops here
+    (the bench times one backend's indexer, attention and step)."""
+    from mm3.cli.main import UsageError
     from mm3.runtime.registry import default_registry
     from mm3.runtime.selection import requirements_for, select
 
@@ -688,7 +704,12 @@ def _pick_backend(name: str, device: torch.device, params: SparseAttentionParams
     if name != "auto":
         return reg.get(name)
     req = requirements_for(params, torch.bfloat16, torch.bfloat16, device)
-    return select(req, reg, device=device).attention
+    sel = select(req, reg, device=device)
+    if sel.indexer is not sel.attention:
+        raise UsageError(f"auto selection picks attention={sel.attention.name} and indexer={sel.indexer.name} "
+                         f"on {device}; mm3 bench times one backend for both ops: pass --backend NAME "
+                         f"(e.g. --backend {sel.indexer.name})")
+    return sel.attention
 
 
 def _environment(device: torch.device) -> dict:
@@ -739,7 +760,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = _environment(dev)
     env.update(backend=be.name, reference=ref.name if ref is not None else None, command=_command_line(),
-               rotate_bytes=ctx.rotate_bytes)
+               rotate_bytes=ctx.rotate_bytes, tiny=bool(args.tiny), cuda_graphs=ctx.gpu)
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
     ctx.progress = Progress(len(grid) + (0 if args.no_ceilings else 1))
     ctx.log(f"mm3 bench on {env.get('gpu', dev)}: backend {be.name}, {len(grid)} configurations, "

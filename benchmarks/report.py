@@ -140,6 +140,24 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def _mb(nbytes: float) -> str:
+    """Megabytes with a figure that shows at tiny sizes too.
+
+    Example:
+        >>> _mb(1344.5e6), _mb(36e3)
+        ('1344.5', '0.036')
+    """
+    mb = nbytes / 1e6
+    return f"{mb:.1f}" if mb >= 0.1 else f"{mb:.2g}"
+
+
+def _check_cell(chk: dict) -> str:
+    """Selection agreement / max attention error against the reference, or ``-`` where nothing was checked."""
+    if "sel_match" not in chk:
+        return "-"
+    return f"{chk['sel_match'] * 100:.0f}% / {chk['attn_max_err']:.0e}"
+
+
 def _decode_rows(records: list[dict]) -> list[list[str]]:
     me = _mm3(records)
     configs: dict[str, dict] = {}
@@ -162,11 +180,11 @@ def _decode_rows(records: list[dict]) -> list[list[str]]:
             str(st["sets"]) if st else "-",
             _us(idx), f"{idx['pct_copy']:.0f}%" if idx and "pct_copy" in idx else "-",
             _us(att), f"{att['pct_copy']:.0f}%" if att and "pct_copy" in att else "-",
-            _us(st), f"{st['bytes'] / 1e6:.1f}" if st else "-",
+            _us(st), _mb(st["bytes"]) if st else "-",
             f"{st['pct_copy']:.1f}%" if st and "pct_copy" in st else "-",
-            _us(fl) if fl else _us(default), _us(cu), _us(ef), _us(fx), _us(cr),
+            _us(fl), _us(cu), _us(ef), _us(default), _us(fx), _us(cr),
             f"{best['ms'] / st['ms']:.1f}x" if best and st else "-",
-            f"{chk['sel_match'] * 100:.0f}% / {chk['attn_max_err']:.0e}" if chk else "-",
+            _check_cell(chk),
         ])
     return rows
 
@@ -193,13 +211,62 @@ def measured_targets(records: list[dict], ceil: dict) -> tuple[list[dict], int]:
     return done, len(all_targets) - len(done)
 
 
-def _targets_lines(records: list[dict], ceil: dict) -> list[str]:
+def _unmeasured_targets(env: dict, done: int, left: int) -> str:
+    """Why ``left`` targets have no figure: a run that could measure none, or rows left out of this one.
+
+    Example:
+        >>> print(_unmeasured_targets({"tiny": True, "cuda_graphs": False, "device": "cpu"}, 0, 21).split("; ")[-1])
+        this run used tiny shapes (--tiny) on cpu, not a CUDA GPU
+        >>> _unmeasured_targets({"cuda_graphs": True}, 5, 16).split(":")[0]
+        '16 target(s) not measured'
+    """
+    if done:
+        return f"{left} target(s) not measured: their configurations did not run (--only, --max-priority or --budget-s)"
+    this = [w for w, on in (("tiny shapes (--tiny)", env.get("tiny")),
+                            (f"{env.get('device')}, not a CUDA GPU", not env.get("cuda_graphs", True))) if on]
+    return (f"none of the {left} targets applies to this run: they are set for MiniMax-M3 shapes on an H200 in CUDA "
+            f"graphs (BENCHMARKS.md); " + (f"this run used {' on '.join(this)}" if this else
+                                           "their configurations did not run (--only, --max-priority or --budget-s)"))
+
+
+def _targets_lines(env: dict, records: list[dict], ceil: dict) -> list[str]:
     done, left = measured_targets(records, ceil)
     lines = _table(["target", "goal", "measured", "met"],
                    [[t["target"], t["goal"], t["text"], "yes" if t["met"] else "**no**"] for t in done]) if done else []
     if left:
-        lines += ["", f"{left} target(s) not measured: their configurations (MiniMax-M3 shapes) did not run."]
-    return lines
+        lines += ["" if lines else None, _unmeasured_targets(env, len(done), left) + "."]
+    return [x for x in lines if x is not None]
+
+
+def _independent_reference(env: dict) -> bool:
+    """Were the backend's results checked against another backend?"""
+    return bool(env.get("reference")) and env.get("reference") != env.get("backend")
+
+
+def _not_measured(env: dict, ceil: dict) -> list[str]:
+    """What this run could not measure, and why (one line each)."""
+    out = []
+    if not env.get("cuda_graphs", True):
+        out += [f"CUDA-graph times: {env.get('device')} is not a CUDA device, so every time is an eager call "
+                f"timed on the host clock",
+                "SDPA's flash, cuDNN and efficient kernels (CUDA only): the default SDPA of this device is "
+                "timed instead; per-kernel profiles (GPU only)"]
+    if not ceil:
+        why = ("--tiny: a copy or matmul of tiny sizes says nothing about the device" if env.get("tiny")
+               else "--no-ceilings")
+        out.append(f"copy bandwidth and matmul ceilings, so no `%copy` shares ({why})")
+    if not _independent_reference(env):
+        ref = env.get("reference")
+        out.append(f"correctness: the backend under test `{env.get('backend')}` is the reference, so nothing checks "
+                   f"it here (--reference NAME)" if ref else "correctness: no reference backend was available")
+    return out
+
+
+def _keep_measured_columns(header: list[str], rows: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    """Drop the columns no row has a figure in (``-`` everywhere): what a run did not measure is said once,
+    in its own section, not as a column of dashes."""
+    keep = [i for i in range(len(header)) if not rows or any(r[i] != "-" for r in rows)]
+    return [header[i] for i in keep], [[r[i] for i in keep] for r in rows]
 
 
 def _prefill_rows(records: list[dict]) -> list[list[str]]:
@@ -226,8 +293,8 @@ def _prefill_rows(records: list[dict]) -> list[list[str]]:
             r0["shape"], _ctxs(r0["context"]), "random" if not r0.get("locality") else f"shared {r0['locality']:g}",
             f"{chk['overlap_next_token']:.2f}" if "overlap_next_token" in chk else "-",
             ms_tf(idx), ms_tf(att), ms_tf(st),
-            *[f"{x['ms']:.3f}" if x else "-" for x in sd[:3]], ms_tf(fx), ms_tf(cr),
-            f"{chk['sel_match'] * 100:.0f}% / {chk['attn_max_err']:.0e}" if chk else "-",
+            *[f"{x['ms']:.3f}" if x else "-" for x in sd], ms_tf(fx), ms_tf(cr),
+            _check_cell(chk),
         ])
     return rows
 
@@ -255,20 +322,41 @@ def _variant_rows(records: list[dict]) -> list[list[str]]:
                         and x.get("check")), None) or {}
             err = next((x["error"] for x in records if x.get("config") == name and x.get("impl") == impl
                         and "error" in x), "")
-            rows.append([name, impl, *cells, (f"{chk['sel_match'] * 100:.0f}% / {chk['attn_max_err']:.0e}"
-                                              if chk else "-") + (f" ERROR {err[:80]}" if err else "")])
+            rows.append([name, impl, *cells, _check_cell(chk) + (f" ERROR {err[:80]}" if err else "")])
     return rows
 
 
+def _size(n: float) -> str:
+    """Bytes as a reader counts them.
+
+    Example:
+        >>> _size(65536), _size(200 << 20)
+        ('66 KB', '210 MB')
+    """
+    return f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} KB"
+
+
 def markdown(env: dict, ceil: dict, records: list[dict]) -> str:
+    graphs = env.get("cuda_graphs", True)
     lines = [f"# mm3 benchmark: {env.get('gpu', env.get('device'))}", ""]
-    lines.append(f"- date: {env.get('date')}; backend under test: `{env.get('backend')}`; "
-                 f"reference: `{env.get('reference')}`")
+    ref = env.get("reference")
+    lines.append(f"- date: {env.get('date')}; backend under test: `{env.get('backend')}`; reference: "
+                 + (f"`{ref}`" if _independent_reference(env) else
+                    f"none other than the backend under test (`{ref}`)" if ref else "none available"))
     lines.append(f"- torch {env.get('torch')}, triton {env.get('triton')}, python {env.get('python')}"
                  + (f", CUDA {env['cuda']}, {env['sms']} SMs, L2 {env['l2_MB']} MB, {env['memory_GiB']} GiB"
                     if "sms" in env else ""))
-    lines.append(f"- command: `{env.get('command')}`; inputs rotated over >= "
-                 f"{env.get('rotate_bytes', 0) / 1e6:.0f} MB per measurement; times are medians")
+    lines.append(f"- command: `{env.get('command')}`; times are medians "
+                 + (f"in CUDA graphs, inputs rotated over >= {_size(env.get('rotate_bytes', 0))} per measurement"
+                    if graphs else f"of eager calls on {env.get('device')} (host clock)"))
+    lines.append("")
+    kinds = {k: len({r["config"] for r in records if r.get("kind") == k and "ms" in r}) for k in ("decode", "prefill")}
+    peers_seen = sorted({str(r["impl"]) for r in records if "ms" in r and not str(r.get("impl", "")).startswith("mm3:")})
+    lines += ["## What this run measured", "",
+              f"- measured: {kinds['decode']} decode and {kinds['prefill']} prefill configuration(s) of "
+              f"`{env.get('backend')}` ({'tiny shapes' if env.get('tiny') else 'MiniMax-M3 shapes'}) on "
+              f"{env.get('gpu', env.get('device'))}" + (f"; beside it: {', '.join(peers_seen)}" if peers_seen else "")]
+    lines += [f"- not measured: {x}" for x in _not_measured(env, ceil)]
     lines.append("")
     if ceil:
         lines += ["## Ceilings (measured in this run)", ""]
@@ -279,22 +367,27 @@ def markdown(env: dict, ceil: dict, records: list[dict]) -> str:
             [f"bf16 matmul {ceil['matmul_bf16']['n']}^3", f"{rate(ceil['matmul_bf16']['TFLOPs'])} TFLOP/s",
              f"{ceil['matmul_bf16']['ms']:.3f} ms"]])
         lines.append("")
-    lines += ["## Targets", ""] + _targets_lines(records, ceil) + [""]
-    lines += ["## Decode (CUDA graphs; times in us)", "",
-              "`%copy` = minimal bytes / time as a share of the measured copy bandwidth. Dense SDPA and "
-              "FlexAttention are attention only (they need no indexer); `vs dense` = the faster of "
-              "flash/cuDNN (or the default SDPA) over the mm3 step. `check` = selection agreement with the "
-              "reference on the first and last request / max |attention error| there.", ""]
-    lines += _table(["shape", "batch", "ctx", "q", "index", "sets", "indexer", "%copy", "attention", "%copy",
-                     "step", "min MB", "step %copy", "sdpa flash", "sdpa cudnn", "sdpa eff.", "flex attn",
-                     "cpu_ref step", "vs dense", "check"], _decode_rows(records))
+    lines += ["## Targets", ""] + _targets_lines(env, records, ceil) + [""]
+    checked = ("`check` = selection agreement with the reference on the first and last request / max |attention "
+               "error| there." if _independent_reference(env) else "")
+    lines += [f"## Decode ({'CUDA graphs' if graphs else 'eager calls'}; times in us)", "",
+              " ".join(x for x in (
+                  "`%copy` = minimal bytes / time as a share of the measured copy bandwidth." if ceil else "",
+                  "Dense SDPA and FlexAttention are attention only (they need no indexer); `vs dense` = the faster "
+                  "of flash/cuDNN (or the default SDPA) over the mm3 step.", checked) if x), ""]
+    lines += _table(*_keep_measured_columns(
+        ["shape", "batch", "ctx", "q", "index", "sets", "indexer", "%copy", "attention", "%copy", "step", "min MB",
+         "step %copy", "sdpa flash", "sdpa cudnn", "sdpa eff.", "sdpa default", "flex attn", "cpu_ref step",
+         "vs dense", "check"], _decode_rows(records)))
     lines.append("")
-    lines += ["## Prefill (8K-token chunk; ms, TFLOP/s in parentheses)", "",
-              "mm3 TFLOP/s count sparse FLOPs (the keys each token's selected blocks give it); SDPA is dense "
+    chunks = sorted({r["chunk"] for r in records if r.get("kind") == "prefill" and "chunk" in r})
+    lines += [f"## Prefill ({' / '.join(_ctxs(c) for c in chunks) or '8K'}-token chunk; ms, TFLOP/s in parentheses)",
+              "", "mm3 TFLOP/s count sparse FLOPs (the keys each token's selected blocks give it); SDPA is dense "
               "causal attention over the whole context. `overlap` = share of a token's blocks its successor "
-              "also selected.", ""]
-    lines += _table(["shape", "ctx", "selection", "overlap", "indexer", "attention", "step", "sdpa flash",
-                     "sdpa cudnn", "sdpa eff.", "flex attn", "cpu_ref", "check"], _prefill_rows(records))
+              "also selected." + (" " + checked if checked else ""), ""]
+    lines += _table(*_keep_measured_columns(
+        ["shape", "ctx", "selection", "overlap", "indexer", "attention", "step", "sdpa flash", "sdpa cudnn",
+         "sdpa eff.", "sdpa default", "flex attn", "cpu_ref", "check"], _prefill_rows(records)))
     lines.append("")
     var = _variant_rows(records)
     if var:
@@ -324,7 +417,7 @@ def summary_text(env: dict, ceil: dict, records: list[dict]) -> str:
     for t in done:
         lines.append(f"  [{'MET ' if t['met'] else 'MISS'}] {t['target']}: {t['text']} (goal {t['goal']})")
     if left:
-        lines.append(f"  {left} not measured: their configurations (MiniMax-M3 shapes) did not run")
+        lines.append(f"  {_unmeasured_targets(env, len(done), left)}")
     return "\n".join(lines)
 
 

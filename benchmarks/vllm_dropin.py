@@ -39,6 +39,7 @@ import mm3
 from mm3.contract.hookspecs import Op
 from mm3.integrations import targets
 from mm3.integrations import vllm as ops
+from mm3.runtime.config import Settings
 
 __all__ = ["parser", "build", "measure", "check", "main"]
 
@@ -180,7 +181,7 @@ def _kernels(graph: torch.cuda.CUDAGraph) -> list[tuple[str, float]]:
 
 def _layer(p: mm3.SparseAttentionParams, device: torch.device, batch: int, backend: str,
            graph: bool) -> mm3.SparseAttention:
-    targets.configure(mm3.Settings(backend=backend))
+    targets.configure(Settings(backend=backend))
     return mm3.SparseAttention(p, device=device, dtype=torch.bfloat16, max_num_tokens=batch, backend=backend,
                                cuda_graph=graph)
 

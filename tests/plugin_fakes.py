@@ -7,6 +7,9 @@
 * :func:`subprocess_env`: the environment for running mm3 in a subprocess
   against plugins installed into a separate site directory.
 * :func:`backends_row`: one backend's row of the ``mm3 backends`` table.
+* :func:`pip_install_into` (a ``--target`` folder) and :func:`throwaway_venv` (a
+  virtual environment of its own): where tests install packages, so the
+  environment running the tests is never installed into or uninstalled from.
 """
 
 from __future__ import annotations
@@ -15,11 +18,16 @@ import os
 import re
 import subprocess
 import sys
+import venv
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["FakeDist", "FakeEntryPoint", "subprocess_env", "backends_row"]
+__all__ = ["FakeDist", "FakeEntryPoint", "subprocess_env", "backends_row", "pip_install_into", "throwaway_venv",
+           "PIP_OFFLINE"]
+
+# pip, offline and without dependencies or a wheel cache: what tests install is built from a local folder
+PIP_OFFLINE = ["-m", "pip", "--disable-pip-version-check", "--no-cache-dir"]
 
 
 @dataclass
@@ -74,7 +82,26 @@ def pip_install_into(src: Path, target: Path) -> None:
     """``pip install`` the project at ``src`` into the folder ``target`` (offline, no dependencies):
     a plugin installed the way a user's would be, importable by adding ``target`` to the path."""
     r = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--disable-pip-version-check", "--target", str(target), str(src)],
+        [sys.executable, *PIP_OFFLINE, "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--target", str(target), str(src)],
         capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"pip install of {src} failed:\n{r.stdout}\n{r.stderr}"
+
+
+def throwaway_venv(root: Path) -> Path:
+    """A new virtual environment in ``root`` that sees this one's packages; returns its interpreter.
+
+    Its own site-packages comes first and is where ``pip`` (run by that interpreter) installs; the
+    site directories of the running environment follow (mm3, torch, pip, setuptools...), added by a
+    ``.pth`` file that processes their own ``.pth`` files too (editable installs). A package the
+    test installs there shadows one of the same name installed here, and is gone with ``root``.
+    """
+    venv.create(root, with_pip=False, symlinks=os.name != "nt")
+    python = root / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    ours = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
+    # One line ("import ..." lines of a .pth run at start-up); "zz" sorts it after the venv's own .pth files.
+    Path(purelib, "zz_running_environment.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in ours) + "\n")
+    return python

@@ -56,6 +56,28 @@ def test_float_lengths_are_refused() -> None:
         BatchMetadata.build(torch.tensor([1.5]), [9], _bt(1), block_size=16)
 
 
+@pytest.mark.parametrize("query_lens,match", [
+    ("12", r"query_lens is the string '12': pass the lengths as ints"),      # not the lengths (1, 2)
+    (b"12", r"query_lens is the string b'12'"),
+    ([True, True, 5], r"query_lens\[0\] is True, a bool: lengths count tokens"),
+    ([1, torch.tensor(False), 5], r"query_lens\[1\] is tensor\(False\), a bool"),
+    (torch.tensor([True, True, True]), r"query_lens must be a 1-D integer tensor or list, got torch.bool"),
+    ([1, "1", 5], r"query_lens\[1\] is '1': lengths count tokens, so they must be ints"),
+    ([1, 1, 5.0], r"query_lens\[2\] is 5.0: lengths count tokens"),
+], ids=["str", "bytes", "bools", "bool-tensor-item", "bool-tensor", "str-item", "float-item"])
+def test_lengths_that_are_not_ints_are_refused(query_lens: object, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        BatchMetadata.build(query_lens, [300, 129, 5], _bt(3), block_size=128, num_decodes=2)
+
+
+def test_integer_lengths_of_any_integer_type_are_accepted() -> None:
+    import numpy as np
+
+    for ql in ([1, 1, 5], (1, 1, 5), np.array([1, 1, 5]), [np.int64(1), 1, torch.tensor(5)], torch.tensor([1, 1, 5])):
+        b = BatchMetadata.build(ql, [300, 129, 5], _bt(3), block_size=128, num_decodes=2)
+        assert b.query_lens == (1, 1, 5) and all(type(x) is int for x in b.query_lens), ql
+
+
 def test_block_ids_beyond_cache_are_named() -> None:
     bt = torch.tensor([[0, 7, -1]], dtype=torch.int32)
     with pytest.raises(InputError, match=r"block_table\[0, 1\] = 7 is not a page id in \[0, 4\)"):

@@ -5,7 +5,8 @@ Runs a reduced tiny grid in-process through the same loader `mm3 bench` uses
 on a CPU (SDPA, eager FlexAttention, the reference backend), and checks the
 outputs: JSON with records and targets, the Markdown report, the plots when
 matplotlib is installed, and that every correctness check inside passed
-(so the FlexAttention block mask built from a selection is right).
+(so the FlexAttention block mask built from a selection is right). The backend
+under test is named (cpu_ref): auto selection depends on the plugins installed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,7 @@ def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
     harness = bench.load_harness()
     ap = argparse.ArgumentParser()
     harness.add_arguments(ap)
-    return ap.parse_args(["--tiny", "--device", "cpu", "--out", str(tmp_path), *extra])
+    return ap.parse_args(["--tiny", "--device", "cpu", "--backend", "cpu_ref", "--out", str(tmp_path), *extra])
 
 
 def test_harness_is_an_installed_package() -> None:
@@ -121,7 +124,8 @@ def test_every_variant_is_a_choice_the_cuda_config_does_not_make() -> None:
 def test_a_full_run_on_a_cpu_says_first_what_it_will_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from mm3.cli import main
 
-    assert main(["bench", "--device", "cpu", "--only", "^no such row$", "--no-ceilings", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--device", "cpu", "--backend", "cpu_ref", "--only", "^no such row$", "--no-ceilings",
+                 "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "no GPU in use (device cpu)" in err and "0 configuration(s)" in err, err
     assert "mm3 bench --tiny" in err and "--only REGEX" in err, err
@@ -131,14 +135,65 @@ def test_tiny_prints_no_figures_that_tiny_shapes_cannot_measure(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     from mm3.cli import main
 
-    assert main(["bench", "--tiny", "--device", "cpu", "--peers", "", "--only", "^decode tiny b3 ctx200 q1 idx-bf16$",
-                 "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--tiny", "--device", "cpu", "--backend", "cpu_ref", "--peers", "",
+                 "--only", "^decode tiny b3 ctx200 q1 idx-bf16$", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     md = (tmp_path / "results.md").read_text()
-    assert "ceilings" not in out.lower() and "matmul" not in md, out  # no copy/matmul of tiny sizes
-    assert "% of copy" not in out and "| - | " in md                  # so no share of a copy bandwidth either
+    assert "ceilings" not in out.lower() and "bf16 matmul" not in md, out  # no copy/matmul of tiny sizes
+    assert "% of copy" not in out and "%copy |" not in md             # so no share of a copy bandwidth either
+    assert "no `%copy` shares (--tiny" in md
     summary = out[out.rindex("targets:"):].strip().splitlines()
-    assert summary[1:] == [summary[1]] and "not measured" in summary[1], summary   # one line, not one per target
+    assert summary[1:] == [summary[1]] and "none of the" in summary[1], summary   # one line, not one per target
+
+
+def test_a_cpu_run_says_what_it_measured_and_what_it_could_not(tmp_path: Path) -> None:
+    from mm3.cli import main
+
+    assert main(["bench", "--tiny", "--device", "cpu", "--backend", "cpu_ref", "--peers", "sdpa",
+                 "--only", "^decode tiny b3 ctx200 q1 idx-bf16$|^prefill tiny 48 new ctx80 sel-random$",
+                 "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "results.md").read_text()
+    headings = [line for line in md.splitlines() if line.startswith("#")]
+    assert "## Decode (eager calls; times in us)" in headings, headings
+    assert "## Prefill (48-token chunk; ms, TFLOP/s in parentheses)" in headings, headings
+    assert not [h for h in headings if "CUDA graph" in h or "8K" in h], headings
+    assert "rotated over" not in md and "of eager calls on cpu (host clock)" in md
+    # cpu_ref checked against itself is no check: said once, and no check column of 100% / 0
+    assert "reference: none other than the backend under test (`cpu_ref`)" in md
+    assert "- not measured: correctness: the backend under test `cpu_ref` is the reference" in md
+    assert "| check |" not in md and "100% / 0e+00" not in md
+    assert "- not measured: CUDA-graph times: cpu is not a CUDA device" in md
+    # the CPU's SDPA kernel is the default one, and its column says so
+    assert "| sdpa default |" in md and "sdpa flash" not in md
+    assert re.search(r"none of the \d+ targets applies to this run: .*; this run used tiny shapes \(--tiny\) on "
+                     r"cpu, not a CUDA GPU\.", md), md
+    assert "target(s) not measured" not in md
+
+
+def test_auto_with_an_attention_only_winner_asks_for_a_backend(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The bench times one backend's indexer, attention and step: when auto pairs two, it says so."""
+    import mm3_backends.cpu_ref.plugin as cpu_ref
+    from plugin_fakes import FakeEntryPoint
+
+    from mm3.cli import main
+    from mm3.runtime import discovery
+    from mm3.runtime.registry import reset_default_registry
+    from mm3.testing.mock import MockBackend
+
+    eps = [FakeEntryPoint("cpu_ref", cpu_ref), FakeEntryPoint("attn", MockBackend("attn", ops={"attention"},
+                                                                                   priority=50), "attn-dist")]
+    monkeypatch.setattr(discovery, "list_entry_points", lambda group="mm3.backends": eps)
+    for k in [k for k in os.environ if k.upper().startswith("MM3_")]:
+        monkeypatch.delenv(k)
+    reset_default_registry()
+    try:
+        assert main(["bench", "--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    finally:
+        reset_default_registry()
+    err = capsys.readouterr().err
+    assert ("auto selection picks attention=attn and indexer=cpu_ref on cpu; mm3 bench times one backend for both "
+            "ops: pass --backend NAME (e.g. --backend cpu_ref)") in err, err
 
 
 def test_variants_above_the_variant_priority_are_skipped_aloud() -> None:

@@ -1,7 +1,7 @@
 """The code in the docs runs, so it cannot rot.
 
-Every fenced code block of README.md, docs/plugins.md, docs/configuration.md, docs/engines.md
-and docs/testing.md is handled by its info string (documented in
+Every fenced code block of README.md, docs/plugins.md, docs/configuration.md, docs/engines.md,
+docs/distributed.md and docs/testing.md is handled by its info string (documented in
 docs/testing.md, "Code blocks in these docs"):
 
 * ```` ```python ```` - executed, in order; the blocks of one document share a namespace;
@@ -13,17 +13,20 @@ docs/testing.md, "Code blocks in these docs"):
 * ```` ```python file=PATH pytest ```` - written, then run with ``pytest`` in a
   subprocess in the scratch directory (a ``conftest.py`` block there loads mm3's fixtures); it must pass;
 * ```` ```bash installed ```` - shown here; :func:`test_plugin_guide_package_installs_and_passes_check`
-  pip-installs the ``file=`` blocks of docs/plugins.md as a package and runs
-  the block's ``mm3`` commands against it;
+  pip-installs the ``file=`` blocks of docs/plugins.md as a package (into a
+  throwaway virtual environment, never this one) and runs the block's ``mm3``
+  commands against it;
 * any other language (bash, toml, text) without ``file=`` - shown only.
 
 Each document runs with no ``MM3_*`` variables, a fresh default registry, and
-its environment, ``sys.path`` and modules restored afterwards.
+its environment, ``sys.path`` and modules restored afterwards. A deprecated mm3
+name in a block (``mm3.Settings``...) fails it: the docs show the current API.
+Every other Markdown file of README.md and docs/ has no runnable block (checked),
+and a ``no-run`` block still compiles and imports from mm3 only names that exist.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import re
@@ -34,17 +37,20 @@ import sys
 import tempfile
 import textwrap
 import tomllib
-from collections.abc import Iterator
-from contextlib import contextmanager
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import pytest
-from plugin_fakes import backends_row, pip_install_into, subprocess_env
+from plugin_fakes import PIP_OFFLINE, backends_row, pip_install_into, subprocess_env, throwaway_venv
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/plugins.md", "docs/configuration.md", "docs/testing.md", "docs/engines.md"]
+DOCS = ["README.md", "docs/plugins.md", "docs/configuration.md", "docs/testing.md", "docs/engines.md",
+        "docs/distributed.md"]
+MARKDOWN = ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md"))]
+# mm3's moved names warn "mm3.NAME moved: import it from ..." (mm3/__init__.py); in a snippet that is a failure
+MM3_DEPRECATION = r"mm3\.\w+ moved"
 KNOWN_FLAGS = {"no-run", "pytest", "installed"}
 _FENCE = re.compile(r"^(?P<indent>[ ]{0,3})(?P<fence>`{3,})(?P<info>[^`]*)$")
 
@@ -121,7 +127,7 @@ def run_document(path: Path, scratch: Path, label: Optional[str] = None) -> int:
             target = write_file_block(b, scratch, written)
             if "pytest" in b.flags:
                 r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                    str(target)], cwd=scratch, capture_output=True, text=True,
+                                    "-W", f"error:{MM3_DEPRECATION}:DeprecationWarning", str(target)], cwd=scratch, capture_output=True, text=True,
                                    timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                        [str(scratch), *filter(None, [os.environ.get("PYTHONPATH")])])})
                 if r.returncode != 0:
@@ -132,7 +138,9 @@ def run_document(path: Path, scratch: Path, label: Optional[str] = None) -> int:
         if not b.runs:
             continue
         try:
-            exec(compile(b.code, where, "exec"), namespace)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", MM3_DEPRECATION, DeprecationWarning)
+                exec(compile(b.code, where, "exec"), namespace)
         except BaseException as e:  # noqa: BLE001 - report any failure with its block
             raise SnippetError(f"{where}: {type(e).__name__}: {e}\n--- block ---\n{b.code}") from e
         ran += 1
@@ -164,7 +172,9 @@ def docs_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             del sys.modules[name]
 
 
-@pytest.mark.parametrize("doc", DOCS)
+# docs/testing.md runs two conformance suites and a pytest session: tens of seconds, so `slow`
+@pytest.mark.parametrize("doc", [pytest.param(d, marks=pytest.mark.slow) if d == "docs/testing.md" else d
+                                 for d in DOCS])
 def test_doc_snippets_run(doc: str, docs_sandbox: Path) -> None:
     path = REPO / doc
     assert path.is_file(), f"{doc} is missing"
@@ -172,13 +182,34 @@ def test_doc_snippets_run(doc: str, docs_sandbox: Path) -> None:
     assert ran >= 1, f"{doc} has no runnable code block; mark examples ```python so they are tested"
 
 
-@pytest.mark.parametrize("doc", DOCS)
+@pytest.mark.parametrize("doc", MARKDOWN)
 def test_every_python_block_is_run_or_marked(doc: str) -> None:
-    """A python block is either executed, written to a file, or explicitly ``no-run``."""
-    for b in parse_blocks((REPO / doc).read_text()):
+    """A python block is either executed, written to a file, or explicitly ``no-run``; a document
+    with a block to execute is one of those the snippet test runs."""
+    blocks = parse_blocks((REPO / doc).read_text())
+    for b in blocks:
         if b.lang.startswith("py") and b.lang != "python":
             pytest.fail(f"{doc}:{b.line}: language {b.lang!r}; write ```python (and no-run if it must not run)")
         assert not (b.flags - KNOWN_FLAGS), f"{doc}:{b.line}: unknown flags {sorted(b.flags - KNOWN_FLAGS)}"
+    runnable = [b.line for b in blocks if b.runs or "pytest" in b.flags]
+    assert doc in DOCS or not runnable, f"{doc} has python blocks to run (lines {runnable}): add it to DOCS"
+
+
+@pytest.mark.parametrize("doc", MARKDOWN)
+def test_no_run_blocks_compile_and_import_what_exists(doc: str) -> None:
+    """A ``no-run`` block is shown, not run; it must still be Python, and what it imports from mm3 must exist."""
+    import ast
+    import importlib
+
+    for b in parse_blocks((REPO / doc).read_text()):
+        if b.lang != "python" or "no-run" not in b.flags:
+            continue
+        tree = ast.parse(b.code, f"{doc}:{b.line}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mm3":
+                module = importlib.import_module(node.module)  # type: ignore[arg-type]
+                missing = [a.name for a in node.names if not hasattr(module, a.name)]
+                assert not missing, f"{doc}:{b.line}: {node.module} has no {missing}"
 
 
 def test_the_runner_catches_a_broken_snippet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -211,18 +242,20 @@ def test_the_runner_catches_a_broken_snippet(tmp_path: Path, monkeypatch: pytest
     doc.write_text("```python norun\nprint('typo in the flag')\n```\n")
     with pytest.raises(SnippetError, match="unknown code block flag"):
         run_document(doc, tmp_path)
+    doc.write_text("```python\nimport mm3\nsettings = mm3.Settings()\n```\n")
+    with pytest.raises(SnippetError, match="DeprecationWarning: mm3.Settings moved"):
+        run_document(doc, tmp_path)
 
 
 # -- docs/plugins.md, followed to the letter -------------------------------------------------------
 # The guide's `file=` blocks are a whole package; its `bash installed` block says how to install
 # it and which `mm3` commands then work. The test writes the package into an empty directory,
-# installs it into this environment as the guide says (`pip install -e .`, offline), runs those
-# commands in fresh interpreters and uninstalls it again.
+# installs it as the guide says (`pip install -e .`, offline) into a throwaway virtual environment
+# that sees this one's packages, and runs those commands with that environment's interpreter. This
+# environment is left as it was, including a `my-attn` of the user's own.
 
 GUIDE = REPO / "docs" / "plugins.md"
 EXAMPLE = REPO / "examples" / "third_party_backend"
-_PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-_PIP_INSTALL_OFFLINE = [*_PIP, "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
 
 
 def _installed_block_commands(blocks: list[Block]) -> tuple[str, list[list[str]]]:
@@ -235,38 +268,14 @@ def _installed_block_commands(blocks: list[Block]) -> tuple[str, list[list[str]]
     return " ".join(install), commands
 
 
-def _ours(dist: str) -> bool:
-    """Was ``dist`` installed by an earlier, interrupted run of this test (from a temporary directory)?"""
-    url = json.loads(importlib.metadata.distribution(dist).read_text("direct_url.json") or "{}").get("url", "")
-    return url.startswith(Path(tempfile.gettempdir()).resolve().as_uri())
-
-
-@contextmanager
-def pip_installed_editable(project: Path) -> Iterator[str]:
-    """``pip install -e project`` into this environment (no deps, no network); uninstalled afterwards."""
-    with open(project / "pyproject.toml", "rb") as f:
-        dist = tomllib.load(f)["project"]["name"]
-    try:
-        if not _ours(dist):
-            pytest.skip(f"a distribution {dist!r} is already installed in this environment; this test "
-                        f"installs its own and would replace it (pip uninstall {dist} to run it)")
-        subprocess.run([*_PIP, "uninstall", "--yes", "--quiet", dist], capture_output=True, timeout=120)
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    r = subprocess.run([*_PIP_INSTALL_OFFLINE, "-e", str(project)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"pip install -e {project} failed:\n{r.stdout}\n{r.stderr}"
-    try:
-        yield dist
-    finally:
-        subprocess.run([*_PIP, "uninstall", "--yes", "--quiet", dist], capture_output=True, timeout=120)
-
-
-def _mm3(args: list[str], cwd: Path, site: Optional[Path] = None) -> subprocess.CompletedProcess[str]:
+def _mm3(args: list[str], cwd: Path, site: Optional[Path] = None,
+         python: Path = Path(sys.executable)) -> subprocess.CompletedProcess[str]:
     """``mm3 ARGS`` as a user runs it: a fresh interpreter, no MM3_* settings, no Triton interpreter."""
-    return subprocess.run([sys.executable, "-m", "mm3.cli", *args], cwd=cwd, env=subprocess_env(site),
+    return subprocess.run([str(python), "-m", "mm3.cli", *args], cwd=cwd, env=subprocess_env(site),
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow   # a venv, a pip install and `mm3 check` in fresh interpreters
 def test_plugin_guide_package_installs_and_passes_check(tmp_path: Path) -> None:
     """Build the guide's package from its blocks alone, install it as it says, run its commands."""
     blocks = parse_blocks(GUIDE.read_text())
@@ -285,19 +294,63 @@ def test_plugin_guide_package_installs_and_passes_check(tmp_path: Path) -> None:
     name = commands[1][2]
     with open(project / "pyproject.toml", "rb") as f:
         meta = tomllib.load(f)["project"]
-    with pip_installed_editable(project) as dist:
-        listed = _mm3(commands[0][1:], tmp_path)
-        assert listed.returncode == 0, listed.stdout + listed.stderr
-        row = backends_row(listed.stdout, name)
-        assert row is not None, f"{name} missing from `mm3 backends`:\n{listed.stdout}"
-        assert row[1] == f"{dist} {meta['version']}" and row[2] == "yes", row  # SOURCE, AVAILABLE
-        assert "problems: none" in listed.stdout, listed.stdout
 
-        checked = _mm3(commands[1][1:], tmp_path)
-        assert checked.returncode == 0, checked.stdout[-6000:] + checked.stderr[-2000:]
-        assert name in checked.stdout, checked.stdout
-    with pytest.raises(importlib.metadata.PackageNotFoundError):
-        importlib.metadata.distribution(dist)  # and uninstalled again
+    python = throwaway_venv(tmp_path / "venv")
+    r = subprocess.run([str(python), *PIP_OFFLINE, "install", "--quiet", "--no-deps", "--no-build-isolation",
+                        "--no-index", "-e", "."], cwd=project, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"pip install -e {project} failed:\n{r.stdout}\n{r.stderr}"
+    imported = subprocess.run([str(python), "-c", "import my_attn; print(my_attn.__file__)"], cwd=tmp_path,
+                              env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 0, imported.stderr
+    where = imported.stdout.strip()
+    if not Path(where).is_relative_to(project):
+        pytest.skip(f"a `my_attn` installed in this environment ({where}) shadows the guide's package")
+
+    listed = _mm3(commands[0][1:], tmp_path, python=python)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    row = backends_row(listed.stdout, name)
+    assert row is not None, f"{name} missing from `mm3 backends`:\n{listed.stdout}"
+    assert row[1] == f"{meta['name']} {meta['version']}" and row[2] == "yes", row  # SOURCE, AVAILABLE
+    assert "problems: none" in listed.stdout, listed.stdout
+
+    checked = _mm3(commands[1][1:], tmp_path, python=python)
+    assert checked.returncode == 0, checked.stdout[-6000:] + checked.stderr[-2000:]
+    assert name in checked.stdout, checked.stdout
+
+
+def _fake_installed_distribution(site: Path, name: str, version: str, url: str) -> list[str]:
+    """A distribution as pip leaves it in ``site`` (METADATA, INSTALLER, direct_url.json, RECORD); its files."""
+    from mm3.testing.helpers import write_distribution
+
+    write_distribution(site, name, version)
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    (info / "INSTALLER").write_text("pip\n")
+    (info / "direct_url.json").write_text(json.dumps({"url": url, "dir_info": {"editable": True}}))
+    files = sorted([*(p.name for p in info.iterdir()), "RECORD"])
+    (info / "RECORD").write_text("".join(f"{info.name}/{file},,\n" for file in files))
+    return [f"{info.name}/{file}" for file in files]
+
+
+@pytest.mark.slow   # the test above, in a pytest session of its own
+def test_plugin_guide_test_leaves_an_installed_my_attn_alone(tmp_path: Path) -> None:
+    """A user who followed the guide has their own `my-attn` (installed from a folder under the temp
+    directory); the guide's test, run in their environment, must leave it installed.
+
+    The user's environment is a throwaway one here, with the distribution in its site-packages; the
+    guide's test runs in it through pytest, as the user's suite run would run it."""
+    user = throwaway_venv(tmp_path / "user-venv")
+    site = Path(subprocess.run([str(user), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    their_project = Path(tempfile.mkdtemp(dir=tmp_path)) / "my-attn"
+    before = _fake_installed_distribution(site, "my-attn", "0.0.7", their_project.as_uri())
+    r = subprocess.run([str(user), "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "no:randomly",
+                        "-m", "slow", f"{Path(__file__).resolve()}::test_plugin_guide_package_installs_and_passes_check"],
+                       cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+    after = subprocess.run([str(user), "-c", "import importlib.metadata as m; print(m.version('my-attn'))"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert after.stdout.strip() == "0.0.7", f"the user's my-attn is gone or replaced:\n{after.stdout}{after.stderr}"
+    assert sorted(p.relative_to(site).as_posix() for p in site.glob("my_attn-0.0.7.dist-info/*")) == before
 
 
 def test_plugin_guide_rename_table_turns_the_example_into_a_new_backend(tmp_path: Path) -> None:
@@ -322,3 +375,43 @@ def test_plugin_guide_rename_table_turns_the_example_into_a_new_backend(tmp_path
     row = backends_row(listed.stdout, new_name)
     assert row is not None and row[1].startswith(f"{new_dist} ") and row[2] == "yes", listed.stdout
     assert "problems: none" in listed.stdout, listed.stdout
+
+
+# -- signatures the README's tables show -----------------------------------------------------------
+
+_CALL_CELL = re.compile(r"^\| `((?:mm3\.)?[A-Z]\w*(?:\.\w+)?)\(([^`]*)\)` \|", re.MULTILINE)
+
+
+def test_readme_signatures_match_the_code() -> None:
+    """A call shown in a README table (`BatchMetadata.build(query_lens, ..., *, block_size, ...)`) has the
+    code's parameters: each shown default is the real one, a parameter shown without one has none."""
+    import ast
+    import inspect
+
+    import mm3
+
+    shown = _CALL_CELL.findall((REPO / "README.md").read_text())
+    assert any(name == "BatchMetadata.build" for name, _ in shown), shown
+    for name, args in shown:
+        obj: object = mm3
+        for part in name.removeprefix("mm3.").split("."):
+            obj = getattr(obj, part)
+        real = inspect.signature(obj).parameters  # type: ignore[arg-type]
+        fn = ast.parse(f"def f({args.replace('=...', '=None')}): pass").body[0]
+        assert isinstance(fn, ast.FunctionDef)
+        a = fn.args
+        params = [(p.arg, d) for p, d in zip(a.args, [None] * (len(a.args) - len(a.defaults)) + a.defaults)]
+        params += [(p.arg, d) for p, d in zip(a.kwonlyargs, a.kw_defaults)]
+        for arg, default in params:
+            assert arg in real, f"README: {name}() has no parameter {arg!r}"
+            p = real[arg]
+            if default is None:
+                assert p.default is inspect.Parameter.empty, f"README: {name}({arg}) has a default ({p.default!r})"
+            else:
+                assert p.default == ast.literal_eval(default), (
+                    f"README shows {name}({arg}={ast.unparse(default)}) but the default is {p.default!r}")
+            if arg in {k.arg for k in a.kwonlyargs}:
+                assert p.kind is inspect.Parameter.KEYWORD_ONLY, f"README: {name}({arg}) is not keyword-only"
+        required = [n for n, p in real.items() if p.default is inspect.Parameter.empty
+                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        assert not set(required) - {arg for arg, _ in params}, f"README omits required {name}() parameters"

@@ -24,6 +24,10 @@ else ``ci``):
 
 ``MM3_TEST_FUZZ_EXAMPLES=N`` overrides the example count of every test.
 A failure prints the example and a ``@reproduce_failure`` blob.
+
+Every case with a Triton backend is marked ``slow``: through the interpreter its
+examples take seconds each, so it runs with ``python -m pytest -m slow`` (CI runs
+both), and the default run fuzzes cpu_ref.
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ def _load_backends() -> dict[str, Any]:
 
 
 BACKENDS = _load_backends()
-ALL = ["cpu_ref", "cuda", "rocm"]
+ALL = ["cpu_ref", pytest.param("cuda", marks=pytest.mark.slow), pytest.param("rocm", marks=pytest.mark.slow)]
 
 
 def _backend(name: str) -> Any:
@@ -271,7 +275,8 @@ def test_attention_matches_oracle(backend: str) -> None:
 # pair, in CI too: the pairs with cpu_ref had been GPU-profile only for CI time)
 PAIRS = [("cpu_ref", "cpu_ref"), ("cuda", "rocm"), ("rocm", "cuda"), ("cpu_ref", "cuda"), ("rocm", "cpu_ref")]
 @pytest.mark.parametrize("indexer,attention", [
-    pytest.param(i, a, id=f"{i}->{a}") for i, a in PAIRS])
+    pytest.param(i, a, id=f"{i}->{a}", marks=[pytest.mark.slow] if {i, a} != {"cpu_ref"} else [])
+    for i, a in PAIRS])
 def test_composed_layer_matches_oracle(indexer: str, attention: str) -> None:
     for name in (indexer, attention):
         _backend(name)

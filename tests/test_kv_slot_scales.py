@@ -17,7 +17,7 @@ from mm3.contract.buffers import PagedKVCache
 from mm3.contract.errors import InputError
 from mm3.runtime.distributed import rank_shard
 from mm3.runtime.registry import Registry
-from mm3.runtime.selection import requirements_for
+from mm3.runtime.selection import requirements_for, select
 from mm3.testing.factories import make_case
 from mm3.testing.mock import MockBackend
 
@@ -67,7 +67,7 @@ def test_bad_slot_scales_are_input_errors(k_scale: torch.Tensor, v_scale: torch.
 
 def test_capabilities_say_who_cannot_read_them() -> None:
     req = requirements_for(P, torch.float32, torch.bfloat16, "cpu", kv_dtype=FP8, kv_slot_scales=True)
-    plain = mm3.BackendCapabilities(name="plain", ops={"index_topk", "attention"}, device_types={"cpu"},
+    plain = mm3.plugin.BackendCapabilities(name="plain", ops={"index_topk", "attention"}, device_types={"cpu"},
                                     topk_layout="head_major", kv_cache_dtypes={"float32", "float8_e4m3fn"})
     assert plain.unmet(req) == ["cannot read K/V scales per token slot (k_scale/v_scale [Hkv, num_slots]): it "
                                 "does not declare kv_slot_scales"]
@@ -88,7 +88,7 @@ def test_selection_passes_over_a_backend_that_cannot_read_them() -> None:
     plain = MockBackend("plain_attn", priority=5, kv_slot_scales=False)
     reg = Registry([plain, MockBackend("slots", kv_slot_scales=True)], entry_points=False)
     req = requirements_for(P, torch.float32, torch.bfloat16, "cpu", kv_dtype=FP8, kv_slot_scales=True)
-    sel = mm3.select(req, reg, device="cpu")
+    sel = select(req, reg, device="cpu")
     assert sel.attention.name == "slots"
     assert "plain_attn  rejected: cannot read K/V scales per token slot" in sel.explain()
     assert "with scales per token slot" in sel.explain()

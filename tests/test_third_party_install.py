@@ -99,7 +99,7 @@ def test_discovered_with_provenance(site: Path, tmp_path: Path) -> None:
 # oracle and prints the choice.
 STEP = textwrap.dedent("""
     import json, torch
-    from mm3 import Settings
+    from mm3.runtime.config import Settings
     from mm3.runtime.layer import SparseAttention
     from mm3.testing.helpers import CaseFactory, default_params
     from mm3.testing.oracle import check_topk, oracle_attention

@@ -19,6 +19,7 @@ from mm3.contract.buffers import TopkBuffer
 from mm3.integrations import targets
 from mm3.integrations import vllm as ops
 from mm3.integrations.vllm_inputs import decode_batch
+from mm3.runtime.config import Settings
 from mm3.testing.oracle import oracle_attention, oracle_block_scores, oracle_topk
 from vllm_steps import SENTINEL, assert_step_right, run_step, vllm_step
 
@@ -35,7 +36,7 @@ def _cpu_ref():
 
 
 def _guard_every_call() -> None:
-    targets.configure(mm3.Settings(backend="cpu_ref", check_contracts="always"))
+    targets.configure(Settings(backend="cpu_ref", check_contracts="always"))
 
 
 def test_seed_case_mixed_batch_token_major_storage() -> None:

@@ -2,7 +2,8 @@
 
 * :mod:`.main` - the command table, the parser and :func:`main` (the console script);
 * :mod:`.backends` - ``mm3 backends``; :mod:`.config` - ``mm3 config``;
-* :mod:`.demo` - ``mm3 demo``; :mod:`.check` - ``mm3 check NAME``; :mod:`.bench` - ``mm3 bench``.
+* :mod:`.demo` - ``mm3 demo``; :mod:`.check` - ``mm3 check NAME``; :mod:`.bench` - ``mm3 bench``;
+* :mod:`.version` - ``mm3 version`` / ``mm3 --version``.
 """
 
 from mm3.cli.main import (

@@ -11,6 +11,8 @@ A command is any object (usually a module) with two functions::
 
 Add one with a line in :data:`COMMANDS` (or :func:`add_command` at runtime).
 
+``python -m mm3 ARGS`` runs the same command (``mm3/__main__.py``).
+
 Example:
     $ mm3 backends --device cpu
     $ mm3 config
@@ -76,6 +78,8 @@ add_command("demo", "run a realistic paged mixed batch through the selected back
             "mm3.cli.demo")
 add_command("check", "run the conformance suite against a backend (mm3 check NAME)", "mm3.cli.check")
 add_command("bench", "benchmark the backends on a GPU (writes JSON and a plot)", "mm3.cli.bench")
+add_command("version", "mm3, Python, torch, Triton, the device and every backend plugin with its version "
+            "(for bug reports)", "mm3.cli.version")
 
 
 def default_device() -> str:
@@ -129,6 +133,24 @@ class UsageError(MM3Error):
     """A command-line mistake detected after argparse (exit 2 like argparse's own)."""
 
 
+class _VersionAction(argparse.Action):
+    """``mm3 --version``: the same report as ``mm3 version``, then exit."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: Any = argparse.SUPPRESS, help: Optional[str] = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        from mm3.cli.version import report
+        from mm3.runtime.discovery import PluginLoadWarning
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PluginLoadWarning)   # the report lists excluded plugins
+            print(report())
+        parser.exit()
+
+
 class _DefaultsFormatter(argparse.HelpFormatter):
     """Appends ``(default: X)`` to an option's help unless the help already names its default,
     or the default is None/False (a flag or an option that is off unless given)."""
@@ -146,11 +168,10 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
     """The argument parser; only ``selected``'s module is imported to add its arguments."""
-    from mm3 import __version__
-
     parser = argparse.ArgumentParser(prog="mm3", description="MiniMax-M3 block-sparse attention "
                                      "on pluggable backends.")
-    parser.add_argument("--version", action="version", version=f"mm3 {__version__}")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print mm3, Python, torch, Triton, the device and the backend plugins, then exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (selection choices)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd in COMMANDS.values():

@@ -94,10 +94,13 @@ class BackendUnavailableError(MM3Error, RuntimeError):
 class NoBackendError(MM3Error, RuntimeError):
     """``auto`` selection found no available, capable backend; the message lists each candidate.
 
-    Example:
+    Example (a registry of one backend that serves decode query lengths up to 16):
         >>> import mm3
+        >>> from mm3.runtime.registry import Registry
+        >>> from mm3.testing.mock import MockBackend
+        >>> only = Registry([MockBackend("ref", max_decode_query_len=16)], entry_points=False)
         >>> p = mm3.SparseAttentionParams.minimax_m3(tp_size=8)
-        >>> mm3.SparseAttention(p, max_num_tokens=8, max_decode_query_len=32)
+        >>> mm3.SparseAttention(p, max_num_tokens=8, max_decode_query_len=32, registry=only)
         Traceback (most recent call last):
         ...
         mm3.contract.errors.NoBackendError: no backend can serve the attention op on cpu ...

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence, Union
 
 import torch
@@ -25,22 +26,40 @@ INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
 def to_int_list(name: str, v: IntSeq) -> list[int]:
-    """``v`` (a 1-D integer tensor, or a sequence of ints) as a list; ``name`` is for the error."""
+    """``v`` (a 1-D integer tensor, or a sequence of ints) as a list; ``name`` is for the error.
+
+    Each item must be an integer (``int``, a NumPy integer, a 0-d integer tensor): a float would
+    be truncated, a string's characters or a bool's 0/1 would pass for lengths without a word.
+
+    Example:
+        >>> to_int_list("query_lens", "12")
+        Traceback (most recent call last):
+        ...
+        mm3.contract.errors.InputError: query_lens is the string '12': pass the lengths as ints, e.g. [1, 2]
+        >>> to_int_list("query_lens", [True, True, 5])
+        Traceback (most recent call last):
+        ...
+        mm3.contract.errors.InputError: query_lens[0] is True, a bool: lengths count tokens, so they must be ints
+    """
     if isinstance(v, torch.Tensor):
-        if v.dim() != 1 or v.is_floating_point():
+        if v.dim() != 1 or v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
             raise InputError(f"{name} must be a 1-D integer tensor or list, got {v.dtype} {tuple(v.shape)}")
         return [int(x) for x in v.tolist()]
+    if isinstance(v, (str, bytes)):
+        raise InputError(f"{name} is the string {v!r}: pass the lengths as ints, e.g. [1, 2]")
     try:
         items = list(v)
     except TypeError as e:
         raise InputError(f"{name} must be a sequence of ints: {e}") from None
+    out = []
     for r, x in enumerate(items):
-        if isinstance(x, float):  # int() would truncate 30.5 to 30 without a word
-            raise InputError(f"{name}[{r}] is {x!r}: lengths count tokens, so they must be ints")
-    try:
-        return [int(x) for x in items]
-    except (TypeError, ValueError) as e:
-        raise InputError(f"{name} must be a sequence of ints: {e}") from None
+        if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+            raise InputError(f"{name}[{r}] is {x!r}, a bool: lengths count tokens, so they must be ints")
+        try:
+            out.append(operator.index(x))   # ints only: int() would truncate 30.5 or parse "5"
+        except TypeError:
+            raise InputError(f"{name}[{r}] is {x!r}: lengths count tokens, so they must be ints") from None
+    return out
 
 
 def check_lengths(ql: list[int], sl: list[int], num_decodes: int, decode_query_len: Optional[int],

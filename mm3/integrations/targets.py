@@ -62,8 +62,8 @@ def configure(settings: Optional[Settings] = None, registry: Optional[Registry] 
     Forgets every bound choice, so the next call of each kind selects again.
 
     Example:
-        >>> import mm3
-        >>> configure(mm3.Settings(backend="cpu_ref", check_contracts="always"))
+        >>> from mm3.runtime.config import Settings
+        >>> configure(Settings(backend="cpu_ref", check_contracts="always"))
         >>> configure()    # back to the environment's settings
     """
     with _LOCK:

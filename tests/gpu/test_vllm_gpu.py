@@ -30,6 +30,7 @@ import mm3
 from gpu_reference import POISON_TOPK, assert_step_right, block_scores, build_case, sample_tokens
 from mm3.integrations import targets
 from mm3.integrations import vllm as ops
+from mm3.runtime.config import Settings
 
 GPU = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
@@ -65,7 +66,7 @@ def _capture(fn) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e5m2], ids=["bf16_kv", "e5m2_kv"])
 @pytest.mark.parametrize("dql", [1, 2])
 def test_the_six_functions_in_a_cuda_graph(dql: int, kv_dtype: Optional[torch.dtype]) -> None:
-    targets.configure(mm3.Settings(backend="cuda"))
+    targets.configure(Settings(backend="cuda"))
     try:
         with torch.inference_mode():
             _run(dql, kv_dtype)
