@@ -389,7 +389,7 @@ def test_probe_exception_becomes_probe_no_and_probes_are_cached_per_device():
 def test_probe_returning_garbage_or_missing_probe():
     plugin = FullPlugin("garbage", probe=lambda d: True)
     be = Registry([plugin, AttentionOnly()], entry_points=False).get("garbage")
-    assert not be.probe("cpu").available and "expected mm3.Probe" in be.probe("cpu").reason
+    assert not be.probe("cpu").available and "expected mm3.plugin.Probe" in be.probe("cpu").reason
     assert Registry([AttentionOnly()], entry_points=False).get("att_only").probe("cpu").available
 
 

@@ -144,7 +144,7 @@ class Backend:
                     result = got
                 else:
                     result = Probe.no(f"backend_probe returned {type(got).__name__} {got!r}, "
-                                      f"expected mm3.Probe (return Probe.yes() or Probe.no(reason))")
+                                      f"expected mm3.plugin.Probe (return Probe.yes() or Probe.no(reason))")
         # A racing thread may probe twice; both results are equal and the write is atomic.
         self._probe_cache[key] = result
         return result

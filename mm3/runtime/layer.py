@@ -89,7 +89,7 @@ class SparseAttention:
         >>> from mm3.testing.factories import make_case
         >>> p = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=32,
         ...     num_index_heads=2, index_head_dim=32, block_size=16, topk=4)
-        >>> layer = mm3.SparseAttention(p, dtype=torch.float32, max_num_tokens=64)
+        >>> layer = mm3.SparseAttention(p, dtype=torch.float32, max_num_tokens=64, backend="cpu_ref")
         >>> case = make_case(p, decodes=[70, 40], prefills=[(9, 30)], dtype="float32")
         >>> out = torch.empty(64, 4, 32)
         >>> with torch.inference_mode():
