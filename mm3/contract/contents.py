@@ -17,7 +17,7 @@ the tensor that holds them. The rules (docs/errors.md §2.6):
   cache, read as an address, could fault the whole device);
 * per-tensor and per-head fp8 K/V scales are finite and positive.
 
-Three ways to check, each without waiting for the device unless it is idle anyway:
+Three ways to check; only the first ever waits for a device, once per shape class:
 
 * :func:`check_on_host` reads the tensors on the host and raises at once: for a
   batch in host memory, every step (a few numpy operations), and for any batch
@@ -109,14 +109,16 @@ def _message(word: int, batch: "Optional[BatchMetadata]", num_pages: int, names:
         return (f"request {r}, block {b}: {entry} is not a page id in [0, {num_pages}) (the cache has {num_pages} "
                 f"pages); every entry a request's seq_len uses must name a page of the cache")
     rule, index = (word - LENGTHS) >> 40, word & ((1 << 40) - 1)
-    facts: dict[str, object] = dict(v=value, q=q, qsl=names.query_start_loc, context_lens=names.context_lens, T="?", nd="?", dql="?", ndt="?", mpq="?", M="?", B="?", need="?")
+    # values a device-side report does not carry show as "?"
+    facts: dict[str, object] = dict(v=value, q=q, qsl=names.query_start_loc, context_lens=names.context_lens)
+    facts.update(dict.fromkeys(("T", "nd", "dql", "ndt", "mpq", "M", "B", "need"), "?"))
     if batch is not None:
-        B = batch.block_size
+        B, known = batch.block_size, batch.__dict__
         facts.update(T=batch.num_tokens, nd=batch.num_decodes, dql=batch.decode_query_len, B=B,
-                     ndt=batch.__dict__.get("num_decode_tokens", "?"), mpq=batch.__dict__.get("max_prefill_query_len", "?"),
+                     ndt=known.get("num_decode_tokens", "?"), mpq=known.get("max_prefill_query_len", "?"),
                      M=batch.block_table.shape[1], need=-(-value // B) if isinstance(value, int) else "?")
     return (f"{_where(rule, index)} {_RULES[rule].format(**facts)}; fix {names.query_start_loc}, {names.seq_lens} "
-            f"and {names.block_table} ({names.build_hint} checks them where they are made)")
+            f"and {names.block_table} where they are made ({names.where_made})")
 
 
 def _request_rules(qsl: np.ndarray, sl: np.ndarray, nd: int, dql: int, ndt: int, mpq: int, B: int, M: int,

@@ -121,8 +121,8 @@ class LayerFacts(NamedTuple):
 class ArgNames(NamedTuple):
     """How an entry point's caller spells each input (errors name these).
 
-    ``build_hint``: where the caller's batch is made, for advice (``BatchMetadata.build(...)``,
-    or vLLM's metadata).
+    ``where_made``: where the caller's batch tensors come from, so advice about their contents
+    points there (``BatchMetadata.build(...)``, or vLLM's metadata).
     """
 
     q: str = "q"
@@ -140,7 +140,7 @@ class ArgNames(NamedTuple):
     block_table: str = "batch.block_table"
     token_to_request: str = "batch.token_to_request"
     token_positions: str = "batch.token_positions"
-    build_hint: str = "BatchMetadata.build(...)"
+    where_made: str = "BatchMetadata.build(...), which checks them where they are made"
 
 
 LAYER_NAMES = ArgNames()
@@ -149,7 +149,8 @@ HOOK_NAMES = LAYER_NAMES
 OPS_NAMES = ArgNames(topk="topk", k="k", v="v", index="index", k_scale="k_scale", v_scale="v_scale",
                      query_start_loc="query_start_loc", seq_lens="seq_lens", context_lens="context_lens",
                      block_table="block_table", token_to_request="token_to_request",
-                     token_positions="token_positions", build_hint="mm3.runtime.ops.batch_args(batch)")
+                     token_positions="token_positions",
+                     where_made="mm3.runtime.ops.batch_args(batch) of a BatchMetadata")
 """``torch.ops.mm3.*``'s spelling: their schema's argument names."""
 
 

@@ -43,7 +43,7 @@ VLLM_NAMES = ArgNames(q="q", index_q="idx_q", out="output", topk="topk_idx", k="
                       seq_lens="seq_lens", context_lens="prefix_lens", block_table="block_table",
                       token_to_request="the tokens' requests (from cu_seqlens_q)",
                       token_positions="the tokens' positions (from seq_lens and cu_seqlens_q)",
-                      build_hint="vLLM's attention metadata builder")
+                      where_made="the attention metadata vLLM built for this step")
 """vLLM's spelling of the prefill ops' arguments (errors name these)."""
 DECODE_NAMES = VLLM_NAMES._replace(query_start_loc="decode_query_len (the tokens of each request)",
                                    token_positions="the tokens' positions (from seq_lens and decode_query_len)")

@@ -61,8 +61,8 @@ class Backend:
     """A validated backend with its own hook implementations bound for direct calls.
 
     Obtained from :meth:`Registry.get` / :meth:`Registry.backends`; not built by
-    hand. Op methods check their arguments once, then call the plugin's own
-    function (no pluggy dispatch).
+    hand. Op methods admit the call at the step's boundary (:mod:`mm3.runtime.step`),
+    then call the plugin's own function (no pluggy dispatch); :meth:`invoke` is that call.
 
     Example:
         >>> import mm3
@@ -79,7 +79,7 @@ class Backend:
         >>> be.index_topk(case.q, case.caches, case.batch, p, buf)   # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        mm3.contract.errors.InputError: cpu_ref.index_topk: index_q has shape (6, 4, 16), expected ...
+        mm3.contract.errors.InputError: cpu_ref.index_topk: index_q has shape (6, 4, 16); needs [>= 6, 2, 16] ...
     """
 
     def __init__(self, plugin: object, capabilities: BackendCapabilities, source: PluginSource,

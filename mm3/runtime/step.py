@@ -103,7 +103,7 @@ def _wrong_types(entry: str, names: ArgNames, caches: object, batch: object, top
         return InputError(f"{entry}: caches must be an mm3.PagedKVCache, got {type(caches).__name__}; wrap your "
                           f"tensors: PagedKVCache(k=..., v=..., index=...)")
     if not isinstance(batch, BatchMetadata):
-        return InputError(f"{entry}: batch must be an mm3.BatchMetadata ({names.build_hint}), got "
+        return InputError(f"{entry}: batch must be an mm3.BatchMetadata (BatchMetadata.build(...) or from_device), got "
                           f"{type(batch).__name__}")
     return InputError(f"{entry}: {names.topk} must be an mm3.TopkBuffer, got {type(topk).__name__}; allocate it "
                       f"with TopkBuffer.allocate(...) or wrap the logical [H, T, K] view of your memory: "
