@@ -45,7 +45,8 @@ def _counters_sum() -> int:
 
 
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
-@pytest.mark.parametrize("q_len,h,g", [(1, 2, 4), (3, 1, 8), (2, 2, 3)])
+@pytest.mark.parametrize("q_len,h,g", [(1, 2, 4), pytest.param(3, 1, 8, marks=pytest.mark.slow),   # slow: the
+                                       pytest.param(2, 2, 3, marks=pytest.mark.slow)])             # interpreter's
 def test_last_program_matches_separate_launches(layout: str, q_len: int, h: int, g: int) -> None:
     """Same top-k and bit-identical outputs as the separate kernels, two launches fewer, counters back to 0."""
     from mm3_backends.cuda.plugin import PLATFORM

@@ -46,7 +46,7 @@ def _launch(launched: list, name: str) -> tuple[tuple, dict]:
 
 
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
-@pytest.mark.parametrize("q_len,h,g", [(1, 2, 4), (2, 1, 8)])
+@pytest.mark.parametrize("q_len,h,g", [(1, 2, 4), pytest.param(2, 1, 8, marks=pytest.mark.slow)])  # slow: minutes
 def test_streamed_step_matches_the_separate_launches(layout: str, q_len: int, h: int, g: int) -> None:
     """Score programs request by request, top-k per request, ready flags, the waiting attention: the
     separate launches' top-k and output bits, the oracle's answer, every flag raised."""

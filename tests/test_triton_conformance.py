@@ -57,7 +57,17 @@ def test_every_run_plans_its_case_kinds() -> None:
         assert kinds == set(want), (backend, dtype, kinds)
 
 
-@pytest.mark.parametrize("backend,dtype,index_dtype,case", CASES, ids=[f"{b}-{c}" for b, _, _, c in CASES])
+def _default_run(case: str) -> bool:
+    """The cases the default run keeps: every indexer case and the composed mixed step (both kernels of a
+    plugin in one step). The rest — the attention and buffer cases, the other composed steps — are the
+    interpreter's slowest minutes and run with ``-m slow`` (CI runs both)."""
+    kind = case.split("/")[0]
+    return kind == "indexer" or case.startswith("composed/mixed")
+
+
+@pytest.mark.parametrize("backend,dtype,index_dtype,case",
+                         [pytest.param(*c, marks=() if _default_run(c[3]) else pytest.mark.slow) for c in CASES],
+                         ids=[f"{b}-{c}" for b, _, _, c in CASES])
 def test_conformance_case_under_interpreter(backend: str, dtype: str, index_dtype: str, case: str) -> None:
     from mm3.testing.conformance import ConformanceReport
 
