@@ -32,7 +32,7 @@ from mm3.contract.params import SparseAttentionParams
 
 __all__ = [
     "FORCED_INIT", "FORCED_LOCAL", "NAN_SCORE",
-    "oracle_block_scores", "oracle_topk", "oracle_attention",
+    "oracle_block_scores", "oracle_index_scores", "oracle_topk", "oracle_attention",
     "TopkRowError", "check_topk",
 ]
 
@@ -124,6 +124,20 @@ def oracle_block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: Batc
         visible = torch.isfinite(S[:, 0]).sum(dim=-1).tolist()                 # nb per token
         for i, (tok, nb) in enumerate(zip(t.tolist(), visible)):
             out[tok] = S[i, :, :nb].clone()
+    return out
+
+
+def oracle_index_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+                        params: SparseAttentionParams, num_blocks: int) -> torch.Tensor:
+    """What ``index_scores`` writes (docs/spec.md §3.6), in float64: ``[H, T, num_blocks]``.
+
+    S after §3.4 for each block ``b < min(nb, num_blocks)`` a token sees, ``-inf`` in
+    every other column and in every column of a padding token.
+    """
+    out = torch.full((params.num_index_heads, batch.num_tokens, num_blocks), float("-inf"), dtype=torch.float64)
+    for t, S in _padded_block_scores(index_q, caches, batch, params):
+        w = min(num_blocks, S.shape[-1])
+        out[:, t, :w] = S[..., :w].permute(1, 0, 2)
     return out
 
 
