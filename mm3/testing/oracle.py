@@ -32,7 +32,7 @@ from mm3.contract.params import SparseAttentionParams
 
 __all__ = [
     "FORCED_INIT", "FORCED_LOCAL", "NAN_SCORE",
-    "oracle_block_scores", "oracle_index_scores", "oracle_topk", "oracle_attention",
+    "oracle_block_scores", "oracle_index_scores", "oracle_topk", "topk_of_scores", "oracle_attention",
     "TopkRowError", "check_topk",
 ]
 
@@ -149,12 +149,19 @@ def oracle_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadat
     view = buf.head_major()
     view.fill_(-1)
     for t, S in _padded_block_scores(index_q, caches, batch, params):
-        # a stable descending sort keeps equal scores in ascending block order
-        order = torch.sort(S, dim=-1, descending=True, stable=True).indices[..., :K]   # [n, H, k']
-        visible = torch.isfinite(torch.gather(S, -1, order))                          # drops -inf
-        ids = torch.where(visible, order, torch.full_like(order, -1)).to(torch.int32)
-        view[:, t, : ids.shape[-1]] = ids.permute(1, 0, 2)
+        view[:, t] = topk_of_scores(S, K).permute(1, 0, 2)
     return buf
+
+
+def topk_of_scores(S: torch.Tensor, K: int) -> torch.Tensor:
+    """docs/spec.md §3.5 on block scores after §3.4 (``S`` ``[..., N]``, ``-inf`` where a block is not
+    visible): the ``K`` highest finite scores' block ids, exact ties to the lowest id, then ``-1``;
+    int32 ``[..., K]``, highest first."""
+    # a stable descending sort keeps equal scores in ascending block order
+    order = torch.sort(S, dim=-1, descending=True, stable=True).indices[..., :K]
+    visible = torch.isfinite(torch.gather(S, -1, order))                              # drops -inf
+    ids = torch.where(visible, order, torch.full_like(order, -1)).to(torch.int32)
+    return torch.nn.functional.pad(ids, (0, K - ids.shape[-1]), value=-1)
 
 
 def _attend(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, allowed: torch.Tensor,
