@@ -10,28 +10,24 @@ caught where they start: a tensor's value turned into a Python number
 tensor handed to the host (``tolist``, ``numpy``, ``cpu``, ``to("cpu")``).
 
 The CPU block tables stand in for device ones (``on_host`` is patched: a host
-table is checked on the host every step, by design). Triton's interpreter
-copies a kernel's arguments to run it on the CPU; those copies are the
-simulated device's, not the host's, and are let through. cpu_ref is a
+table is checked on the host every step, by design). cpu_ref is a
 reference that plans its work from host lengths (it is not CUDA-graph safe and
 says so); its own frames are let through, so its run proves the drop-in and the
-step's boundary read nothing, while the cuda and rocm runs prove the whole path.
-On a GPU, tests/gpu/test_dropin_graphs_gpu.py asks CUDA itself
+step's boundary read nothing, while the cuda and rocm runs prove the whole path
+(tests/host_reads.py is the mode). On a GPU, tests/gpu/test_dropin_graphs_gpu.py asks CUDA itself
 (``torch.cuda.set_sync_debug_mode("error")``) and captures every function.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Callable
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mm3
+from host_reads import HostRead, NoHostReads
 from mm3.integrations import targets
 from mm3.integrations import vllm as ops
 from mm3.runtime import step
@@ -43,65 +39,8 @@ P = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=32, num_inde
                               block_size=16, topk=4, init_blocks=1, local_blocks=1)
 #: decodes with draft tokens (and a padding one), prefills with and without a prefix
 SPECULATIVE_MIXED = dict(decodes=(70, 33), padding=1, prefills=((9, 40), (3, 3)), dql=2)
-#: (where a frame's file lives) -> why its reads are not the host's
-TRITON_INTERPRETER = os.path.join("triton", "runtime", "interpreter.py")
+#: cpu_ref's own frames: a reference that plans its work from host lengths
 CPU_REF = os.path.dirname(cpu_ref_plugin.__file__) + os.sep
-
-
-class HostRead(AssertionError):
-    """A tensor's value was read by the host inside a drop-in call."""
-
-
-def _exempt(files: tuple[str, ...]) -> bool:
-    f = sys._getframe(2)
-    while f is not None:
-        name = f.f_code.co_filename
-        if any(part in name for part in files):
-            return True
-        f = f.f_back
-    return False
-
-
-def _to_host(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    name = getattr(func, "__name__", "")
-    if name in ("tolist", "numpy", "cpu", "item", "__array__"):
-        return True
-    if name == "to":
-        where = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, (str, torch.device))]
-        return any(torch.device(a).type == "cpu" for a in where if not isinstance(a, str) or ":" in a or a == "cpu")
-    return False
-
-
-class NoHostReads:
-    """Raise :class:`HostRead` on any host read of a tensor value, outside the frames of ``exempt`` files."""
-
-    def __init__(self, *exempt: str) -> None:
-        self.exempt = (TRITON_INTERPRETER, *exempt)
-        outer = self
-
-        class Functions(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                kwargs = kwargs or {}
-                if _to_host(func, args, kwargs) and not _exempt(outer.exempt):
-                    raise HostRead(f"{getattr(func, '__name__', func)} of a tensor: a device-to-host copy")
-                return func(*args, **kwargs)
-
-        class Dispatch(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                if func is torch.ops.aten._local_scalar_dense.default and not _exempt(outer.exempt):
-                    raise HostRead("a tensor's value read as a Python number: a device sync")
-                return func(*args, **(kwargs or {}))
-
-        self.modes = (Functions(), Dispatch())
-
-    def __enter__(self) -> "NoHostReads":
-        for m in self.modes:
-            m.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for m in reversed(self.modes):
-            m.__exit__(*exc)
 
 
 def test_the_checker_catches_each_kind_of_read() -> None:

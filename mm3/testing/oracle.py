@@ -93,14 +93,16 @@ def _padded_block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: Bat
     icache = _f64(caches.index)
     H = params.num_index_heads
     for rq in _requests(batch, B):
-        keys = icache[rq.pages, rq.slots]                                       # [L, Di]
+        # each distinct key is scored once: equal keys then score exactly alike (§3.5's exact ties), which
+        # a matmul over every position does not promise (its sums' order depends on the column)
+        keys, which = torch.unique(icache[rq.pages, rq.slots], dim=0, return_inverse=True)   # [U, Di], [L]
         L = rq.length
         nb_max = (L - 1) // B + 1
         j = torch.arange(L)
         b = torch.arange(nb_max)
         for sl in _chunks(len(rq.tokens), H * nb_max * B):
             t, p = rq.tokens[sl], rq.pos[sl]
-            s = torch.matmul(iq[t], keys.T) * params.index_scale                # [n, H, L]
+            s = torch.matmul(iq[t], keys.T)[..., which] * params.index_scale     # [n, H, L]
             s = s.masked_fill((j[None, :] > p[:, None])[:, None, :], float("-inf"))
             s = torch.nn.functional.pad(s, (0, nb_max * B - L), value=float("-inf"))
             S = s.view(len(t), H, nb_max, B).amax(dim=-1)                        # NaN propagates
