@@ -214,7 +214,7 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
     through :mod:`.fast_launch` (``Algorithms.fast_launch``).
     """
     Hkv, G, K, B, D = params.num_kv_heads, params.gqa_group, params.topk, params.block_size, params.head_dim
-    td, T, nd = batch.num_decode_tokens, batch.num_tokens, batch.num_decodes
+    td, T = batch.num_decode_tokens, batch.num_tokens
     rows = max(cfg.rows, next_pow2(G))
     m = rows // G
     # from host ints only (a captured step reads no lengths): more than any block id a prefill token

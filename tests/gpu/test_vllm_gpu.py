@@ -3,13 +3,11 @@
 vLLM's MiniMax-M3 layer at M3's TP1 shapes (4 KV heads: a layout mix-up shows),
 its tensors in vLLM's conventions (one ``[num_blocks, Hkv, 128, 2 * head_dim]`` KV
 cache, token-major top-k storage behind a head-major view), made under
-``torch.inference_mode()``. Five of the six functions are captured (warm-up on a
-side stream, then ``torch.cuda.graph``): the decode indexer and attention, the
-decode scores, the prefill scores and the top-k chosen from them. The graph is
-replayed on new queries and sequence lengths refilled in place; the prefill
-attention (``minimax_m3_sparse_attn``) runs eagerly after it, as vLLM's
-piecewise graphs run it (the cuda backend sizes its prefill grid from host
-lengths). Everything is checked against the fp64 references: every decode
+``torch.inference_mode()``. The six functions are captured in one graph (warm-up
+on a side stream, then ``torch.cuda.graph``): the decode indexer and attention,
+the decode scores, the prefill scores, the top-k chosen from them and the
+prefill attention. The graph is replayed on new queries and sequence lengths
+refilled in place. Everything is checked against the fp64 references: every decode
 token and a spread of prefill tokens, the selection tie-tolerantly, the output
 within bf16's tolerance, the rows past the step untouched.
 
@@ -98,8 +96,6 @@ def _run(dql: int) -> None:
                                           P.local_blocks, H, dql, 4, score_out=dscore)
         score = ops.minimax_m3_index_score(iq[td:T], index, bt[nd:], qsl_pf, sl[nd:], ctx_pf, mq, max_seq, H)
         ops.minimax_m3_index_topk(score, qsl_pf, ctx_pf, mq, K, P.init_blocks, P.local_blocks, out=view[:, td:T])
-
-    def prefill_attention() -> None:
         ops.minimax_m3_sparse_attn(q[td:T], kv, view[:, td:T], bt[nd:], qsl_pf, sl[nd:], ctx_pf, mq, H,
                                    P.softmax_scale, out[td:T])
 
@@ -116,13 +112,12 @@ def _run(dql: int) -> None:
     storage.fill_(POISON_TOPK)
     out.fill_(float("nan"))
     g.replay()
-    prefill_attention()
     torch.cuda.synchronize()
     batch = mm3.BatchMetadata.build(list(b.query_lens), new, bt, block_size=P.block_size, num_decodes=nd,
                                     decode_query_len=dql, device="cuda")
     step_case = type(case)(P, q, iq, case.caches, batch)
     assert_step_right(step_case, P, storage, out, f"vLLM drop-in, dql={dql}", layout="token_major")
-    # the decode scores (torch scorer) against the fp64 reference's, forced blocks included
+    # the decode scores (the cuda backend's index_scores) against the fp64 reference's, forced blocks included
     ref = block_scores(iq, case.caches, batch, P, [t for t in sample_tokens(batch) if t < td])
     for t, S in ref.items():
         nb = S.shape[1]
