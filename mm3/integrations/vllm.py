@@ -59,7 +59,7 @@ from mm3.integrations.vllm_inputs import (
     out_rows, prefill_batch, tensor_arg, topk_view,
 )
 from mm3.runtime.selection import requirements_for
-from mm3.runtime.step import MAX_CLASSES
+from mm3.runtime.step import MAX_CLASSES, OpTarget
 
 __all__ = ["minimax_m3_index_decode", "minimax_m3_index_decode_score", "minimax_m3_index_score",
            "minimax_m3_index_topk", "minimax_m3_sparse_attn", "minimax_m3_sparse_attn_decode", "SPARSE_BLOCK_SIZE"]
@@ -123,13 +123,20 @@ def _bound(fn: str, op: Op, params: SparseAttentionParams, dtype: torch.dtype, i
     return bound
 
 
-def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: BatchMetadata, rows: torch.Tensor,
-               params: SparseAttentionParams, max_decode_query_len: int, graph: bool) -> None:
+def _index_call(fn: str, op: Op, idx_q: torch.Tensor, index_cache: torch.Tensor, params: SparseAttentionParams,
+                decode_query_len: int, graph: bool) -> tuple[torch.Tensor, PagedKVCache, OpTarget]:
+    """What an index op's call runs on: ``(index queries, caches, target)``."""
     if idx_q.dtype in FP8_DTYPES:   # mm3's index queries are in the attention dtype: widen (exact)
         idx_q = idx_q.to(torch.bfloat16)
     caches = index_caches(index_cache, params.num_kv_heads, idx_q.dtype, graph)
-    target = _bound(fn, Op.INDEX_TOPK, params, idx_q.dtype, index_cache.dtype, idx_q.dtype, False, idx_q.device,
-                    max_decode_query_len, graph).target
+    target = _bound(fn, op, params, idx_q.dtype, index_cache.dtype, idx_q.dtype, False, idx_q.device,
+                    decode_query_len, graph).target
+    return idx_q, caches, target
+
+
+def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: BatchMetadata, rows: torch.Tensor,
+               params: SparseAttentionParams, max_decode_query_len: int, graph: bool) -> None:
+    idx_q, caches, target = _index_call(fn, Op.INDEX_TOPK, idx_q, index_cache, params, max_decode_query_len, graph)
     names = (DECODE_NAMES if batch.num_decodes else VLLM_NAMES)._replace(topk="out")
     target.run(fn, (Op.INDEX_TOPK,), caches=caches, batch=batch, topk=topk_view(fn, "out", rows), index_q=idx_q,
                graph=graph, names=names)
@@ -148,11 +155,7 @@ def _run_scores(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: 
     """``batch``'s block scores into every element of ``out`` (``[H, T, N]``, any strides): the selected
     backend's ``index_scores``, or, where it has none (its selection's trace says so), mm3's torch scorer
     on a call admitted at the same boundary."""
-    if idx_q.dtype in FP8_DTYPES:   # mm3's index queries are in the attention dtype: widen (exact)
-        idx_q = idx_q.to(torch.bfloat16)
-    caches = index_caches(index_cache, params.num_kv_heads, idx_q.dtype, graph)
-    target = _bound(fn, Op.INDEX_SCORES, params, idx_q.dtype, index_cache.dtype, idx_q.dtype, False, idx_q.device,
-                    decode_query_len, graph).target
+    idx_q, caches, target = _index_call(fn, Op.INDEX_SCORES, idx_q, index_cache, params, decode_query_len, graph)
     names = (DECODE_NAMES if batch.num_decodes else VLLM_NAMES)._replace(out="score_out")
     call = dict(caches=caches, batch=batch, index_q=idx_q, out=out, graph=graph, names=names)
     if target.scorer is not None:

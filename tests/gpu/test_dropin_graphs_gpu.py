@@ -32,7 +32,8 @@ import pytest
 import torch
 
 import mm3
-from gpu_reference import POISON_TOPK, assert_step_right, block_scores, build_case, capture, sample_tokens
+from gpu_reference import (POISON_TOPK, assert_step_right, block_scores, build_case, capture, combined_kv,
+                           sample_tokens)
 from mm3.integrations import targets
 from mm3.integrations import vllm as ops
 from mm3.runtime.config import Settings
@@ -54,15 +55,6 @@ STEPS = {
 MAX_SEQ = 8192
 
 
-def _combined_kv(caches: mm3.PagedKVCache) -> torch.Tensor:
-    k, v = caches.k, caches.v
-    N, B, H, D = k.shape
-    kv = torch.empty((N, H, B, 2 * D), dtype=k.dtype, device=k.device)
-    kv[..., :D].copy_(k.permute(0, 2, 1, 3))
-    kv[..., D:].copy_(v.permute(0, 2, 1, 3))
-    return kv
-
-
 class VllmStep:
     """One step's persistent tensors, as vLLM's layer holds them, and the six calls on them."""
 
@@ -72,7 +64,7 @@ class VllmStep:
                                       padding_decodes=1 if decodes else 0, seed=seed)
         b, H, K = case.batch, P.num_kv_heads, P.topk
         self.dql, self.nd, self.td, self.T = dql, b.num_decodes, b.num_decode_tokens, b.num_tokens
-        self.kv = _combined_kv(case.caches)
+        self.kv = combined_kv(case.caches)
         self.q, self.iq = case.q.clone(), case.index_q.clone()
         self.sl, self.bt = b.seq_lens.clone(), b.block_table.clone()
         nd = self.nd

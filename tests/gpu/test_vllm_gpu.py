@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import mm3
-from gpu_reference import POISON_TOPK, assert_step_right, block_scores, build_case, sample_tokens
+from gpu_reference import POISON_TOPK, assert_step_right, block_scores, build_case, combined_kv, sample_tokens
 from mm3.integrations import targets
 from mm3.integrations import vllm as ops
 
@@ -31,15 +31,6 @@ pytestmark = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
 P = mm3.SparseAttentionParams.minimax_m3(tp_size=1)
 DECODES, PREFILLS = [3000, 700, 4100], [(300, 2000), (64, 64)]
-
-
-def _combined_kv(caches: mm3.PagedKVCache) -> torch.Tensor:
-    k, v = caches.k, caches.v
-    N, B, H, D = k.shape
-    kv = torch.empty((N, H, B, 2 * D), dtype=k.dtype, device=k.device)
-    kv[..., :D].copy_(k.permute(0, 2, 1, 3))
-    kv[..., D:].copy_(v.permute(0, 2, 1, 3))
-    return kv
 
 
 def _capture(fn) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
@@ -71,7 +62,7 @@ def _run(dql: int) -> None:
     case = build_case(P, decodes=DECODES, prefills=PREFILLS, decode_query_len=dql, padding_decodes=1, seed=3)
     b, H, K = case.batch, P.num_kv_heads, P.topk
     nd, td, T = b.num_decodes, b.num_decode_tokens, b.num_tokens
-    kv = _combined_kv(case.caches)
+    kv = combined_kv(case.caches)
     index = case.caches.index
     # vLLM's persistent tensors: the graph reads and writes them in place
     q = case.q.clone()
