@@ -225,9 +225,9 @@ class OpTarget:
 
     def __post_init__(self) -> None:
         # whether each op's backend checks the page ids it loads (an op none provides checks nothing)
-        self._checks_pages = {op: be is not None and be.capabilities.reports_bad_page_ids
-                              for op, be in ((Op.INDEX_TOPK, self.indexer), (Op.ATTENTION, self.attention),
-                                             (Op.INDEX_SCORES, self.scorer))}
+        self._reports = self.indexer.capabilities.reports_bad_page_ids
+        self._clamps = self.attention.capabilities.reports_bad_page_ids
+        self._scorer_reports = self.scorer is not None and self.scorer.capabilities.reports_bad_page_ids
         with _LOCK:
             self.handle = next(_NEXT)
             _TARGETS[self.handle] = self
@@ -269,9 +269,10 @@ class OpTarget:
         if not graph:
             flag.raise_pending()
         flag.about(f.entry, f.names, caches.num_pages, batch)
-        # the op whose backend reads every used block-table entry: an index op's, if the call runs one
-        reader = next((op for op in f.ops if op != Op.ATTENTION), f.ops[0])
-        reports = self._checks_pages[Op(reader)]
+        # the op whose backend reads every used block-table entry: the index op, first in a call of two
+        reader = f.ops[0]
+        reports = self._clamps if reader == Op.ATTENTION else \
+            self._scorer_reports if reader == Op.INDEX_SCORES else self._reports
         if on_host(batch) or (new and not graph):
             check_on_host(batch, caches.num_pages, entry=f.entry, names=f.names,
                           scales=(caches.k_scale, caches.v_scale) if new else ())
