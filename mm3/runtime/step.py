@@ -282,9 +282,9 @@ class OpTarget:
 
     # -- the step -------------------------------------------------------------------------------
     def admit_call(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
-              topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
-              q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: bool = False,
-              names: ArgNames = LAYER_NAMES) -> tuple[Plan, Optional[torch.Tensor]]:
+                   topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
+                   q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: bool = False,
+                   names: ArgNames = LAYER_NAMES) -> tuple[Plan, Optional[torch.Tensor]]:
         """Admit a call on this target and judge its contents, as :meth:`run` does before the hooks:
         ``(plan, page_faults)``. A caller that does an op's work itself (``index_scores`` where no
         bound backend provides it) calls this, then works."""
@@ -303,8 +303,8 @@ class OpTarget:
 
         ``index_scores`` (alone): ``out`` is the caller's ``[H, >= T, N]`` scores, of which rows ``[0, T)``
         are written; its backend must exist (:attr:`scorer`)."""
-        plan, faults = self.admit_call(entry, ops, caches=caches, batch=batch, topk=topk, index_q=index_q, q=q, out=out,
-                                  graph=graph, names=names)
+        plan, faults = self.admit_call(entry, ops, caches=caches, batch=batch, topk=topk, index_q=index_q, q=q,
+                                       out=out, graph=graph, names=names)
         T = batch.num_tokens
         if Op.INDEX_SCORES in ops:
             if self.scorer is None:
