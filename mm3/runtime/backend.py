@@ -95,7 +95,9 @@ class Backend:
         # the hook functions as positional calls (pluggy lets a hookimpl name any subset of its
         # spec's arguments, in any order: those are called by name)
         #: direct calls of the plugin's op hooks (what a plain step runs: :mod:`mm3.runtime.step`)
-        self.calls: dict[Op, HookCall] = {op: self._plan(op) for op in Op}
+        self.index_call = self._plan(Op.INDEX_TOPK)
+        self.attention_call = self._plan(Op.ATTENTION)
+        self.scores_call = self._plan(Op.INDEX_SCORES)
 
     # -- facts ------------------------------------------------------------------
     @property
@@ -259,7 +261,9 @@ class Backend:
         """The plugin's ``op`` hook on ``args`` (the hook's spec order), no checks: what a step runs once the
         boundary admitted the call (:mod:`mm3.runtime.step`). What the hook raises is named by :meth:`reraise`."""
         try:
-            self.calls[op](*args)
+            # by identity: every step passes through here, and an enum member hashes in Python
+            (self.index_call if op is Op.INDEX_TOPK else self.attention_call if op is Op.ATTENTION
+             else self.scores_call)(*args)
         except Exception as e:
             self.reraise(e, op.hook)
 

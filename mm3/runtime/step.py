@@ -288,6 +288,11 @@ class OpTarget:
         """Admit a call on this target and judge its contents, as :meth:`run` does before the hooks:
         ``(plan, page_faults)``. A caller that does an op's work itself (``index_scores`` where no
         bound backend provides it) calls this, then works."""
+        return self._admit(entry, ops, caches, batch, topk, index_q, q, out, graph, names)
+
+    def _admit(self, entry: str, ops: tuple[str, ...], caches: PagedKVCache, batch: BatchMetadata,
+               topk: Optional[TopkBuffer], index_q: Optional[torch.Tensor], q: Optional[torch.Tensor],
+               out: Optional[torch.Tensor], graph: bool, names: ArgNames) -> tuple[Plan, Optional[torch.Tensor]]:
         index = self.scorer if Op.INDEX_SCORES in ops else self.indexer if Op.INDEX_TOPK in ops else None
         f = describe(entry, ops, self.params, index, self.attention if Op.ATTENTION in ops else None,
                      caches=caches, batch=batch, topk=topk, index_q=index_q, q=q, out=out, layer=self.layer,
@@ -303,8 +308,7 @@ class OpTarget:
 
         ``index_scores`` (alone): ``out`` is the caller's ``[H, >= T, N]`` scores, of which rows ``[0, T)``
         are written; its backend must exist (:attr:`scorer`)."""
-        plan, faults = self.admit_call(entry, ops, caches=caches, batch=batch, topk=topk, index_q=index_q, q=q,
-                                       out=out, graph=graph, names=names)
+        plan, faults = self._admit(entry, ops, caches, batch, topk, index_q, q, out, graph, names)
         T = batch.num_tokens
         if Op.INDEX_SCORES in ops:
             if self.scorer is None:
