@@ -37,8 +37,8 @@ from vllm_steps import VllmStep, assert_step_right, vllm_step
 
 P = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=32, num_index_heads=2, index_head_dim=32,
                               block_size=16, topk=4, init_blocks=1, local_blocks=1)
-#: decodes with draft tokens (and a padding one), prefills with and without a prefix
-SPECULATIVE_MIXED = dict(decodes=(70, 33), padding=1, prefills=((9, 40), (3, 3)), dql=2)
+#: decodes (and a padding one), prefills with and without a prefix
+MIXED = dict(decodes=(70, 33), padding=1, prefills=((9, 40), (3, 3)))
 #: cpu_ref's own frames: a reference that plans its work from host lengths
 CPU_REF = os.path.dirname(cpu_ref_plugin.__file__) + os.sep
 
@@ -86,6 +86,7 @@ def _calls(s: VllmStep) -> dict[str, Callable[[], Any]]:
     }
 
 
+@pytest.mark.parametrize("dql", [1, 2], ids=["mixed", "speculative_mixed"])
 @pytest.mark.parametrize("backend", [
     "cpu_ref",
     pytest.param("cuda", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -94,11 +95,11 @@ def _calls(s: VllmStep) -> dict[str, Callable[[], Any]]:
                                                   reason="the Triton plugins on CPU tensors need the interpreter")),
 ])
 def test_every_dropin_function_reads_nothing_on_the_host_after_its_first_call(
-        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        backend: str, dql: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step, "on_host", lambda batch: False)   # the CPU tables stand in for device ones
     targets.configure(Settings(backend=backend, check_contracts="first"))   # the production default
     try:
-        s = vllm_step(P, **SPECULATIVE_MIXED, seed=21)
+        s = vllm_step(P, **MIXED, dql=dql, seed=21)
         calls = _calls(s)
         for fn in calls.values():   # the first call of each class: the one host check, and the guard
             fn()
