@@ -20,6 +20,7 @@ device) -> TopkBuffer``
 ``index_topk(index_q, caches, batch, params, out)``    the indexer (docs/spec.md §3)
 ``attention_forward(q, caches, topk, batch, params,    the attention (docs/spec.md §4)
 out)``
+``index_scores(index_q, caches, batch, params, out)``  optional: the block scores (docs/spec.md §3.6)
 =====================================================  ==========================================
 
 A hook takes any subset of its arguments, spelled as above. mm3 checks every

@@ -52,7 +52,7 @@ from mm3.contract import BatchMetadata, SparseAttentionParams, TopkBuffer  # noq
 from mm3.testing.factories import Case, make_case  # noqa: E402
 from mm3_backends.cuda import plugin as cuda_plugin  # noqa: E402
 from mm3_backends.rocm import plugin as rocm_plugin  # noqa: E402
-from mm3_backends.triton import attention, indexer, plugin_factory  # noqa: E402
+from mm3_backends.triton import attention, index_scores, indexer, plugin_factory  # noqa: E402
 from mm3_backends.triton.fast_launch import Launch, recording  # noqa: E402
 from mm3_backends.triton.launch import LaunchConfig, override  # noqa: E402
 
@@ -147,11 +147,15 @@ class Step:
 
 
 def record(scenario: str, case: Case, cfg: LaunchConfig | None = None) -> Step:
-    """The launches of ``case``'s indexer and attention on ``scenario`` (``cfg``: instead of the plugin's)."""
+    """The launches of ``case``'s indexer, attention and block scores on ``scenario`` (``cfg``: instead of the
+    plugin's)."""
     plugin, platform = SCENARIOS[scenario]
     cfg = cfg or _config(scenario)
     p, T = case.params, case.batch.num_tokens
     with _on(platform), recording() as launches:
+        # one column more than the table: a chunk of columns partly past the scores
+        scores = torch.empty(p.num_index_heads, T, case.batch.block_table.shape[1] + 1)
+        index_scores.index_scores(case.index_q, case.caches, case.batch, p, scores, cfg)
         buf = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, plugin.PLATFORM.topk_layout, fill=0)
         indexer.index_topk(case.index_q, case.caches, case.batch, p, buf, cfg)
         attention.attention_forward(case.q, case.caches, buf, case.batch, p, torch.empty_like(case.q), cfg)
@@ -320,6 +324,14 @@ def check_kernel(step: Step, launch: Launch) -> None:
             p.block_size, p.head_dim)
     elif name == "_merge_slots_kernel":
         assert launch.grid == (v["Tc"], p.num_kv_heads) and c["K"] == p.topk
+    elif name == "_index_scores_kernel":   # the decodes' launch first, then the prefills'
+        decodes = b.num_decodes > 0 and v["first_request"] == 0
+        count, longest = (b.num_decodes, b.decode_query_len) if decodes else (b.num_prefills, b.max_prefill_query_len)
+        assert launch.grid[0] == count and (decodes or v["first_request"] == b.num_decodes)
+        _cover(longest, launch.grid[1], c["M"], "tokens of the longest query")
+        _cover(v["N"], launch.grid[2], c["CH"], "score columns")
+        assert c["M"] * p.num_index_heads <= c["ROWS"] and (c["INIT"], c["LOCAL"]) == (p.init_blocks, p.local_blocks)
+        _inner_tile(c, p.block_size)
 
 
 def check_step(step: Step) -> None:
@@ -461,6 +473,8 @@ MUTATIONS = {
         "_decode_attention_flat_kernel", lambda x: _with(x, constexprs=dict(MERGE_LAST=False))), "then ''"),
     "AMD options on NVIDIA": ("rocm_on_nvidia", "decode1", None, ("_decode_topk_kernel", lambda x: _with(
         x, options=dict(x.options, waves_per_eu=2))), "an AMD-only launch option"),
+    "score columns left unwritten": ("cuda", "spec3_mixed", None, ("_index_scores_kernel", lambda x: _with(
+        x, grid=(*x.grid[:2], x.grid[2] - 1))), "do not cover"),
 }
 
 

@@ -46,6 +46,10 @@ HEALTHY = textwrap.dedent("""
     @hookimpl
     def attention_forward(q, caches, topk, batch, params, out):
         _ref.attention_forward(q, caches, topk, batch, params, out)
+
+    @hookimpl
+    def index_scores(index_q, caches, batch, params, out):
+        _ref.index_scores(index_q, caches, batch, params, out)
 """)
 
 

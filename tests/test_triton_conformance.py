@@ -25,16 +25,17 @@ pytestmark = [
 ]
 
 
-ALL_KINDS = ("indexer", "attention", "buffer", "composed")
+ALL_KINDS = ("indexer", "attention", "buffer", "composed", "scores")
 # (plugin, attention dtype, index cache dtype, case kinds): between them every attention dtype and
 # every index cache dtype but fp32, in both top-k layouts (cuda writes token-major, rocm head-major).
 # Each run is the quick plan of one dtype pair: every step of its kinds. The bf16 runs take the kinds
 # that reach each kernel in bf16 once (the composed steps run the indexer and the attention): cuda's
 # bf16 dots in both, its fp16 dots of bf16 queries on fp8 K/V; rocm's fp8 index keys widened to bf16
-# (ties and e4m3 NaN keys included), its grid decode and token-tile prefill in bf16. One test per
+# (ties and e4m3 NaN keys included), its grid decode and token-tile prefill in bf16; cuda's block scores
+# (index_scores) in bf16 as well. One test per
 # case, so a parallel run (pytest-xdist) spreads them and a failure names its case.
 RUNS = (("cuda", "float16", "float8_e4m3fn", ALL_KINDS), ("rocm", "float32", "float16", ALL_KINDS),
-        ("cuda", "bfloat16", "bfloat16", ("attention", "composed")),
+        ("cuda", "bfloat16", "bfloat16", ("attention", "composed", "scores")),
         ("rocm", "bfloat16", "float8_e4m3fn", ("indexer", "composed")))
 def _registry() -> Registry:
     return Registry(plugins=[cuda_plugin, rocm_plugin, cpu_ref], entry_points=False)

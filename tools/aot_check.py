@@ -94,7 +94,7 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
     launch layer records them, ``fast_launch.recording``)."""
     from mm3.contract import SparseAttentionParams, TopkBuffer
     from mm3.testing.factories import make_case
-    from mm3_backends.triton import attention, indexer
+    from mm3_backends.triton import attention, index_scores, indexer
     from mm3_backends.triton.fast_launch import recording
     from mm3_backends.triton.launch import override
 
@@ -128,6 +128,10 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
             topk = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, plugin_spec.topk_layout)
             indexer.index_topk(case.index_q, case.caches, case.batch, p, topk, cfg)
             attention.attention_forward(case.q, case.caches, topk, case.batch, p, torch.empty_like(case.q), cfg)
+            # the block scores, as vLLM's drop-in asks for them: a row of 16-aligned columns
+            width = -(-case.batch.block_table.shape[1] // 16) * 16
+            scores = torch.empty(p.num_index_heads, T, width, dtype=torch.float32)
+            index_scores.index_scores(case.index_q, case.caches, case.batch, p, scores, cfg)
     return [Launch(f"{label}:{x.name}", x.kernel, x.args, {**x.constexprs, **x.options}, x.options) for x in launches]
 
 

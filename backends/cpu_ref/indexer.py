@@ -1,4 +1,5 @@
-"""Reference indexer (docs/spec.md §3): per token and index head, the top-k blocks of its context.
+"""Reference indexer (docs/spec.md §3): per token and index head, the top-k blocks of its context, or
+the block scores the top-k is chosen from (``index_scores``, §3.6).
 
 Vectorized over tokens: one batched matmul scores a chunk of query tokens
 against every visible index key of their request(s), a reshape + ``amax``
@@ -33,7 +34,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Union
 
 import torch
 
@@ -43,7 +44,7 @@ from mm3.plugin import SparseAttentionParams
 
 from ._common import DEFAULT_MAX_ELEMENTS, gather_pages
 
-__all__ = ["index_topk", "FORCED_INIT", "FORCED_LOCAL", "NAN_SCORE"]
+__all__ = ["index_topk", "index_scores", "FORCED_INIT", "FORCED_LOCAL", "NAN_SCORE"]
 
 FORCED_INIT = 1e30
 FORCED_LOCAL = 1e29
@@ -111,45 +112,77 @@ def _plan(batch: BatchMetadata, num_heads: int, head_dim: int, max_elements: int
             yield _Item((r,), (starts[r] + i,), (ctx + i,), n, last // B + 1)
 
 
-def _select(iq: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
-            params: SparseAttentionParams) -> torch.Tensor:
-    """Top-k block ids ``[G, C, H, K]`` (int32, -1 padded) for queries ``iq`` ``[G, C, H, Di]``.
+def _block_max(iq: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block maxima ``[G, C, H, nbmax]`` of queries ``iq`` ``[G, C, H, Di]``: docs/spec.md §3.3's S before §3.4.
 
     ``pos`` ``[G, C]`` are the queries' absolute positions (all >= 0);
     ``keys`` ``[G, S, Di]`` are their requests' index keys, ``S`` a multiple of
-    the block size; keys past a query's position are masked, whatever they hold.
+    the block size; keys past a query's position are masked, whatever they hold,
+    so a block with no visible key is ``-inf`` and a NaN at a visible key makes
+    its block NaN.
     """
     G, C, H, Di = iq.shape
     S = keys.shape[1]
-    B, K = params.block_size, params.topk
-    nbmax = S // B
-    dev = iq.device
-
     scores = torch.matmul(iq.reshape(G, C * H, Di), keys.transpose(1, 2)).view(G, C, H, S)
-    j = torch.arange(S, device=dev)
-    visible = j.view(1, 1, 1, S) <= pos.view(G, C, 1, 1)
+    visible = torch.arange(S, device=iq.device).view(1, 1, 1, S) <= pos.view(G, C, 1, 1)
     # where(), not an additive mask: keys past seq_len may hold NaN/garbage.
     scores = torch.where(visible, scores, float("-inf"))
-    block = scores.view(G, C, H, nbmax, B).amax(dim=-1)  # NaN propagates: handled next
-    del scores, visible
+    return scores.view(G, C, H, S // block_size, block_size).amax(dim=-1)  # NaN propagates: handled next
 
-    block = torch.nan_to_num(block, nan=NAN_SCORE, posinf=_CEIL, neginf=_FLOOR).clamp_(_FLOOR, _CEIL)
-    b = torch.arange(nbmax, device=dev).view(1, 1, 1, nbmax)
-    nb = (pos // B + 1).view(G, C, 1, 1)
+
+def _forced(block: torch.Tensor, pos: torch.Tensor, params: SparseAttentionParams) -> torch.Tensor:
+    """``block`` ``[n, H, nbmax]`` of tokens at ``pos`` ``[n]`` with docs/spec.md §3.4's forced blocks set and
+    ``-inf`` past each token's visible blocks."""
+    b = torch.arange(block.shape[-1], device=block.device).view(1, 1, -1)
+    nb = (pos // params.block_size + 1).view(-1, 1, 1)
     eligible = b < nb
     block = torch.where(eligible & (b < params.init_blocks), FORCED_INIT, block)
     block = torch.where(eligible & (b >= nb - params.local_blocks), FORCED_LOCAL, block)
-    block = torch.where(eligible, block, float("-inf"))
+    return torch.where(eligible, block, float("-inf"))
 
+
+def _select(block: torch.Tensor, pos: torch.Tensor, params: SparseAttentionParams) -> torch.Tensor:
+    """Top-k block ids ``[n, H, K]`` (int32, -1 padded) from the block maxima ``[n, H, nbmax]`` of tokens at
+    ``pos`` ``[n]``."""
+    n, H, nbmax = block.shape
+    K = params.topk
+    block = torch.nan_to_num(block, nan=NAN_SCORE, posinf=_CEIL, neginf=_FLOOR).clamp_(_FLOOR, _CEIL)
+    block = _forced(block, pos, params)
     kk = min(K, nbmax)
     # Exact ties go to the lowest block id (docs/spec.md §3.5): a stable descending sort keeps
     # equal scores in block order, which torch.topk does not promise.
-    ids = torch.sort(block, dim=-1, descending=True, stable=True).indices[..., :kk]   # [G, C, H, kk]
-    slot = torch.arange(kk, device=dev).view(1, 1, 1, kk)
+    ids = torch.sort(block, dim=-1, descending=True, stable=True).indices[..., :kk]   # [n, H, kk]
+    slot = torch.arange(kk, device=block.device).view(1, 1, kk)
+    nb = (pos // params.block_size + 1).view(-1, 1, 1)
     ids = torch.where(slot < torch.clamp(nb, max=K), ids, -1).to(torch.int32)
     if kk < K:
-        ids = torch.cat([ids, ids.new_full((G, C, H, K - kk), -1)], dim=-1)
+        ids = torch.cat([ids, ids.new_full((n, H, K - kk), -1)], dim=-1)
     return ids
+
+
+def _scored(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata, params: SparseAttentionParams,
+            max_elements: int) -> Iterator[tuple[Union[slice, torch.Tensor], torch.Tensor, torch.Tensor]]:
+    """Per work item of the step: ``(its tokens, their positions [n], their block maxima [n, H, nbmax])``
+    (:func:`_block_max`); padding tokens and empty decodes are in no item."""
+    H, Di, B = params.num_index_heads, params.index_head_dim, params.block_size
+    dev = caches.device
+    for item in _plan(batch, H, Di, max_elements):
+        C = item.num_tokens
+        ar = torch.arange(C, device=dev)
+        rows = torch.tensor(item.requests, device=dev)
+        pos = torch.tensor(item.first_positions, device=dev).view(-1, 1) + ar
+        keys = gather_pages(caches.index, batch.block_table[rows], item.num_blocks)
+        keys = keys.reshape(len(item.requests), item.num_blocks * B, Di).float()
+        G = len(item.requests)
+        if G == 1:
+            a = item.token_starts[0]
+            tok: Union[slice, torch.Tensor] = slice(a, a + C)
+            iq = index_q[a:a + C].float().unsqueeze(0)
+        else:
+            tok = (torch.tensor(item.token_starts, device=dev).view(-1, 1) + ar).view(-1)
+            iq = index_q[tok].float().reshape(G, C, H, Di)
+        block = _block_max(iq, pos, keys, B)
+        yield tok, pos.view(-1), block.view(G * C, H, -1)
 
 
 @torch.no_grad()
@@ -165,28 +198,25 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     bounds the largest intermediate tensor (see :data:`DEFAULT_MAX_ELEMENTS`).
     """
     # The bound backend (mm3.runtime.backend.Backend) has checked every argument against the contract.
-    H, Di, K = params.num_index_heads, params.index_head_dim, params.topk
-    T = batch.num_tokens
-    view = out.head_major()[:, :T]  # [H, T, K]; a view, so writes land in out's storage
+    view = out.head_major()[:, :batch.num_tokens]  # [H, T, K]; a view, so writes land in out's storage
     view.fill_(-1)
-    if T == 0:
-        return
-    dev = caches.device
-    B = params.block_size
-    for item in _plan(batch, H, Di, max_elements):
-        C = item.num_tokens
-        ar = torch.arange(C, device=dev)
-        rows = torch.tensor(item.requests, device=dev)
-        pos = torch.tensor(item.first_positions, device=dev).view(-1, 1) + ar
-        keys = gather_pages(caches.index, batch.block_table[rows], item.num_blocks)
-        keys = keys.reshape(len(item.requests), item.num_blocks * B, Di).float()
-        if len(item.requests) == 1:
-            a = item.token_starts[0]
-            iq = index_q[a:a + C].float().unsqueeze(0)
-            ids = _select(iq, pos, keys, params)
-            view[:, a:a + C] = ids[0].permute(1, 0, 2)
-        else:
-            tok = (torch.tensor(item.token_starts, device=dev).view(-1, 1) + ar).view(-1)
-            iq = index_q[tok].float().reshape(len(item.requests), C, H, Di)
-            ids = _select(iq, pos, keys, params)
-            view[:, tok] = ids.view(-1, H, K).permute(1, 0, 2)
+    for tok, pos, block in _scored(index_q, caches, batch, params, max_elements):
+        view[:, tok] = _select(block, pos, params).permute(1, 0, 2)
+
+
+@torch.no_grad()
+def index_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+                 params: SparseAttentionParams, out: torch.Tensor, *,
+                 max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
+    """Write the block scores of the step's ``T`` tokens (docs/spec.md §3.6) into ``out`` ``[H, T, N]``.
+
+    The block maxima :func:`index_topk` selects from, with ``params.index_scale``
+    applied, a NaN block at ``-1e30`` and the forced blocks set; ``-inf`` in every
+    column a token does not see and in every column of a padding token.
+    """
+    N = out.shape[-1]
+    out.fill_(float("-inf"))
+    for tok, pos, block in _scored(index_q, caches, batch, params, max_elements):
+        w = min(N, block.shape[-1])
+        S = torch.where(torch.isnan(block), NAN_SCORE, block * params.index_scale)
+        out[:, tok, :w] = _forced(S, pos, params)[..., :w].permute(1, 0, 2)

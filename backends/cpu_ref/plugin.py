@@ -22,17 +22,18 @@ from mm3.plugin import (BackendCapabilities, BatchMetadata, PagedKVCache, Probe,
                         TopkBuffer, hookimpl)
 
 from .attention import attention_forward as _attention
+from .indexer import index_scores as _index_scores
 from .indexer import index_topk as _index_topk
 
 __all__ = ["CAPABILITIES", "backend_capabilities", "backend_probe", "alloc_topk_buffer",
-           "index_topk", "attention_forward"]
+           "index_topk", "attention_forward", "index_scores"]
 
 CAPABILITIES = BackendCapabilities(
     name="cpu_ref",
     description="reference: vectorized PyTorch, fp32 accumulation, any device (slow but exact)",
     priority=0,
     device_types=frozenset({"cpu", "cuda"}),
-    ops=frozenset({"index_topk", "attention"}),
+    ops=frozenset({"index_topk", "attention", "index_scores"}),
     topk_layout="head_major",
     topk_requires_contiguous=False,
     kv_cache_layout="NHD",
@@ -72,3 +73,9 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
 def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, batch: BatchMetadata,
                       params: SparseAttentionParams, out: torch.Tensor) -> None:
     _attention(q, caches, topk, batch, params, out)
+
+
+@hookimpl
+def index_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+                 params: SparseAttentionParams, out: torch.Tensor) -> None:
+    _index_scores(index_q, caches, batch, params, out)

@@ -6,7 +6,7 @@ and their launch configuration, which each plugin owns; nothing here knows a pla
 :class:`TritonPlatform` plus one line that binds the hooks this factory returns::
 
     (backend_capabilities, backend_probe, alloc_topk_buffer,
-     index_topk, attention_forward) = make_hookimpls(PLATFORM)
+     index_topk, attention_forward, index_scores) = make_hookimpls(PLATFORM)
 
 Triton and the kernel modules are imported on first use, never at plugin
 import, so ``mm3 backends`` stays cheap and works where Triton is missing.
@@ -137,7 +137,7 @@ class TritonPlatform:
             name=self.name, description=self.description, priority=self.priority,
             # "cpu" only so the interpreter path can be probed; the probe says no
             # on CPU unless TRITON_INTERPRET=1
-            device_types={"cuda", "cpu"}, ops={"index_topk", "attention"},
+            device_types={"cuda", "cpu"}, ops={"index_topk", "attention", "index_scores"},
             topk_layout=self.topk_layout, topk_requires_contiguous=False,
             kv_cache_layout=self.kv_cache_layout,
             dtypes={"bfloat16", "float16", "float32"},
@@ -178,22 +178,23 @@ def _sized_config(launch: LaunchConfig, device_index: int) -> LaunchConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_modules() -> tuple[Any, Any]:
-    """(indexer, attention): imported at the first step, not with the plugin (they import Triton), then
-    kept (an import statement per hook call costs host time)."""
-    from . import attention, indexer
+def _kernel_modules() -> tuple[Any, Any, Any]:
+    """(indexer, attention, index_scores): imported at the first step, not with the plugin (they import
+    Triton), then kept (an import statement per hook call costs host time)."""
+    from . import attention, index_scores, indexer
 
-    return indexer, attention
+    return indexer, attention, index_scores
 
 
 class TritonHooks(NamedTuple):
-    """The five hook implementations of one plugin, in hookspec order."""
+    """The six hook implementations of one plugin, in hookspec order."""
 
     backend_capabilities: Callable[..., BackendCapabilities]
     backend_probe: Callable[..., Probe]
     alloc_topk_buffer: Callable[..., TopkBuffer]
     index_topk: Callable[..., None]
     attention_forward: Callable[..., None]
+    index_scores: Callable[..., None]
 
 
 def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
@@ -218,7 +219,7 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
                    page_faults: Optional[torch.Tensor] = None) -> None:
         # mm3 admitted the call: the arguments, the declared limits (index_q's dtype too) and this
         # plugin's probe on the tensors' device (CPU tensors only under the interpreter)
-        indexer, _ = _kernel_modules()
+        indexer, _, _ = _kernel_modules()
         if batch.num_tokens:
             indexer.index_topk(index_q, caches, batch, params, out, platform.launch_config(caches.device),
                                page_faults)
@@ -226,9 +227,19 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
     @hookimpl
     def attention_forward(q: torch.Tensor, caches: "PagedKVCache", topk: TopkBuffer, batch: "BatchMetadata",
                           params: "SparseAttentionParams", out: torch.Tensor) -> None:
-        _, attention = _kernel_modules()
+        _, attention, _ = _kernel_modules()
         if batch.num_tokens:
             attention.attention_forward(q, caches, topk, batch, params, out,
                                         platform.launch_config(caches.device))
 
-    return TritonHooks(backend_capabilities, backend_probe, alloc_topk_buffer, index_topk, attention_forward)
+    @hookimpl
+    def index_scores(index_q: torch.Tensor, caches: "PagedKVCache", batch: "BatchMetadata",
+                     params: "SparseAttentionParams", out: torch.Tensor,
+                     page_faults: Optional[torch.Tensor] = None) -> None:
+        _, _, scores = _kernel_modules()
+        if batch.num_tokens:
+            scores.index_scores(index_q, caches, batch, params, out, platform.launch_config(caches.device),
+                                page_faults)
+
+    return TritonHooks(backend_capabilities, backend_probe, alloc_topk_buffer, index_topk, attention_forward,
+                       index_scores)

@@ -214,12 +214,13 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
     through :mod:`.fast_launch` (``Algorithms.fast_launch``).
     """
     Hkv, G, K, B, D = params.num_kv_heads, params.gqa_group, params.topk, params.block_size, params.head_dim
-    td, T, nd = batch.num_decode_tokens, batch.num_tokens, batch.num_decodes
+    td, T = batch.num_decode_tokens, batch.num_tokens
     rows = max(cfg.rows, next_pow2(G))
     m = rows // G
-    seqs = batch.seq_lens_host[nd:]
-    nb_max = max(_blocks(s, B) for s in seqs)
-    nb_sum = sum(_blocks(s, B) for s in seqs)
+    # from host ints only (a captured step reads no lengths): more than any block id a prefill token
+    # sees, and at least the blocks of all prefills together
+    nb_max = max(1, _blocks(batch.prefill_seq_len_bound(), B))
+    nb_sum = batch.num_prefills * nb_max
     if Hkv * batch.num_prefills * nb_max >= 2**31 - 1:
         raise ValueError(f"prefill attention: {Hkv} KV heads x {batch.num_prefills} requests x {nb_max} blocks "
                          f"overflow the int32 segment ids; split the step into fewer prefill requests")

@@ -84,7 +84,9 @@ def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, w
     nb = tl.where(pos >= 0, pos // B + 1, 0)
     earlier = (ids[:, :, None] == ids[:, None, :]) & (slots[None, None, :] < slots[None, :, None])
     repeat = tl.max(earlier.to(tl.int32), axis=2)
-    ok = (ids >= 0) & (ids < nb[:, None]) & (repeat == 0) & in_row
+    # (ids < nb_max: a bound from host ints; a step whose lengths break it, which mm3 reports, counts
+    # nothing outside the segments)
+    ok = (ids >= 0) & (ids < nb[:, None]) & (ids < nb_max) & (repeat == 0) & in_row
     row = (h * Tc + tc[:, None]) * K + slots[None, :]
     tl.store(clean_ptr + row, tl.where(ok, ids, -1), mask=in_row)
     req = tl.load(req_ptr + t, mask=tc < Tc, other=first_request)
@@ -167,7 +169,7 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     """Group the pairs of prefill tokens ``tok0 .. tok0 + num_tokens - 1`` by (KV head, request, block).
 
     ``sel_hm``: the step's selection ``[H, T, K]`` (any strides); ``nb_max``:
-    more than any valid block id; ``max_tiles``: an upper bound of the tile
+    more than any valid block id (an id at or past it selects nothing); ``max_tiles``: an upper bound of the tile
     count (sizes the launch grid without a host sync); ``num_pages``: the
     cache's page count, into which every page id is clamped (``tile_page``
     only ever names a page of the cache). No sort: a segment's pairs take their

@@ -26,13 +26,13 @@ from mm3.contract.errors import (
     BackendUnavailableError, ConfigError, ContractViolation, InputError, MM3Error, NoBackendError,
     PluginError, UnknownBackendError,
 )
-from mm3.contract.hookspecs import ALL_OPS, HOOK_NAMES, PROJECT, Op, hookimpl, hookspec
+from mm3.contract.hookspecs import ALL_OPS, HOOK_NAMES, INDEX_OPS, PROJECT, STEP_OPS, Op, hookimpl, hookspec
 from mm3.contract.kv_scales import FP8_KV_DTYPES
 from mm3.contract.params import MINIMAX_M3_MAX_DECODE_QUERY_LEN, SparseAttentionParams
 
 __all__ = [
     # hooks
-    "PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "Op", "ALL_OPS",
+    "PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "Op", "ALL_OPS", "STEP_OPS", "INDEX_OPS",
     # declarations
     "BackendCapabilities", "Requirements", "Probe", "TopkLayout", "KVCacheLayout",
     "DType", "IndexDType", "KVDType",

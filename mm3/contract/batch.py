@@ -122,6 +122,24 @@ class BatchMetadata:
         n = self.num_decodes
         return max((s - q for s, q in zip(self.seq_lens_host[n:], self.query_lens[n:])), default=0)
 
+    def prefill_seq_len_bound(self) -> int:
+        """At least the longest prefill's ``seq_len``, from host ints only (never a read of the device).
+
+        Exact when the host has the lengths (:meth:`build`), else what the block table
+        can hold (a batch's contents are checked to fit it, docs/errors.md §2.6). For
+        launch sizes of a step that may be captured in a CUDA graph.
+
+        Example:
+            >>> b = BatchMetadata.build([1, 5], [300, 40], torch.zeros(2, 4, dtype=torch.int32), block_size=128,
+            ...                         num_decodes=1)
+            >>> b.prefill_seq_len_bound()
+            40
+        """
+        cap = self.block_table.shape[1] * self.block_size
+        # set by build() from its lengths (read here only if there: computing it reads the device)
+        context = self.__dict__.get("max_prefill_context_len")
+        return cap if context is None else min(cap, context + self.max_prefill_query_len)
+
     @property
     def device(self) -> torch.device:
         return self.seq_lens.device

@@ -25,7 +25,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mm3.contract.hookspecs import ALL_OPS, Op
+from mm3.contract.hookspecs import INDEX_OPS, STEP_OPS, Op
 
 __all__ = [
     "TopkLayout",
@@ -79,7 +79,8 @@ class BackendCapabilities(_Frozen):
                                          "backends 100)")
     device_types: frozenset[str] = Field(min_length=1, description='torch device types it runs on, e.g. {"cuda"}')
     ops: frozenset[Op] = Field(min_length=1, description='the ops it implements: "index_topk", "attention" or '
-                                                         'both; each needs its hook')
+                                                         'both, and optionally "index_scores" (block scores); each '
+                                                         'needs its hook')
     topk_layout: TopkLayout = Field(description="the top-k buffer layout it allocates and prefers: head_major "
                                                 "[H, T, K] or token_major [T, H, K]")
     topk_requires_contiguous: bool = Field(
@@ -150,18 +151,20 @@ class BackendCapabilities(_Frozen):
         if Op.ATTENTION in req.ops and req.kv_slot_scales and not self.kv_slot_scales:
             reasons.append("cannot read K/V scales per token slot (k_scale/v_scale [Hkv, num_slots]): it "
                            "does not declare kv_slot_scales")
-        if Op.INDEX_TOPK in req.ops and req.index_cache_dtype not in self.index_cache_dtypes:
+        index = bool(INDEX_OPS & req.ops)
+        if index and req.index_cache_dtype not in self.index_cache_dtypes:
             reasons.append(
                 f"index cache dtype {req.index_cache_dtype} not in {sorted(self.index_cache_dtypes)}")
         checks = [
-            ("head_dim", req.head_dim, self.head_dims, Op.ATTENTION),
-            ("index_head_dim", req.index_head_dim, self.index_head_dims, Op.INDEX_TOPK),
-            ("block_size", req.block_size, self.block_sizes, None),
+            ("head_dim", req.head_dim, self.head_dims, Op.ATTENTION in req.ops),
+            ("index_head_dim", req.index_head_dim, self.index_head_dims, index),
+            ("block_size", req.block_size, self.block_sizes, True),
         ]
-        for field, value, allowed, op in checks:
-            if (op is None or op in req.ops) and allowed is not None and value not in allowed:
+        for field, value, allowed, applies in checks:
+            if applies and allowed is not None and value not in allowed:
                 reasons.append(f"{field} {value} not in {sorted(allowed)}")
-        if self.max_topk is not None and req.topk > self.max_topk:
+        # block scores select nothing: the top-k limit is the other ops'
+        if self.max_topk is not None and req.topk > self.max_topk and STEP_OPS & req.ops:
             reasons.append(f"topk {req.topk} > max_topk {self.max_topk}")
         if (Op.ATTENTION in req.ops and self.max_gqa_group is not None
                 and req.gqa_group > self.max_gqa_group):
@@ -193,7 +196,7 @@ class Requirements(_Frozen):
     """
 
     device_type: str
-    ops: frozenset[Op] = ALL_OPS  # type: ignore[assignment]
+    ops: frozenset[Op] = STEP_OPS  # type: ignore[assignment]
     dtype: DType = "bfloat16"
     index_cache_dtype: IndexDType = "bfloat16"
     kv_cache_dtype: Optional[KVDType] = Field(None, description="None: the attention dtype")

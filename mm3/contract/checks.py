@@ -45,7 +45,7 @@ from mm3.contract.buffers import dtype_name, in_storage_order, is_dense_storage
 from mm3.contract.capabilities import Requirements
 from mm3.contract.errors import InputError
 from mm3.contract.facts import BatchFacts, CacheFacts, StepFacts, TensorFacts
-from mm3.contract.hookspecs import Op
+from mm3.contract.hookspecs import INDEX_OPS, Op
 from mm3.contract.kv_scales import FP8_KV_DTYPES
 
 __all__ = ["check", "Plan", "view", "check_layer_args", "overlaps_itself"]
@@ -246,7 +246,7 @@ class _Rules:
         if H != p.num_kv_heads:
             raise self.fail(f"the caches have {H} KV heads, params.num_kv_heads is {p.num_kv_heads}")
         rows: list[tuple[str, TensorFacts, tuple[int, ...]]] = []
-        if Op.INDEX_TOPK in f.ops:
+        if INDEX_OPS.intersection(f.ops):
             assert f.index_q is not None
             rows.append((n.index_q, f.index_q, (p.num_index_heads, p.index_head_dim)))
             if c.index.shape[2] != p.index_head_dim:
@@ -270,7 +270,10 @@ class _Rules:
                 raise self.fail(f"{name} has shape {tuple(t.shape)}; needs [>= {T}, {', '.join(map(str, tail))}] = "
                                 f"[>= the step's tokens, {what}]: one row per token of the batch, heads as params "
                                 f"say")
-        if f.out is not None and f.out.stride is not None and overlaps_itself((T, *f.out.shape[1:]), f.out.stride):
+        written = None if f.out is None else (T, *f.out.shape[1:])
+        if Op.INDEX_SCORES in f.ops:
+            written = self.scores()
+        if written is not None and f.out.stride is not None and overlaps_itself(written, f.out.stride):  # type: ignore[union-attr]
             raise self.fail(f"{n.out} has strides {f.out.stride} for shape {tuple(f.out.shape)}: several of its "
                             f"elements share memory (an expand()-ed or as_strided tensor), so writes would "
                             f"collide; pass a tensor with its own memory per element")
@@ -278,16 +281,30 @@ class _Rules:
         placed = [(name, t.device) for name, t, _ in rows] + [
             (n.block_table, b.block_table.device), (n.query_start_loc, b.query_start_loc.device),
             (n.seq_lens, b.seq_lens.device), (n.token_positions, b.token_positions.device),
-            (n.token_to_request, b.token_to_request.device), (n.topk, f.topk.device)]
+            (n.token_to_request, b.token_to_request.device)]
+        placed += [(n.topk, f.topk.device)] if f.topk is not None else [(n.out, f.out.device)]  # type: ignore[union-attr]
         for name, d in placed:
             if d != dev:
                 raise self.fail(f"{name} is on {d} but the caches are on {dev}; move every input of the step to "
                                 f"one device (tensor.to(device), batch.to(device))")
         return self.topk()
 
+    def scores(self) -> tuple[int, ...]:
+        """The block scores ``index_scores`` writes: float32 ``[Hidx, >= T, >= 1]``; returns the written shape."""
+        f, n, p, T = self.f, self.n, self.p, self.T
+        o = f.out
+        assert o is not None
+        if o.dtype != torch.float32 or len(o.shape) != 3 or o.shape[0] != p.num_index_heads or o.shape[1] < T \
+                or o.shape[2] < 1:
+            raise self.fail(f"{n.out} is {o.dtype} {tuple(o.shape)}; block scores need float32 [num_index_heads="
+                            f"{p.num_index_heads}, >= {T} tokens, >= 1 block]")
+        return (o.shape[0], T, o.shape[2])
+
     def topk(self) -> tuple[Optional[str], Optional[str]]:
         f, n, p, T = self.f, self.n, self.p, self.T
         s, layout = f.topk, f.topk_layout
+        if s is None:     # block scores: no top-k buffer
+            return None, None
         head_major = layout == "head_major"
         if s.dtype != torch.int32 or len(s.shape) != 3:
             raise self.fail(f"{n.topk} must be 3-D int32, got {s.dtype} {tuple(s.shape)}")
@@ -316,9 +333,11 @@ class _Rules:
         device = f.caches.k.device
         dql = b.decode_query_len if b.num_decodes else 1
         for op in f.ops:
-            be = f.indexer if op == Op.INDEX_TOPK else f.attention
-            x = f.index_q if op == Op.INDEX_TOPK else f.q
+            be = f.attention if op == Op.ATTENTION else f.indexer
+            x = f.q if op == Op.ATTENTION else f.index_q
             assert x is not None
+            if be is None:    # an op no bound backend provides: the caller does its work
+                continue
             caps = be.capabilities
             probe = be.probe(device)
             if not probe.available:
@@ -332,7 +351,7 @@ class _Rules:
                 gqa_group=p.gqa_group, decode_query_len=dql,
                 kv_slot_scales=f.caches.k_scale is not None and len(f.caches.k_scale.shape) == 2)
             reasons = caps.unmet(req)
-            if op == Op.INDEX_TOPK and dtype_name(x.dtype) not in caps.dtypes:
+            if op in INDEX_OPS and dtype_name(x.dtype) not in caps.dtypes:
                 reasons.append(f"{self.n.index_q} dtype {x.dtype} not in {sorted(caps.dtypes)}")
             if reasons:
                 raise self.fail(f"{'; '.join(reasons)}: outside what backend {caps.name!r} declares for {op.value}; "

@@ -159,8 +159,13 @@ class StepFacts(NamedTuple):
 
     ``ops``: the hooks the call runs (a layer's step runs both). ``indexer`` /
     ``attention``: the bound backends of those ops (objects fixed for the
-    process: their capabilities and probe answers are what the checks read).
+    process: their capabilities and probe answers are what the checks read);
+    ``indexer`` is the one of an index op (``index_topk`` or ``index_scores``),
+    ``None`` for an op no bound backend provides (the caller does its work).
     ``layer``: a layer's own promises, ``None`` for other entry points.
+    ``out``: the call's output tensor (the attention's, or the block scores of
+    ``index_scores``); ``topk``: the top-k buffer, ``None`` for a call that has
+    none (``index_scores``).
 
     The boundary builds the nested facts as plain tuples in their fields' order
     (it does so every step, and a tuple is the cheapest value); the rules name
@@ -178,8 +183,8 @@ class StepFacts(NamedTuple):
     index_q: Optional[TensorFacts]
     q: Optional[TensorFacts]
     out: Optional[TensorFacts]
-    topk_layout: str
-    topk: TensorFacts
+    topk_layout: Optional[str]
+    topk: Optional[TensorFacts]
     caches: CacheFacts
     batch: BatchFacts
 

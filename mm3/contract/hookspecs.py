@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from mm3.contract.capabilities import BackendCapabilities, Probe
     from mm3.contract.params import SparseAttentionParams
 
-__all__ = ["PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "Op", "ALL_OPS"]
+__all__ = ["PROJECT", "hookspec", "hookimpl", "HOOK_NAMES", "Op", "ALL_OPS", "STEP_OPS", "INDEX_OPS"]
 
 PROJECT = "mm3"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -81,9 +81,13 @@ class Op(str, enum.Enum):
     A member *is* its name (``Op.ATTENTION == "attention"``), so capabilities
     may list plain strings, and it prints as that name wherever it is shown.
 
+    ``index_topk`` and ``attention`` are a step's two ops; ``index_scores`` is
+    optional: the block scores an engine's op hands to a separate top-k
+    (vLLM's ``minimax_m3_index_score``), for backends that can write them.
+
     Example:
         >>> Op("attention").hook, [op.value for op in Op]
-        ('attention_forward', ['index_topk', 'attention'])
+        ('attention_forward', ['index_topk', 'attention', 'index_scores'])
     """
 
     hook: str
@@ -96,6 +100,7 @@ class Op(str, enum.Enum):
 
     INDEX_TOPK = ("index_topk", "index_topk")
     ATTENTION = ("attention", "attention_forward")
+    INDEX_SCORES = ("index_scores", "index_scores")
 
     def __str__(self) -> str:
         return self.value
@@ -108,6 +113,10 @@ class Op(str, enum.Enum):
 
 
 ALL_OPS: frozenset[Op] = frozenset(Op)
+#: the ops of a step (what a layer runs and selection always chooses a backend for)
+STEP_OPS: frozenset[Op] = frozenset({Op.INDEX_TOPK, Op.ATTENTION})
+#: the ops that read the index cache (the indexer's limits apply to them)
+INDEX_OPS: frozenset[Op] = frozenset({Op.INDEX_TOPK, Op.INDEX_SCORES})
 
 
 @hookspec(firstresult=True)
@@ -159,6 +168,21 @@ def attention_forward(q: "torch.Tensor", caches: "PagedKVCache", topk: "TopkBuff
                       batch: "BatchMetadata", params: "SparseAttentionParams",
                       out: "torch.Tensor") -> None:
     """Block-sparse attention (docs/spec.md §4): write ``out[:T]`` (``[T, Hq, D]``, q's dtype)."""
+
+
+@hookspec(firstresult=True)
+def index_scores(index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
+                 params: "SparseAttentionParams", out: "torch.Tensor",
+                 page_faults: "Optional[torch.Tensor]") -> None:
+    """Optional: the indexer's block scores (docs/spec.md §3.6), written into every element of ``out``.
+
+    ``out`` is float32 ``[Hidx, T, N]`` (any strides): ``out[h, t, b]`` is
+    token ``t``'s score S(b) after §3.4 (NaN blocks ``-1e30``, the forced
+    blocks of ``params.init_blocks`` / ``params.local_blocks`` ``1e30`` / ``1e29``)
+    for each block ``b < min(nb, N)`` it sees, ``-inf`` for every other column
+    and every column of a padding token. ``page_faults`` as for :func:`index_topk`.
+    Declare ``"index_scores"`` in the capabilities' ``ops`` with it.
+    """
 
 
 HOOK_NAMES: tuple[str, ...] = tuple(name for name, fn in list(globals().items())

@@ -36,6 +36,11 @@ Rules (``ContractViolation.rule``; docs/errors.md has the full table):
 ``attention.padding``           padding tokens' outputs are exactly zero
 ``attention.nonfinite``         outputs are finite wherever the row's inputs (its ``q`` row
                                 and the K/V of its selected blocks up to its position) are
+``scores.unwritten``            ``index_scores`` wrote every element of its ``out``
+``scores.outside``              it wrote nothing outside ``out``
+``scores.hidden``               a block a token does not see (and a padding token's row) holds ``-inf``
+``scores.nan``                  no NaN (a NaN block scores ``-1e30``)
+``scores.forced``               the forced init / local blocks hold ``1e30`` / ``1e29``
 ==============================  =============================================================
 
 The guard checks what a backend wrote and returned, never the call's
@@ -82,6 +87,7 @@ from mm3.contract.hookspecs import Op
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.fences import Fence, false_flag, locate, mark_unwritten, still_marked
 from mm3.debug.inputs import finite_inputs
+from mm3.debug.score_rows import describe_score, score_codes
 from mm3.debug.topk_rows import GUARD_SENTINEL, describe_row, row_codes
 
 __all__ = ["GUARD_SENTINEL", "RULES", "checked_call", "fill_sentinel", "check_topk_allocation", "capturing"]
@@ -106,6 +112,11 @@ RULES: dict[str, str] = {
     "attention.unwritten": "attention_forward writes every element of out[:T]",
     "attention.padding": "a padding token's output must be zeros",
     "attention.nonfinite": "outputs are finite where the row's inputs are finite",
+    "scores.unwritten": "index_scores writes every element of out",
+    "scores.outside": "index_scores writes only out",
+    "scores.hidden": "a block the token does not see (every block of a padding token) scores -inf",
+    "scores.nan": "a NaN block scores -1e30 (docs/spec.md §3.4), never NaN",
+    "scores.forced": "the forced init / local blocks score 1e30 / 1e29",
 }
 """Every rule the guard checks: ``ContractViolation.rule`` -> what it demands."""
 
@@ -205,6 +216,8 @@ def checked_call(backend: Any, op: str, args: tuple[Any, ...], *, check_finite: 
     """
     if op == "index_topk":
         _checked_index(backend, *args)
+    elif op == "index_scores":
+        _checked_scores(backend, *args)
     else:
         _checked_attention(backend, *args, check_finite=check_finite)
 
@@ -246,6 +259,28 @@ def _checked_index(be: Any, index_q: torch.Tensor, caches: PagedKVCache, batch: 
                          f"the step has T={T} tokens but {where} of the persistent buffer changed "
                          f"from {was} to {after}; out is rows(0, {T}) of it",
                          fix="size grids from batch.num_tokens and index through out.strides()")
+
+
+def _checked_scores(be: Any, index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+                    params: SparseAttentionParams, out: torch.Tensor, page_faults: Optional[torch.Tensor]) -> None:
+    """The block scores' call, with ``scores.*`` rules checked afterwards (``out``: the step's ``[H, T, N]``)."""
+    args = (index_q, caches, batch, params, out, page_faults)
+    if capturing(out):
+        return be.invoke(Op.INDEX_SCORES, args)
+    fence = Fence(out, out)
+    mark_unwritten(out)    # what the call leaves unwritten breaks scores.unwritten
+    be.invoke(Op.INDEX_SCORES, args)
+    codes = score_codes(out, batch.token_positions, params)
+    outside, bad = torch.stack([fence.changed().to(out.device), codes.any()]).tolist()   # the one host sync
+    if bad:
+        v = describe_score(codes, out, batch, params)
+        raise _violation(be, "index_scores", v.rule, v.detail, head=v.head, token=v.token)
+    if outside:
+        e, _, _ = fence.first_change()
+        raise _violation(be, "index_scores", "scores.outside",
+                         f"element {e} of out's storage changed, outside the step's {tuple(out.shape)} scores",
+                         fix="write out[h, t, b] through out's strides, for t < batch.num_tokens and b < "
+                             "out.shape[2] only")
 
 
 def _layout_hint(buf: TopkBuffer) -> str:

@@ -1,13 +1,15 @@
 """Index block scores as a tensor, and the top-k chosen from such a tensor (docs/spec.md §3).
 
 mm3's indexers are fused: a backend's ``index_topk`` scores the blocks and keeps
-the top-k in one pass, and never writes the scores. Engines whose ops hand a
-score tensor from one op to the next (vLLM's ``minimax_m3_index_score`` ->
-``minimax_m3_index_topk``) get it from here: plain torch on whatever device
-the inputs live on, float32 accumulation, fixed shapes from the host ints the
-caller passes (no device-to-host copy, so it can be captured in a CUDA graph).
-It is a reference-speed path: every query row is scored against every
-position of its request up to ``num_blocks`` blocks, in chunks of bounded size.
+the top-k in one pass. Engines whose ops hand a score tensor from one op to the
+next (vLLM's ``minimax_m3_index_score`` -> ``minimax_m3_index_topk``) get the
+scores from the selected backend's optional ``index_scores`` op, and from
+:func:`block_scores` here where that backend has none: plain torch on whatever
+device the inputs live on, float32 accumulation, the values docs/spec.md §3.6
+asks of the op, fixed shapes from the host ints the caller passes (no
+device-to-host copy, so it can be captured in a CUDA graph). It is a
+reference-speed path: every query row is scored against every position of its
+request up to ``num_blocks`` blocks, in chunks of bounded size.
 
 Example:
     >>> import torch
@@ -67,8 +69,8 @@ def block_scores(index_q: torch.Tensor, index_cache: torch.Tensor, batch: BatchM
     A ``[H, T, score_width(num_blocks)]`` float32 tensor: ``-inf`` where a block
     has no visible position (blocks past the token's own, padding tokens,
     columns past ``num_blocks``); a NaN at a visible position makes its block
-    NaN. ``forced=(init_blocks, local_blocks)`` sets the forced blocks of each
-    token to ``1e30`` / ``1e29`` (docs/spec.md §3.4), as a decode scorer whose
+    ``-1e30`` (docs/spec.md §3.4). ``forced=(init_blocks, local_blocks)`` sets the
+    forced blocks of each token to ``1e30`` / ``1e29``, as a decode scorer whose
     output feeds a top-k directly does. ``max_query_len`` bounds every
     request's query length (the rows scored per request).
     """
@@ -102,6 +104,7 @@ def block_scores(index_q: torch.Tensor, index_cache: torch.Tensor, batch: BatchM
             logits = torch.matmul(q_pad[tok].reshape(n, m * H, Di), keys.transpose(1, 2)).view(n, m, H, W * B)
             logits.masked_fill_((j > pos[..., None])[:, :, None, :], float("-inf"))
             S = logits.view(n, m, H, W, B).amax(dim=-1)                              # NaN propagates
+            S = torch.where(torch.isnan(S), NAN_SCORE, S)
             if forced is not None:
                 S = _forced(S, (pos // B + 1).clamp_(min=0)[..., None], *forced)
             out[:, :, :W].index_copy_(1, tok.flatten(), S.reshape(n * m, H, W).transpose(0, 1))

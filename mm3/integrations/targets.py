@@ -121,7 +121,8 @@ def _bind(params: SparseAttentionParams, requirements: Requirements, device: tor
     # the layer's binding, for a caller that holds no layer (mm3.runtime.layer.SparseAttention._bind)
     sel = select(requirements, registry, backend=names[0], indexer_backend=names[1],
                  allow_fallback=settings.allow_fallback, device=device)
-    target = OpTarget(sel.indexer, sel.attention, params, mode=settings.check_contracts, flag=FaultFlag(device))
+    target = OpTarget(sel.indexer, sel.attention, params, mode=settings.check_contracts, flag=FaultFlag(device),
+                      scorer=sel.scorer)
     return Bound(sel, target)
 
 

@@ -12,8 +12,10 @@ vLLM function                      served by
 ``minimax_m3_index_decode``        the selected backend's indexer (``index_topk``), decode batch
 ``minimax_m3_sparse_attn_decode``  the selected backend's attention, decode batch
 ``minimax_m3_sparse_attn``         the selected backend's attention, prefill batch
-``minimax_m3_index_score``         :mod:`~mm3.integrations.block_scores` (mm3's indexers are
-``minimax_m3_index_decode_score``  fused and never write scores), any device
+``minimax_m3_index_score``         the selected indexer's block scores (``index_scores``), prefill
+                                   batch; mm3's torch scorer (:mod:`~mm3.integrations.block_scores`)
+                                   where that backend does not write scores (its selection says so)
+``minimax_m3_index_decode_score``  the same, decode batch, forced blocks set
 ``minimax_m3_index_topk``          :func:`~mm3.integrations.block_scores.select_topk` on the scores
 =================================  ==========================================================
 
@@ -46,19 +48,18 @@ import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache
-from mm3.contract.contents import check_on_host
-from mm3.contract.hookspecs import Op
+from mm3.contract.hookspecs import ALL_OPS, Op
 from mm3.contract.errors import BackendUnavailableError, InputError
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.guard import capturing
-from mm3.integrations.block_scores import block_scores, select_topk
+from mm3.integrations.block_scores import block_scores, score_width, select_topk
 from mm3.integrations.targets import Bound, bind
 from mm3.integrations.vllm_inputs import (
     DECODE_NAMES, FP8_DTYPES, VLLM_NAMES, attention_caches, cdiv, check_heads, decode_batch, index_caches, int32_arg,
     out_rows, prefill_batch, tensor_arg, topk_view,
 )
 from mm3.runtime.selection import requirements_for
-from mm3.runtime.step import MAX_CLASSES
+from mm3.runtime.step import MAX_CLASSES, OpTarget
 
 __all__ = ["minimax_m3_index_decode", "minimax_m3_index_decode_score", "minimax_m3_index_score",
            "minimax_m3_index_topk", "minimax_m3_sparse_attn", "minimax_m3_sparse_attn_decode", "SPARSE_BLOCK_SIZE"]
@@ -96,12 +97,12 @@ def _params(fn: str, build: Callable[..., SparseAttentionParams], *args: object)
 _REQUIREMENTS: dict[tuple[object, ...], object] = {}
 
 
-def _bound(fn: str, op: str, params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
+def _bound(fn: str, op: Op, params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
            kv_dtype: torch.dtype, slot_scales: bool, device: torch.device, decode_query_len: int,
            graph: bool) -> Bound:
-    """The backends of a call of ``op`` (``"index_topk"`` or ``"attention"``); one choice serves its eager
-    and captured calls (as a layer's does), so a captured call of a backend that is not CUDA-graph safe
-    is refused here, with the reason."""
+    """The backends of a call of ``op``; one choice serves its eager and captured calls (as a layer's
+    does), so a captured call of a backend that is not CUDA-graph safe is refused here, with the reason.
+    Every op is selected (block scores too), so one choice serves each of the six functions."""
     key = (params, dtype, index_dtype, kv_dtype, slot_scales, device, decode_query_len)
     req = _REQUIREMENTS.get(key)
     if req is None:
@@ -109,11 +110,11 @@ def _bound(fn: str, op: str, params: SparseAttentionParams, dtype: torch.dtype, 
             _REQUIREMENTS.clear()
         req = _REQUIREMENTS[key] = requirements_for(params, dtype, index_dtype, device,
                                                     decode_query_len=decode_query_len, kv_dtype=kv_dtype,
-                                                    kv_slot_scales=slot_scales)
+                                                    kv_slot_scales=slot_scales).for_ops(*ALL_OPS)
     bound = bind(params, req, device, capturing=graph)  # type: ignore[arg-type]
     sel = bound.selection
-    be = sel.indexer if op == "index_topk" else sel.attention
-    if graph and not be.capabilities.cuda_graph_safe:
+    be = {Op.INDEX_TOPK: sel.indexer, Op.ATTENTION: sel.attention, Op.INDEX_SCORES: sel.scorer}[op]
+    if graph and be is not None and not be.capabilities.cuda_graph_safe:
         why = " (among the backends that read k_scale/v_scale per token slot)" if slot_scales else ""
         raise BackendUnavailableError(
             f"{fn}: backend {be.name!r}{why}, selected for this call, is not CUDA-graph safe (it does not "
@@ -122,13 +123,20 @@ def _bound(fn: str, op: str, params: SparseAttentionParams, dtype: torch.dtype, 
     return bound
 
 
-def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: BatchMetadata, rows: torch.Tensor,
-               params: SparseAttentionParams, max_decode_query_len: int, graph: bool) -> None:
+def _index_call(fn: str, op: Op, idx_q: torch.Tensor, index_cache: torch.Tensor, params: SparseAttentionParams,
+                decode_query_len: int, graph: bool) -> tuple[torch.Tensor, PagedKVCache, OpTarget]:
+    """What an index op's call runs on: ``(index queries, caches, target)``."""
     if idx_q.dtype in FP8_DTYPES:   # mm3's index queries are in the attention dtype: widen (exact)
         idx_q = idx_q.to(torch.bfloat16)
     caches = index_caches(index_cache, params.num_kv_heads, idx_q.dtype, graph)
-    target = _bound(fn, "index_topk", params, idx_q.dtype, index_cache.dtype, idx_q.dtype, False, idx_q.device,
-                    max_decode_query_len, graph).target
+    target = _bound(fn, op, params, idx_q.dtype, index_cache.dtype, idx_q.dtype, False, idx_q.device,
+                    decode_query_len, graph).target
+    return idx_q, caches, target
+
+
+def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: BatchMetadata, rows: torch.Tensor,
+               params: SparseAttentionParams, max_decode_query_len: int, graph: bool) -> None:
+    idx_q, caches, target = _index_call(fn, Op.INDEX_TOPK, idx_q, index_cache, params, max_decode_query_len, graph)
     names = (DECODE_NAMES if batch.num_decodes else VLLM_NAMES)._replace(topk="out")
     target.run(fn, (Op.INDEX_TOPK,), caches=caches, batch=batch, topk=topk_view(fn, "out", rows), index_q=idx_q,
                graph=graph, names=names)
@@ -136,26 +144,46 @@ def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: B
 
 def _run_attention(fn: str, q: torch.Tensor, caches: PagedKVCache, topk_idx: torch.Tensor, batch: BatchMetadata,
                    output: torch.Tensor, params: SparseAttentionParams, decode_query_len: int, graph: bool) -> None:
-    target = _bound(fn, "attention", params, q.dtype, q.dtype, caches.dtype, caches.slot_scaled, q.device,
+    target = _bound(fn, Op.ATTENTION, params, q.dtype, q.dtype, caches.dtype, caches.slot_scaled, q.device,
                     decode_query_len, graph).target
     target.run(fn, (Op.ATTENTION,), caches=caches, batch=batch, topk=topk_view(fn, "topk_idx", topk_idx), q=q,
                out=output, graph=graph, names=DECODE_NAMES if batch.num_decodes else VLLM_NAMES)
 
 
+def _run_scores(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: BatchMetadata, out: torch.Tensor,
+                params: SparseAttentionParams, max_query_len: int, decode_query_len: int, graph: bool) -> None:
+    """``batch``'s block scores into every element of ``out`` (``[H, T, N]``, any strides): the selected
+    backend's ``index_scores``, or, where it has none (its selection's trace says so), mm3's torch scorer
+    on a call admitted at the same boundary."""
+    idx_q, caches, target = _index_call(fn, Op.INDEX_SCORES, idx_q, index_cache, params, decode_query_len, graph)
+    names = (DECODE_NAMES if batch.num_decodes else VLLM_NAMES)._replace(out="score_out")
+    call = dict(caches=caches, batch=batch, index_q=idx_q, out=out, graph=graph, names=names)
+    if target.scorer is not None:
+        target.run(fn, (Op.INDEX_SCORES,), **call)  # type: ignore[arg-type]
+        return
+    target.admit_call(fn, (Op.INDEX_SCORES,), **call)  # type: ignore[arg-type]
+    N = out.shape[2]
+    out.copy_(block_scores(idx_q, index_cache, batch, num_blocks=N, max_query_len=max_query_len,
+                           forced=(params.init_blocks, params.local_blocks))[:, :, :N])
+
+
 def _decode_scores(fn: str, idx_q: torch.Tensor, index_kv_cache: torch.Tensor, batch: BatchMetadata,
-                   max_seq_len: int, init_blocks: int, local_blocks: int, dql: int,
-                   score_out: Optional[torch.Tensor]) -> torch.Tensor:
+                   params: SparseAttentionParams, max_seq_len: int, dql: int, max_dql: int,
+                   score_out: Optional[torch.Tensor], graph: bool) -> torch.Tensor:
+    """The decode scores into columns ``[0, cdiv(max_seq_len, B))`` of ``score_out`` (returned), or into all
+    columns of a new tensor of :func:`~mm3.integrations.block_scores.score_width` of them."""
+    H, T = params.num_kv_heads, batch.num_tokens
     nblk = cdiv(max_seq_len, index_kv_cache.shape[1])
-    s = block_scores(idx_q, index_kv_cache, batch, num_blocks=nblk, max_query_len=dql,
-                     forced=(init_blocks, local_blocks))
     if score_out is None:
-        return s
-    T = batch.num_tokens
-    tensor_arg(fn, "score_out", score_out, 3, "[num_kv_heads, total_q, >= max_block]")
-    if score_out.shape[0] != s.shape[0] or score_out.shape[1] != T or score_out.shape[2] < nblk:
-        raise InputError(f"{fn}: score_out has shape {tuple(score_out.shape)}, needs [{s.shape[0]}, {T}, "
-                         f">= {nblk}] (num_kv_heads, total_q, cdiv(max_seq_len, block size))")
-    score_out[:, :, :nblk].copy_(s[:, :, :nblk])
+        score_out = out = torch.empty((H, T, score_width(nblk)), dtype=torch.float32, device=idx_q.device)
+    else:
+        tensor_arg(fn, "score_out", score_out, 3, "[num_kv_heads, total_q, >= max_block]")
+        if score_out.shape[0] != H or score_out.shape[1] != T or score_out.shape[2] < nblk:
+            raise InputError(f"{fn}: score_out has shape {tuple(score_out.shape)}, needs [{H}, {T}, >= {nblk}] "
+                             f"(num_kv_heads, total_q, cdiv(max_seq_len, block size))")
+        out = score_out[:, :, :nblk]
+    if T and out.shape[2]:
+        _run_scores(fn, idx_q, index_kv_cache, batch, out, params, dql, max_dql, graph)
     return score_out
 
 
@@ -172,8 +200,8 @@ def minimax_m3_index_decode(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, b
     The selected backend's indexer on the decode batch. ``out`` (``[num_kv_heads,
     >= total_q, topk]``, any storage behind that view) gets rows ``[0, total_q)``,
     returned; ``score_out``, when given, also gets the block scores
-    (:func:`minimax_m3_index_decode_score`'s, from mm3's torch scorer). The order of
-    the ids in a row is the backend's; ``max_seq_len`` only sizes ``score_out``.
+    (:func:`minimax_m3_index_decode_score`'s). The order of the ids in a row is the
+    backend's; ``max_seq_len`` only sizes ``score_out``.
     """
     fn = "minimax_m3_index_decode"
     tensor_arg(fn, "idx_q", idx_q, 3, "[total_q, num_kv_heads, index_head_dim]")
@@ -186,11 +214,11 @@ def minimax_m3_index_decode(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, b
     B = index_kv_cache.shape[1]
     batch = decode_batch(fn, seq_lens, block_table, decode_query_len, T, B, graph)
     rows = out_rows(fn, out, H, T, topk, idx_q.device)
+    params = _params(fn, _index_params, H, Di, B, topk, init_blocks, local_blocks)
     if score_out is not None:
-        _decode_scores(fn, idx_q, index_kv_cache, batch, max_seq_len, init_blocks, local_blocks, decode_query_len,
-                       score_out)
+        _decode_scores(fn, idx_q, index_kv_cache, batch, params, max_seq_len, decode_query_len, max_decode_query_len,
+                       score_out, graph)
     if T:
-        params = _params(fn, _index_params, H, Di, B, topk, init_blocks, local_blocks)
         _run_index(fn, idx_q, index_kv_cache, batch, rows, params, max_decode_query_len, graph)
     return rows
 
@@ -202,21 +230,27 @@ def minimax_m3_index_decode_score(idx_q: torch.Tensor, index_kv_cache: torch.Ten
                                   score_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Block scores of each decode token, forced blocks set: ``[num_kv_heads, total_q, >= max_block]`` float32.
 
-    From mm3's torch scorer (:func:`~mm3.integrations.block_scores.block_scores`), not from a backend:
-    an mm3 indexer never writes its scores. Blocks a token cannot see score ``-inf``; its
-    init blocks ``1e30`` and local blocks ``1e29``. ``score_out`` (any strides) gets
-    columns ``[0, cdiv(max_seq_len, block size))`` and is returned.
+    The selected indexer's block scores (``index_scores``, docs/spec.md §3.6), or mm3's torch
+    scorer (:func:`~mm3.integrations.block_scores.block_scores`) where that backend writes
+    none (its selection says so). Blocks a token cannot see score ``-inf``; its init blocks
+    ``1e30``, its local blocks ``1e29``, a NaN block ``-1e30``. ``score_out`` (any strides) gets
+    columns ``[0, cdiv(max_seq_len, block size))`` and is returned; without it, a new tensor of
+    ``round_up(max_block, 16)`` columns.
     """
     fn = "minimax_m3_index_decode_score"
     tensor_arg(fn, "idx_q", idx_q, 3, "[total_q, num_kv_heads, index_head_dim]")
     tensor_arg(fn, "index_kv_cache", index_kv_cache, 3, "[num_blocks, block_size, index_head_dim]")
-    T, H, _ = idx_q.shape
+    T, H, Di = idx_q.shape
     check_heads(fn, "idx_q", H, num_kv_heads)
     if decode_query_len > max_decode_query_len:
         raise InputError(f"{fn}: decode_query_len={decode_query_len} > max_decode_query_len={max_decode_query_len}")
-    batch = decode_batch(fn, seq_lens, block_table, decode_query_len, T, index_kv_cache.shape[1], capturing(idx_q))
-    return _decode_scores(fn, idx_q, index_kv_cache, batch, max_seq_len, init_blocks, local_blocks,
-                          decode_query_len, score_out)
+    graph = capturing(idx_q)
+    B = index_kv_cache.shape[1]
+    batch = decode_batch(fn, seq_lens, block_table, decode_query_len, T, B, graph)
+    # block scores select nothing: the least top-k the forced blocks allow stands in for one
+    params = _params(fn, _index_params, H, Di, B, max(1, init_blocks + local_blocks), init_blocks, local_blocks)
+    return _decode_scores(fn, idx_q, index_kv_cache, batch, params, max_seq_len, decode_query_len,
+                          max_decode_query_len, score_out, graph)
 
 
 @torch.no_grad()
@@ -225,20 +259,22 @@ def minimax_m3_index_score(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, bl
                            max_query_len: int, max_seq_len: int, num_kv_heads: int) -> torch.Tensor:
     """Block scores of each prefill token: ``[num_kv_heads, total_q, round_up(max_block, 16)]`` float32.
 
-    From mm3's torch scorer, not from a backend (see :func:`minimax_m3_index_decode_score`); no
-    forced blocks (:func:`minimax_m3_index_topk` sets them). ``prefix_lens`` must be
-    ``seq_lens`` minus the query lengths (checked where the guard checks a step).
+    As :func:`minimax_m3_index_decode_score` (the selected indexer's, else mm3's torch
+    scorer), with no forced blocks (:func:`minimax_m3_index_topk` sets them). ``prefix_lens``
+    must be ``seq_lens`` minus the query lengths (checked with the step's contents).
     """
     fn = "minimax_m3_index_score"
     tensor_arg(fn, "idx_q", idx_q, 3, "[total_q, num_kv_heads, index_head_dim]")
     tensor_arg(fn, "index_kv_cache", index_kv_cache, 3, "[num_blocks, block_size, index_head_dim]")
-    T, H, _ = idx_q.shape
+    T, H, Di = idx_q.shape
     check_heads(fn, "idx_q", H, num_kv_heads)
     B = index_kv_cache.shape[1]
     batch = prefill_batch(fn, cu_seqlens_q, seq_lens, block_table, T, max_query_len, B, prefix_lens)
-    if not capturing(idx_q):   # mm3's own scorer, no backend: its step's contents are checked here
-        check_on_host(batch, index_kv_cache.shape[0], entry=fn, names=VLLM_NAMES)
-    return block_scores(idx_q, index_kv_cache, batch, num_blocks=cdiv(max_seq_len, B), max_query_len=max_query_len)
+    scores = torch.empty((H, T, score_width(cdiv(max_seq_len, B))), dtype=torch.float32, device=idx_q.device)
+    if T:
+        params = _params(fn, _index_params, H, Di, B, 1, 0, 0)
+        _run_scores(fn, idx_q, index_kv_cache, batch, scores, params, max_query_len, 1, capturing(idx_q))
+    return scores
 
 
 @torch.no_grad()

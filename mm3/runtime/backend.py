@@ -37,6 +37,7 @@ __all__ = ["Backend", "DeviceLike", "HookCall"]
 _SPEC_ARGS: dict[Op, tuple[str, ...]] = {
     Op.INDEX_TOPK: ("index_q", "caches", "batch", "params", "out", "page_faults"),
     Op.ATTENTION: ("q", "caches", "topk", "batch", "params", "out"),
+    Op.INDEX_SCORES: ("index_q", "caches", "batch", "params", "out", "page_faults"),
 }
 
 DeviceLike = Union[str, torch.device]
@@ -93,9 +94,10 @@ class Backend:
         self._where = {op: f"{capabilities.name}.{op.hook}" for op in Op}
         # the hook functions as positional calls (pluggy lets a hookimpl name any subset of its
         # spec's arguments, in any order: those are called by name)
-        #: direct calls of the plugin's two op hooks (what a plain step runs: :mod:`mm3.runtime.step`)
+        #: direct calls of the plugin's op hooks (what a plain step runs: :mod:`mm3.runtime.step`)
         self.index_call = self._plan(Op.INDEX_TOPK)
         self.attention_call = self._plan(Op.ATTENTION)
+        self.scores_call = self._plan(Op.INDEX_SCORES)
 
     # -- facts ------------------------------------------------------------------
     @property
@@ -112,7 +114,7 @@ class Backend:
         return frozenset(self._impls)
 
     def provides(self, op: str) -> bool:
-        """True when the backend declares ``op`` ("index_topk" | "attention") and implements it."""
+        """True when the backend declares ``op`` ("index_topk" | "attention" | "index_scores") and implements it."""
         try:
             known = Op(op)
         except ValueError:
@@ -232,10 +234,20 @@ class Backend:
         self._admitted(Op.ATTENTION, caches, batch, params, topk, q=q, out=out)
         self.invoke(Op.ATTENTION, (q, caches, topk, batch, params, out))
 
+    def index_scores(self, index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
+                     params: "SparseAttentionParams", out: "torch.Tensor",
+                     page_faults: "Optional[torch.Tensor]" = None) -> None:
+        """The block scores (docs/spec.md §3.6) into every element of ``out`` (float32 ``[Hidx, T, N]``, any
+        strides): admitted at the boundary, then the plugin's hook. ``page_faults`` as for :meth:`index_topk`."""
+        self._op(Op.INDEX_SCORES)
+        faults = page_faults if self.capabilities.reports_bad_page_ids else None
+        self._admitted(Op.INDEX_SCORES, caches, batch, params, None, index_q=index_q, out=out)
+        self.invoke(Op.INDEX_SCORES, (index_q, caches, batch, params, out[:, :batch.num_tokens], faults))
+
     def _admitted(self, op: Op, caches: "PagedKVCache", batch: "BatchMetadata", params: "SparseAttentionParams",
-                  topk: TopkBuffer, **tensors: "torch.Tensor") -> None:
+                  topk: Optional[TopkBuffer], **tensors: "torch.Tensor") -> None:
         where = self._where[op]
-        plan, _ = admit(describe(where, (op,), params, self if op == Op.INDEX_TOPK else None,
+        plan, _ = admit(describe(where, (op,), params, None if op == Op.ATTENTION else self,
                                  self if op == Op.ATTENTION else None, caches=caches, batch=batch, topk=topk,
                                  **tensors))
         if plan.convert_to or plan.index_via:
@@ -249,7 +261,9 @@ class Backend:
         """The plugin's ``op`` hook on ``args`` (the hook's spec order), no checks: what a step runs once the
         boundary admitted the call (:mod:`mm3.runtime.step`). What the hook raises is named by :meth:`reraise`."""
         try:
-            (self.index_call if op == Op.INDEX_TOPK else self.attention_call)(*args)
+            # by identity: every step passes through here, and an enum member hashes in Python
+            (self.index_call if op is Op.INDEX_TOPK else self.attention_call if op is Op.ATTENTION
+             else self.scores_call)(*args)
         except Exception as e:
             self.reraise(e, op.hook)
 

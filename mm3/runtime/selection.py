@@ -19,6 +19,11 @@ Rules (docs/configuration.md):
   otherwise ``"auto"`` for ``index_topk``.
 * Nothing fits -> :class:`~mm3.contract.errors.NoBackendError` listing the request and
   each candidate's reasons.
+* Block scores (the optional ``index_scores`` op), only when ``requirements.ops``
+  asks for them: the indexer's own, when it provides them and is capable;
+  otherwise none (:attr:`Selection.scorer` is ``None``, and the trace says why:
+  a caller then scores the blocks itself). Never another backend: scores
+  from the indexer's arithmetic select what its ``index_topk`` selects.
 * When the attention backend needs a contiguous top-k buffer in a layout other
   than the one the indexer writes, :attr:`Selection.topk_conversion` says the
   core converts the buffer each step.
@@ -50,7 +55,7 @@ from pydantic import ValidationError
 
 from mm3.contract.buffers import dtype_name
 from mm3.contract.capabilities import Probe, Requirements
-from mm3.contract.hookspecs import ALL_OPS, Op
+from mm3.contract.hookspecs import STEP_OPS, Op
 from mm3.contract.errors import BackendUnavailableError, InputError, NoBackendError, describe_validation_error
 
 if TYPE_CHECKING:
@@ -115,6 +120,8 @@ class Selection:
     topk_written: tuple[str, bool] = ("head_major", True)
     trace: list[TraceEntry] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: the backend of ``index_scores`` (asked for in ``requirements.ops``); ``None``: none provides it
+    scorer: Optional["Backend"] = None
 
     @property
     def converts_topk(self) -> bool:
@@ -149,9 +156,11 @@ class Selection:
     def explain(self) -> str:
         """A readable multi-line trace; ``*`` marks the chosen backend of each op."""
         lines = [f"mm3 backend selection on {self.device}: {describe_requirements(self.requirements)}"]
-        for op in (Op.ATTENTION, Op.INDEX_TOPK):
-            lines.append(f"{op}:")
+        for op in (Op.ATTENTION, Op.INDEX_TOPK, Op.INDEX_SCORES):
             entries = self.entries(op)
+            if op == Op.INDEX_SCORES and not entries:
+                continue
+            lines.append(f"{op}:")
             width = max((len(e.backend) for e in entries), default=0)
             for e in entries:
                 mark = "*" if e.chosen else " "
@@ -210,7 +219,7 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
     idt = index_dtype if isinstance(index_dtype, str) else dtype_name(index_dtype)
     kvt = kv_dtype if kv_dtype is None or isinstance(kv_dtype, str) else dtype_name(kv_dtype)
     try:
-        return Requirements(device_type=dev.type, ops=ALL_OPS, dtype=dt, index_cache_dtype=idt,
+        return Requirements(device_type=dev.type, ops=STEP_OPS, dtype=dt, index_cache_dtype=idt,
                             kv_cache_dtype=None if kvt == dt else kvt,
                             head_dim=params.head_dim, index_head_dim=params.index_head_dim,
                             block_size=params.block_size, topk=params.topk,
@@ -327,8 +336,8 @@ def select(requirements: Requirements, registry: "Registry", *, backend: str = "
            device: DeviceLike) -> Selection:
     """Choose the indexer and attention backends for ``requirements`` on ``device``.
 
-    ``requirements.ops`` is ignored: each op is checked on its own.
-    See the module docstring for the rules.
+    ``index_topk`` and ``attention`` are always chosen, each checked on its own; ``index_scores``
+    when ``requirements.ops`` holds it. See the module docstring for the rules.
 
     Raises:
         UnknownBackendError: a named backend does not exist.
@@ -374,11 +383,28 @@ def select(requirements: Requirements, registry: "Registry", *, backend: str = "
                          f"indexer chosen by auto")
         indexer = _pick(Op.INDEX_TOPK, "auto", requirements, registry, device_str, allow_fallback,
                         trace, notes, setting="indexer_backend")
+    scorer = _scorer(indexer, requirements, device_str, trace, notes) if Op.INDEX_SCORES in requirements.ops \
+        else None
     # Before a buffer exists, assume the indexer allocates a dense one in its declared layout;
     # SparseAttention replaces this with the verdict on the buffer it got (Selection.for_buffer).
     written = indexer.capabilities.topk_layout
     conversion = topk_conversion_target(attention, written, dense=True)
     sel = Selection(indexer=indexer, attention=attention, requirements=requirements,
-                    device=device_str, topk_convert_to=conversion, topk_written=(written, True), trace=trace, notes=notes)
+                    device=device_str, topk_convert_to=conversion, topk_written=(written, True), trace=trace,
+                    notes=notes, scorer=scorer)
     _log_once(sel)
     return sel
+
+
+def _scorer(indexer: "Backend", req: Requirements, device: str, trace: list[TraceEntry],
+            notes: list[str]) -> Optional["Backend"]:
+    """The indexer, if it can write the block scores (``index_scores``) for ``req``; else ``None``, and why."""
+    entry = _evaluate(indexer, Op.INDEX_SCORES, req, device, note="the indexer's own")
+    if entry.accepted:
+        trace.append(_mark(entry))
+        return indexer
+    trace.append(entry)
+    notes.append(f"no backend writes index_scores here (indexer {indexer.name!r}: {'; '.join(entry.reasons)}): "
+                 f"block scores are the caller's to compute (mm3.integrations.vllm: mm3's torch scorer, "
+                 f"mm3.integrations.block_scores)")
+    return None

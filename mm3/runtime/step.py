@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from mm3.contract.params import SparseAttentionParams
     from mm3.runtime.backend import Backend
 
-__all__ = ["OpTarget", "describe", "admit", "IndexArgs", "AttentionArgs", "BOTH", "MAX_CLASSES"]
+__all__ = ["OpTarget", "describe", "admit", "IndexArgs", "AttentionArgs", "ScoresArgs", "BOTH", "MAX_CLASSES"]
 
 #: classes remembered before the memo starts over (every prefill token count is a class; the
 #: rules of a forgotten class simply run again)
@@ -78,6 +78,17 @@ class IndexArgs(NamedTuple):
     batch: BatchMetadata
     params: "SparseAttentionParams"
     out: TopkBuffer
+    page_faults: Optional[torch.Tensor] = None
+
+
+class ScoresArgs(NamedTuple):
+    """The ``index_scores`` hook's arguments, in its spec's order (``out``: the step's ``[H, T, N]`` scores)."""
+
+    index_q: torch.Tensor
+    caches: PagedKVCache
+    batch: BatchMetadata
+    params: "SparseAttentionParams"
+    out: torch.Tensor
     page_faults: Optional[torch.Tensor] = None
 
 
@@ -111,13 +122,16 @@ def _wrong_types(entry: str, names: ArgNames, caches: object, batch: object, top
 
 
 def describe(entry: str, ops: tuple[str, ...], params: "SparseAttentionParams", indexer: Optional["Backend"],
-             attention: Optional["Backend"], *, caches: PagedKVCache, batch: BatchMetadata, topk: TopkBuffer,
+             attention: Optional["Backend"], *, caches: PagedKVCache, batch: BatchMetadata,
+             topk: Optional[TopkBuffer] = None,
              index_q: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None,
              out: Optional[torch.Tensor] = None, layer: Optional[LayerFacts] = None,
              names: ArgNames = LAYER_NAMES) -> StepFacts:
     """The facts of one call (:class:`~mm3.contract.facts.StepFacts`), read from its inputs as they are now.
 
     Reads shapes, dtypes, devices and two tensors' strides; no contents, no synchronisation.
+    ``indexer``: the backend of the call's index op (``index_topk`` or ``index_scores``);
+    ``out``: the attention's output, or the block scores of ``index_scores``.
     Raises :class:`InputError` naming an argument of the wrong type.
     """
     # plain tuples in the order of the facts' fields (view() names them): this runs every step
@@ -133,15 +147,18 @@ def describe(entry: str, ops: tuple[str, ...], params: "SparseAttentionParams", 
              batch.max_prefill_query_len, (qsl.shape, qsl.dtype, qsl.device), (sl.shape, sl.dtype, sl.device),
              (bt.shape, bt.dtype, bt.device), (tr.shape, tr.dtype, tr.device), (pos.shape, pos.dtype, pos.device),
              None if ctx is None else (ctx.shape, ctx.dtype, ctx.device))
-        s = topk.storage
-        layout = topk.layout
+        if topk is None and Op.INDEX_SCORES in ops:     # block scores: a call without a top-k buffer
+            layout, tk = None, None
+        else:
+            s = topk.storage  # type: ignore[union-attr]
+            layout, tk = topk.layout, (s.shape, s.dtype, s.device, s.stride())  # type: ignore[union-attr]
     except AttributeError:
         raise _wrong_types(entry, names, caches, batch, topk) from None
-    index, attend = Op.INDEX_TOPK in ops, Op.ATTENTION in ops
+    index, attend = Op.INDEX_TOPK in ops or Op.INDEX_SCORES in ops, Op.ATTENTION in ops
     return StepFacts(entry, names, ops, params, indexer, attention, layer,
                      _tensor(names.index_q, index_q) if index else None, _tensor(names.q, q) if attend else None,
-                     (*_tensor(names.out, out), out.stride()) if attend else None,  # type: ignore[union-attr]
-                     layout, (s.shape, s.dtype, s.device, s.stride()), c, b)  # type: ignore[arg-type]
+                     (*_tensor(names.out, out), out.stride()) if attend or Op.INDEX_SCORES in ops else None,  # type: ignore[union-attr]
+                     layout, tk, c, b)  # type: ignore[arg-type]
 
 
 def admit(facts: StepFacts) -> tuple[Plan, bool]:
@@ -183,6 +200,8 @@ class OpTarget:
     Args:
         indexer, attention: the bound backends.
         params: the owner's parameters.
+        scorer: the bound backend of ``index_scores`` (``None``: none provides it; a caller then scores
+            the blocks itself, its call admitted by :meth:`admit_call`).
         topk: the owner's persistent top-k buffer (``None``: callers always pass their own).
         mode: ``check_contracts``: ``"first"``, ``"always"`` or ``"never"`` (see the module's docstring).
         flag: where device-side checks report (one per owner).
@@ -197,6 +216,7 @@ class OpTarget:
     mode: str = "first"
     flag: FaultFlag = field(default_factory=lambda: FaultFlag("cpu"))
     layer: Optional[LayerFacts] = None
+    scorer: Optional["Backend"] = None
     handle: int = field(init=False)
     #: (op, batch kind) pairs whose first eager call passed the guard ("first" mode)
     guarded: set[tuple[str, str]] = field(default_factory=set)
@@ -204,8 +224,10 @@ class OpTarget:
     _rows: dict[int, TopkBuffer] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        # whether each op's backend checks the page ids it loads (an op none provides checks nothing)
         self._reports = self.indexer.capabilities.reports_bad_page_ids
         self._clamps = self.attention.capabilities.reports_bad_page_ids
+        self._scorer_reports = self.scorer is not None and self.scorer.capabilities.reports_bad_page_ids
         with _LOCK:
             self.handle = next(_NEXT)
             _TARGETS[self.handle] = self
@@ -242,30 +264,63 @@ class OpTarget:
     def _contents(self, f: StepFacts, caches: PagedKVCache, batch: BatchMetadata, new: bool,
                   graph: bool) -> Optional[torch.Tensor]:
         """Judge the step's contents the cheapest way that still sees them every step; returns the word to
-        pass a reporting indexer."""
+        pass a reporting index op."""
         flag = self.flag
         if not graph:
             flag.raise_pending()
         flag.about(f.entry, f.names, caches.num_pages, batch)
-        runs_index = Op.INDEX_TOPK in f.ops
+        # the op whose backend reads every used block-table entry: the index op, first in a call of two
+        reader = f.ops[0]
+        reports = self._clamps if reader == Op.ATTENTION else \
+            self._scorer_reports if reader == Op.INDEX_SCORES else self._reports
         if on_host(batch) or (new and not graph):
             check_on_host(batch, caches.num_pages, entry=f.entry, names=f.names,
                           scales=(caches.k_scale, caches.v_scale) if new else ())
-        elif not (self._reports if runs_index else self._clamps):
+        elif not reports:
             flag.record(batch, caches.num_pages, graph=graph)
-        return flag.word if runs_index and self._reports else None
+        return flag.word if reader != Op.ATTENTION and reports else None
 
     # -- the step -------------------------------------------------------------------------------
-    def run(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
-            topk: TopkBuffer, index_q: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None,
-            out: Optional[torch.Tensor] = None, graph: bool = False, names: ArgNames = LAYER_NAMES) -> None:
-        """Admit the call, check its contents, run its hooks (``ops``: both, or one) on rows ``[0, T)``."""
-        f = describe(entry, ops, self.params, self.indexer if Op.INDEX_TOPK in ops else None,
-                     self.attention if Op.ATTENTION in ops else None, caches=caches, batch=batch, topk=topk,
-                     index_q=index_q, q=q, out=out, layer=self.layer, names=names)
+    def admit_call(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
+                   topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
+                   q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: bool = False,
+                   names: ArgNames = LAYER_NAMES) -> tuple[Plan, Optional[torch.Tensor]]:
+        """Admit a call on this target and judge its contents, as :meth:`run` does before the hooks:
+        ``(plan, page_faults)``. A caller that does an op's work itself (``index_scores`` where no
+        bound backend provides it) calls this, then works."""
+        return self._admit(entry, ops, caches, batch, topk, index_q, q, out, graph, names)
+
+    def _admit(self, entry: str, ops: tuple[str, ...], caches: PagedKVCache, batch: BatchMetadata,
+               topk: Optional[TopkBuffer], index_q: Optional[torch.Tensor], q: Optional[torch.Tensor],
+               out: Optional[torch.Tensor], graph: bool, names: ArgNames) -> tuple[Plan, Optional[torch.Tensor]]:
+        index = self.scorer if Op.INDEX_SCORES in ops else self.indexer if Op.INDEX_TOPK in ops else None
+        f = describe(entry, ops, self.params, index, self.attention if Op.ATTENTION in ops else None,
+                     caches=caches, batch=batch, topk=topk, index_q=index_q, q=q, out=out, layer=self.layer,
+                     names=names)
         plan, new = admit(f)
-        faults = self._contents(f, caches, batch, new, graph)
+        return plan, self._contents(f, caches, batch, new, graph)
+
+    def run(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
+            topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
+            q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: bool = False,
+            names: ArgNames = LAYER_NAMES) -> None:
+        """Admit the call, check its contents, run its hooks (``ops``: both, or one) on rows ``[0, T)``.
+
+        ``index_scores`` (alone): ``out`` is the caller's ``[H, >= T, N]`` scores, of which rows ``[0, T)``
+        are written; its backend must exist (:attr:`scorer`)."""
+        plan, faults = self._admit(entry, ops, caches, batch, topk, index_q, q, out, graph, names)
         T = batch.num_tokens
+        if Op.INDEX_SCORES in ops:
+            if self.scorer is None:
+                raise InputError(f"{entry}: no bound backend provides index_scores; score the blocks without "
+                                 f"one (OpTarget.admit_call, then mm3.integrations.block_scores)")
+            rows = out if out.shape[1] == T else out[:, :T]  # type: ignore[union-attr]
+            self._call(self.scorer, ScoresArgs(index_q, caches, batch, self.params, rows, faults),  # type: ignore[arg-type]
+                       plan.kind, graph)
+            if faults is not None and not graph:
+                self.flag.after_step()
+            return
+        assert topk is not None
         if topk.num_tokens == T:
             rows = topk
         elif topk is self.topk:
@@ -287,10 +342,14 @@ class OpTarget:
             self.flag.after_step()
 
     def _call(self, be: "Backend", args: Any, kind: str, graph: bool) -> None:
-        op = Op.INDEX_TOPK if isinstance(args, IndexArgs) else Op.ATTENTION
+        op = _OPS[type(args)]
         if self._guard(op, kind, graph):
             guard.checked_call(be, op, args)
             if self.mode == "first":
                 self.guarded.add((op.value, kind))
         else:
             be.invoke(op, args)
+
+
+#: the op each hook's argument tuple is for
+_OPS: dict[type, Op] = {IndexArgs: Op.INDEX_TOPK, AttentionArgs: Op.ATTENTION, ScoresArgs: Op.INDEX_SCORES}

@@ -32,7 +32,7 @@ from mm3.contract.params import SparseAttentionParams
 
 __all__ = [
     "FORCED_INIT", "FORCED_LOCAL", "NAN_SCORE",
-    "oracle_block_scores", "oracle_topk", "oracle_attention",
+    "oracle_block_scores", "oracle_index_scores", "oracle_topk", "topk_of_scores", "oracle_attention",
     "TopkRowError", "check_topk",
 ]
 
@@ -93,14 +93,16 @@ def _padded_block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: Bat
     icache = _f64(caches.index)
     H = params.num_index_heads
     for rq in _requests(batch, B):
-        keys = icache[rq.pages, rq.slots]                                       # [L, Di]
+        # each distinct key is scored once: equal keys then score exactly alike (§3.5's exact ties), which
+        # a matmul over every position does not promise (its sums' order depends on the column)
+        keys, which = torch.unique(icache[rq.pages, rq.slots], dim=0, return_inverse=True)   # [U, Di], [L]
         L = rq.length
         nb_max = (L - 1) // B + 1
         j = torch.arange(L)
         b = torch.arange(nb_max)
         for sl in _chunks(len(rq.tokens), H * nb_max * B):
             t, p = rq.tokens[sl], rq.pos[sl]
-            s = torch.matmul(iq[t], keys.T) * params.index_scale                # [n, H, L]
+            s = torch.matmul(iq[t], keys.T)[..., which] * params.index_scale     # [n, H, L]
             s = s.masked_fill((j[None, :] > p[:, None])[:, None, :], float("-inf"))
             s = torch.nn.functional.pad(s, (0, nb_max * B - L), value=float("-inf"))
             S = s.view(len(t), H, nb_max, B).amax(dim=-1)                        # NaN propagates
@@ -127,6 +129,20 @@ def oracle_block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: Batc
     return out
 
 
+def oracle_index_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
+                        params: SparseAttentionParams, num_blocks: int) -> torch.Tensor:
+    """What ``index_scores`` writes (docs/spec.md §3.6), in float64: ``[H, T, num_blocks]``.
+
+    S after §3.4 for each block ``b < min(nb, num_blocks)`` a token sees, ``-inf`` in
+    every other column and in every column of a padding token.
+    """
+    out = torch.full((params.num_index_heads, batch.num_tokens, num_blocks), float("-inf"), dtype=torch.float64)
+    for t, S in _padded_block_scores(index_q, caches, batch, params):
+        w = min(num_blocks, S.shape[-1])
+        out[:, t, :w] = S[..., :w].permute(1, 0, 2)
+    return out
+
+
 def oracle_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
                 params: SparseAttentionParams) -> TopkBuffer:
     """The oracle's selection as a head-major CPU buffer; equal scores go to the lower block id."""
@@ -135,12 +151,19 @@ def oracle_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadat
     view = buf.head_major()
     view.fill_(-1)
     for t, S in _padded_block_scores(index_q, caches, batch, params):
-        # a stable descending sort keeps equal scores in ascending block order
-        order = torch.sort(S, dim=-1, descending=True, stable=True).indices[..., :K]   # [n, H, k']
-        visible = torch.isfinite(torch.gather(S, -1, order))                          # drops -inf
-        ids = torch.where(visible, order, torch.full_like(order, -1)).to(torch.int32)
-        view[:, t, : ids.shape[-1]] = ids.permute(1, 0, 2)
+        view[:, t] = topk_of_scores(S, K).permute(1, 0, 2)
     return buf
+
+
+def topk_of_scores(S: torch.Tensor, K: int) -> torch.Tensor:
+    """docs/spec.md §3.5 on block scores after §3.4 (``S`` ``[..., N]``, ``-inf`` where a block is not
+    visible): the ``K`` highest finite scores' block ids, exact ties to the lowest id, then ``-1``;
+    int32 ``[..., K]``, highest first."""
+    # a stable descending sort keeps equal scores in ascending block order
+    order = torch.sort(S, dim=-1, descending=True, stable=True).indices[..., :K]
+    visible = torch.isfinite(torch.gather(S, -1, order))                              # drops -inf
+    ids = torch.where(visible, order, torch.full_like(order, -1)).to(torch.int32)
+    return torch.nn.functional.pad(ids, (0, K - ids.shape[-1]), value=-1)
 
 
 def _attend(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, allowed: torch.Tensor,

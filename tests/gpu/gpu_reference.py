@@ -20,7 +20,7 @@ from mm3.contract.kv_scales import FP8_KV_DTYPES
 from mm3.contract.params import SparseAttentionParams
 from mm3.testing.factories import make_case
 
-__all__ = ["GpuCase", "build_case", "block_scores", "selection_errors", "attention_reference",
+__all__ = ["GpuCase", "build_case", "combined_kv", "block_scores", "selection_errors", "attention_reference",
            "sample_tokens", "run_hooks_step", "assert_step_right", "assert_replays_match", "POISON_TOPK"]
 
 #: what :func:`run_hooks_step` fills the top-k buffer with first (a row left so was not written)
@@ -85,6 +85,16 @@ def build_case(params: SparseAttentionParams, *, decodes: Sequence[int], prefill
     q = torch.randn(T, params.num_heads, params.head_dim, device=dev, generator=g).to(dtype)
     index_q = torch.randn(T, params.num_index_heads, params.index_head_dim, device=dev, generator=g).to(dtype)
     return GpuCase(params, q, index_q, caches, batch)
+
+
+def combined_kv(caches: PagedKVCache) -> torch.Tensor:
+    """vLLM's one KV cache of ``caches``: K then V in the last axis of ``[num_blocks, Hkv, B, 2 * D]``."""
+    k, v = caches.k, caches.v
+    N, B, H, D = k.shape
+    kv = torch.empty((N, H, B, 2 * D), dtype=k.dtype, device=k.device)
+    kv[..., :D].copy_(k.permute(0, 2, 1, 3))
+    kv[..., D:].copy_(v.permute(0, 2, 1, 3))
+    return kv
 
 
 def capture(run: Callable[[], None]) -> torch.cuda.CUDAGraph:

@@ -3,13 +3,11 @@
 vLLM's MiniMax-M3 layer at M3's TP1 shapes (4 KV heads: a layout mix-up shows),
 its tensors in vLLM's conventions (one ``[num_blocks, Hkv, 128, 2 * head_dim]`` KV
 cache, token-major top-k storage behind a head-major view), made under
-``torch.inference_mode()``. Five of the six functions are captured (warm-up on a
-side stream, then ``torch.cuda.graph``): the decode indexer and attention, the
-decode scores, the prefill scores and the top-k chosen from them. The graph is
-replayed on new queries and sequence lengths refilled in place; the prefill
-attention (``minimax_m3_sparse_attn``) runs eagerly after it, as vLLM's
-piecewise graphs run it (the cuda backend sizes its prefill grid from host
-lengths). Everything is checked against the fp64 references: every decode
+``torch.inference_mode()``. The six functions are captured in one graph (warm-up
+on a side stream, then ``torch.cuda.graph``): the decode indexer and attention,
+the decode scores, the prefill scores, the top-k chosen from them and the
+prefill attention. The graph is replayed on new queries and sequence lengths
+refilled in place. Everything is checked against the fp64 references: every decode
 token and a spread of prefill tokens, the selection tie-tolerantly, the output
 within bf16's tolerance, the rows past the step untouched. The same with
 vLLM's ``fp8_e5m2`` KV cache and per-tensor scales (``k_scale``/``v_scale``).
@@ -27,7 +25,7 @@ import pytest
 import torch
 
 import mm3
-from gpu_reference import POISON_TOPK, assert_step_right, block_scores, build_case, sample_tokens
+from gpu_reference import POISON_TOPK, assert_step_right, block_scores, build_case, combined_kv, sample_tokens
 from mm3.integrations import targets
 from mm3.integrations import vllm as ops
 from mm3.runtime.config import Settings
@@ -37,15 +35,6 @@ pytestmark = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
 P = mm3.SparseAttentionParams.minimax_m3(tp_size=1)
 DECODES, PREFILLS = [3000, 700, 4100], [(300, 2000), (64, 64)]
-
-
-def _combined_kv(caches: mm3.PagedKVCache) -> torch.Tensor:
-    k, v = caches.k, caches.v
-    N, B, H, D = k.shape
-    kv = torch.empty((N, H, B, 2 * D), dtype=k.dtype, device=k.device)
-    kv[..., :D].copy_(k.permute(0, 2, 1, 3))
-    kv[..., D:].copy_(v.permute(0, 2, 1, 3))
-    return kv
 
 
 def _capture(fn) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
@@ -82,7 +71,7 @@ def _run(dql: int, kv_dtype: Optional[torch.dtype] = None) -> None:
               else (None, None))
     b, H, K = case.batch, P.num_kv_heads, P.topk
     nd, td, T = b.num_decodes, b.num_decode_tokens, b.num_tokens
-    kv = _combined_kv(case.caches)
+    kv = combined_kv(case.caches)
     index = case.caches.index
     # vLLM's persistent tensors: the graph reads and writes them in place
     q = case.q.clone()
@@ -107,8 +96,6 @@ def _run(dql: int, kv_dtype: Optional[torch.dtype] = None) -> None:
                                           P.local_blocks, H, dql, 4, score_out=dscore)
         score = ops.minimax_m3_index_score(iq[td:T], index, bt[nd:], qsl_pf, sl[nd:], ctx_pf, mq, max_seq, H)
         ops.minimax_m3_index_topk(score, qsl_pf, ctx_pf, mq, K, P.init_blocks, P.local_blocks, out=view[:, td:T])
-
-    def prefill_attention() -> None:
         ops.minimax_m3_sparse_attn(q[td:T], kv, view[:, td:T], bt[nd:], qsl_pf, sl[nd:], ctx_pf, mq, H,
                                    P.softmax_scale, out[td:T], ks, vs)
 
@@ -125,7 +112,6 @@ def _run(dql: int, kv_dtype: Optional[torch.dtype] = None) -> None:
     storage.fill_(POISON_TOPK)
     out.fill_(float("nan"))
     g.replay()
-    prefill_attention()
     torch.cuda.synchronize()
     batch = mm3.BatchMetadata.build(list(b.query_lens), new, bt, block_size=P.block_size, num_decodes=nd,
                                     decode_query_len=dql, device="cuda")
@@ -134,7 +120,7 @@ def _run(dql: int, kv_dtype: Optional[torch.dtype] = None) -> None:
         caches = mm3.PagedKVCache(caches.k, caches.v, caches.index, ks, vs)
     step_case = type(case)(P, q, iq, caches, batch)
     assert_step_right(step_case, P, storage, out, f"vLLM drop-in, dql={dql}", layout="token_major")
-    # the decode scores (torch scorer) against the fp64 reference's, forced blocks included
+    # the decode scores (the cuda backend's index_scores) against the fp64 reference's, forced blocks included
     ref = block_scores(iq, case.caches, batch, P, [t for t in sample_tokens(batch) if t < td])
     for t, S in ref.items():
         nb = S.shape[1]

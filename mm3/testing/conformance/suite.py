@@ -27,6 +27,7 @@ from mm3.testing.conformance.cases import (
     CaseSpec, Step,
 )
 from mm3.testing.conformance.report import CaseResult, ConformanceReport
+from mm3.testing.conformance.scores import SCORE_STEPS, scores_body
 
 if TYPE_CHECKING:
     from mm3.runtime.backend import Backend
@@ -125,7 +126,7 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
     specs: list[CaseSpec] = []
 
     def add(kind: str, name: str, step: Step, dtype: str, idx: str, ops: set[str], **extra: object) -> None:
-        body = BODIES[kind]
+        body = scores_body if kind == "scores" else BODIES[kind]
         specs.append(CaseSpec(name=name, kind=name.split("/")[0], step=step, body=body,
                               ops=frozenset(ops), dtype=dtype, index_dtype=idx, extra=dict(extra),
                               needs_any_layout=kind == "indexer_other", salt=seed))
@@ -149,6 +150,8 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
             add(kind, f"buffer/{case_name}:{base_dt}", step, base_dt, base_idx, {"attention"}, **extra)
     for step_name, step, dt in expanded({**ATTENTION_STEPS, **large}, want_dt):
         add("attention", f"attention/{step_name}:{dt}", step, dt, base_idx, {"attention"})
+    for step_name, step, idx in expanded(SCORE_STEPS, want_idx):
+        add("scores", f"scores/{step_name}:{idx}", step, q_dtype_for_index(idx), idx, {"index_scores"})
     pairs = [(dt, base_idx) for dt in want_dt] + [(base_dt, i) for i in want_idx if i != base_idx]
     for step_name, step, (dt, idx) in expanded({**COMPOSED_STEPS, **large}, pairs):
         add("composed", f"composed/{step_name}:{dt}+{idx}", step, dt, idx, {"index_topk", "attention"})
