@@ -237,7 +237,7 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return float(e.mean()), float(e.max())
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])   # 4 processes: slow
 def test_gloo_tensor_parallel_matches_single_process_and_oracle(world_size: int, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from mm3.runtime.layer import SparseAttention  # needs the registry and a backend

@@ -186,6 +186,7 @@ def test_pair_fp32(registry: Registry, oracles: dict, indexer: str, attention: s
     _run_pair(registry, oracles[torch.float32], indexer, attention, torch.float32)
 
 
+@pytest.mark.slow   # the fp32 pairs cover every layout pairing in the default run; fp16 adds the dtype
 @pytest.mark.parametrize("indexer,attention", FP16_PAIRS, ids=[f"{i}->{a}" for i, a in FP16_PAIRS])
 def test_pair_fp16(registry: Registry, oracles: dict, indexer: str, attention: str) -> None:
     _run_pair(registry, oracles[torch.float16], indexer, attention, torch.float16)

@@ -307,7 +307,12 @@ KERNEL_PATHS = {
 }
 
 
-@pytest.mark.parametrize("path", sorted(KERNEL_PATHS))
+# the default run keeps the shipped configs' paths; the other variants add minutes of interpreter time: -m slow
+_SLOW_PATHS = {"grid_decode_split", "flat_attention_one_split", "prefill_index_splits"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p in _SLOW_PATHS else p
+                                  for p in sorted(KERNEL_PATHS)])
 def test_every_kernel_path_against_the_oracle(path: str) -> None:
     """Spec decode, padding, and a prefill long enough that the chunked top-K merges several chunks."""
     from mm3_backends.triton import attention, indexer
