@@ -199,6 +199,7 @@ def test_unknown_dtype_is_an_input_error() -> None:
         plan_cases(CPU_REF, dtypes=["float64"])
 
 
+@pytest.mark.slow   # a pytest run in a subprocess
 def test_pytest_entry_point() -> None:
     # -n 0: run from this repository, the child would take the suite's `-n auto` (pyproject) and start
     # workers of its own for 4 cases, on cores the suite's workers already use; a vendor's repo has no such option

@@ -164,6 +164,7 @@ def test_mm3_check_passes(site: Path, tmp_path: Path) -> None:
     assert "does not provide ['index_topk']" in r.stdout
 
 
+@pytest.mark.slow   # a pytest run of its own in a subprocess (the conformance suite and the example's tests)
 def test_pytest_conformance_and_the_examples_own_tests(site: Path, tmp_path: Path) -> None:
     """Both pytest routes a vendor would use: mm3's suite by name, and its own tests with mm3's fixtures."""
     # `mm3 check` above ran the whole suite; two cases are enough to show the pytest route works.
