@@ -44,7 +44,7 @@ def _counters_sum() -> int:
     return int(arrival_counters(torch.device("cpu"), 1).sum())
 
 
-@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("layout", ["token_major", pytest.param("head_major", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("q_len,h,g", [(1, 2, 4), pytest.param(3, 1, 8, marks=pytest.mark.slow),   # slow: the
                                        pytest.param(2, 2, 3, marks=pytest.mark.slow)])             # interpreter's
 def test_last_program_matches_separate_launches(layout: str, q_len: int, h: int, g: int) -> None:

@@ -37,6 +37,7 @@ def test_python_m_mm3_runs_the_command() -> None:
     assert usage.returncode == 2 and "usage: mm3" in usage.stderr, usage.stderr
 
 
+@pytest.mark.slow   # a fresh interpreter per case (torch's import): the default run keeps the others
 def test_version_names_every_installed_plugin_with_its_distribution() -> None:
     """``python -m mm3 --version`` in a fresh interpreter, against the entry points installed here."""
     r = _python_m_mm3("--version")

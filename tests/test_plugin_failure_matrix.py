@@ -270,6 +270,7 @@ EXCLUSIONS = {
 }
 
 
+@pytest.mark.slow   # a fresh interpreter per case (torch's import): the default run keeps the others
 @pytest.mark.parametrize("scenario", list(EXCLUSIONS))
 def test_excluded_by_setting(tmp_path: Path, scenario: str) -> None:
     env, expected = EXCLUSIONS[scenario]

@@ -134,12 +134,14 @@ def _assert_served_by_example(got: dict) -> None:
     assert "top-k conversion:" in got["explain"]
 
 
+@pytest.mark.slow   # a fresh interpreter per case (torch's import): the default run keeps the others
 def test_selected_by_environment(site: Path, tmp_path: Path) -> None:
     got = _step(site, tmp_path, MM3_BACKEND=BACKEND)
     _assert_served_by_example(got)
     assert "named by backend" in got["explain"] and got["source"] == "env MM3_BACKEND"
 
 
+@pytest.mark.slow   # a fresh interpreter per case (torch's import): the default run keeps the others
 def test_selected_by_config_file(site: Path, tmp_path: Path) -> None:
     (tmp_path / "mm3.toml").write_text(f'backend = "{BACKEND}"\nindexer_backend = "cpu_ref"\n')
     got = _step(site, tmp_path)
