@@ -37,6 +37,7 @@ def test_harness_is_an_installed_package() -> None:
     assert callable(mod.run) and callable(mod.add_arguments)
 
 
+@pytest.mark.slow   # a whole tiny bench run; the CPU report's wording is checked in the default run
 def test_tiny_run_writes_every_output(tmp_path: Path) -> None:
     harness = bench.load_harness()
     only = r"tiny b3 ctx200 q1 idx-bf16|tiny b2 ctx256 q2|48 new ctx80 sel-random"

@@ -55,6 +55,7 @@ def test_an_unrelated_projects_run_is_untouched(tmp_path: Path) -> None:
     assert seen == {"modules": [], "plugin": False, "fixtures": [], "mm3_params": False}, seen
 
 
+@pytest.mark.slow   # a pytest run in a subprocess
 def test_the_same_probe_sees_the_plugin_when_a_run_asks_for_it(tmp_path: Path) -> None:
     seen = _probe(tmp_path, "-p", "mm3")
     assert seen["plugin"] and seen["mm3_params"], seen

@@ -21,6 +21,9 @@ import pytest
 from plugin_fakes import backends_row as _row
 from plugin_fakes import pip_install_into, subprocess_env
 
+# a real pip install, then a fresh interpreter per check: the slow command runs them (CI runs both)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "third_party_backend"
 BACKEND = "torch_sdpa_sparse"
@@ -134,14 +137,12 @@ def _assert_served_by_example(got: dict) -> None:
     assert "top-k conversion:" in got["explain"]
 
 
-@pytest.mark.slow   # a fresh interpreter per case (torch's import): the default run keeps the others
 def test_selected_by_environment(site: Path, tmp_path: Path) -> None:
     got = _step(site, tmp_path, MM3_BACKEND=BACKEND)
     _assert_served_by_example(got)
     assert "named by backend" in got["explain"] and got["source"] == "env MM3_BACKEND"
 
 
-@pytest.mark.slow   # a fresh interpreter per case (torch's import): the default run keeps the others
 def test_selected_by_config_file(site: Path, tmp_path: Path) -> None:
     (tmp_path / "mm3.toml").write_text(f'backend = "{BACKEND}"\nindexer_backend = "cpu_ref"\n')
     got = _step(site, tmp_path)
@@ -166,7 +167,6 @@ def test_mm3_check_passes(site: Path, tmp_path: Path) -> None:
     assert "does not provide ['index_topk']" in r.stdout
 
 
-@pytest.mark.slow   # a pytest run of its own in a subprocess (the conformance suite and the example's tests)
 def test_pytest_conformance_and_the_examples_own_tests(site: Path, tmp_path: Path) -> None:
     """Both pytest routes a vendor would use: mm3's suite by name, and its own tests with mm3's fixtures."""
     # `mm3 check` above ran the whole suite; two cases are enough to show the pytest route works.
