@@ -21,7 +21,7 @@ from mm3.runtime.config import Settings
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.errors import ContractViolation, InputError, PluginError
 import mm3.debug.guard as guard_mod
-from mm3.debug import GUARD_SENTINEL, RULES, check_topk_allocation, checked_call, find_topk_violation
+from mm3.debug import GUARD_SENTINEL, RULES, check_topk_allocation, checked_call
 from mm3.runtime.layer import SparseAttention
 from mm3.runtime.registry import Registry
 from mm3.testing.factories import Case, make_case
