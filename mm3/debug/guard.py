@@ -197,8 +197,7 @@ def capturing(t: torch.Tensor) -> bool:
 def checked_call(backend: Any, op: str, args: tuple[Any, ...], *, check_finite: bool = True) -> None:
     """Run ``backend.invoke(op, args)`` — the very call a step makes — and check what it wrote and left.
 
-    ``args`` are the hook's arguments in its spec's order (``IndexArgs`` /
-    ``AttentionArgs`` of :mod:`mm3.runtime.step`). Failures raise
+    ``args`` are the hook's arguments in its spec's order (:mod:`mm3.contract.hookspecs`). Failures raise
     :class:`~mm3.contract.errors.ContractViolation` (see :data:`RULES`) naming the
     backend, the hook, the rule and the first offending row. Inside CUDA-graph
     capture the call runs unchecked (the checks must synchronise).

@@ -42,7 +42,7 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from mm3.contract.params import SparseAttentionParams
     from mm3.runtime.backend import Backend
 
-__all__ = ["OpTarget", "describe", "admit", "IndexArgs", "AttentionArgs", "ScoresArgs", "BOTH", "MAX_CLASSES"]
+__all__ = ["OpTarget", "describe", "admit", "BOTH", "MAX_CLASSES"]
 
 #: classes remembered before the memo starts over (every prefill token count is a class; the
 #: rules of a forgotten class simply run again)
@@ -68,39 +68,6 @@ BOTH = (Op.INDEX_TOPK, Op.ATTENTION)
 
 _ADMITTED: dict[StepFacts, Plan] = {}
 _LOCK = threading.Lock()
-
-
-class IndexArgs(NamedTuple):
-    """The ``index_topk`` hook's arguments, in its spec's order."""
-
-    index_q: torch.Tensor
-    caches: PagedKVCache
-    batch: BatchMetadata
-    params: "SparseAttentionParams"
-    out: TopkBuffer
-    page_faults: Optional[torch.Tensor] = None
-
-
-class ScoresArgs(NamedTuple):
-    """The ``index_scores`` hook's arguments, in its spec's order (``out``: the step's ``[H, T, N]`` scores)."""
-
-    index_q: torch.Tensor
-    caches: PagedKVCache
-    batch: BatchMetadata
-    params: "SparseAttentionParams"
-    out: torch.Tensor
-    page_faults: Optional[torch.Tensor] = None
-
-
-class AttentionArgs(NamedTuple):
-    """The ``attention_forward`` hook's arguments, in its spec's order."""
-
-    q: torch.Tensor
-    caches: PagedKVCache
-    topk: TopkBuffer
-    batch: BatchMetadata
-    params: "SparseAttentionParams"
-    out: torch.Tensor
 
 
 def _tensor(name: str, t: object) -> tuple[Any, ...]:
@@ -315,8 +282,8 @@ class OpTarget:
                 raise InputError(f"{entry}: no bound backend provides index_scores; score the blocks without "
                                  f"one (OpTarget.admit_call, then mm3.integrations.block_scores)")
             rows = out if out.shape[1] == T else out[:, :T]  # type: ignore[union-attr]
-            self._call(self.scorer, ScoresArgs(index_q, caches, batch, self.params, rows, faults),  # type: ignore[arg-type]
-                       plan.kind, graph)
+            self._call(self.scorer, Op.INDEX_SCORES, (index_q, caches, batch, self.params, rows, faults), plan.kind,
+                       graph)
             if faults is not None and not graph:
                 self.flag.after_step()
             return
@@ -330,26 +297,23 @@ class OpTarget:
         if Op.INDEX_TOPK in ops:
             write = rows if plan.index_via is None else \
                 TopkBuffer.allocate(T, rows.num_heads, rows.topk, plan.index_via, rows.device)
-            self._call(self.indexer, IndexArgs(index_q, caches, batch, self.params, write, faults),  # type: ignore[arg-type]
-                       plan.kind, graph)
+            self._call(self.indexer, Op.INDEX_TOPK, (index_q, caches, batch, self.params, write, faults), plan.kind,
+                       graph)
             if write is not rows:
                 rows.copy_(write)
         if Op.ATTENTION in ops:
             read = rows if plan.convert_to is None else rows.to_layout(plan.convert_to)
             o = out if out.shape[0] == T else out[:T]  # type: ignore[union-attr]
-            self._call(self.attention, AttentionArgs(q, caches, read, batch, self.params, o), plan.kind, graph)  # type: ignore[arg-type]
+            self._call(self.attention, Op.ATTENTION, (q, caches, read, batch, self.params, o), plan.kind, graph)
         if faults is not None and not graph:
             self.flag.after_step()
 
-    def _call(self, be: "Backend", args: Any, kind: str, graph: bool) -> None:
-        op = _OPS[type(args)]
+    def _call(self, be: "Backend", op: Op, args: tuple[Any, ...], kind: str, graph: bool) -> None:
+        """The hook of ``op`` on ``args`` (the hook spec's order, :mod:`mm3.contract.hookspecs`), through the
+        guard when the policy says so."""
         if self._guard(op, kind, graph):
             guard.checked_call(be, op, args)
             if self.mode == "first":
                 self.guarded.add((op.value, kind))
         else:
             be.invoke(op, args)
-
-
-#: the op each hook's argument tuple is for
-_OPS: dict[type, Op] = {IndexArgs: Op.INDEX_TOPK, AttentionArgs: Op.ATTENTION, ScoresArgs: Op.INDEX_SCORES}
