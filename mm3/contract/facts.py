@@ -18,11 +18,11 @@ output ...``), not mm3's internal names.
 
 Example:
     >>> import torch
-    >>> t = torch.zeros(4, 2, 8)
-    >>> tensor_facts(t) == tensor_facts(torch.ones(4, 2, 8))    # contents are not facts
+    >>> a, b = torch.zeros(4, 2, 8), torch.ones(4, 2, 8)
+    >>> TensorFacts(a.shape, a.dtype, a.device) == TensorFacts(b.shape, b.dtype, b.device)  # contents are no fact
     True
-    >>> tensor_facts(t) == tensor_facts(t.transpose(0, 1).contiguous())
-    False
+    >>> batch_kind(num_requests=3, num_decodes=2, decode_query_len=1)
+    'mixed'
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-__all__ = ["TensorFacts", "CacheFacts", "BatchFacts", "LayerFacts", "StepFacts", "ArgNames", "tensor_facts",
-           "strided_facts", "batch_kind", "LAYER_NAMES", "OPS_NAMES", "HOOK_NAMES"]
+__all__ = ["TensorFacts", "CacheFacts", "BatchFacts", "LayerFacts", "StepFacts", "ArgNames", "batch_kind",
+           "LAYER_NAMES", "OPS_NAMES"]
 
 
 def batch_kind(num_requests: int, num_decodes: int, decode_query_len: int) -> str:
@@ -56,16 +56,6 @@ class TensorFacts(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     stride: Optional[tuple[int, ...]] = None
-
-
-def tensor_facts(t: torch.Tensor) -> TensorFacts:
-    """``t``'s shape, dtype and device."""
-    return TensorFacts(t.shape, t.dtype, t.device)
-
-
-def strided_facts(t: torch.Tensor) -> TensorFacts:
-    """``t``'s shape, dtype, device and strides (for ``out`` and top-k storage: rules read their strides)."""
-    return TensorFacts(t.shape, t.dtype, t.device, t.stride())
 
 
 class CacheFacts(NamedTuple):
@@ -145,7 +135,6 @@ class ArgNames(NamedTuple):
 
 LAYER_NAMES = ArgNames()
 """The layer's and a bound backend's spelling (``SparseAttention.forward``, ``Backend.index_topk``)."""
-HOOK_NAMES = LAYER_NAMES
 OPS_NAMES = ArgNames(topk="topk", k="k", v="v", index="index", k_scale="k_scale", v_scale="v_scale",
                      query_start_loc="query_start_loc", seq_lens="seq_lens", context_lens="context_lens",
                      block_table="block_table", token_to_request="token_to_request",
