@@ -130,7 +130,10 @@ class TritonPlatform:
             return Probe.no(problem)
         if not torch.cuda.is_available():
             return Probe.no("no GPU is visible (torch.cuda.is_available() is False)")
-        return Probe.no(triton_missing()) if triton_missing() else Probe.yes(_with_release_note(note))
+        if triton_missing():
+            return Probe.no(triton_missing())
+        # the GPU's own name: what `mm3 version` shows for the device (a backend may ask its platform)
+        return Probe.yes(_with_release_note(f"{note}; {torch.cuda.get_device_name(device)}"))
 
     def capabilities(self) -> BackendCapabilities:
         return BackendCapabilities(

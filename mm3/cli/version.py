@@ -4,10 +4,10 @@ mm3's version, Python, torch, Triton, the device torch computes on, and every
 backend plugin discovered through the ``mm3.backends`` entry points with the
 distribution and version it came from (excluded plugins too, with the reason).
 
-The device line asks torch's accelerator API which device is current and that
-device's own module for its name (``torch.get_device_module(type).get_device_name``),
-so it reads the same on any vendor's GPU and needs no question about which
-platform this is.
+The device line asks torch's accelerator API which device is current (its type,
+index and how many are visible); what the device *is* is each backend's own
+answer: every loaded plugin's line ends with its probe on that device (the
+Triton plugins name the GPU there), so mm3 asks no question about the platform.
 
 Example:
     >>> from mm3.cli.main import main
@@ -52,8 +52,8 @@ def distribution_version(name: str) -> Optional[str]:
 
 
 def describe_device() -> str:
-    """The device torch computes on here: ``"TYPE:INDEX NAME (N visible)"`` for the current
-    accelerator, else ``"cpu (ARCH; ...)"``.
+    """The device torch computes on here: ``"TYPE:INDEX (N visible)"`` for the current accelerator,
+    else ``"cpu (ARCH; ...)"``.
 
     Example:
         >>> first = describe_device().split()[0]
@@ -67,9 +67,15 @@ def describe_device() -> str:
     acc = torch.accelerator.current_accelerator()
     assert acc is not None  # is_available() said there is one
     index = torch.accelerator.current_device_index()
-    get_name = getattr(torch.get_device_module(acc.type), "get_device_name", None)
-    name = get_name(index) if callable(get_name) else "name not reported by torch"
-    return f"{acc.type}:{index} {name} ({torch.accelerator.device_count()} visible)"
+    return f"{acc.type}:{index} ({torch.accelerator.device_count()} visible)"
+
+
+def _device() -> str:
+    """The device the probes are asked about: the current accelerator, else the CPU."""
+    import torch
+
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return "cpu" if acc is None else f"{acc.type}:{torch.accelerator.current_device_index()}"
 
 
 def _plugins() -> list[dict[str, Any]]:
@@ -87,12 +93,19 @@ def _plugins() -> list[dict[str, Any]]:
     except MM3Error as e:
         return [{"name": "(registry)", "distribution": None, "version": None, "entry_point": "-",
                  "status": f"not loaded: {type(e).__name__}: {e}"}]
+    device = _device()
     rows = [{"name": b.name, "distribution": b.source.distribution, "version": b.source.version,
-             "entry_point": b.source.entry_point, "status": "loaded"} for b in backends]
+             "entry_point": b.source.entry_point, "status": f"loaded; on {device}: {_probe(b, device)}"}
+            for b in backends]
     rows += [{"name": p.name, "distribution": p.distribution, "version": p.version,
               "entry_point": p.source.entry_point, "status": f"excluded [{p.stage}]: {p.error}"}
              for p in reg.problems()]
     return rows
+
+
+def _probe(backend: Any, device: str) -> str:
+    got = backend.probe(device)      # a probe never raises (Backend.probe)
+    return f"{'available' if got.available else 'not available'} ({got.reason})"
 
 
 def _facts() -> dict[str, Any]:
