@@ -1,0 +1,153 @@
+"""Every content rule of a batch, broken alone, is caught on the host and on the device, naming where.
+
+mm3/contract/contents.py lists the rules a batch's tensors must keep (the query
+starts, the lengths, each token's position and request, the context lengths,
+the page ids). They are judged in two places: on the host (``check_on_host``:
+a batch in host memory, or the first step of a shape class) and on the device
+(``FaultFlag.record``, raised by ``raise_pending`` at the next step). The table
+below holds one batch per rule that breaks that rule and no other, so a rule
+removed from either place fails its case: the other rules do not cover for it.
+Each message must name the request (or token) at fault.
+
+Then the same fault end to end: a device batch whose prefill's ``seq_len``
+falls below its query length after the first step (so only the device-side
+check can see it), on cpu_ref, which reports no bad contents itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+
+import mm3
+import mm3.runtime.step as step_mod
+from mm3 import BatchMetadata, InputError
+from mm3.contract.contents import FaultFlag, check_on_host
+from mm3.testing.factories import make_case
+
+#: pages in the cache the batches below index
+PAGES = 12
+#: four requests: two decodes (one token each), two prefills of 5 and 3 tokens; blocks of 16, 3 per row
+GOOD = dict(qsl=(0, 1, 2, 7, 10), sl=(40, 20, 5, 35), T=10, nd=2, mq=5)
+TABLE = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+
+
+def _i32(values: Any) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int32)
+
+
+def _batch(qsl: tuple[int, ...] = GOOD["qsl"], sl: tuple[int, ...] = GOOD["sl"], T: int = GOOD["T"],
+           nd: int = GOOD["nd"], mq: int = GOOD["mq"], ndt: Optional[int] = None,
+           ctx: Optional[tuple[int, ...]] = None, edit: Optional[Callable[[BatchMetadata], None]] = None
+           ) -> BatchMetadata:
+    """A batch made the way an engine makes one from its device tensors: contents are not checked here."""
+    b = BatchMetadata.from_device(_i32(qsl), _i32(sl), torch.tensor(TABLE, dtype=torch.int32), num_decodes=nd,
+                                  num_tokens=T, max_query_len=mq, block_size=16, num_decode_tokens=ndt,
+                                  context_lens=None if ctx is None else _i32(ctx))
+    if edit is not None:
+        edit(b)
+    return b
+
+
+# (the rule, a batch that breaks it alone, what the message says: where, and which rule); "\S+" stands
+# for a value the device does not carry back
+BAD = [
+    ("1 query starts at 0", lambda: _batch(qsl=(1, 1, 2, 7, 10)),
+     r"request 0 starts \S*query_start_loc at \S+ instead of 0"),
+    ("2 query starts never decrease", lambda: _batch(qsl=(0, 1, 2, 11, 10), mq=9),
+     r"request 3 has a negative query length"),
+    ("3 query starts end at the step's tokens", lambda: _batch(qsl=(0, 1, 2, 7, 9)),
+     r"request 3 ends \S*query_start_loc at \S+ tokens, but the step has 10"),
+    ("4 a decode holds decode_query_len tokens or none", lambda: _batch(qsl=(0, 2, 3, 8, 10), ndt=3),
+     r"request 0 is one of the num_decodes=2 decodes but holds \S+ query tokens, not decode_query_len=1"),
+    ("5 the decodes hold num_decode_tokens", lambda: _batch(ndt=3),
+     r"request 0 closes the decodes at token \S+, but num_decode_tokens is 3"),
+    ("6 seq_len at least the query length", lambda: _batch(sl=(40, 20, 5, 2)),
+     r"request 3 has seq_len \S+ < query_len"),
+    ("7 a prefill holds a token", lambda: _batch(qsl=(0, 1, 2, 2, 5), sl=(40, 20, 0, 35), T=5),
+     r"request 2 is a prefill without query tokens"),
+    ("8 a prefill holds at most max_prefill_query_len", lambda: _batch(mq=4),
+     r"request 2 holds \S+ query tokens, more than max_prefill_query_len=4"),
+    ("9 the blocks fit the table", lambda: _batch(sl=(49, 20, 5, 35)),
+     r"request 0 has seq_len \S+, which needs \S+ blocks of 16 but the block table has only 3 columns"),
+    ("10 positions are the lengths'", lambda: _batch(edit=lambda b: b.token_positions.__setitem__(5, 99)),
+     r"token 5 has a position or request that the lengths do not give"),
+    ("10 requests are the lengths'", lambda: _batch(edit=lambda b: b.token_to_request.__setitem__(8, 2)),
+     r"token 8 has a position or request that the lengths do not give"),
+    ("11 context lengths are the lengths'", lambda: _batch(ctx=(39, 19, 1, 32)),
+     r"request 2 has \S*context_lens \S+"),
+    ("page ids are pages of the cache", lambda: _batch(edit=lambda b: b.block_table.__setitem__((3, 1), PAGES)),
+     r"request 3, block 1: \S*block_table\[3, 1\].* is not a page id in \[0, 12\)"),
+    ("page ids are not negative", lambda: _batch(edit=lambda b: b.block_table.__setitem__((0, 2), -1)),
+     r"request 0, block 2: \S*block_table\[0, 2\].* is not a page id in \[0, 12\)"),
+]
+CASES = [pytest.param(make, match, id=rule) for rule, make, match in BAD]
+
+# batches that keep every rule, the edge of each included: both forms of padding decode (no token; a token
+# with seq_len 0, which is below its query length and allowed), a prefill's seq_len equal to its query
+# length, seq_len filling the table's last column, the largest prefill, a page id at the cache's end
+FINE = {
+    "plain": lambda: _batch(),
+    "padding decode of one token, seq_len 0": lambda: _batch(sl=(0, 20, 5, 35)),
+    "padding decode of no token": lambda: _batch(qsl=(0, 0, 1, 6, 9), T=9, ndt=1),
+    "a fresh prefill, the last column, the last page": lambda: _batch(
+        sl=(48, 20, 5, 3), edit=lambda b: b.block_table.__setitem__((0, 2), PAGES - 1)),
+}
+
+
+@pytest.mark.parametrize("make,match", CASES)
+def test_the_host_check_names_the_broken_rule(make: Callable[[], BatchMetadata], match: str) -> None:
+    with pytest.raises(InputError, match=f"^host step: {match}"):
+        check_on_host(make(), PAGES, entry="host step")
+
+
+@pytest.mark.parametrize("make,match", CASES)
+def test_the_device_check_names_the_broken_rule(make: Callable[[], BatchMetadata], match: str) -> None:
+    flag = FaultFlag("cpu")
+    flag.record(make(), PAGES)          # torch ops on the batch's device, no host read
+    with pytest.raises(InputError, match=f"{match}.*found on the device"):
+        flag.raise_pending()
+    flag.raise_pending()                # reported once: the word is cleared
+
+
+@pytest.mark.parametrize("name", sorted(FINE))
+def test_batches_that_keep_every_rule_pass_both_checks(name: str) -> None:
+    batch = FINE[name]()
+    check_on_host(batch, PAGES, entry="host step")
+    flag = FaultFlag("cpu")
+    flag.record(batch, PAGES)
+    flag.raise_pending()
+
+
+# -- end to end: a device batch refilled with a prefill shorter than its query -----------------------------
+
+P = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16, num_index_heads=2, index_head_dim=16,
+                              block_size=16, topk=4)
+
+
+@pytest.mark.parametrize("reported_at", ["the next step", "check_page_ids"])
+def test_a_prefill_seq_len_below_its_query_after_the_first_step_is_found_on_the_device(
+        reported_at: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_ref reports no bad contents itself, and the table is a device one (CPU tensors stand in), so after
+    the shape class's first step (checked on the host) only the device-side check sees the lengths."""
+    monkeypatch.setattr(step_mod, "on_host", lambda batch: False)
+    case = make_case(P, decodes=[70, 40], prefills=[(9, 30), (5, 40)], dtype="float32", seed=11)
+    b = case.batch
+    batch = BatchMetadata.from_device(b.query_start_loc.clone(), b.seq_lens.clone(), b.block_table.clone(),
+                                      num_decodes=2, num_tokens=b.num_tokens, max_query_len=9, block_size=16)
+    layer = mm3.SparseAttention(P, dtype=torch.float32, max_num_tokens=32, backend="cpu_ref")
+    assert not layer.selection.indexer.capabilities.reports_bad_page_ids
+    layer(case.q, case.index_q, case.caches, batch)                     # the first step: on the host
+    layer.check_page_ids()
+    seq_lens = batch.seq_lens.clone()
+    seq_lens[2] = 4                                                     # the first prefill holds 9 tokens
+    batch.update_from_device_(batch.query_start_loc, seq_lens, batch.block_table)   # the engine's refill
+    layer(case.q, case.index_q, case.caches, batch)                     # recorded on the device: no sync
+    want = r"request 2 has seq_len \S+ < query_len .*found on the device"
+    with pytest.raises(InputError, match=want):
+        if reported_at == "the next step":
+            layer(case.q, case.index_q, case.caches, batch)
+        else:
+            layer.check_page_ids()
