@@ -119,6 +119,26 @@ def test_index_scale_is_applied_and_forcing_follows_the_params() -> None:
     assert bool((scores == 1e30).any()) and not bool((scores == 1e29).any())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_an_fp8_index_caches_scores_carry_the_index_scale(backend: str, dtype: str) -> None:
+    """A scale that is not 1 on an e4m3 index cache (bf16 queries: dotted in fp16 where the plugin says so, each
+    row scaled and scaled back) reaches the scores' values, not only their order, which a uniform factor keeps:
+    against the fp64 oracle of the same params, and not the oracle of the unscaled ones."""
+    p = P.model_copy(update={"index_scale": 0.3})
+    case = make_case(p, decodes=(70, 33), padding_decodes=1, prefills=((9, 40), (3, 3)), dtype=dtype,
+                     index_dtype="float8_e4m3fn", seed=5)
+    assert case.caches.index.dtype == torch.float8_e4m3fn
+    N = case.batch.block_table.shape[1] + 1
+    scores = _scores_into_poisoned_view(_backend(backend), case, p, N)
+    check_scores(case, scores, {})
+    unscaled = oracle_index_scores(case.index_q, case.caches, case.batch, P, N)
+    free = (unscaled.abs() < 1e29) & (unscaled.abs() > 1)        # scored blocks, neither forced nor hidden
+    assert bool(free.any())
+    ratio = scores.double()[free] / unscaled[free]
+    assert torch.allclose(ratio, torch.full_like(ratio, 0.3), rtol=1e-2), ratio
+
+
 # -- the boundary --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("out, match", [
