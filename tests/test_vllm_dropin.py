@@ -238,6 +238,30 @@ def test_unserved_arguments_are_named(case: str, match: str) -> None:
             ops.minimax_m3_index_decode(c.index_q[:2], c.caches.index, s.block_table[:2].long(), *dec[3:], 2, 1, 1)
 
 
+SCORE_FUNCTIONS = ("minimax_m3_index_decode", "minimax_m3_index_decode_score")
+BAD_SCORE_OUT = {   # a bad score_out for 2 heads, 4 decode tokens and 7 blocks (more columns are allowed)
+    "float16": (lambda: torch.zeros(2, 4, 16, dtype=torch.float16), r"score_out is torch.float16 .*float32"),
+    "heads": (lambda: torch.zeros(3, 4, 16), r"score_out has shape \(3, 4, 16\), needs \[2, 4, >= 7\]"),
+    "overlapping": (lambda: torch.zeros(2, 1, 16).expand(2, 4, 16), r"score_out has strides .* share memory"),
+    "meta": (lambda: torch.zeros(2, 4, 16, device="meta"), r"score_out is on meta"),
+}
+
+
+@pytest.mark.parametrize("fn", SCORE_FUNCTIONS)
+@pytest.mark.parametrize("bad", sorted(BAD_SCORE_OUT))
+def test_a_bad_score_out_is_named_score_out_by_its_function(fn: str, bad: str) -> None:
+    """vLLM calls the scores' argument score_out (their out is the top-k's): every refusal of it says so."""
+    s = vllm_step(P, decodes=(70, 33, 100), padding=1, prefills=(), seed=9)
+    c, b = s.case, s.case.batch
+    make, match = BAD_SCORE_OUT[bad]
+    dec = (c.index_q, c.caches.index, s.block_table, s.seq_lens, b.max_seq_len)
+    with pytest.raises(InputError, match=f"^{fn}: {match}"):
+        if fn == "minimax_m3_index_decode":
+            ops.minimax_m3_index_decode(*dec, 4, 1, 1, 2, 1, 1, score_out=make())
+        else:
+            ops.minimax_m3_index_decode_score(*dec, 1, 1, 2, 1, 1, score_out=make())
+
+
 @pytest.mark.parametrize("declares, kv_dtype, kv_scale, reason", [
     (dict(kv_slot_scales=False), "float8_e4m3fn", "slot", "cannot read K/V scales per token slot"),
     (dict(kv_cache_dtypes={"float32", "float8_e4m3fn"}), "float8_e5m2", "head",
