@@ -235,13 +235,40 @@ def test_guard_names_planted_faults(fault: str) -> None:
     assert rule in RULES and RULES[rule] in str(e)
 
 
+#: where each fault's wrong data lands: the step's rows of the top-k buffer or of out, or rows past the step
+SILENT_DAMAGE = {
+    "duplicate": "topk", "hole": "topk", "drop_local": "topk", "padding_row": "topk", "out_of_range": "topk",
+    "write_topk": "topk", "write_past_rows": "topk past T", "padding_out": "out", "inf_output": "out",
+    "out_past_T": "out past T",
+}
+
+
+def _unguarded_state(plugin: object, case: Case) -> dict[str, torch.Tensor]:
+    """A step with check_contracts off: every row of out (spare ones too) and of the layer's top-k buffer."""
+    T = case.batch.num_tokens
+    layer = _layer(plugin, "faulty", GUARD_OFF, case)
+    out = torch.full((T + 3,) + tuple(case.q.shape[1:]), 7.0, dtype=case.q.dtype)
+    layer(case.q, case.index_q, case.caches, case.batch, out=out)     # raises nothing: no guard ran
+    rows = layer.topk_buffer.head_major()
+    return {"topk": rows[:, :T].clone(), "topk past T": rows[:, T:].clone(), "out": out[:T].clone(),
+            "out past T": out[T:].clone()}
+
+
 @pytest.mark.parametrize("fault", sorted(set(OWN_FAULTS) - {"alloc_meta", "replace_out"})
                          + sorted(set(MOCK_FAULTS) - {"nan_output"}))
 def test_the_same_faults_pass_silently_without_the_guard(fault: str) -> None:
-    """Without the guard these faults raise nothing: only wrong data shows (or nothing at all)."""
+    """Without the guard these faults raise nothing: only wrong data shows, where each fault puts it (the same
+    backend without the fault, also unguarded, writes the oracle's answer and leaves the rest untouched)."""
+    assert set(SILENT_DAMAGE) == (set(OWN_FAULTS) - {"alloc_meta", "replace_out"}) | (set(MOCK_FAULTS) - {"nan_output"})
     case = _mixed(H=2)
-    plugin = MockBackend("faulty", fault=fault) if fault in MOCK_FAULTS else Faulty("faulty", fault)
-    _run_faulty(plugin, "faulty", GUARD_OFF, case)
+    make = (lambda f: MockBackend("faulty", fault=f)) if fault in MOCK_FAULTS else (lambda f: Faulty("faulty", f))
+    clean, faulty = _unguarded_state(make(None), case), _unguarded_state(make(fault), case)
+    assert _max_err(clean["out"], case) < 1e-5
+    assert (clean["topk past T"] == -1).all() and (clean["out past T"] == 7.0).all()
+    where = SILENT_DAMAGE[fault]
+    assert not torch.equal(faulty[where], clean[where]), f"{fault} left {where} as a clean step does"
+    if where == "out":
+        assert not _max_err(faulty["out"], case) < 1e-5
 
 
 def test_row_report_names_head_token_and_content() -> None:
