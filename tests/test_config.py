@@ -12,7 +12,7 @@ from mm3.contract.errors import ConfigError
 from mm3.runtime.registry import reset_default_registry
 
 FIELDS = ["backend", "indexer_backend", "plugins", "disable_plugins", "no_plugin_autoload",
-          "check_contracts", "allow_fallback", "config"]
+          "check_contracts", "check_contents_with_sync", "allow_fallback", "config"]
 
 
 @pytest.fixture(autouse=True)
@@ -61,10 +61,11 @@ def test_environment_with_comma_lists_and_booleans(monkeypatch):
     monkeypatch.setenv("MM3_NO_PLUGIN_AUTOLOAD", "1")
     monkeypatch.setenv("MM3_CHECK_CONTRACTS", "yes")
     monkeypatch.setenv("MM3_ALLOW_FALLBACK", "true")
+    monkeypatch.setenv("MM3_CHECK_CONTENTS_WITH_SYNC", "on")
     s = Settings()
     assert (s.backend, s.indexer_backend) == ("rocm", "cpu_ref")
     assert (s.plugins, s.disable_plugins) == (["cpu_ref", "rocm"], ["cuda"])
-    assert s.no_plugin_autoload and s.check_contracts == "always" and s.allow_fallback
+    assert s.no_plugin_autoload and s.check_contracts == "always" and s.allow_fallback and s.check_contents_with_sync
     src = sources(s)
     for name in FIELDS[:-1]:
         assert src[name] == f"env MM3_{name.upper()}"

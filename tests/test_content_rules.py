@@ -25,6 +25,8 @@ import mm3
 import mm3.runtime.step as step_mod
 from mm3 import BatchMetadata, InputError
 from mm3.contract.contents import FaultFlag, check_on_host
+from mm3.contract.facts import LAYER_NAMES
+from mm3.runtime.registry import default_registry
 from mm3.testing.factories import make_case
 
 #: pages in the cache the batches below index
@@ -103,21 +105,38 @@ def test_the_host_check_names_the_broken_rule(make: Callable[[], BatchMetadata],
         check_on_host(make(), PAGES, entry="host step")
 
 
+def _judge_on_device(batch: BatchMetadata, flag: FaultFlag, checker: str) -> None:
+    """The device check: mm3's torch ops (``FaultFlag.record``), or a backend's ``check_contents`` hook (the
+    Triton plugins' one launch, through the interpreter)."""
+    if checker == "torch":
+        flag.record(batch, PAGES)          # torch ops on the batch's device, no host read
+        return
+    hook = default_registry().get(checker).check_contents
+    assert hook is not None
+    flag.about("mm3", LAYER_NAMES, PAGES, batch)     # what the boundary names before it calls the hook
+    hook(batch, PAGES, flag.word)
+
+
+CHECKERS = ["torch", "cuda", "rocm"]
+
+
+@pytest.mark.parametrize("checker", CHECKERS)
 @pytest.mark.parametrize("make,match", CASES)
-def test_the_device_check_names_the_broken_rule(make: Callable[[], BatchMetadata], match: str) -> None:
+def test_the_device_check_names_the_broken_rule(make: Callable[[], BatchMetadata], match: str, checker: str) -> None:
     flag = FaultFlag("cpu")
-    flag.record(make(), PAGES)          # torch ops on the batch's device, no host read
+    _judge_on_device(make(), flag, checker)
     with pytest.raises(InputError, match=f"{match}.*found on the device"):
         flag.raise_pending()
     flag.raise_pending()                # reported once: the word is cleared
 
 
+@pytest.mark.parametrize("checker", CHECKERS)
 @pytest.mark.parametrize("name", sorted(FINE))
-def test_batches_that_keep_every_rule_pass_both_checks(name: str) -> None:
+def test_batches_that_keep_every_rule_pass_both_checks(name: str, checker: str) -> None:
     batch = FINE[name]()
     check_on_host(batch, PAGES, entry="host step")
     flag = FaultFlag("cpu")
-    flag.record(batch, PAGES)
+    _judge_on_device(batch, flag, checker)
     flag.raise_pending()
 
 

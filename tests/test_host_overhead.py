@@ -73,7 +73,7 @@ def test_eager_ops_guard_the_first_step_of_each_kind_only(monkeypatch: pytest.Mo
     assert guarded == ["mixed", "decode"]
 
 
-def test_steady_state_skips_the_checks_of_a_checked_class_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_target_judges_its_rules_once_then_compares_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     counts = {"rules": 0}
     real = step_mod.check
 
@@ -81,14 +81,15 @@ def test_steady_state_skips_the_checks_of_a_checked_class_only(monkeypatch: pyte
         counts["rules"] += 1
         return real(facts)
     monkeypatch.setattr(step_mod, "check", counted)
-    step_mod.forget()
     layer = _layer()
-    cases = [make_case(P, seed=s, **STEP) for s in range(4)]
+    shapes = [STEP, dict(decodes=[40, 33, 12], dtype="float32"), dict(prefills=[(7, 7), (9, 30)], dtype="float32"),
+              dict(decodes=[25], prefills=[(3, 40)], dtype="float32")]
+    cases = [make_case(P, seed=s, num_pages=16, **kw) for s, kw in enumerate(shapes)]   # one cache shape
     for case in cases:
         out = torch.full_like(case.q, float("nan"))
         got = layer(case.q, case.index_q, case.caches, case.batch, out)
         torch.testing.assert_close(got.double(), _want(case), rtol=1e-5, atol=1e-5)
-    # the first step ran every rule; the other three, of its class, none
+    # the first step ran every rule; the others, of new token counts and kinds, compared counts only
     assert counts == {"rules": 1}
     case = cases[0]
     bad_out = torch.empty(case.q.shape, dtype=torch.float64)
@@ -96,6 +97,8 @@ def test_steady_state_skips_the_checks_of_a_checked_class_only(monkeypatch: pyte
         layer(case.q, case.index_q, case.caches, case.batch, bad_out)
     with pytest.raises(mm3.InputError, match="q has shape"):
         layer(case.q[:, :2], case.index_q, case.caches, case.batch)
+    with pytest.raises(mm3.InputError, match="q has shape"):
+        layer(case.q[:-1], case.index_q, case.caches, case.batch)   # a count: one row short
     with pytest.raises(mm3.InputError, match="k/v cache is torch.float64"):
         c = case.caches
         layer(case.q, case.index_q, mm3.PagedKVCache(c.k.double(), c.v.double(), c.index), case.batch)
@@ -168,12 +171,12 @@ def test_a_layer_step_is_admitted_once_and_guards_both_hooks_of_a_new_kind(monke
     """One admission per layer step (both hooks), one per custom op; the guard checks the indexer and the
     attention of each kind's first step, through the same call the plain steps make."""
     admitted: list[tuple[str, ...]] = []
-    real = step_mod.admit
+    real = step_mod.OpTarget._admit
 
-    def counted(facts: Any) -> Any:
-        admitted.append(facts.ops)
-        return real(facts)
-    monkeypatch.setattr(step_mod, "admit", counted)
+    def counted(self: Any, entry: str, ops: tuple[str, ...], *args: Any) -> Any:
+        admitted.append(ops)
+        return real(self, entry, ops, *args)
+    monkeypatch.setattr(step_mod.OpTarget, "_admit", counted)
     guarded = _count_guarded(monkeypatch, "attention")
     layer = _layer()
     kinds = [STEP, STEP, dict(decodes=[50], dtype="float32"), STEP]

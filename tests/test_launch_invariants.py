@@ -52,7 +52,7 @@ from mm3.contract import BatchMetadata, SparseAttentionParams, TopkBuffer  # noq
 from mm3.testing.factories import Case, make_case  # noqa: E402
 from mm3_backends.cuda import plugin as cuda_plugin  # noqa: E402
 from mm3_backends.rocm import plugin as rocm_plugin  # noqa: E402
-from mm3_backends.triton import attention, index_scores, indexer, plugin_factory  # noqa: E402
+from mm3_backends.triton import attention, contents, index_scores, indexer, plugin_factory  # noqa: E402
 from mm3_backends.triton.fast_launch import Launch, recording  # noqa: E402
 from mm3_backends.triton.launch import LaunchConfig, override  # noqa: E402
 
@@ -147,12 +147,13 @@ class Step:
 
 
 def record(scenario: str, case: Case, cfg: LaunchConfig | None = None) -> Step:
-    """The launches of ``case``'s indexer, attention and block scores on ``scenario`` (``cfg``: instead of the
-    plugin's)."""
+    """The launches of ``case``'s contents check, indexer, attention and block scores on ``scenario`` (``cfg``:
+    instead of the plugin's)."""
     plugin, platform = SCENARIOS[scenario]
     cfg = cfg or _config(scenario)
     p, T = case.params, case.batch.num_tokens
     with _on(platform), recording() as launches:
+        contents.check_contents(case.batch, case.caches.num_pages, torch.zeros(1, dtype=torch.int64), cfg)
         # one column more than the table: a chunk of columns partly past the scores
         scores = torch.empty(p.num_index_heads, T, case.batch.block_table.shape[1] + 1)
         index_scores.index_scores(case.index_q, case.caches, case.batch, p, scores, cfg)

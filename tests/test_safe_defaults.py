@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from plugin_fakes import pip_install_into, subprocess_env
 
-import mm3.runtime.layer as layer_module
+import mm3.runtime.step as step_module
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import BatchMetadata, SparseAttentionParams
 from mm3.runtime.config import Settings
@@ -210,7 +210,7 @@ def test_a_faulty_plugin_is_caught_on_each_new_kind_by_default() -> None:
 def test_cuda_graph_capture_never_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _count_guarded(monkeypatch)
     layer = _layer(cpu_ref, "cpu_ref")
-    monkeypatch.setattr(layer_module, "capturing", lambda t: True)
+    monkeypatch.setattr(step_module.OpTarget, "capturing", staticmethod(lambda t: True))
     case = _case("decode")
     layer(case.q, case.index_q, case.caches, case.batch)
     assert calls == [] and not layer.op_target.guarded   # the eager step after capture is still checked

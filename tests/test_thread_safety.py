@@ -157,7 +157,7 @@ def test_sparse_attention_built_and_run_from_32_threads(mode: str) -> None:
             layer = build(reg)                        # selection, binding and buffer allocation race here
             out = layer(case.q, case.index_q, case.caches, case.batch)
             b = layer._resolve()
-            return b.indexer.name, b.attention.name, b.target.mode != "never", out
+            return b.target.indexer.name, b.target.attention.name, b.target.mode != "never", out
 
         results = _race(worker)
         assert {(r[0], r[1]) for r in results} == {("mock", "mock")}   # auto picked the same one everywhere

@@ -20,7 +20,7 @@ from mm3_backends.triton.plugin_factory import TritonPlatform, make_hookimpls
 from .tuning import NVIDIA_LAUNCH
 
 __all__ = ["PLATFORM", "NVIDIA_LAUNCH", "backend_capabilities", "backend_probe", "alloc_topk_buffer",
-           "index_topk", "attention_forward", "index_scores"]
+           "index_topk", "attention_forward", "index_scores", "check_contents"]
 
 def _platform() -> tuple[str, str]:
     if torch.version.hip:
@@ -39,4 +39,4 @@ PLATFORM = TritonPlatform(
     "token_major", _platform, NVIDIA_LAUNCH, _native)
 
 (backend_capabilities, backend_probe, alloc_topk_buffer,
- index_topk, attention_forward, index_scores) = make_hookimpls(PLATFORM)
+ index_topk, attention_forward, index_scores, check_contents) = make_hookimpls(PLATFORM)

@@ -27,7 +27,7 @@ from mm3_backends.triton.plugin_factory import TritonPlatform, make_hookimpls
 from .tuning import AMD_LAUNCH
 
 __all__ = ["PLATFORM", "AMD_LAUNCH", "ALLOW_NON_ROCM_ENV", "backend_capabilities", "backend_probe",
-           "alloc_topk_buffer", "index_topk", "attention_forward", "index_scores"]
+           "alloc_topk_buffer", "index_topk", "attention_forward", "index_scores", "check_contents"]
 
 ALLOW_NON_ROCM_ENV = "MM3_ROCM_ALLOW_NON_ROCM"
 """Test-only: set to 1 to run the rocm plugin on a non-ROCm GPU."""
@@ -52,4 +52,4 @@ PLATFORM = TritonPlatform(
     "head_major", _platform, AMD_LAUNCH, _native)
 
 (backend_capabilities, backend_probe, alloc_topk_buffer,
- index_topk, attention_forward, index_scores) = make_hookimpls(PLATFORM)
+ index_topk, attention_forward, index_scores, check_contents) = make_hookimpls(PLATFORM)

@@ -181,16 +181,16 @@ def _sized_config(launch: LaunchConfig, device_index: int) -> LaunchConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_modules() -> tuple[Any, Any, Any]:
-    """(indexer, attention, index_scores): imported at the first step, not with the plugin (they import
-    Triton), then kept (an import statement per hook call costs host time)."""
-    from . import attention, index_scores, indexer
+def _kernel_modules() -> tuple[Any, Any, Any, Any]:
+    """(indexer, attention, index_scores, contents): imported at the first step, not with the plugin (they
+    import Triton), then kept (an import statement per hook call costs host time)."""
+    from . import attention, contents, index_scores, indexer
 
-    return indexer, attention, index_scores
+    return indexer, attention, index_scores, contents
 
 
 class TritonHooks(NamedTuple):
-    """The six hook implementations of one plugin, in hookspec order."""
+    """The seven hook implementations of one plugin, in hookspec order."""
 
     backend_capabilities: Callable[..., BackendCapabilities]
     backend_probe: Callable[..., Probe]
@@ -198,6 +198,7 @@ class TritonHooks(NamedTuple):
     index_topk: Callable[..., None]
     attention_forward: Callable[..., None]
     index_scores: Callable[..., None]
+    check_contents: Callable[..., None]
 
 
 def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
@@ -222,7 +223,7 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
                    page_faults: Optional[torch.Tensor] = None) -> None:
         # mm3 admitted the call: the arguments, the declared limits (index_q's dtype too) and this
         # plugin's probe on the tensors' device (CPU tensors only under the interpreter)
-        indexer, _, _ = _kernel_modules()
+        indexer, _, _, _ = _kernel_modules()
         if batch.num_tokens:
             indexer.index_topk(index_q, caches, batch, params, out, platform.launch_config(caches.device),
                                page_faults)
@@ -230,7 +231,7 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
     @hookimpl
     def attention_forward(q: torch.Tensor, caches: "PagedKVCache", topk: TopkBuffer, batch: "BatchMetadata",
                           params: "SparseAttentionParams", out: torch.Tensor) -> None:
-        _, attention, _ = _kernel_modules()
+        _, attention, _, _ = _kernel_modules()
         if batch.num_tokens:
             attention.attention_forward(q, caches, topk, batch, params, out,
                                         platform.launch_config(caches.device))
@@ -239,10 +240,15 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
     def index_scores(index_q: torch.Tensor, caches: "PagedKVCache", batch: "BatchMetadata",
                      params: "SparseAttentionParams", out: torch.Tensor,
                      page_faults: Optional[torch.Tensor] = None) -> None:
-        _, _, scores = _kernel_modules()
+        _, _, scores, _ = _kernel_modules()
         if batch.num_tokens:
             scores.index_scores(index_q, caches, batch, params, out, platform.launch_config(caches.device),
                                 page_faults)
 
+    @hookimpl
+    def check_contents(batch: "BatchMetadata", num_pages: int, word: torch.Tensor) -> None:
+        _, _, _, contents = _kernel_modules()
+        contents.check_contents(batch, num_pages, word, platform.launch_config(word.device))
+
     return TritonHooks(backend_capabilities, backend_probe, alloc_topk_buffer, index_topk, attention_forward,
-                       index_scores)
+                       index_scores, check_contents)

@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mm3.contract.errors import InputError
-from mm3.contract.facts import batch_kind
+from mm3.contract.facts import BatchShape, batch_kind, batch_shape
 from mm3.contract.lengths import INT32_MAX, INT32_MIN, IntSeq, check_lengths, to_int_list
 from mm3.contract.contents import check_on_host, derive_context, derive_tokens
 
@@ -144,6 +144,15 @@ class BatchMetadata:
     def device(self) -> torch.device:
         return self.seq_lens.device
 
+    @cached_property
+    def facts(self) -> BatchShape:
+        """What this batch says of itself (:class:`~mm3.contract.facts.BatchShape`), worked out once: every
+        layer of a step reads it instead of the tensors' shapes (``batch.facts.kind``: ``"mixed"``...)."""
+        d = self.__dict__      # context lengths not given are derived from the lengths: right by construction
+        return batch_shape(d["query_start_loc"], d["seq_lens"], d["block_table"], d["token_to_request"],
+                           d["token_positions"], d.get("context_lens"), self.num_decodes, self.decode_query_len,
+                           self.num_decode_tokens, self.block_size)
+
     @property
     def kind(self) -> str:
         """What the step holds: ``"decode"``, ``"prefill"``, ``"mixed"`` or ``"empty"``, with
@@ -242,7 +251,7 @@ class BatchMetadata:
         )
         if num_pages is not None:
             check_on_host(batch, num_pages, entry="BatchMetadata.build")
-        for name in _HOST_INTS:  # cached now: a compiled caller reads them without running Python
+        for name in (*_HOST_INTS, "facts"):  # cached now: a compiled caller reads them without running Python
             getattr(batch, name)
         return batch
 
@@ -280,6 +289,7 @@ class BatchMetadata:
             batch.__dict__["context_lens"] = context_lens
         batch.__dict__.update({k: v for k, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len))
                                if v is not None})  # the cached properties
+        batch.facts   # worked out now, once: every layer of the step reads it
         return batch
 
     def __getattr__(self, name: str) -> torch.Tensor:
@@ -344,23 +354,19 @@ class BatchMetadata:
             _count(name, value, most)
         if block_size < 1 or decode_query_len < 1:
             raise InputError(f"block_size ({block_size}) and decode_query_len ({decode_query_len}) must be >= 1")
-        dev = seq_lens.device
-        z = torch.zeros(num_tokens, dtype=torch.int32, device=dev)
-        batch = cls.assemble(
-            query_start_loc, seq_lens, torch.zeros_like(seq_lens) if context_lens is None else context_lens,
-            block_table, z, torch.empty_like(z), num_decodes=num_decodes, decode_query_len=decode_query_len,
-            num_decode_tokens=num_decode_tokens,  # type: ignore[arg-type]
+        pos, req = derive_tokens(query_start_loc, seq_lens, num_decodes, num_tokens)
+        return cls.assemble(
+            query_start_loc, seq_lens, context_lens, block_table, req, pos, num_decodes=num_decodes,
+            decode_query_len=decode_query_len, num_decode_tokens=num_decode_tokens,  # type: ignore[arg-type]
             max_prefill_query_len=max_query_len if num_decodes < R else 0, block_size=block_size,
             max_query_len=max_query_len, max_seq_len=max_seq_len)
-        batch._derive_tokens(context=context_lens is None)
-        return batch
 
-    def _derive_tokens(self, context: bool = True) -> None:
-        """Fill ``token_to_request`` and ``token_positions`` (and ``context_lens``, when ``context``) from the
-        lengths, on the device (the same derivation the contents check compares them with)."""
+    def _derive_tokens(self) -> None:
+        """Refill ``token_to_request`` and ``token_positions`` (and derived ``context_lens``) from the lengths,
+        in place, on the device (the same derivation the contents check compares them with)."""
         qsl, sl, nd = self.query_start_loc, self.seq_lens, self.num_decodes
         pos, req = derive_tokens(qsl, sl, nd, self.num_tokens)
-        if context:
+        if "context_lens" in self.__dict__:
             self.context_lens.copy_(derive_context(qsl, sl, nd))
         self.token_to_request.copy_(req)
         self.token_positions.copy_(pos)
@@ -382,7 +388,7 @@ class BatchMetadata:
                                  f"captured {tuple(dst.shape)}; build a new batch for a new shape class")
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
-        for k in READ_BACK:
+        for k in (*READ_BACK, "judged_by"):     # new contents: judged again at the next step
             self.__dict__.pop(k, None)
         self._derive_tokens()
         return self
@@ -421,6 +427,7 @@ class BatchMetadata:
             if dst.shape != src.shape:
                 raise InputError(f"update_: {f} shape {tuple(src.shape)} != captured {tuple(dst.shape)}")
             dst.copy_(src)
+        self.__dict__.pop("judged_by", None)      # new contents: judged again at the next step
         return self
 
     def __repr__(self) -> str:

@@ -19,13 +19,14 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional, Union, cast, get_args
 
 import torch
 
 from mm3.contract.capabilities import KVCacheLayout, TopkLayout
 from mm3.contract.errors import InputError
+from mm3.contract.facts import CacheFacts, cache_facts, topk_facts
 from mm3.contract.kv_scales import FP8_KV_DTYPES, ScaleLike, cache_scales, dequantize, is_slot_scale
 
 __all__ = ["TopkBuffer", "PagedKVCache", "TORCH_DTYPES", "dtype_name", "in_storage_order", "is_dense_storage"]
@@ -95,7 +96,7 @@ class TopkBuffer:
         mm3.contract.errors.InputError: TopkBuffer takes the logical [H, T, K] view of your memory...
     """
 
-    __slots__ = ("_data", "_layout")
+    __slots__ = ("_data", "_layout", "facts", "num_tokens")   # the last two worked out when built: a step reads them
 
     def __init__(self, view: torch.Tensor, layout: Optional[str] = None) -> None:
         if layout is not None:
@@ -110,6 +111,8 @@ class TopkBuffer:
         self._data = self._checked(view.permute(1, 0, 2) if token_major else view,
                                    "token_major" if token_major else "head_major")
         self._layout: TopkLayout = "token_major" if token_major else "head_major"
+        self.facts = topk_facts(self._data, self._layout)
+        self.num_tokens: int = self._data.shape[0 if token_major else 1]   # rows it holds
 
     @staticmethod
     def _checked(data: torch.Tensor, layout: str) -> torch.Tensor:
@@ -148,7 +151,8 @@ class TopkBuffer:
         """:meth:`_wrap` without the checks: for a view of a checked buffer (rows of it keep its
         memory order) or storage of shapes and strides already checked."""
         buf = object.__new__(cls)
-        buf._data, buf._layout = data, layout
+        buf._data, buf._layout, buf.facts = data, layout, topk_facts(data, layout)
+        buf.num_tokens = data.shape[1 if layout == "head_major" else 0]
         return buf
 
     # -- construction ---------------------------------------------------------
@@ -182,11 +186,9 @@ class TopkBuffer:
         return self._data.shape[0 if self._layout == "head_major" else 1]
 
     @property
-    def num_tokens(self) -> int:
-        """Rows (tokens) this buffer can hold: its capacity."""
-        return self._data.shape[1 if self._layout == "head_major" else 0]
-
-    capacity = num_tokens
+    def capacity(self) -> int:
+        """Rows (tokens) this buffer can hold: :attr:`num_tokens`."""
+        return self.num_tokens
 
     @property
     def topk(self) -> int:
@@ -299,6 +301,8 @@ class PagedKVCache:
     index: torch.Tensor
     k_scale: Optional[ScaleLike] = None
     v_scale: Optional[ScaleLike] = None
+    #: the five tensors' shapes, dtypes and devices, worked out when built: what a step reads
+    facts: CacheFacts = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("k", "v"):
@@ -323,8 +327,8 @@ class PagedKVCache:
             raise InputError(f"index cache dtype {self.index.dtype} unsupported; use bfloat16 or "
                              f"float8_e4m3fn (float16/float32 accepted by the reference)")
         ks, vs = cache_scales(self.k, self.k_scale, self.v_scale)
-        object.__setattr__(self, "k_scale", ks)
-        object.__setattr__(self, "v_scale", vs)
+        for name, value in (("k_scale", ks), ("v_scale", vs), ("facts", cache_facts(self.k, self.v, self.index, ks, vs))):
+            object.__setattr__(self, name, value)
 
     @classmethod
     def rewrap(cls, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
@@ -345,6 +349,7 @@ class PagedKVCache:
         cache = object.__new__(cls)
         for name, value in (("k", k), ("v", v), ("index", index), ("k_scale", k_scale), ("v_scale", v_scale)):
             object.__setattr__(cache, name, value)
+        object.__setattr__(cache, "facts", cache_facts(k, v, index, k_scale, v_scale))
         return cache
 
     @classmethod
@@ -442,3 +447,4 @@ class PagedKVCache:
         """
         return PagedKVCache(dequantize(self.k.to(dtype), cast(Optional[torch.Tensor], self.k_scale)),
                             dequantize(self.v.to(dtype), cast(Optional[torch.Tensor], self.v_scale)), self.index)
+

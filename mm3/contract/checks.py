@@ -1,13 +1,16 @@
-"""The argument checks of a step: rules over its facts, never over tensors.
+"""The argument checks of a call: rules over its facts, never over tensors, and the plan they give.
 
-:func:`check` takes one :class:`~mm3.contract.facts.StepFacts` value — the
-shape class of a call — and raises :class:`InputError` naming the entry point
-and the argument the caller wrote, or returns the :class:`Plan` the runner
-follows. It reads nothing but that value (and what the value holds: the
-parameters, the bound backends' capabilities and probe answers), so its verdict
-is a function of the value and the boundary (:mod:`mm3.runtime.step`) may keep
-it, keyed by the value itself. Nothing here synchronises with a device; the
-data checks (page ids, lengths) are :mod:`mm3.contract.contents`'.
+:func:`check` takes one :class:`~mm3.contract.facts.StepFacts` value and raises
+:class:`InputError` naming the entry point and the argument the caller wrote,
+or returns the :class:`Plan` the runner follows. It reads nothing but that
+value (and what the value holds: the parameters, the bound backends'
+capabilities and probe answers). The plan also says which *counts* (tokens,
+decodes, rows) a later call may have and still pass every rule: the boundary
+(:mod:`mm3.runtime.step`) keeps a target's plans under the facts engine
+traffic does not change and compares each call's counts with its plan, so a
+new batch shape costs a few int comparisons, not the rules. Nothing here
+synchronises with a device; the data checks (page ids, lengths) are
+:mod:`mm3.contract.contents`'.
 
 The rules, in the order they are checked: the batch's tensors and host ints;
 the caches; a layer's own promises (exact token count, the dtypes and device
@@ -27,8 +30,9 @@ Example:
     >>> buf = mm3.TopkBuffer.allocate(1, 1, 4)
     >>> facts = describe("demo", ("index_topk",), p, be, None, index_q=case.index_q, caches=case.caches,
     ...                  batch=case.batch, topk=buf)
-    >>> check(facts).kind
-    'decode'
+    >>> plan = check(facts)
+    >>> plan.convert_to, plan.max_decode_query_len == be.capabilities.max_decode_query_len
+    (None, True)
     >>> check(facts._replace(params=p.model_copy(update={"index_head_dim": 32})))   # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -48,22 +52,37 @@ from mm3.contract.facts import BatchFacts, CacheFacts, StepFacts, TensorFacts
 from mm3.contract.hookspecs import INDEX_OPS, Op
 from mm3.contract.kv_scales import FP8_KV_DTYPES
 
-__all__ = ["check", "Plan", "view", "check_layer_args", "overlaps_itself"]
+__all__ = ["check", "Plan", "UNLIMITED", "check_layer_args", "overlaps_itself"]
 
 _INDEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
 
 class Plan(NamedTuple):
-    """What the runner does for a class that passed.
+    """What the runner does for calls whose facts match, and which counts such a call may have.
 
     ``convert_to``: the layout the attention reads a copy of the top-k buffer in (``None``: it reads the
     buffer as it is); ``index_via``: the layout the indexer writes a buffer in before it is copied into the
-    caller's (``None``: it writes the caller's); ``kind``: the batch's kind (the guard's policy).
+    caller's (``None``: it writes the caller's).
+
+    The counts: a later call whose facts differ from the planned one only in its token count ``T``, its
+    requests and its decodes passes every rule exactly when ``T <= max_tokens``, its decodes' query length
+    is at most ``max_decode_query_len`` (or it has no decodes), each row-per-token input holds at least
+    ``T`` rows (exactly ``T`` for ``q`` and ``index_q`` when ``exact_rows``: a layer's promise), the top-k
+    buffer holds ``T`` to ``max_topk_rows`` rows (its memory order holds up to that many), and the batch's
+    own shapes agree (:attr:`~mm3.contract.facts.BatchShape.consistent`). The boundary compares those
+    ints every call (:mod:`mm3.runtime.step`); ``tests/test_plan.py`` holds the two to agreeing.
     """
 
     convert_to: Optional[str]
     index_via: Optional[str]
-    kind: str
+    max_decode_query_len: int
+    max_tokens: int
+    exact_rows: bool
+    max_topk_rows: int
+
+
+#: no limit (an int, so a plan compares ints only)
+UNLIMITED = 2 ** 62
 
 
 def check_layer_args(device: object, max_decode_query_len: object) -> torch.device:
@@ -103,20 +122,6 @@ def overlaps_itself(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 def _on(device: torch.device, want: torch.device) -> bool:
     """``device`` is ``want`` (a device without an index matches any of its type)."""
     return device.type == want.type and (want.index is None or device.index is None or device == want)
-
-
-def _tensor_view(t: Optional[tuple[Any, ...]]) -> Optional[TensorFacts]:
-    return None if t is None else TensorFacts(*t)
-
-
-def view(facts: StepFacts) -> StepFacts:
-    """``facts`` with every nested tuple as its named type (what the rules read; same value)."""
-    c, b = facts.caches, facts.batch
-    caches = CacheFacts(*(_tensor_view(t) for t in c))
-    batch = BatchFacts(*b[:5], *(_tensor_view(t) for t in b[5:]))
-    return facts._replace(index_q=_tensor_view(facts.index_q), q=_tensor_view(facts.q),
-                          out=_tensor_view(facts.out), topk=_tensor_view(facts.topk), caches=caches,
-                          batch=batch)
 
 
 class _Rules:
@@ -235,7 +240,7 @@ class _Rules:
             raise self.fail(f"{n.out} is {f.out.dtype} on {f.out.device}; needs {L.dtype} on {f.q.device}")
 
     # -- what the hooks need ----------------------------------------------------------------------
-    def hooks(self) -> tuple[Optional[str], Optional[str]]:
+    def hooks(self) -> tuple[Optional[str], Optional[str], int]:
         f, n, p, T = self.f, self.n, self.p, self.T
         c, b = f.caches, f.batch
         B, H = c.k.shape[1], c.k.shape[2]
@@ -300,11 +305,12 @@ class _Rules:
                             f"{p.num_index_heads}, >= {T} tokens, >= 1 block]")
         return (o.shape[0], T, o.shape[2])
 
-    def topk(self) -> tuple[Optional[str], Optional[str]]:
+    def topk(self) -> tuple[Optional[str], Optional[str], int]:
+        """``(convert_to, index_via, max_topk_rows)`` of the :class:`Plan`."""
         f, n, p, T = self.f, self.n, self.p, self.T
         s, layout = f.topk, f.topk_layout
         if s is None:     # block scores: no top-k buffer
-            return None, None
+            return None, None, UNLIMITED
         head_major = layout == "head_major"
         if s.dtype != torch.int32 or len(s.shape) != 3:
             raise self.fail(f"{n.topk} must be 3-D int32, got {s.dtype} {tuple(s.shape)}")
@@ -325,11 +331,16 @@ class _Rules:
         # a backend that needs a dense buffer in its own layout gets one, copied (the trace says so)
         via = [be.capabilities.topk_layout if be is not None and not be.capabilities.accepts_topk(layout, dense)
                else None for be in (f.attention, f.indexer)]
-        return via[0], via[1]
+        # head-major memory stays in order and dense while the head stride steps over every row
+        st = s.stride
+        most = UNLIMITED if not head_major or H == 1 else st[0] // max(st[1], K, 1)  # type: ignore[index]
+        return via[0], via[1], most
 
     # -- what the backends declare ---------------------------------------------------------------
-    def declared(self) -> None:
+    def declared(self) -> int:
+        """The declared limits and probes; returns the longest decode query every op's backend takes."""
         f, p, b = self.f, self.p, self.f.batch
+        most = UNLIMITED
         device = f.caches.k.device
         dql = b.decode_query_len if b.num_decodes else 1
         for op in f.ops:
@@ -339,6 +350,7 @@ class _Rules:
             if be is None:    # an op no bound backend provides: the caller does its work
                 continue
             caps = be.capabilities
+            most = min(most, caps.max_decode_query_len)
             probe = be.probe(device)
             if not probe.available:
                 raise self.fail(f"backend {caps.name!r} cannot run on {device} here: {probe.reason}")
@@ -356,18 +368,23 @@ class _Rules:
             if reasons:
                 raise self.fail(f"{'; '.join(reasons)}: outside what backend {caps.name!r} declares for {op.value}; "
                                 f"choose another backend or change the input")
+        return most
 
 
 def check(facts: StepFacts) -> Plan:
-    """Raise :class:`InputError` for the first rule ``facts`` breaks; else the :class:`Plan` of its class.
+    """Raise :class:`InputError` for the first rule ``facts`` breaks; else the :class:`Plan` for calls like it.
 
-    A pure function of ``facts``: the boundary keeps its result by the value.
+    A pure function of ``facts``. The plan holds for every call whose facts equal these but for the
+    counts it lists (:class:`Plan`), so the boundary keeps it under the facts that stay.
     """
-    rules = _Rules(view(facts))
+    rules = _Rules(facts)
     rules.batch()
     rules.caches()
     rules.layer()
-    convert_to, index_via = rules.hooks()
-    rules.declared()
-    return Plan(convert_to, index_via, rules.f.batch.kind)
+    convert_to, index_via, topk_rows = rules.hooks()
+    most = rules.declared()
+    L = facts.layer
+    if L is not None:
+        most = min(most, L.max_decode_query_len)
+    return Plan(convert_to, index_via, most, UNLIMITED if L is None else L.capacity, L is not None, topk_rows)
 

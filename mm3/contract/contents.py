@@ -56,7 +56,6 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Optional, Union
 
-import numpy as np
 import torch
 
 from mm3.contract.errors import InputError
@@ -65,7 +64,8 @@ from mm3.contract.facts import LAYER_NAMES, ArgNames
 if TYPE_CHECKING:  # batch.py imports this module to check num_pages when a batch is built
     from mm3.contract.batch import BatchMetadata
 
-__all__ = ["check_on_host", "FaultFlag", "NO_FAULT", "LENGTHS", "fault_word", "derive_tokens", "derive_context"]
+__all__ = ["check_on_host", "FaultFlag", "NO_FAULT", "LENGTHS", "fault_word", "derive_tokens", "derive_context",
+           "lengths_word", "pages_word"]
 
 #: the flag word's value while no fault was met
 NO_FAULT = 2 ** 63 - 1
@@ -121,136 +121,114 @@ def _message(word: int, batch: "Optional[BatchMetadata]", num_pages: int, names:
             f"and {names.block_table} where they are made ({names.where_made})")
 
 
-def _request_rules(qsl: np.ndarray, sl: np.ndarray, nd: int, dql: int, ndt: int, mpq: int, B: int, M: int,
-                   T: int) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-    """``(bad, value)`` of rules 1..9 over the requests (``qsl`` and ``sl`` int64)."""
-    R = sl.shape[0]
-    ql = qsl[1:] - qsl[:-1]
-    req = np.arange(R)
-    dec = req < nd
-    pad = dec & (sl == 0)
-    first, last = req == 0, req == R - 1
-    return ((first & (qsl[0] != 0), qsl[:-1]), (ql < 0, ql), (last & (qsl[-1] != T), qsl[1:]),
-            (dec & (ql != 0) & (ql != dql), ql), (first & (qsl[min(nd, R)] != ndt), qsl[min(nd, R)] + 0 * req),
-            (~pad & (sl < ql), sl), (~dec & (ql < 1), ql), (~dec & (ql > mpq), ql),
-            ((sl < 0) | ((sl + B - 1) // B > M), sl))
-
-
-def _first_fault(qsl: np.ndarray, sl: np.ndarray, bt: np.ndarray, t2r: np.ndarray, pos: np.ndarray,
-                 ctx: Optional[np.ndarray], nd: int, dql: int, ndt: int, mpq: int, B: int, T: int,
-                 num_pages: int) -> Optional[tuple[int, object, object]]:
-    """``(word, value, query length)`` of the first rule the host arrays break, or ``None``. numpy only: a
-    good step costs a few vectorised passes; which rule broke is worked out only when one did."""
-    R, M = bt.shape
-    if not R:
-        return None if T == 0 else (LENGTHS | 3 << 40, int(qsl[-1]), "?")
-    qsl, sl = qsl.astype(np.int64), sl.astype(np.int64)
-    rules = _request_rules(qsl, sl, nd, dql, ndt, mpq, B, M, T)
-    any_bad = rules[0][0]
-    for bad, _ in rules[1:]:
-        any_bad = any_bad | bad
-    ql = qsl[1:] - qsl[:-1]
-    if np.count_nonzero(any_bad):
-        for rule, (bad, value) in enumerate(rules, 1):
-            if np.count_nonzero(bad):
-                r = int(np.argmax(bad))
-                return LENGTHS | rule << 40 | r, int(value[r]), int(ql[r])
-    # every token's request and position as the lengths give them (padding decodes: -1)
-    pad = (np.arange(R) < nd) & (sl == 0)
-    want_req = np.repeat(np.arange(R), ql)
-    want_pos = np.arange(T) - np.repeat(qsl[1:] - sl, ql)
-    want_pos[pad[want_req]] = -1
-    wrong = (want_pos != pos) | (want_req != t2r)
-    if np.count_nonzero(wrong):
-        t = int(np.argmax(wrong))
-        return (LENGTHS | 10 << 40 | t, f"position {int(pos[t])} of request {int(t2r[t])}, expected "
-                f"{int(want_pos[t])} of request {int(want_req[t])}", "?")
-    if ctx is not None:
-        want_ctx = np.where(pad, 0, np.maximum(sl - ql, 0))
-        bad = ctx != want_ctx
-        if np.count_nonzero(bad):
-            r = int(np.argmax(bad))
-            return LENGTHS | 11 << 40 | r, f"{int(ctx[r])}, but its seq_len and query length give {int(want_ctx[r])}", "?"
-    used = np.arange(M)[None, :] < ((sl + B - 1) // B)[:, None]
-    bad = used & ((bt < 0) | (bt >= num_pages))
-    if np.count_nonzero(bad):
-        r, b = (int(v) for v in np.argwhere(bad)[0])
-        return fault_word(r, b), int(bt[r, b]), "?"
-    return None
+def _value(word: int, qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torch.Tensor,
+           pos: torch.Tensor, ctx: Optional[torch.Tensor], nd: int) -> tuple[object, object, Optional[int]]:
+    """``(value, query length, page)`` a message names for the fault ``word`` of host tensors."""
+    if word < LENGTHS:
+        page = int(bt[word >> 32, word & 0xFFFFFFFF])
+        return page, "?", page
+    rule, i = (word - LENGTHS) >> 40, word & ((1 << 40) - 1)
+    if rule == 10:
+        want_pos, want_req = derive_tokens(qsl, sl, nd, pos.shape[0])
+        return (f"position {int(pos[i])} of request {int(t2r[i])}, expected {int(want_pos[i])} of request "
+                f"{int(want_req[i])}"), "?", None
+    if rule == 11:
+        assert ctx is not None
+        return f"{int(ctx[i])}, but its seq_len and query length give {int(derive_context(qsl, sl, nd)[i])}", "?", None
+    ql = int(qsl[i + 1] - qsl[i])
+    value = {1: int(qsl[0]), 3: int(qsl[-1]), 5: int(qsl[min(nd, sl.shape[0])]), 6: int(sl[i]), 9: int(sl[i])}
+    return value.get(rule, ql), ql, None
 
 
 def check_on_host(batch: "BatchMetadata", num_pages: int, *, entry: str, names: ArgNames = LAYER_NAMES,
                   scales: tuple[Optional[torch.Tensor], ...] = ()) -> None:
     """Raise :class:`InputError` (prefixed with ``entry``) for the first rule the batch's contents break.
 
-    Reads the tensors on the host: no copy for a batch in host memory, one
-    synchronisation for one on a device. ``scales``: the K/V scales to check too
-    (per-tensor and per-head ones; per-slot scales are cache contents, not read).
+    The device check's rules (:func:`lengths_word`, :func:`pages_word`) on host copies of the tensors,
+    the lengths first: no copy for a batch in host memory, one synchronisation for one on a device.
+    ``scales``: the K/V scales to check too (per-tensor and per-head ones; per-slot scales are cache
+    contents, not read).
     """
     for name, s in zip((names.k_scale, names.v_scale), scales):
         if s is not None and s.dim() == 1 and not bool((torch.isfinite(s) & (s > 0)).all()):
             raise InputError(f"{entry}: {name} must be finite and > 0 for every KV head (value = stored * scale), "
                              f"got {s.tolist()}")
-    ctx = batch.__dict__.get("context_lens")
-    a = [t.cpu().numpy() for t in (batch.query_start_loc, batch.seq_lens, batch.block_table, batch.token_to_request,
-                                   batch.token_positions)]
-    fault = _first_fault(*a, None if ctx is None else ctx.cpu().numpy(), batch.num_decodes,
-                         batch.decode_query_len, batch.num_decode_tokens, batch.max_prefill_query_len,
-                         batch.block_size, batch.num_tokens, num_pages)
-    if fault is not None:
-        word, value, q = fault
-        page = value if word < LENGTHS else None
-        raise InputError(f"{entry}: " + _message(word, batch, num_pages, names, value, page=page, q=q))
+    host = batch if batch.block_table.device.type == "cpu" else batch.to("cpu")
+    word = int(lengths_word(host))
+    if word == NO_FAULT:
+        word = int(pages_word(host, num_pages))
+    if word == NO_FAULT:
+        return
+    ctx = host.__dict__.get("context_lens")
+    value, q, page = _value(word, host.query_start_loc.long(), host.seq_lens.long(), host.block_table,
+                            host.token_to_request, host.token_positions, ctx, host.num_decodes)
+    raise InputError(f"{entry}: " + _message(word, batch, num_pages, names, value, page=page, q=q))
 
 
 def derive_context(qsl: torch.Tensor, sl: torch.Tensor, nd: int) -> torch.Tensor:
-    """Each request's cached tokens before this step (0 for padding decodes)."""
-    pad = (torch.arange(sl.shape[0], device=sl.device) < nd) & (sl == 0)
-    return (sl - (qsl[1:] - qsl[:-1])).clamp_(min=0).masked_fill_(pad, 0)
+    """Each request's cached tokens before this step: ``seq_len - query_len``, at least 0 (a padding
+    decode's seq_len is 0, so its context is 0 too)."""
+    return (sl - (qsl[1:] - qsl[:-1])).clamp_(min=0)
 
 
 def derive_tokens(qsl: torch.Tensor, sl: torch.Tensor, nd: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(positions, requests)`` of the step's ``T`` tokens as the lengths give them (padding: ``-1``)."""
-    ends = qsl[1:]
-    t = torch.arange(T, dtype=qsl.dtype, device=qsl.device)
+    """``(positions, requests)`` of the step's ``T`` tokens as the lengths give them (padding: ``-1``), in
+    ``qsl``'s dtype; six torch ops, no synchronisation.
+
+    Token ``t`` of request ``r`` sits at ``seq_len[r] - (query_start_loc[r + 1] - t)``; a padding decode
+    (``seq_len`` 0) gives a negative position, which is where ``-1`` comes from (so does a request whose
+    ``seq_len`` is below its query length, a fault the contents check names)."""
     R = sl.shape[0]
+    t = torch.arange(T, dtype=qsl.dtype, device=qsl.device)
     if not R:
         return torch.full_like(t, -1), torch.zeros_like(t)
-    req = torch.searchsorted(ends, t, right=True).clamp_(max=R - 1).to(qsl.dtype)
-    pad = (torch.arange(R, device=sl.device) < nd) & (sl == 0)
-    pos = (sl[req] - (ends[req] - t)).masked_fill_(pad[req], -1)
+    ends = qsl[1:]
+    req = torch.searchsorted(ends, t, right=True, out_int32=qsl.dtype == torch.int32).clamp_(max=R - 1)
+    pos = (sl.to(qsl.dtype) - ends)[req].add_(t).clamp_(min=-1)
     return pos, req
 
 
-def _device_word(batch: "BatchMetadata", num_pages: int) -> torch.Tensor:
-    """The smallest fault word of the batch's contents, as torch ops on its device (no synchronisation)."""
-    qsl, sl, bt = (getattr(batch, f).to(torch.int64) for f in ("query_start_loc", "seq_lens", "block_table"))
-    R, M = bt.shape
+def lengths_word(batch: "BatchMetadata") -> torch.Tensor:
+    """The smallest fault word of the rules other than page ids (``[1]`` int64), as torch ops on the batch's
+    device: no synchronisation."""
+    qsl, sl = batch.query_start_loc.to(torch.int64), batch.seq_lens.to(torch.int64)
+    R, M = batch.block_table.shape
     T, nd, B = batch.num_tokens, batch.num_decodes, batch.block_size
     dev = sl.device
-    words = []
-    if R:
-        ql = qsl[1:] - qsl[:-1]
-        req = torch.arange(R, device=dev)
-        dec, pad = req < nd, (req < nd) & (sl == 0)
-        ndt, mpq = batch.num_decode_tokens, batch.max_prefill_query_len
-        rules = [(req == 0) & (qsl[0] != 0), ql < 0, (req == R - 1) & (qsl[-1] != T),
-                 dec & (ql != 0) & (ql != batch.decode_query_len), (req == 0) & (qsl[min(nd, R)] != ndt),
-                 ~pad & (sl < ql), ~dec & (ql < 1), ~dec & (ql > mpq), (sl < 0) | ((sl + B - 1) // B > M)]
-        for rule, bad in enumerate(rules, 1):
-            words.append(torch.where(bad, LENGTHS | rule << 40 | req, NO_FAULT).amin())
+    if not R:
+        bad = LENGTHS | 3 << 40 if T else NO_FAULT
+        return torch.full((1,), bad, dtype=torch.int64, device=dev)
+    ql = qsl[1:] - qsl[:-1]
+    req = torch.arange(R, device=dev)
+    dec = req < nd
+    pad = dec & (sl == 0)
+    ndt, mpq = batch.num_decode_tokens, batch.max_prefill_query_len
+    rules = [(req == 0) & (qsl[0] != 0), ql < 0, (req == R - 1) & (qsl[-1] != T),
+             dec & (ql != 0) & (ql != batch.decode_query_len), (req == 0) & (qsl[min(nd, R)] != ndt),
+             ~pad & (sl < ql), ~dec & (ql < 1), ~dec & (ql > mpq), (sl < 0) | ((sl + B - 1) // B > M)]
+    words = [torch.where(bad, LENGTHS | rule << 40 | req, NO_FAULT).amin() for rule, bad in enumerate(rules, 1)]
+    if T:
         pos, t2r = derive_tokens(qsl, sl, nd, T)
-        tok = torch.arange(T, device=dev)
         wrong = (pos != batch.token_positions) | (t2r != batch.token_to_request)
-        words.append(torch.where(wrong, LENGTHS | 10 << 40 | tok, NO_FAULT).amin() if T else words[0])
-        ctx = batch.__dict__.get("context_lens")
-        if ctx is not None:
-            words.append(torch.where(ctx != derive_context(qsl, sl, nd), LENGTHS | 11 << 40 | req, NO_FAULT).amin())
-        need = (sl + B - 1) // B
-        cols = torch.arange(M, device=dev)
-        bad = (cols[None, :] < need[:, None]) & ((bt < 0) | (bt >= num_pages))
-        words.append(torch.where(bad, req[:, None] << 32 | cols[None, :], NO_FAULT).amin() if M else words[0])
-    return torch.stack(words).amin().view(1) if words else torch.full((1,), NO_FAULT, dtype=torch.int64, device=dev)
+        words.append(torch.where(wrong, LENGTHS | 10 << 40 | torch.arange(T, device=dev), NO_FAULT).amin())
+    ctx = batch.__dict__.get("context_lens")
+    if ctx is not None:
+        words.append(torch.where(ctx != derive_context(qsl, sl, nd), LENGTHS | 11 << 40 | req, NO_FAULT).amin())
+    return torch.stack(words).amin().view(1)
+
+
+def pages_word(batch: "BatchMetadata", num_pages: int) -> torch.Tensor:
+    """The smallest fault word of a block-table entry a request uses that is not a page id in
+    ``[0, num_pages)`` (``[1]`` int64), as torch ops on the batch's device: no synchronisation."""
+    bt, sl = batch.block_table, batch.seq_lens.to(torch.int64)
+    R, M = bt.shape
+    if not (R and M):
+        return torch.full((1,), NO_FAULT, dtype=torch.int64, device=bt.device)
+    cols = torch.arange(M, device=bt.device)
+    used = cols[None, :] < ((sl + batch.block_size - 1) // batch.block_size)[:, None]
+    req = torch.arange(R, device=bt.device)
+    bad = used & ((bt < 0) | (bt >= num_pages))
+    return torch.where(bad, req[:, None] << 32 | cols[None, :], NO_FAULT).amin().view(1)
 
 
 class _MappedInterface:
@@ -307,25 +285,31 @@ class FaultFlag:
         #: ``word``: what the device lowers; ``shared``: it is host memory, read where it is
         #: (else a device word, copied by after_step)
         self.word, self._host, self.shared = _shared_word(self.device)
-        self._read = self._host.numpy()
+        #: the word as the host reads it (a step compares it with NO_FAULT before it calls raise_pending)
+        self.host_word = self._host.numpy()
         self._lock = threading.Lock()
-        #: what the message of the last recorded step names: its entry, spelling, cache size and batch
-        self.entry, self.names, self.num_pages = "mm3", LAYER_NAMES, 0
-        self._batch: "Optional[BatchMetadata]" = None
+        #: what the message of a fault names: the entry, its spelling, the cache's pages and the batch of the
+        #: last step that may have lowered the word (a step sets it: one attribute written)
+        self.context: "tuple[str, ArgNames, int, Optional[BatchMetadata]]" = ("mm3", LAYER_NAMES, 0, None)
         # a device word: raise_pending reads the host copy only once a copy was started
         self._copied = False
 
     def about(self, entry: str, names: ArgNames, num_pages: int, batch: "BatchMetadata") -> None:
         """Name what a fault found from now on belongs to (no device work)."""
-        self.entry, self.names, self.num_pages, self._batch = entry, names, num_pages, batch
+        self.context = (entry, names, num_pages, batch)
 
-    def record(self, batch: "BatchMetadata", num_pages: int, *, graph: bool = False) -> None:
+    def record(self, batch: "BatchMetadata", num_pages: int, *, graph: bool = False, lengths: bool = True,
+               pages: bool = True) -> None:
         """Check ``batch``'s contents against ``num_pages`` with torch ops on its device; no host sync.
 
-        ``graph``: inside CUDA-graph capture (the replays lower the word; an eager step reads it).
+        ``lengths`` / ``pages``: which rules (:func:`lengths_word`, :func:`pages_word`); ``graph``: inside
+        CUDA-graph capture (the replays lower the word; an eager step reads it).
         """
-        self.num_pages, self._batch = num_pages, batch
-        torch.minimum(self.word, _device_word(batch, num_pages), out=self.word)
+        self.context = (*self.context[:2], num_pages, batch)
+        if lengths:
+            torch.minimum(self.word, lengths_word(batch), out=self.word)
+        if pages:
+            torch.minimum(self.word, pages_word(batch, num_pages), out=self.word)
         if not graph:
             self.after_step()
 
@@ -344,13 +328,14 @@ class FaultFlag:
             return
         with self._lock:
             self._copied = False
-            got = int(self._read[0])
+            got = int(self.host_word[0])
             if got == NO_FAULT:
                 return
-            self._read[0] = NO_FAULT
+            self.host_word[0] = NO_FAULT
             if not self.shared:
                 self.word.fill_(NO_FAULT)
-        raise InputError(f"{self.entry}: " + _message(got, self._batch, self.num_pages, self.names)
+        entry, names, num_pages, batch = self.context
+        raise InputError(f"{entry}: " + _message(got, batch, num_pages, names)
                          + " (found on the device in an earlier step, whose output is not valid; reported at "
                            "the next step)")
 

@@ -1,20 +1,22 @@
-"""What the checks of a step read: its shape class, as one immutable value.
+"""What the checks of a call read, as immutable values.
 
-:class:`StepFacts` holds everything the argument checks
+:class:`StepFacts` holds everything the argument rules
 (:func:`mm3.contract.checks.check`) look at — the shapes, dtypes, devices and,
 where a rule needs them, strides of every input, the batch's host ints, the
 parameters, the bound backends and, for a layer, what it was built for — and
-nothing else: the checks take this value alone, so a check cannot read a fact
-that is not part of it. Two steps of one class are equal values; the boundary
-(:mod:`mm3.runtime.step`) remembers the classes that passed, keyed by the value
-itself, and builds a new one from the tensors every step (nothing is remembered
-about a tensor object, so an input rewritten in place is judged as it is now).
-Tensor *contents* (page ids, lengths) are not facts: they are checked every
-step (:mod:`mm3.contract.contents`).
+nothing else: the rules take this value alone, so a rule cannot read a fact
+that is not part of it. They return a :class:`~mm3.contract.checks.Plan`, which
+says, for every later call whose facts differ only in its counts (tokens,
+requests, decodes), which counts it admits; the boundary
+(:mod:`mm3.runtime.step`) keeps the plans of a bound target under the facts
+that engine traffic does not change. Tensor *contents* (page ids, lengths)
+are not facts: they are judged on the device (:mod:`mm3.contract.contents`).
 
-:class:`ArgNames` says how the caller spells each argument, so an error names
-the function and the argument the caller wrote (``minimax_m3_sparse_attn:
-output ...``), not mm3's internal names.
+:class:`BatchShape` and :class:`CacheFacts` are what a batch and a cache object
+work out about themselves once, when built, so a step reads them instead of
+their tensors. :class:`ArgNames` says how the caller spells each argument, so
+an error names the function and the argument the caller wrote
+(``minimax_m3_sparse_attn: output ...``), not mm3's internal names.
 
 Example:
     >>> import torch
@@ -31,8 +33,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-__all__ = ["TensorFacts", "CacheFacts", "BatchFacts", "LayerFacts", "StepFacts", "ArgNames", "batch_kind",
-           "LAYER_NAMES", "OPS_NAMES"]
+__all__ = ["TensorFacts", "CacheFacts", "BatchFacts", "BatchShape", "LayerFacts", "StepFacts", "ArgNames",
+           "batch_kind", "tensor_facts", "cache_facts", "topk_facts", "batch_shape", "LAYER_NAMES", "OPS_NAMES"]
 
 
 def batch_kind(num_requests: int, num_decodes: int, decode_query_len: int) -> str:
@@ -58,6 +60,13 @@ class TensorFacts(NamedTuple):
     stride: Optional[tuple[int, ...]] = None
 
 
+def tensor_facts(t: Optional[torch.Tensor], stride: bool = False) -> Optional[TensorFacts]:
+    """The facts of ``t`` (``None`` for ``None``), with its strides when ``stride``."""
+    if t is None:
+        return None
+    return TensorFacts(t.shape, t.dtype, t.device, t.stride() if stride else None)
+
+
 class CacheFacts(NamedTuple):
     """The paged caches: K, V, index keys, and the K/V scales (``None`` when unscaled)."""
 
@@ -66,6 +75,22 @@ class CacheFacts(NamedTuple):
     index: TensorFacts
     k_scale: Optional[TensorFacts]
     v_scale: Optional[TensorFacts]
+
+
+def cache_facts(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_scale: object,
+                v_scale: object) -> CacheFacts:
+    """The facts of a cache's tensors (a scale that is not a tensor has none)."""
+    return CacheFacts(*(tensor_facts(t) for t in (k, v, index)),  # type: ignore[arg-type]
+                      *(tensor_facts(s if isinstance(s, torch.Tensor) else None) for s in (k_scale, v_scale)))
+
+
+def topk_facts(storage: torch.Tensor, layout: str) -> tuple[Any, ...]:
+    """What a plan is keyed by for a top-k buffer: its layout, and its storage's dtype, device, strides
+    and shape with the token axis counted as 1 or 2 (how many rows a step uses is a count)."""
+    shape = list(storage.shape)
+    axis = 1 if layout == "head_major" else 0
+    shape[axis] = min(shape[axis], 2)
+    return (layout, storage.dtype, storage.device, tuple(shape), storage.stride())
 
 
 class BatchFacts(NamedTuple):
@@ -95,6 +120,47 @@ class BatchFacts(NamedTuple):
     def kind(self) -> str:
         """The batch's kind (:func:`batch_kind`): the guard's policy guards the first step of each."""
         return batch_kind(self.num_requests, self.num_decodes, self.decode_query_len)
+
+
+class BatchShape(NamedTuple):
+    """What a batch object says of itself, worked out once when it is built (every layer of a step reads it).
+
+    ``key``: the facts no engine's traffic changes (the block size, and each tensor's dtype, device and
+    number of dims; ``None`` for context lengths the batch derives itself), part of the key of a bound
+    target's plans. The counts a step compares with its plan: ``num_tokens`` (``T``),
+    ``num_requests`` (``R``), ``num_decodes``, ``decode_query_len``. ``consistent``: the batch's own
+    shape rules hold (``query_start_loc`` ``[R + 1]``, ``block_table`` ``[R, M]``, the per-token
+    tensors ``[T]``, decodes and decode tokens that fit); when not, a step runs every rule, which names
+    the broken one. ``host``: the block table lives in host memory. ``kind``: :func:`batch_kind`.
+    """
+
+    key: tuple[Any, ...]
+    num_tokens: int
+    num_requests: int
+    num_decodes: int
+    decode_query_len: int
+    kind: str
+    consistent: bool
+    host: bool
+
+
+_KEYS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def batch_shape(qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torch.Tensor, pos: torch.Tensor,
+                ctx: Optional[torch.Tensor], num_decodes: int, decode_query_len: int, num_decode_tokens: int,
+                block_size: int) -> BatchShape:
+    """A batch's :class:`BatchShape` from its tensors and host ints (``ctx``: ``None`` when derived)."""
+    T = pos.shape[0] if pos.dim() == 1 else -1
+    R = sl.shape[0] if sl.dim() == 1 else -1
+    nd, dql, ndt = num_decodes, decode_query_len, num_decode_tokens
+    key = (block_size, *((t.dtype, t.device, t.dim()) for t in (qsl, sl, bt, t2r, pos)),
+           None if ctx is None else (ctx.dtype, ctx.device, ctx.dim()))
+    key = _KEYS.setdefault(key, key) if len(_KEYS) < 1024 else key   # one object per value: compared by identity
+    consistent = (T >= 0 and R >= 0 and qsl.shape[0] == R + 1 and bt.shape[0] == R and t2r.shape[0] == T
+                  and (ctx is None or ctx.shape[0] == R) and 0 <= nd <= R and (not nd or dql >= 1)
+                  and 0 <= ndt <= min(T, nd * dql))
+    return BatchShape(key, T, R, nd, dql, batch_kind(R, nd, dql), consistent, bt.device.type == "cpu")
 
 
 class LayerFacts(NamedTuple):
@@ -156,10 +222,10 @@ class StepFacts(NamedTuple):
     ``index_scores``); ``topk``: the top-k buffer, ``None`` for a call that has
     none (``index_scores``).
 
-    The boundary builds the nested facts as plain tuples in their fields' order
-    (it does so every step, and a tuple is the cheapest value); the rules name
-    them (:func:`mm3.contract.checks.view`). Equal either way: a tuple compares and hashes by
-    its items.
+    The boundary builds it only when a step's facts match no plan of its target
+    (:mod:`mm3.runtime.step`): at a target's first call, and when something
+    an engine's traffic does not change (a dtype, a device, a head count, the
+    caches) changed.
     """
 
     entry: str

@@ -25,33 +25,26 @@ Example:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from mm3.contract.capabilities import Requirements
 from mm3.contract.errors import InputError
-from mm3.contract.contents import FaultFlag
 from mm3.contract.params import SparseAttentionParams
+from mm3.runtime import binding
+from mm3.runtime.binding import Binding
 from mm3.runtime.config import Settings, default_settings
 from mm3.runtime.registry import Registry, default_registry
 from mm3.runtime.scope import current_scope
-from mm3.runtime.selection import Selection, describe_requirements, select
-from mm3.runtime.step import MAX_CLASSES, OpTarget
+from mm3.runtime.selection import Selection, describe_requirements
 
-__all__ = ["Bound", "bind", "configure", "settings", "selections", "check_page_ids"]
+__all__ = ["Binding", "bind", "configure", "settings", "selections", "check_page_ids", "MAX_CHOICES"]
 
+#: choices kept before the cache starts over (one per set of requirements: shapes, dtypes, device)
+MAX_CHOICES = 1024
 
-@dataclass(frozen=True)
-class Bound:
-    """One choice: the selection (``selection.explain()`` says why) and the target its steps run on."""
-
-    selection: Selection
-    target: OpTarget
-
-
-_BOUND: dict[tuple[object, ...], Bound] = {}
+_BOUND: dict[tuple[object, ...], Binding] = {}
 _LOCK = threading.Lock()
 _CONFIG: dict[str, Optional[object]] = {"settings": None, "registry": None}
 
@@ -83,7 +76,7 @@ def _registry() -> Registry:
 
 
 def bind(params: SparseAttentionParams, requirements: Requirements, device: torch.device,
-         names: Optional[tuple[str, Optional[str]]] = None, *, capturing: bool = False) -> Bound:
+         names: Optional[tuple[str, Optional[str]]] = None, *, capturing: bool = False) -> Binding:
     """The backends for ``requirements`` on ``device``, chosen once per requirements and names.
 
     ``names``: ``(backend, indexer_backend)``; default: the innermost ``use_backend``
@@ -99,7 +92,8 @@ def bind(params: SparseAttentionParams, requirements: Requirements, device: torc
         names = (scope.backend, scope.indexer_backend) if scope is not None else \
             (settings_.backend, settings_.indexer_backend)
     registry = _registry()
-    key = (params, requirements, str(device), names, settings_.check_contracts, settings_.allow_fallback, registry)
+    key = (params, requirements, str(device), names, settings_.check_contracts, settings_.check_contents_with_sync,
+           settings_.allow_fallback, registry)
     got = _BOUND.get(key)
     if got is not None:
         return got
@@ -110,20 +104,10 @@ def bind(params: SparseAttentionParams, requirements: Requirements, device: torc
     with _LOCK:
         got = _BOUND.get(key)
         if got is None:
-            if len(_BOUND) >= MAX_CLASSES:
+            if len(_BOUND) >= MAX_CHOICES:
                 _BOUND.clear()
-            got = _BOUND[key] = _bind(params, requirements, device, names, settings_, registry)
+            got = _BOUND[key] = binding.bind(params, requirements, names, device, settings_, registry)
     return got
-
-
-def _bind(params: SparseAttentionParams, requirements: Requirements, device: torch.device,
-          names: tuple[str, Optional[str]], settings: Settings, registry: Registry) -> Bound:
-    # the layer's binding, for a caller that holds no layer (mm3.runtime.layer.SparseAttention._bind)
-    sel = select(requirements, registry, backend=names[0], indexer_backend=names[1],
-                 allow_fallback=settings.allow_fallback, device=device)
-    target = OpTarget(sel.indexer, sel.attention, params, mode=settings.check_contracts, flag=FaultFlag(device),
-                      scorer=sel.scorer)
-    return Bound(sel, target)
 
 
 def selections() -> list[Selection]:

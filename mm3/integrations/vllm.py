@@ -53,13 +53,13 @@ from mm3.contract.errors import BackendUnavailableError, InputError
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.guard import capturing
 from mm3.integrations.block_scores import block_scores, score_width, select_topk
-from mm3.integrations.targets import Bound, bind
+from mm3.integrations.targets import MAX_CHOICES, Binding, bind
 from mm3.integrations.vllm_inputs import (
     DECODE_NAMES, FP8_DTYPES, VLLM_NAMES, attention_caches, cdiv, check_heads, decode_batch, index_caches, int32_arg,
     out_rows, prefill_batch, tensor_arg, topk_view,
 )
 from mm3.runtime.selection import requirements_for
-from mm3.runtime.step import MAX_CLASSES, OpTarget
+from mm3.runtime.step import OpTarget
 
 __all__ = ["minimax_m3_index_decode", "minimax_m3_index_decode_score", "minimax_m3_index_score",
            "minimax_m3_index_topk", "minimax_m3_sparse_attn", "minimax_m3_sparse_attn_decode", "SPARSE_BLOCK_SIZE"]
@@ -99,14 +99,14 @@ _REQUIREMENTS: dict[tuple[object, ...], object] = {}
 
 def _bound(fn: str, op: Op, params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
            kv_dtype: torch.dtype, slot_scales: bool, device: torch.device, decode_query_len: int,
-           graph: bool) -> Bound:
+           graph: bool) -> Binding:
     """The backends of a call of ``op``; one choice serves its eager and captured calls (as a layer's
     does), so a captured call of a backend that is not CUDA-graph safe is refused here, with the reason.
     Every op is selected (block scores too), so one choice serves each of the six functions."""
     key = (params, dtype, index_dtype, kv_dtype, slot_scales, device, decode_query_len)
     req = _REQUIREMENTS.get(key)
     if req is None:
-        if len(_REQUIREMENTS) >= MAX_CLASSES:
+        if len(_REQUIREMENTS) >= MAX_CHOICES:
             _REQUIREMENTS.clear()
         req = _REQUIREMENTS[key] = requirements_for(params, dtype, index_dtype, device,
                                                     decode_query_len=decode_query_len, kv_dtype=kv_dtype,

@@ -28,7 +28,6 @@ from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import InputError
 from mm3.contract.facts import ArgNames
 from mm3.contract.kv_scales import check_kv_dtype, is_slot_scale, kv_scale_view
-from mm3.runtime.step import MAX_CLASSES
 
 __all__ = ["FP8_DTYPES", "VLLM_NAMES", "DECODE_NAMES", "cdiv", "tensor_arg", "int32_arg", "check_heads", "topk_view",
            "out_rows", "decode_batch", "prefill_batch", "index_caches", "attention_caches"]
@@ -100,6 +99,8 @@ def out_rows(fn: str, out: Optional[torch.Tensor], heads: int, num_tokens: int, 
 # Kept only when made outside CUDA-graph capture: a tensor filled by a captured kernel holds its
 # values only once the graph replays, so it cannot serve eager calls.
 _KEPT: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = {}
+#: constant tensors kept before the cache starts over (one set per batch size and device)
+MAX_KEPT = 4096
 
 
 def _kept(key: tuple[object, ...], graph: bool, make: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -107,7 +108,7 @@ def _kept(key: tuple[object, ...], graph: bool, make: Callable[[], tuple[torch.T
     if got is None:
         got = make()
         if not graph:
-            if len(_KEPT) >= MAX_CLASSES:
+            if len(_KEPT) >= MAX_KEPT:
                 _KEPT.clear()
             _KEPT[key] = got
     return got

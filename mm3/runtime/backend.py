@@ -1,28 +1,31 @@
-"""A bound backend: the checked boundary between the core and one plugin's hooks.
+"""A bound backend: one plugin's hooks, resolved once, and its checked op methods.
 
 pluggy is used to declare and validate the contract, not to dispatch: a
 :class:`Backend` holds the plugin's own hookimpl functions, resolved once by
-the registry, so hooks of different backends can never mix and a forward
-pays no ``pm.hook`` cost (``benchmarks/dispatch.py`` measures both). Each op
-method admits its call at the step's boundary (:mod:`mm3.runtime.step`: the
-arguments, the limits this backend's capabilities declare, its probe) and then
-calls the plugin, which checks only what is its own.
+the registry, so hooks of different backends can never mix and a step pays
+no ``pm.hook`` cost (``benchmarks/dispatch.py`` measures both). Its op
+methods (:meth:`Backend.index_topk`...) run a call through the one boundary,
+on a target of this backend for both ops (:mod:`mm3.runtime.step`): the
+arguments, the limits its capabilities declare, its probe, the contents; then
+the plugin, which checks only what is its own.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
+from mm3.contract import hookspecs
 from mm3.contract.buffers import TopkBuffer
 from mm3.contract.capabilities import BackendCapabilities, Probe
+from mm3.contract.contents import FaultFlag
 from mm3.contract.errors import BackendUnavailableError, InputError, MM3Error, PluginError
 from mm3.contract.hookspecs import Op
-
-from mm3.contract.contents import check_on_host
+from mm3.debug.guard import capturing
 from mm3.runtime.discovery import PluginSource, call_hookimpl, exc_line
-from mm3.runtime.step import admit, describe
+from mm3.runtime.step import OpTarget
 
 if TYPE_CHECKING:
     import pluggy
@@ -31,31 +34,19 @@ if TYPE_CHECKING:
     from mm3.contract.buffers import PagedKVCache
     from mm3.contract.params import SparseAttentionParams
 
-__all__ = ["Backend", "DeviceLike", "HookCall"]
-
-#: the arguments of each op's hookspec, in order (docs/plugins.md)
-_SPEC_ARGS: dict[Op, tuple[str, ...]] = {
-    Op.INDEX_TOPK: ("index_q", "caches", "batch", "params", "out", "page_faults"),
-    Op.ATTENTION: ("q", "caches", "topk", "batch", "params", "out"),
-    Op.INDEX_SCORES: ("index_q", "caches", "batch", "params", "out", "page_faults"),
-}
+__all__ = ["Backend", "DeviceLike", "spec_args"]
 
 DeviceLike = Union[str, torch.device]
 
 
-class HookCall(NamedTuple):
-    """A plugin hook called with its spec's arguments in order: ``fn(*args[:positional])``, and
-    the next one by keyword ``keyword`` when the hook takes it with a default (``page_faults``)."""
+def spec_args(op: Op) -> tuple[str, ...]:
+    """The arguments of ``op``'s hook spec, in order (:mod:`mm3.contract.hookspecs`).
 
-    fn: Callable[..., Any]
-    positional: int
-    keyword: Optional[str]
-
-    def __call__(self, *args: Any) -> Any:
-        n = self.positional
-        if self.keyword is None:
-            return self.fn(*args[:n])
-        return self.fn(*args[:n], **{self.keyword: args[n]})
+    Example:
+        >>> spec_args(Op.ATTENTION)
+        ('q', 'caches', 'topk', 'batch', 'params', 'out')
+    """
+    return tuple(inspect.signature(getattr(hookspecs, op.hook)).parameters)
 
 
 class Backend:
@@ -92,12 +83,13 @@ class Backend:
         self._probe_cache: dict[str, Probe] = {}
         self._ops = {op: impls[op.hook] for op in Op if op in capabilities.ops and op.hook in impls}
         self._where = {op: f"{capabilities.name}.{op.hook}" for op in Op}
-        # the hook functions as positional calls (pluggy lets a hookimpl name any subset of its
-        # spec's arguments, in any order: those are called by name)
-        #: direct calls of the plugin's op hooks (what a plain step runs: :mod:`mm3.runtime.step`)
-        self.index_call = self._plan(Op.INDEX_TOPK)
-        self.attention_call = self._plan(Op.ATTENTION)
-        self.scores_call = self._plan(Op.INDEX_SCORES)
+        #: the plugin's op hooks, each called with its spec's arguments in order (what a step runs:
+        #: :mod:`mm3.runtime.step`); the plugin's own function wherever it takes them so
+        self.calls: dict[str, Callable[..., Any]] = {op.value: self._positional(op) for op in Op}
+        #: the plugin's ``check_contents(batch, num_pages, word)``, called positionally; ``None``: it has none
+        self.check_contents: Optional[Callable[..., None]] = None if "check_contents" not in impls else \
+            _positional(impls["check_contents"], ("batch", "num_pages", "word"))
+        self._targets: dict[tuple[object, ...], OpTarget] = {}
 
     # -- facts ------------------------------------------------------------------
     @property
@@ -188,19 +180,12 @@ class Backend:
                 f"[H={num_heads}, T={num_tokens}, K={topk}]")
         return buf
 
-    def _plan(self, op: Op) -> "HookCall":
-        """How to call the plugin's ``op`` hook directly with its spec's arguments in order."""
+    def _positional(self, op: Op) -> Callable[..., Any]:
+        """A call of the plugin's ``op`` hook with its spec's arguments in order, positionally."""
         fn = self._ops.get(op)
         if fn is None:
-            return HookCall(lambda *args: self._op(op), len(_SPEC_ARGS[op]), None)   # raises
-        names, spec, n = tuple(fn.argnames), _SPEC_ARGS[op], len(fn.argnames)
-        if names == spec[:n]:   # the spec's first arguments, and maybe the last one with a default
-            if n == len(spec) - 1 and spec[-1] in fn.kwargnames:
-                return HookCall(fn.function, n, spec[-1])
-            if not set(spec[n:]) & set(fn.kwargnames):
-                return HookCall(fn.function, n, None)
-        # any other subset or order of the arguments (pluggy allows it): called by name
-        return HookCall(lambda *args: call_hookimpl(fn, **dict(zip(spec, args))), len(spec), None)
+            return lambda *args: self._op(op)    # raises, naming what the backend declares
+        return _positional(fn, spec_args(op))
 
     def _op(self, op: Op) -> "pluggy.HookImpl":
         fn = self._ops.get(op)
@@ -211,59 +196,77 @@ class Backend:
                 f"backend for this op, e.g. indexer_backend=... / MM3_INDEXER_BACKEND")
         return fn
 
+    def _target(self, params: "SparseAttentionParams", device: torch.device) -> OpTarget:
+        """The target of this backend's own op methods: this backend for both ops, ``params``."""
+        key = (params, device)
+        target = self._targets.get(key)
+        if target is None:
+            target = self._targets[key] = OpTarget(self, self, params, mode="never", flag=FaultFlag(device),
+                                                   scorer=self if self.provides("index_scores") else None)
+        return target
+
+    def _run(self, op: Op, caches: "PagedKVCache", batch: "BatchMetadata", params: "SparseAttentionParams",
+             topk: Optional[TopkBuffer], x: "torch.Tensor", out: Optional["torch.Tensor"],
+             page_faults: Optional["torch.Tensor"]) -> None:
+        self._op(op)
+        where = self._where[op]
+        if not isinstance(x, torch.Tensor):
+            raise InputError(f"{where}: {'q' if op is Op.ATTENTION else 'index_q'} must be a torch.Tensor, got "
+                             f"{type(x).__name__}")
+        target = self._target(params, x.device)
+        graph = capturing(x)
+        tensors = dict(q=x, out=out) if op is Op.ATTENTION else dict(index_q=x, out=out)
+        plan, faults = target.admit_call(where, (op,), caches=caches, batch=batch, topk=topk, graph=graph,
+                                         **tensors)  # type: ignore[arg-type]
+        if plan.convert_to or plan.index_via:
+            raise InputError(f"{where}: needs a dense {self.capabilities.topk_layout} top-k buffer (it declares "
+                             f"topk_requires_contiguous), got {topk!r}; convert it first: "
+                             f"buf.to_layout({self.capabilities.topk_layout!r}) (SparseAttention does this for you)")
+        if op is Op.ATTENTION:
+            self.invoke(op, (x, caches, topk, batch, params, out))
+            return
+        if not self.capabilities.reports_bad_page_ids:
+            faults = None
+        elif page_faults is not None:
+            faults = page_faults
+        rows = out[:, :batch.num_tokens] if op is Op.INDEX_SCORES else topk  # type: ignore[index]
+        self.invoke(op, (x, caches, batch, params, rows, faults))
+
     def index_topk(self, index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
                    params: "SparseAttentionParams", out: TopkBuffer,
                    page_faults: "Optional[torch.Tensor]" = None) -> None:
-        """The indexer (docs/spec.md §3) on rows ``[0, T)`` of ``out``: admitted at the boundary
+        """The indexer (docs/spec.md §3) on rows ``[0, T)`` of ``out``, through the step's boundary
         (:mod:`mm3.runtime.step`), then the plugin's hook.
 
-        ``page_faults`` reaches a backend that declares ``reports_bad_page_ids`` (else ``None``).
-        A batch in host memory has its contents checked too; a device batch's are the caller's
-        (a layer, or the custom ops, check them without a synchronisation).
+        ``page_faults`` reaches a backend that declares ``reports_bad_page_ids`` (default: the word of this
+        backend's own fault flag, raised at its next call).
         """
-        self._op(Op.INDEX_TOPK)
-        faults = page_faults if self.capabilities.reports_bad_page_ids else None
-        self._admitted(Op.INDEX_TOPK, caches, batch, params, out, index_q=index_q)
-        self.invoke(Op.INDEX_TOPK, (index_q, caches, batch, params, out, faults))
+        self._run(Op.INDEX_TOPK, caches, batch, params, out, index_q, None, page_faults)
 
     def attention_forward(self, q: "torch.Tensor", caches: "PagedKVCache", topk: TopkBuffer,
                           batch: "BatchMetadata", params: "SparseAttentionParams",
                           out: "torch.Tensor") -> None:
-        """Sparse attention (docs/spec.md §4) into ``out[:T]``: admitted at the boundary, then the hook."""
-        self._op(Op.ATTENTION)
-        self._admitted(Op.ATTENTION, caches, batch, params, topk, q=q, out=out)
-        self.invoke(Op.ATTENTION, (q, caches, topk, batch, params, out))
+        """Sparse attention (docs/spec.md §4) into ``out[:T]``, through the step's boundary, then the hook."""
+        self._run(Op.ATTENTION, caches, batch, params, topk, q, out, None)
 
     def index_scores(self, index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMetadata",
                      params: "SparseAttentionParams", out: "torch.Tensor",
                      page_faults: "Optional[torch.Tensor]" = None) -> None:
         """The block scores (docs/spec.md §3.6) into every element of ``out`` (float32 ``[Hidx, T, N]``, any
-        strides): admitted at the boundary, then the plugin's hook. ``page_faults`` as for :meth:`index_topk`."""
-        self._op(Op.INDEX_SCORES)
-        faults = page_faults if self.capabilities.reports_bad_page_ids else None
-        self._admitted(Op.INDEX_SCORES, caches, batch, params, None, index_q=index_q, out=out)
-        self.invoke(Op.INDEX_SCORES, (index_q, caches, batch, params, out[:, :batch.num_tokens], faults))
+        strides), through the step's boundary, then the hook. ``page_faults`` as for :meth:`index_topk`."""
+        self._run(Op.INDEX_SCORES, caches, batch, params, None, index_q, out, page_faults)
 
-    def _admitted(self, op: Op, caches: "PagedKVCache", batch: "BatchMetadata", params: "SparseAttentionParams",
-                  topk: Optional[TopkBuffer], **tensors: "torch.Tensor") -> None:
-        where = self._where[op]
-        plan, _ = admit(describe(where, (op,), params, None if op == Op.ATTENTION else self,
-                                 self if op == Op.ATTENTION else None, caches=caches, batch=batch, topk=topk,
-                                 **tensors))
-        if plan.convert_to or plan.index_via:
-            raise InputError(f"{where}: needs a dense {self.capabilities.topk_layout} top-k buffer (it declares "
-                             f"topk_requires_contiguous), got {topk!r}; convert it first: "
-                             f"buf.to_layout({self.capabilities.topk_layout!r}) (SparseAttention does this for you)")
-        if batch.block_table.device.type == "cpu":
-            check_on_host(batch, caches.num_pages, entry=where)
+    def check_page_ids(self) -> None:
+        """Wait for the device and raise :class:`~mm3.contract.errors.InputError` if a call of this backend's
+        op methods met bad batch contents on the device (they surface at the next call by themselves)."""
+        for target in list(self._targets.values()):
+            target.flag.check()
 
     def invoke(self, op: Op, args: "tuple[Any, ...]") -> None:
         """The plugin's ``op`` hook on ``args`` (the hook's spec order), no checks: what a step runs once the
         boundary admitted the call (:mod:`mm3.runtime.step`). What the hook raises is named by :meth:`reraise`."""
         try:
-            # by identity: every step passes through here, and an enum member hashes in Python
-            (self.index_call if op is Op.INDEX_TOPK else self.attention_call if op is Op.ATTENTION
-             else self.scores_call)(*args)
+            self.calls[op.value](*args)
         except Exception as e:
             self.reraise(e, op.hook)
 
@@ -302,6 +305,16 @@ class Backend:
         return (f"Backend({c.name!r}, priority={c.priority}, ops={sorted(c.ops)}, "
                 f"topk_layout={c.topk_layout!r}, source={self.source!s})")
 
+
+
+def _positional(fn: "pluggy.HookImpl", spec: tuple[str, ...]) -> Callable[..., Any]:
+    """``fn`` called with ``spec``'s arguments in order: the plugin's own function where it takes exactly
+    those, positionally (no wrapper: a step calls it), else a call by name (pluggy lets a hookimpl take
+    any subset of its spec's arguments, in any order)."""
+    params = list(inspect.signature(fn.function).parameters.values())
+    if [p.name for p in params] == list(spec) and all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params):
+        return fn.function
+    return lambda *args: call_hookimpl(fn, **dict(zip(spec, args)))
 
 
 def _named(exc: MM3Error, backend: str, hook: str) -> MM3Error:

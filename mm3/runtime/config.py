@@ -239,6 +239,10 @@ class Settings(BaseSettings):
             decode, prefill, mixed) per backend pair of a layer, then it steps aside;
             ``"always"`` every step (synchronises per call: tests, debugging); ``"never"``.
             Booleans are accepted: true means ``"always"``, false ``"never"``.
+        check_contents_with_sync: judge a device batch's contents (page ids, lengths, positions) on the
+            host at every eager step, so a bad batch raises in the step that got it; each step then waits
+            for the device (a synchronisation: for debugging). Default false: judged on the device, a
+            fault raised at the next step or ``check_page_ids()`` (docs/errors.md §2.6).
         allow_fallback: a named backend that cannot serve falls back to ``auto``.
         config: explicit config file path.
 
@@ -261,6 +265,7 @@ class Settings(BaseSettings):
     disable_plugins: Annotated[list[str], NoDecode] = []
     no_plugin_autoload: bool = False
     check_contracts: Literal["first", "always", "never"] = "first"
+    check_contents_with_sync: bool = False
     allow_fallback: bool = False
     config: Optional[Path] = None
 

@@ -22,45 +22,30 @@ Example:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
-from mm3.runtime.config import Settings, default_settings
-from mm3.contract.errors import InputError
 from mm3.contract.checks import check_layer_args
 from mm3.contract.contents import FaultFlag
+from mm3.contract.errors import InputError
 from mm3.contract.facts import LayerFacts
-from mm3.debug.guard import capturing, check_topk_allocation, fill_sentinel
 from mm3.contract.params import SparseAttentionParams
-from mm3.runtime.backend import Backend
+from mm3.runtime.binding import Binding, bind
+from mm3.runtime.config import Settings, default_settings
 from mm3.runtime.ops import batch_args
-from mm3.runtime.step import BOTH, OpTarget
 from mm3.runtime.registry import Registry, default_registry
-from mm3.runtime.scope import current_scope
-from mm3.runtime.selection import Selection, requirements_for, select
+from mm3.runtime.scope import SCOPE
+from mm3.runtime.selection import Selection, requirements_for
+from mm3.runtime.step import BOTH, OpTarget
 
 __all__ = ["SparseAttention"]
 
 _ENTRY = "SparseAttention.forward"
 
 DeviceLike = Union[str, torch.device]
-
-
-@dataclass
-class _Bound:
-    """One resolved choice: the selection, the bound backends, the persistent buffer and the target
-    every step runs on (eager, compiled, the custom ops: :mod:`mm3.runtime.step`)."""
-
-    selection: Selection
-    indexer: Backend
-    attention: Backend
-    topk: TopkBuffer
-    convert_to: Optional[str]  # layout the attention needs, when a per-step copy is required
-    target: OpTarget           # what torch.ops.mm3.* dispatch to for this choice
 
 
 class SparseAttention:
@@ -126,7 +111,9 @@ class SparseAttention:
         self.requirements = requirements_for(params, dtype, index_dtype, self.device,
                                              decode_query_len=max_decode_query_len, cuda_graph=cuda_graph,
                                              kv_dtype=self.kv_dtype)
-        self._bound: dict[tuple[str, Optional[str]], _Bound] = {}
+        self._bound: dict[tuple[str, Optional[str]], Binding] = {}
+        #: the binding of the names that hold outside any use_backend scope (a step's one read)
+        self._default: Optional[Binding] = None
         self._lock = threading.Lock()
         self._flag = FaultFlag(self.device)
         self._facts = LayerFacts(dtype, index_dtype, self.kv_dtype, self.device, max_num_tokens,
@@ -137,39 +124,29 @@ class SparseAttention:
     def _names(self) -> tuple[str, Optional[str]]:
         if self._explicit is not None:
             return (self._explicit[0] or self.settings.backend, self._explicit[1])
-        scope = current_scope()
+        scope = SCOPE.get()
         if scope is not None:
             return (scope.backend, scope.indexer_backend)
         return (self.settings.backend, self.settings.indexer_backend)
 
-    def _resolve(self) -> _Bound:
+    def _resolve(self) -> Binding:
+        """The binding of the names in force: bound once per names (a step reads it back)."""
+        if self._explicit is not None or SCOPE.get() is None:
+            b = self._default
+            if b is not None:
+                return b
         key = self._names()
         bound = self._bound.get(key)
-        if bound is not None:
-            return bound
-        with self._lock:
-            bound = self._bound.get(key)
-            if bound is None:
-                bound = self._bind(*key)
-                self._bound[key] = bound
+        if bound is None:
+            with self._lock:
+                bound = self._bound.get(key)
+                if bound is None:
+                    bound = self._bound[key] = bind(self.params, self.requirements, key, self.device,
+                                                    self.settings, self.registry, layer=self._facts,
+                                                    flag=self._flag)
+        if self._explicit is not None or SCOPE.get() is None:
+            self._default = bound
         return bound
-
-    def _bind(self, backend: str, indexer_backend: Optional[str]) -> _Bound:
-        sel = select(self.requirements, self.registry, backend=backend, indexer_backend=indexer_backend,
-                     allow_fallback=self.settings.allow_fallback, device=self.device)
-        idx, att = sel.indexer, sel.attention
-        p = self.params
-        # Backend.alloc_topk_buffer already checks type, layout and shape against the declaration.
-        buf = idx.alloc_topk_buffer(self.max_num_tokens, p.num_index_heads, p.topk, self.device)
-        mode = self.settings.check_contracts
-        if mode != "never":   # the guard checks what the hook returned, then marks it to see stray writes
-            check_topk_allocation(buf, layout=idx.capabilities.topk_layout, num_tokens=self.max_num_tokens,
-                                  num_heads=p.num_index_heads, topk=p.topk, device=self.device, backend=idx)
-            fill_sentinel(buf)
-        # What runs is what the trace says: both come from the selection's verdict on this buffer.
-        sel = sel.for_buffer(buf)
-        target = OpTarget(idx, att, p, topk=buf, mode=mode, flag=self._flag, layer=self._facts)
-        return _Bound(sel, idx, att, buf, sel.topk_convert_to, target)
 
     @property
     def selection(self) -> Selection:
@@ -185,7 +162,7 @@ class SparseAttention:
     @property
     def topk_buffer(self) -> TopkBuffer:
         """The persistent top-k buffer of the current indexer backend (all ``max_num_tokens`` rows)."""
-        return self._resolve().topk
+        return self._resolve().target.topk  # type: ignore[return-value]
 
     def topk_for_attention(self, topk: TopkBuffer) -> TopkBuffer:
         """``topk`` as the current attention backend reads it: converted to its layout when it
@@ -193,8 +170,9 @@ class SparseAttention:
         return self._for_attention(self._resolve(), topk)
 
     @staticmethod
-    def _for_attention(b: _Bound, topk: TopkBuffer) -> TopkBuffer:
-        return topk if b.convert_to is None else topk.to_layout(b.convert_to, contiguous=True)
+    def _for_attention(b: Binding, topk: TopkBuffer) -> TopkBuffer:
+        to = b.selection.topk_convert_to
+        return topk if to is None else topk.to_layout(to, contiguous=True)
 
     def explain(self) -> str:
         """The selection trace, readable: every candidate with its reasons."""
@@ -207,19 +185,17 @@ class SparseAttention:
 
         ``out`` (optional) may have more rows than the step; only ``[0, T)`` is written.
         """
-        b = self._resolve()
+        target = self._resolve().target
         if out is None and isinstance(q, torch.Tensor):
             out = torch.empty_like(q)
         if torch.compiler.is_compiling():  # one opaque node per op: nothing below is traced
             # each op admits its call at run time, held to this layer's promises (its target carries them)
-            args, c, handle = batch_args(batch), caches, b.target.handle
-            torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, b.topk.storage, *args, handle, c.k_scale,
-                                     c.v_scale)
-            torch.ops.mm3.attention(q, c.k, c.v, c.index, b.topk.storage, *args, handle, out, c.k_scale, c.v_scale)
+            args, c, handle, st = batch_args(batch), caches, target.handle, target.topk.storage  # type: ignore[union-attr]
+            torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, st, *args, handle, c.k_scale, c.v_scale)
+            torch.ops.mm3.attention(q, c.k, c.v, c.index, st, *args, handle, out, c.k_scale, c.v_scale)
             return out[:batch.num_tokens]  # type: ignore[index]
-        b.target.run(_ENTRY, BOTH, caches=caches, batch=batch, topk=b.topk, index_q=index_q, q=q, out=out,
-                     graph=isinstance(q, torch.Tensor) and capturing(q))
-        T = batch.num_tokens
+        target.run(_ENTRY, BOTH, caches=caches, batch=batch, topk=target.topk, index_q=index_q, q=q, out=out)
+        T = batch.facts.num_tokens if isinstance(batch, BatchMetadata) else batch.num_tokens
         return out if out.shape[0] == T else out[:T]  # type: ignore[union-attr]
 
     def check_page_ids(self) -> None:
@@ -234,8 +210,8 @@ class SparseAttention:
 
     def __repr__(self) -> str:
         try:
-            b = self._resolve()
-            chosen = f"indexer={b.indexer.name!r}, attention={b.attention.name!r}"
+            t = self._resolve().target
+            chosen = f"indexer={t.indexer.name!r}, attention={t.attention.name!r}"
         except Exception as e:  # repr must never raise
             chosen = f"unresolved: {e}"
         return f"SparseAttention({chosen}, heads={self.params.num_heads}/{self.params.num_kv_heads}, " \

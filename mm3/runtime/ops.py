@@ -38,17 +38,44 @@ Example:
 
 from __future__ import annotations
 
+import itertools
+import threading
+import weakref
 from typing import Optional, Union
 
 import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache
+from mm3.contract.errors import InputError
 from mm3.contract.facts import OPS_NAMES
 from mm3.contract.hookspecs import Op
 from mm3.runtime.step import OpTarget
 
-__all__ = ["OpTarget", "batch_args", "batch_from_args"]
+__all__ = ["OpTarget", "batch_args", "batch_from_args", "register", "lookup"]
+
+# the live targets by handle: an op names its target by an int (a schema takes no Python object)
+_TARGETS: "weakref.WeakValueDictionary[int, OpTarget]" = weakref.WeakValueDictionary()
+_NEXT = itertools.count(1)
+_LOCK = threading.Lock()
+
+
+def register(target: OpTarget) -> int:
+    """Give ``target`` a handle the ops can name it by (its :attr:`~OpTarget.handle`); it stays
+    registered while its owner holds it."""
+    with _LOCK:
+        target.handle = next(_NEXT)
+        _TARGETS[target.handle] = target
+    return target.handle
+
+
+def lookup(handle: int) -> OpTarget:
+    """The live target registered under ``handle``; :class:`~mm3.InputError` names a dead or unknown one."""
+    target = _TARGETS.get(handle)
+    if target is None:
+        raise InputError(f"mm3 op handle {handle} names no live layer; pass layer.op_target.handle of a "
+                         f"SparseAttention that is still alive")
+    return target
 
 #: the flattened metadata of a step: 6 tensors, then 5 host ints (the shape class)
 BatchArgs = tuple[Union[torch.Tensor, int], ...]
@@ -111,7 +138,7 @@ def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
                max_prefill_query_len: int, block_size: int, handle: int,
                k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """The indexer of the bound backend ``handle``: writes rows ``[0, T)`` of the top-k storage ``topk``."""
-    target = OpTarget.lookup(handle)
+    target = lookup(handle)
     batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
                             token_positions, num_decodes, decode_query_len, num_decode_tokens,
                             max_prefill_query_len, block_size)
@@ -127,7 +154,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Te
               block_size: int, handle: int, out: torch.Tensor,
               k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """The attention of the bound backend ``handle``: reads the top-k storage, writes ``out[:T]``."""
-    target = OpTarget.lookup(handle)
+    target = lookup(handle)
     batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
                             token_positions, num_decodes, decode_query_len, num_decode_tokens,
                             max_prefill_query_len, block_size)

@@ -1,26 +1,40 @@
-"""The boundary of a step: every entry point's inputs admitted by one call, then the hooks run.
+"""The boundary of a step: a bound target's plan, the step's counts against it, its contents, its hooks.
 
-A layer's step, a custom op (:mod:`mm3.runtime.ops`), a vLLM drop-in call
-(:mod:`mm3.integrations.vllm`) and a bound backend's own op method
-(:class:`~mm3.runtime.backend.Backend`) all reach a plugin's hook the same way:
+Every entry point — a layer's step, a custom op (:mod:`mm3.runtime.ops`), a
+vLLM drop-in call (:mod:`mm3.integrations.vllm`), a bound backend's own op
+method — reaches a plugin's hook through :meth:`OpTarget.run`:
 
-1. :func:`describe` reads the call's facts (:class:`~mm3.contract.facts.StepFacts`:
-   shapes, dtypes, devices, the batch's host ints, the backends) from the
-   tensors as they are now;
-2. :func:`admit` looks the value up in the one memo of classes that passed, and
-   on a miss runs every argument rule (:func:`mm3.contract.checks.check`) and
-   keeps its :class:`~mm3.contract.checks.Plan` under the value;
-3. the contents (lengths, positions, page ids; :mod:`mm3.contract.contents`) are
-   judged every step: on the host for a batch in host memory and at the first
-   step of a class, else on the device with no synchronisation (by the
-   indexer's own kernels where its backend reports bad page ids);
-4. the hook runs, through the contract guard (:mod:`mm3.debug.guard`) when the
-   policy (``Settings.check_contracts``) says so: ``"first"`` guards the first
-   eager call of each op and batch kind, ``"always"`` every eager call,
-   ``"never"`` none; a call inside CUDA-graph capture is never guarded.
+1. **The plan.** What engine traffic does not change — dtypes, devices, head
+   and cache shapes, layouts, the backends, the layer's promises — is judged
+   once per target and kept: :func:`mm3.contract.checks.check` runs every rule
+   on the call's :class:`~mm3.contract.facts.StepFacts` (:func:`describe`) and
+   returns a :class:`~mm3.contract.checks.Plan`, kept under those facts. A
+   call whose facts match reads its plan back; a new token count, new
+   requests or decodes do not make a new plan.
+2. **The counts.** Every call compares its ints with the plan: tokens against
+   the capacity and the rows of each tensor, the decodes' query length against
+   the declared limits, the batch's own shape verdict. A call that fails them
+   runs every rule, which names what is wrong.
+3. **The contents** (lengths, positions, page ids; :mod:`mm3.contract.contents`),
+   judged without waiting for a device after a target's first step:
 
-An :class:`OpTarget` is the bound pair a layer (or a drop-in choice) runs on;
-``torch.ops.mm3.*`` find it by its :attr:`~OpTarget.handle`.
+   * a batch in host memory: on the host, every call;
+   * a target's first eager step (or every eager step with
+     ``Settings.check_contents_with_sync``): on the host, one synchronisation;
+   * otherwise on the device, into the target's :class:`~mm3.contract.contents.FaultFlag`:
+     page ids by the kernels of a backend that reports them
+     (``reports_bad_page_ids``), else by :meth:`~mm3.contract.contents.FaultFlag.record`
+     every call; the rules of the lengths once per batch object (a step builds
+     one for all its layers; :meth:`~mm3.contract.batch.BatchMetadata.update_from_device_`
+     asks for them again). A fault raises at the target's next eager step, or
+     at ``check_page_ids()``.
+4. **The hooks**, through the contract guard (:mod:`mm3.debug.guard`) where
+   ``Settings.check_contracts`` says: ``"first"`` guards the first eager call of
+   each op and batch kind, ``"always"`` every eager call, ``"never"`` none; a
+   call inside CUDA-graph capture is never guarded.
+
+An :class:`OpTarget` is what a layer, a drop-in choice or a backend binds
+(:mod:`mm3.runtime.binding`); ``torch.ops.mm3.*`` find it by its handle.
 
 Example:
     >>> import torch, mm3
@@ -34,13 +48,12 @@ Example:
     >>> out = layer(case.q, case.index_q, case.caches, case.batch)
     >>> sorted(layer.op_target.guarded)     # the first step of its kind ran through the guard
     [('attention', 'mixed'), ('index_topk', 'mixed')]
+    >>> len(layer.op_target.plans)          # one plan, for every later step of these dtypes and shapes
+    1
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -49,31 +62,26 @@ import torch
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.checks import Plan, check
-from mm3.contract.contents import FaultFlag, check_on_host
+from mm3.contract.contents import NO_FAULT, FaultFlag, check_on_host
 from mm3.contract.errors import InputError
-from mm3.contract.facts import LAYER_NAMES, ArgNames, LayerFacts, StepFacts
+from mm3.contract.facts import LAYER_NAMES, ArgNames, BatchFacts, LayerFacts, StepFacts, TensorFacts, tensor_facts
 from mm3.contract.hookspecs import Op
 from mm3.debug import guard
+from mm3.debug.guard import capturing
 
 if TYPE_CHECKING:
     from mm3.contract.params import SparseAttentionParams
     from mm3.runtime.backend import Backend
 
-__all__ = ["OpTarget", "describe", "admit", "BOTH", "MAX_CLASSES"]
+__all__ = ["OpTarget", "describe", "on_host", "BOTH", "MAX_PLANS"]
 
-#: classes remembered before the memo starts over (every prefill token count is a class; the
-#: rules of a forgotten class simply run again)
-MAX_CLASSES = 4096
 BOTH = (Op.INDEX_TOPK, Op.ATTENTION)
-
-_ADMITTED: dict[StepFacts, Plan] = {}
-_LOCK = threading.Lock()
-
-
-def _tensor(name: str, t: object) -> tuple[Any, ...]:
-    if not isinstance(t, torch.Tensor):
-        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    return (t.shape, t.dtype, t.device)
+#: plans one target keeps before it starts over (a plan is per dtype, device and shape of the inputs
+#: an engine keeps from step to step: a handful; a forgotten one is judged again)
+MAX_PLANS = 64
+_INDEX, _ATTENTION, _SCORES = Op.INDEX_TOPK, Op.ATTENTION, Op.INDEX_SCORES
+# (name, hook) of each op as plain strings: an enum member's value and hash run Python code every call
+_INDEX_HOOK, _ATTENTION_HOOK, _SCORES_HOOK = ((str.__str__(op), op.hook) for op in (_INDEX, _ATTENTION, _SCORES))
 
 
 def _wrong_types(entry: str, names: ArgNames, caches: object, batch: object, topk: object) -> InputError:
@@ -86,6 +94,12 @@ def _wrong_types(entry: str, names: ArgNames, caches: object, batch: object, top
     return InputError(f"{entry}: {names.topk} must be an mm3.TopkBuffer, got {type(topk).__name__}; allocate it "
                       f"with TopkBuffer.allocate(...) or wrap the logical [H, T, K] view of your memory: "
                       f"TopkBuffer(view)")
+
+
+def _tensor(entry: str, name: str, t: object, stride: bool = False) -> TensorFacts:
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{entry}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    return tensor_facts(t, stride)  # type: ignore[return-value]
 
 
 def describe(entry: str, ops: tuple[str, ...], params: "SparseAttentionParams", indexer: Optional["Backend"],
@@ -101,68 +115,40 @@ def describe(entry: str, ops: tuple[str, ...], params: "SparseAttentionParams", 
     ``out``: the attention's output, or the block scores of ``index_scores``.
     Raises :class:`InputError` naming an argument of the wrong type.
     """
-    # plain tuples in the order of the facts' fields (view() names them): this runs every step
     try:
-        k, v, ix, ks, vs = caches.k, caches.v, caches.index, caches.k_scale, caches.v_scale
-        c = ((k.shape, k.dtype, k.device), (v.shape, v.dtype, v.device), (ix.shape, ix.dtype, ix.device),
-             None if ks is None else (ks.shape, ks.dtype, ks.device),
-             None if vs is None else (vs.shape, vs.dtype, vs.device))
-        qsl, sl, bt, tr, pos = (batch.query_start_loc, batch.seq_lens, batch.block_table, batch.token_to_request,
-                                batch.token_positions)
-        ctx = batch.__dict__.get("context_lens")   # derived lazily for some batches: read only if there
-        b = (batch.num_decodes, batch.decode_query_len, batch.block_size, batch.num_decode_tokens,
-             batch.max_prefill_query_len, (qsl.shape, qsl.dtype, qsl.device), (sl.shape, sl.dtype, sl.device),
-             (bt.shape, bt.dtype, bt.device), (tr.shape, tr.dtype, tr.device), (pos.shape, pos.dtype, pos.device),
-             None if ctx is None else (ctx.shape, ctx.dtype, ctx.device))
-        if topk is None and Op.INDEX_SCORES in ops:     # block scores: a call without a top-k buffer
+        cf = caches.facts
+        d = batch.__dict__
+        bf = BatchFacts(batch.num_decodes, batch.decode_query_len, batch.block_size, batch.num_decode_tokens,
+                        batch.max_prefill_query_len,
+                        *(tensor_facts(d.get(f)) for f in ("query_start_loc", "seq_lens", "block_table",
+                                                             "token_to_request", "token_positions",
+                                                             "context_lens")))
+        if topk is None and _SCORES in ops:     # block scores: a call without a top-k buffer
             layout, tk = None, None
         else:
             s = topk.storage  # type: ignore[union-attr]
-            layout, tk = topk.layout, (s.shape, s.dtype, s.device, s.stride())  # type: ignore[union-attr]
+            layout, tk = topk.layout, TensorFacts(s.shape, s.dtype, s.device, s.stride())  # type: ignore[union-attr]
     except AttributeError:
         raise _wrong_types(entry, names, caches, batch, topk) from None
-    index, attend = Op.INDEX_TOPK in ops or Op.INDEX_SCORES in ops, Op.ATTENTION in ops
+    index, attend = _INDEX in ops or _SCORES in ops, _ATTENTION in ops
     return StepFacts(entry, names, ops, params, indexer, attention, layer,
-                     _tensor(names.index_q, index_q) if index else None, _tensor(names.q, q) if attend else None,
-                     (*_tensor(names.out, out), out.stride()) if attend or Op.INDEX_SCORES in ops else None,  # type: ignore[union-attr]
-                     layout, tk, c, b)  # type: ignore[arg-type]
-
-
-def admit(facts: StepFacts) -> tuple[Plan, bool]:
-    """``(plan, new)``: the :class:`~mm3.contract.checks.Plan` of ``facts``' class, from the memo or from
-    the rules (``new``: they ran now, and passed). Raises :class:`InputError` for a call that breaks one."""
-    plan = _ADMITTED.get(facts)
-    if plan is not None:
-        return plan, False
-    plan = check(facts)
-    with _LOCK:
-        if len(_ADMITTED) >= MAX_CLASSES:
-            _ADMITTED.clear()
-        _ADMITTED[facts] = plan
-    return plan, True
-
-
-def forget() -> None:
-    """Empty the memo of admitted classes (every later call runs the rules again)."""
-    with _LOCK:
-        _ADMITTED.clear()
+                     _tensor(entry, names.index_q, index_q) if index else None,
+                     _tensor(entry, names.q, q) if attend else None,
+                     _tensor(entry, names.out, out, stride=True) if attend or _SCORES in ops else None,
+                     layout, tk, cf, bf)
 
 
 def on_host(batch: BatchMetadata) -> bool:
-    """Whether ``batch``'s block table lives in host memory (its contents are then checked there, every step)."""
-    return batch.block_table.device.type == "cpu"
-
-
-_TARGETS: "weakref.WeakValueDictionary[int, OpTarget]" = weakref.WeakValueDictionary()
-_NEXT = itertools.count(1)
+    """Whether ``batch``'s block table lives in host memory (its contents are then checked there, every call)."""
+    return batch.facts.host
 
 
 @dataclass(eq=False)
 class OpTarget:
-    """The bound pair a step runs on, its guard policy and its fault flag.
+    """The bound pair a step runs on, its plans, guard policy and fault flag.
 
-    Registered under :attr:`handle` when built; ``torch.ops.mm3.*`` look it up by
-    that int. It lives as long as its owner (a layer, or a drop-in choice) holds it.
+    Built by :mod:`mm3.runtime.binding` (a layer, a drop-in choice, a bound backend's own op methods);
+    ``torch.ops.mm3.*`` find it by :attr:`handle` (:mod:`mm3.runtime.ops`).
 
     Args:
         indexer, attention: the bound backends.
@@ -174,6 +160,8 @@ class OpTarget:
         flag: where device-side checks report (one per owner).
         layer: the owning layer's promises (:class:`~mm3.contract.facts.LayerFacts`): every call on this
             target is held to them, whichever entry point makes it (``None``: a target without a layer).
+        sync_contents: judge a device batch's contents on the host at every eager step (a synchronisation
+            each: for debugging, ``Settings.check_contents_with_sync``).
     """
 
     indexer: "Backend"
@@ -184,28 +172,34 @@ class OpTarget:
     flag: FaultFlag = field(default_factory=lambda: FaultFlag("cpu"))
     layer: Optional[LayerFacts] = None
     scorer: Optional["Backend"] = None
-    handle: int = field(init=False)
-    #: (op, batch kind) pairs whose first eager call passed the guard ("first" mode)
-    guarded: set[tuple[str, str]] = field(default_factory=set)
+    sync_contents: bool = False
+    #: the handle ``torch.ops.mm3.*`` name this target by (0: not registered; :func:`mm3.runtime.ops.register`)
+    handle: int = 0
+    #: the plans judged so far, by the facts that engine traffic does not change
+    plans: dict[tuple[Any, ...], Plan] = field(default_factory=dict, repr=False)
     #: rows(0, T) views of the owner's buffer by T (a slice costs more host time than the lookup)
     _rows: dict[int, TopkBuffer] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        # whether each op's backend checks the page ids it loads (an op none provides checks nothing)
-        self._reports = self.indexer.capabilities.reports_bad_page_ids
-        self._clamps = self.attention.capabilities.reports_bad_page_ids
-        self._scorer_reports = self.scorer is not None and self.scorer.capabilities.reports_bad_page_ids
-        with _LOCK:
-            self.handle = next(_NEXT)
-            _TARGETS[self.handle] = self
+        # for the op that reads a call's block table first: (its backend checks the page ids it loads,
+        # that backend's own check of a batch's contents in one launch, or None)
+        scorer = self.scorer
+        self._index_reader = (self.indexer.capabilities.reports_bad_page_ids, self.indexer.check_contents)
+        self._attention_reader = (self.attention.capabilities.reports_bad_page_ids, self.attention.check_contents)
+        self._scores_reader = (False, None) if scorer is None else \
+            (scorer.capabilities.reports_bad_page_ids, scorer.check_contents)
+        self._never, self._always = self.mode == "never", self.mode == "always"
+        #: the facts and plan of the last call (most calls repeat them)
+        self._last: tuple[Any, Optional[Plan]] = (None, None)
+        #: the batch kinds whose first eager call of each op passed the guard ("first" mode)
+        self._passed: dict[str, set[str]] = {_INDEX_HOOK[0]: set(), _ATTENTION_HOOK[0]: set(), _SCORES_HOOK[0]: set()}
+        #: the first eager step has not run yet: its contents are read on the host, once
+        self._first = True
 
-    @staticmethod
-    def lookup(handle: int) -> "OpTarget":
-        target = _TARGETS.get(handle)
-        if target is None:
-            raise InputError(f"mm3 op handle {handle} names no live layer; pass layer.op_target.handle of a "
-                             f"SparseAttention that is still alive")
-        return target
+    @property
+    def guarded(self) -> set[tuple[str, str]]:
+        """The (op, batch kind) pairs whose first eager call passed the guard ("first" mode)."""
+        return {(op, kind) for op, kinds in self._passed.items() for kind in kinds}
 
     def topk_of(self, t: torch.Tensor, what: str) -> TopkBuffer:
         """The top-k buffer a custom op was given: the owner's own buffer when ``t`` is its storage (same
@@ -222,32 +216,81 @@ class OpTarget:
             raise InputError(f"{what}: {e}; pass the layer's own top-k storage (layer.topk_buffer.storage) or "
                              f"the logical [H, T, K] view of your memory") from None
 
-    # -- the policy ---------------------------------------------------------------------------
-    def _guard(self, op: str, kind: str, graph: bool) -> bool:
-        if graph or self.mode == "never":
-            return False
-        return self.mode == "always" or (op, kind) not in self.guarded
+    # -- admission --------------------------------------------------------------------------------
+    def _judge(self, entry: str, ops: tuple[str, ...], caches: PagedKVCache, batch: BatchMetadata,
+               topk: Optional[TopkBuffer], index_q: Optional[torch.Tensor], q: Optional[torch.Tensor],
+               out: Optional[torch.Tensor], names: ArgNames) -> Plan:
+        """Every rule on the call's facts: raises :class:`InputError` naming the broken one, or returns the plan."""
+        index = self.scorer if _SCORES in ops else self.indexer if _INDEX in ops else None
+        return check(describe(entry, ops, self.params, index, self.attention if _ATTENTION in ops else None,
+                              caches=caches, batch=batch, topk=topk, index_q=index_q, q=q, out=out,
+                              layer=self.layer, names=names))
 
-    def _contents(self, f: StepFacts, caches: PagedKVCache, batch: BatchMetadata, new: bool,
-                  graph: bool) -> Optional[torch.Tensor]:
-        """Judge the step's contents the cheapest way that still sees them every step; returns the word to
-        pass a reporting index op."""
+    def _admit(self, entry: str, ops: tuple[str, ...], caches: PagedKVCache, batch: BatchMetadata,
+               topk: Optional[TopkBuffer], index_q: Optional[torch.Tensor], q: Optional[torch.Tensor],
+               out: Optional[torch.Tensor], names: ArgNames) -> Plan:
+        """The call's plan, and its counts compared with it (a failed comparison runs every rule)."""
+        try:
+            bs = batch.facts
+            T = bs.num_tokens
+            # the facts engine traffic does not change (a row-per-token tensor's rows are a count)
+            key = (entry, names, ops, bs.key, caches.facts, None if topk is None else topk.facts, T > 1,
+                   None if index_q is None else (index_q.dtype, index_q.device, index_q.shape[1:]),
+                   None if q is None else (q.dtype, q.device, q.shape[1:]),
+                   None if out is None else (out.dtype, out.device, out.shape[1:] if ops[0] is not _SCORES else
+                                             (out.shape[0], out.shape[2:]), out.stride()))
+        except AttributeError:   # an argument of the wrong type: every rule names it
+            return self._judge(entry, ops, caches, batch, topk, index_q, q, out, names)
+        last = self._last
+        if key == last[0]:       # the last call's facts (most calls): compared item by item, no hashing
+            plan = last[1]
+        else:
+            plan = self.plans.get(key)
+            if plan is None:
+                plan = self._judge(entry, ops, caches, batch, topk, index_q, q, out, names)
+                if len(self.plans) >= MAX_PLANS:
+                    self.plans.clear()
+                self.plans[key] = plan
+            self._last = (key, plan)
+        # the counts (Plan says which): O(1) int comparisons
+        nd = bs.num_decodes
+        exact = plan.exact_rows
+        if bs.consistent and T <= plan.max_tokens and (not nd or bs.decode_query_len <= plan.max_decode_query_len) \
+                and (index_q is None or (index_q.shape[0] == T if exact else index_q.shape[0] >= T)) \
+                and (q is None or (q.shape[0] == T if exact else q.shape[0] >= T)) \
+                and (out is None or out.shape[1 if ops[0] is _SCORES else 0] >= T) \
+                and (topk is None or T <= topk.num_tokens <= plan.max_topk_rows):
+            return plan
+        # some count breaks a rule (which one, every rule says), or a plan of other counts holds (this call's)
+        return self._judge(entry, ops, caches, batch, topk, index_q, q, out, names)
+
+    def _contents(self, entry: str, reader: str, caches: PagedKVCache, batch: BatchMetadata, graph: bool,
+                  names: ArgNames) -> Optional[torch.Tensor]:
+        """Judge the call's contents the cheapest way that still sees them (the module's docstring); returns
+        the word to pass a reporting index op."""
         flag = self.flag
-        if not graph:
+        if not graph and flag.host_word[0] != NO_FAULT:
             flag.raise_pending()
-        flag.about(f.entry, f.names, caches.num_pages, batch)
+        num_pages = caches.k.shape[0]
+        flag.context = (entry, names, num_pages, batch)
         # the op whose backend reads every used block-table entry: the index op, first in a call of two
-        reader = f.ops[0]
-        reports = self._clamps if reader == Op.ATTENTION else \
-            self._scorer_reports if reader == Op.INDEX_SCORES else self._reports
-        if on_host(batch) or (new and not graph):
-            check_on_host(batch, caches.num_pages, entry=f.entry, names=f.names,
-                          scales=(caches.k_scale, caches.v_scale) if new else ())
-        elif not reports:
-            flag.record(batch, caches.num_pages, graph=graph)
-        return flag.word if reader != Op.ATTENTION and reports else None
+        reports, checker = self._attention_reader if reader is _ATTENTION else self._scores_reader \
+            if reader is _SCORES else self._index_reader
+        if on_host(batch) or (not graph and (self._first or self.sync_contents)):
+            check_on_host(batch, num_pages, entry=entry, names=names,
+                          scales=(caches.k_scale, caches.v_scale) if self._first else ())
+            if not graph:
+                self._first = False
+        else:
+            judged = batch.__dict__.get("judged_by")     # the lengths' rules, once per batch object
+            if not reports or judged is None:
+                if checker is not None:
+                    checker(batch, num_pages, flag.word)
+                else:
+                    flag.record(batch, num_pages, graph=graph, lengths=judged is None, pages=not reports)
+                batch.__dict__["judged_by"] = flag
+        return flag.word if reports and reader is not _ATTENTION else None
 
-    # -- the step -------------------------------------------------------------------------------
     def admit_call(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
                    topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
                    q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: bool = False,
@@ -255,65 +298,68 @@ class OpTarget:
         """Admit a call on this target and judge its contents, as :meth:`run` does before the hooks:
         ``(plan, page_faults)``. A caller that does an op's work itself (``index_scores`` where no
         bound backend provides it) calls this, then works."""
-        return self._admit(entry, ops, caches, batch, topk, index_q, q, out, graph, names)
+        plan = self._admit(entry, ops, caches, batch, topk, index_q, q, out, names)
+        return plan, self._contents(entry, ops[0], caches, batch, graph, names)
 
-    def _admit(self, entry: str, ops: tuple[str, ...], caches: PagedKVCache, batch: BatchMetadata,
-               topk: Optional[TopkBuffer], index_q: Optional[torch.Tensor], q: Optional[torch.Tensor],
-               out: Optional[torch.Tensor], graph: bool, names: ArgNames) -> tuple[Plan, Optional[torch.Tensor]]:
-        index = self.scorer if Op.INDEX_SCORES in ops else self.indexer if Op.INDEX_TOPK in ops else None
-        f = describe(entry, ops, self.params, index, self.attention if Op.ATTENTION in ops else None,
-                     caches=caches, batch=batch, topk=topk, index_q=index_q, q=q, out=out, layer=self.layer,
-                     names=names)
-        plan, new = admit(f)
-        return plan, self._contents(f, caches, batch, new, graph)
+    # -- the step -------------------------------------------------------------------------------
+    @staticmethod
+    def capturing(x: object) -> bool:
+        """Whether ``x``'s stream is being captured in a CUDA graph (what ``run`` asks when not told)."""
+        return isinstance(x, torch.Tensor) and x.is_cuda and capturing(x)
 
     def run(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
             topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
-            q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: bool = False,
+            q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: Optional[bool] = None,
             names: ArgNames = LAYER_NAMES) -> None:
-        """Admit the call, check its contents, run its hooks (``ops``: both, or one) on rows ``[0, T)``.
+        """Admit the call, judge its contents, run its hooks (``ops``: both, or one) on rows ``[0, T)``.
 
         ``index_scores`` (alone): ``out`` is the caller's ``[H, >= T, N]`` scores, of which rows ``[0, T)``
-        are written; its backend must exist (:attr:`scorer`)."""
-        plan, faults = self._admit(entry, ops, caches, batch, topk, index_q, q, out, graph, names)
-        T = batch.num_tokens
-        if Op.INDEX_SCORES in ops:
+        are written; its backend must exist (:attr:`scorer`). ``graph``: the call is being captured in a
+        CUDA graph (``None``: :meth:`capturing` of the queries says)."""
+        if graph is None:
+            graph = self.capturing(q if q is not None else index_q)
+        plan = self._admit(entry, ops, caches, batch, topk, index_q, q, out, names)
+        faults = self._contents(entry, ops[0], caches, batch, graph, names)
+        bs = batch.facts
+        T, kind = bs.num_tokens, bs.kind
+        if _SCORES in ops:
             if self.scorer is None:
                 raise InputError(f"{entry}: no bound backend provides index_scores; score the blocks without "
                                  f"one (OpTarget.admit_call, then mm3.integrations.block_scores)")
             rows = out if out.shape[1] == T else out[:, :T]  # type: ignore[union-attr]
-            self._call(self.scorer, Op.INDEX_SCORES, (index_q, caches, batch, self.params, rows, faults), plan.kind,
-                       graph)
-            if faults is not None and not graph:
-                self.flag.after_step()
-            return
-        assert topk is not None
-        if topk.num_tokens == T:
-            rows = topk
-        elif topk is self.topk:
-            rows = self._rows.get(T) or self._rows.setdefault(T, topk.rows(0, T))
+            self._call(self.scorer, _SCORES_HOOK, (index_q, caches, batch, self.params, rows, faults), kind, graph)
         else:
-            rows = topk.rows(0, T)
-        if Op.INDEX_TOPK in ops:
-            write = rows if plan.index_via is None else \
-                TopkBuffer.allocate(T, rows.num_heads, rows.topk, plan.index_via, rows.device)
-            self._call(self.indexer, Op.INDEX_TOPK, (index_q, caches, batch, self.params, write, faults), plan.kind,
-                       graph)
-            if write is not rows:
-                rows.copy_(write)
-        if Op.ATTENTION in ops:
-            read = rows if plan.convert_to is None else rows.to_layout(plan.convert_to)
-            o = out if out.shape[0] == T else out[:T]  # type: ignore[union-attr]
-            self._call(self.attention, Op.ATTENTION, (q, caches, read, batch, self.params, o), plan.kind, graph)
-        if faults is not None and not graph:
-            self.flag.after_step()
+            assert topk is not None
+            if topk.num_tokens == T:
+                sel = topk
+            elif topk is self.topk:
+                sel = self._rows.get(T) or self._rows.setdefault(T, topk.rows(0, T))
+            else:
+                sel = topk.rows(0, T)
+            if _INDEX in ops:
+                write = sel if plan.index_via is None else \
+                    TopkBuffer.allocate(T, sel.num_heads, sel.topk, plan.index_via, sel.device)
+                self._call(self.indexer, _INDEX_HOOK, (index_q, caches, batch, self.params, write, faults), kind, graph)
+                if write is not sel:
+                    sel.copy_(write)
+            if _ATTENTION in ops:
+                read = sel if plan.convert_to is None else sel.to_layout(plan.convert_to)
+                o = out if out.shape[0] == T else out[:T]  # type: ignore[union-attr]
+                self._call(self.attention, _ATTENTION_HOOK, (q, caches, read, batch, self.params, o), kind, graph)
+        flag = self.flag
+        if faults is not None and not graph and not flag.shared:
+            flag.after_step()
 
-    def _call(self, be: "Backend", op: Op, args: tuple[Any, ...], kind: str, graph: bool) -> None:
-        """The hook of ``op`` on ``args`` (the hook spec's order, :mod:`mm3.contract.hookspecs`), through the
-        guard when the policy says so."""
-        if self._guard(op, kind, graph):
-            guard.checked_call(be, op, args)
-            if self.mode == "first":
-                self.guarded.add((op.value, kind))
-        else:
-            be.invoke(op, args)
+    def _call(self, be: "Backend", op: tuple[str, str], args: tuple[Any, ...], kind: str, graph: bool) -> None:
+        """The hook of ``op`` (its name and hook) on ``args`` (the hook spec's order,
+        :mod:`mm3.contract.hookspecs`), through the guard when the policy says so."""
+        name = op[0]
+        if not (graph or self._never) and (self._always or kind not in self._passed[name]):
+            guard.checked_call(be, name, args)
+            if not self._always:
+                self._passed[name].add(kind)
+            return
+        try:
+            be.calls[name](*args)
+        except Exception as e:
+            be.reraise(e, op[1])

@@ -95,7 +95,7 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
               index_dtype: Union[str, torch.dtype] = "bfloat16",
               kv_dtype: Union[str, torch.dtype, None] = None, kv_scale: str = "head", kv_layout: str = "NHD",
               device: Union[str, torch.device] = "cpu", seed: int = 0,
-              extra_pages: int = 3, extra_block_columns: int = 1,
+              extra_pages: int = 3, extra_block_columns: int = 1, num_pages: Optional[int] = None,
               generator: Optional[torch.Generator] = None) -> Case:
     """A random decode-first step.
 
@@ -107,7 +107,8 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
     hold ``-1`` so a backend that reads past a request's blocks is caught.
     ``kv_dtype="float8_e4m3fn"`` or ``"float8_e5m2"`` builds scaled fp8 K/V (``kv_scale``:
     ``"head"``, ``"tensor"``, ``"slot"`` or ``"unit"``, see :func:`random_caches`); ``None``
-    stores them in ``dtype``.
+    stores them in ``dtype``. ``num_pages``: the cache's pages (default: those the step uses plus
+    ``extra_pages``), so steps of an engine-like stream can share one cache shape.
     """
     g = generator or torch.Generator().manual_seed(seed)
     dtype, index_dtype = _dtype(dtype), _dtype(index_dtype)
@@ -130,7 +131,10 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
         sl.append(s)
     B = params.block_size
     need = [-(-s // B) for s in sl]
-    num_pages = sum(need) + extra_pages
+    if num_pages is None:
+        num_pages = sum(need) + extra_pages
+    elif num_pages < sum(need):
+        raise ValueError(f"num_pages={num_pages} is fewer than the step's {sum(need)} blocks")
     perm = torch.randperm(num_pages, generator=g).to(torch.int32)
     width = max(need, default=0) + extra_block_columns
     bt = torch.full((len(ql), max(width, 1)), -1, dtype=torch.int32)

@@ -1,0 +1,109 @@
+"""A batch's contents judged in one launch (the ``check_contents`` hook; mm3's rules: docs/errors.md §2.6).
+
+``_contents_kernel`` grid ``(requests,)``
+    Program ``r`` judges request ``r``: its query start and length against the
+    step's counts (rules 1-9 of :mod:`mm3.contract.contents`), its context
+    length when the batch has its own (rule 11), the position and request of
+    each of its tokens (rule 10), and each block-table entry its ``seq_len``
+    uses (a page id in ``[0, num_pages)``). It lowers the flag word with one
+    ``atomic_min`` to the smallest fault word it met, the word
+    :func:`mm3.contract.contents.lengths_word` and ``pages_word`` compute with
+    about forty torch operations: one launch instead, no synchronisation.
+
+The grid and every argument come from shapes and the batch's host ints, so the
+launch captures in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mm3.plugin import BatchMetadata
+
+from .fast_launch import launch
+from .launch import LaunchConfig
+from .tl_utils import launch_options, step_kernel
+
+__all__ = ["check_contents"]
+
+#: tokens and block-table columns a program reads at a time
+_TILE = 64
+_LENGTHS = 1 << 62        # mm3.contract.contents.LENGTHS
+_NO_FAULT = 2 ** 63 - 1   # mm3.contract.contents.NO_FAULT
+
+
+@triton.jit
+def _code(value: tl.constexpr):
+    """``value`` as an int64 scalar (a literal past int32 would not fit Triton's default)."""
+    return tl.full((), value, tl.int64)
+
+
+@triton.jit
+def _rule(word, bad, rule: tl.constexpr, index):
+    return tl.minimum(word, tl.where(bad, _code(_LENGTHS + (rule << 40)) + index.to(tl.int64), _code(_NO_FAULT)))
+
+
+@step_kernel("R", "T", "nd", "dql", "ndt", "mpq", "M", "num_pages")
+def _contents_kernel(qsl_ptr, sl_ptr, ctx_ptr, bt_ptr, s_bt_r, s_bt_b, t2r_ptr, pos_ptr, word_ptr,
+                     R, T, nd, dql, ndt, mpq, M, num_pages,
+                     B: tl.constexpr, HAS_CTX: tl.constexpr, TILE: tl.constexpr):
+    """Lower ``word`` to the smallest fault word of request ``program_id(0)``."""
+    r = tl.program_id(0).to(tl.int64)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    end = tl.load(qsl_ptr + r + 1).to(tl.int64)
+    sl = tl.load(sl_ptr + r).to(tl.int64)
+    ql = end - start
+    dec = r < nd
+    pad = dec & (sl == 0)
+    w = _code(_NO_FAULT)
+    w = _rule(w, (r == 0) & (tl.load(qsl_ptr).to(tl.int64) != 0), 1, r)
+    w = _rule(w, ql < 0, 2, r)
+    w = _rule(w, (r == R - 1) & (end != T), 3, r)
+    w = _rule(w, dec & (ql != 0) & (ql != dql), 4, r)
+    w = _rule(w, (r == 0) & (tl.load(qsl_ptr + tl.minimum(nd, R)).to(tl.int64) != ndt), 5, r)
+    w = _rule(w, (not pad) & (sl < ql), 6, r)
+    w = _rule(w, (not dec) & (ql < 1), 7, r)
+    w = _rule(w, (not dec) & (ql > mpq), 8, r)
+    w = _rule(w, (sl < 0) | ((sl + B - 1) // B > M), 9, r)
+    if HAS_CTX:
+        w = _rule(w, tl.load(ctx_ptr + r).to(tl.int64) != tl.maximum(sl - ql, 0), 11, r)
+    # rule 10: each token's position and request as the lengths give them (padding: -1)
+    hi = tl.minimum(end, T)
+    for t0 in tl.range(tl.maximum(start, 0), hi, TILE):
+        t = t0 + tl.arange(0, TILE)
+        inside = t < hi
+        p = tl.load(pos_ptr + t, mask=inside, other=0).to(tl.int64)
+        q = tl.load(t2r_ptr + t, mask=inside, other=0).to(tl.int64)
+        want = tl.maximum(sl - (end - t), -1)
+        bad = inside & ((p != want) | (q != r))
+        w = tl.minimum(w, tl.min(tl.where(bad, _code(_LENGTHS + (10 << 40)) + t, _code(_NO_FAULT)), axis=0))
+    # the block-table entries the request's seq_len uses
+    used = tl.minimum((sl + B - 1) // B, M)
+    for c0 in tl.range(0, used, TILE):
+        c = c0 + tl.arange(0, TILE)
+        inside = c < used
+        page = tl.load(bt_ptr + r * s_bt_r + c * s_bt_b, mask=inside, other=0).to(tl.int64)
+        bad = inside & ((page < 0) | (page >= num_pages))
+        w = tl.minimum(w, tl.min(tl.where(bad, (r << 32) + c, _code(_NO_FAULT)), axis=0))
+    if w != _code(_NO_FAULT):
+        tl.atomic_min(word_ptr, w)
+
+
+def check_contents(batch: BatchMetadata, num_pages: int, word: torch.Tensor, cfg: LaunchConfig) -> None:
+    """Lower ``word`` to the smallest fault word of ``batch``'s contents (mm3's ``check_contents`` hook)."""
+    R, M = batch.block_table.shape
+    T = batch.num_tokens
+    if not R:
+        if T:   # tokens but no request: query_start_loc cannot end at T (rule 3 of request 0)
+            torch.minimum(word, torch.full_like(word, _LENGTHS + (3 << 40)), out=word)
+        return
+    ctx = batch.__dict__.get("context_lens")    # only the batch's own: derived ones are right by construction
+    bt = batch.block_table
+    launch(_contents_kernel, (R,),
+           (batch.query_start_loc, batch.seq_lens, batch.seq_lens if ctx is None else ctx, bt, *bt.stride(),
+            batch.token_to_request, batch.token_positions, word, R, T, batch.num_decodes, batch.decode_query_len,
+            batch.num_decode_tokens, batch.max_prefill_query_len, M, num_pages),
+           dict(B=batch.block_size, HAS_CTX=ctx is not None, TILE=_TILE),
+           dict(num_warps=1, **launch_options(cfg)), cfg.algorithms.fast_launch)
