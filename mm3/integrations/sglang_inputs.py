@@ -1,0 +1,329 @@
+"""SGLang's MiniMax-M3 arguments as mm3's objects: pages from ``req_to_token``, the caches, the batches.
+
+What :mod:`mm3.integrations.sglang` builds from the tensors SGLang passes, on
+their device and without a device-to-host copy: the block table of 128-token
+pages (``req_to_token[slot_ids[b], 128 * j] // 128``, or a batch-local
+``page_table``) with a device-side check that every block is one aligned page
+of contiguous slots, the paged views of SGLang's token-major
+``[slots, num_kv_heads, head_dim]`` K/V and ``[slots, 1, idx_head_dim]`` index
+caches (no copy), their per-tensor scales, decode and prefill batches, and the
+ascending top-k order SGLang's functions return. Every error is an
+:class:`~mm3.InputError` naming SGLang's function and argument.
+
+Example:
+    >>> import torch
+    >>> r2t = torch.zeros(4, 64, dtype=torch.int32)
+    >>> r2t[2, :40] = torch.arange(40, dtype=torch.int32) + 48         # slot 2: pages 3, 4, 5 of 16 tokens
+    >>> bt, _ = block_table("f", r2t, torch.tensor([2]), None, 16, 16, 40, torch.tensor([40]), 8)
+    >>> bt.tolist()
+    [[3, 4, 5]]
+    >>> ascending_(torch.tensor([[5, -1, 2, 7]], dtype=torch.int32)).tolist()
+    [[2, 5, 7, -1]]
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mm3.contract.batch import BatchMetadata
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.contents import NO_FAULT, FaultFlag
+from mm3.contract.errors import InputError
+from mm3.contract.facts import ArgNames
+from mm3.runtime.step import MAX_CLASSES
+
+__all__ = ["RELEASE", "names", "refuse", "refusals", "one_index_head", "int_arg", "tensor_arg", "positive", "block_table", "record_pages",
+           "on_host", "kv_caches", "index_caches", "decode_batch", "prefill_batch", "topk_arg", "ascending_",
+           "widen"]
+
+RELEASE = "0.5.23"
+"""The SGLang release whose signatures :mod:`mm3.integrations.sglang` serves."""
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FNUZ = tuple(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz")) if d is not None)
+_BIG = 2 ** 31 - 1
+
+
+def names(block_size: int, page_table: bool, prefill: bool) -> ArgNames:
+    """SGLang's spelling of a call's arguments (errors name these)."""
+    pages = "page_table" if page_table else (
+        f"the page ids of req_to_token[slot_ids] (each {block_size}-token block must be {block_size} "
+        f"contiguous slots of one aligned page: serve SGLang with --page-size {block_size})")
+    made = "SGLang's ForwardBatch (seq_lens, req_pool_indices, extend_seq_lens, extend_prefix_lens)"
+    return ArgNames(q="q", index_q="idx_q", out="the output o", topk="topk_idx", k="k_cache", v="v_cache",
+                    index="idx_k_cache", k_scale="k_scale", v_scale="v_scale",
+                    query_start_loc="cu_seqlens" if prefill else "the rows of q (one query token each)",
+                    seq_lens="seq_lens", context_lens="prefix_lens", block_table=pages,
+                    token_to_request="the tokens' requests (from cu_seqlens)",
+                    token_positions="the tokens' positions (from seq_lens)", where_made=made)
+
+
+def refuse(fn: str, arg: str, value: object, why: str, advice: str) -> InputError:
+    """The error of an argument value mm3 does not serve: what, why, and what to do in SGLang's terms."""
+    return InputError(f"{fn} (SGLang {RELEASE}): {arg}={value!r} is not served: {why}; {advice}")
+
+
+# -- arguments ---------------------------------------------------------------------------------
+
+def tensor_arg(fn: str, name: str, t: object, dim: int, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != dim:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise InputError(f"{fn}: {name} must be a {dim}-D tensor {what}, got {got}")
+    return t
+
+
+def int_arg(fn: str, name: str, t: object, dim: int, what: str) -> torch.Tensor:
+    """An int32 or int64 tensor (SGLang keeps both) as int32 (a copy only for int64)."""
+    t = tensor_arg(fn, name, t, dim, what)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise InputError(f"{fn}: {name} must be int32 or int64, got {t.dtype}")
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def positive(fn: str, name: str, value: object, default: float = 1.0) -> float:
+    """A per-tensor scale SGLang passes as an optional float (``None``: ``default``), checked on the host."""
+    if value is None:
+        return default
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = float(value)     # SGLang passes floats (layer.k_scale_float); a 1-element tensor is read once
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < float(value) < float("inf")):
+        raise InputError(f"{fn}: {name} must be a finite float > 0 or None, got {value!r}")
+    return float(value)
+
+
+def widen(t: torch.Tensor) -> torch.Tensor:
+    """fp8 queries (SGLang's fp8 attention-GEMM mode) as bfloat16, exactly: mm3's queries are 16-bit."""
+    return t.to(torch.bfloat16) if t.dtype in _FP8 else t
+
+
+# -- what is not served ------------------------------------------------------------------------
+
+def refusals(fn: str, *, score_type: object = "max", sink: object = None, idx_sink: object = None,
+            disable_index_value: object = True, block_size_q: object = 1, page_size: object = None,
+            block_size_k: int, hooks: tuple[tuple[str, object], ...] = ()) -> None:
+    """The refusals every function shares, each naming SGLang's argument and what to do instead (``hooks``:
+    SGLang's handles into its other kernels, served only when ``None``/``False``)."""
+    if score_type != "max":
+        raise refuse(fn, "score_type", score_type, "mm3's indexer scores a block by the max of its token scores "
+                     "(docs/spec.md §3), not by their log-sum-exp", "run the layer with score_type='max', "
+                     "MiniMax-M3's setting")
+    for name, value in (("sink", sink), ("idx_sink", idx_sink)):
+        if value is not None:
+            raise refuse(fn, name, "<tensor>", "mm3's attention has no attention-sink logit (released "
+                         "MiniMax-M3 has no sink)", f"pass {name}=None")
+    if disable_index_value is not True:
+        raise refuse(fn, "disable_index_value", disable_index_value, "the index value branch (idx_v_cache -> "
+                     "idx_o) is an attention mm3 does not compute; released MiniMax-M3 uses none", "pass "
+                     "disable_index_value=True (the layer is in SGLang's disable_value_layer_ids) and "
+                     "idx_v_cache=None")
+    if block_size_q != 1:
+        raise refuse(fn, "block_size_q", block_size_q, "mm3 selects blocks per query token", "pass "
+                     "block_size_q=1, SGLang's value on the GPU path")
+    if not isinstance(block_size_k, int) or block_size_k < 1:
+        raise InputError(f"{fn}: block_size_k must be a positive int, got {block_size_k!r}")
+    if page_size is not None and (not isinstance(page_size, int) or page_size < block_size_k or
+                                  page_size % block_size_k):
+        raise refuse(fn, "page_size", page_size, f"mm3 reads the K/V, index keys and top-k blocks as pages of "
+                     f"block_size_k={block_size_k} contiguous, aligned slots; token-slot addressing "
+                     f"(page_size=1) is not served yet", f"serve SGLang with --page-size {block_size_k} "
+                     f"and pass page_size={block_size_k}")
+    for name, value in hooks:
+        if value is not None and value is not False:
+            raise refuse(fn, name, value if isinstance(value, bool) else "<given>", "it hands the work to "
+                         "another SGLang kernel or remaps slots that mm3's kernels do not read", f"pass "
+                         f"{name}={'False' if isinstance(value, bool) else 'None'}")
+
+
+def one_index_head(fn: str, idx_heads: int, kv_heads: int) -> None:
+    """mm3 selects with one index head per KV head."""
+    if idx_heads != kv_heads:
+        raise refuse(fn, "idx_q.shape[1]", idx_heads, f"mm3 selects blocks with one index head per KV head "
+                     f"(k_cache has {kv_heads}); SGLang's union of several index heads' blocks is not served",
+                     "run a model with num_idx_heads == num_kv_heads per rank, as released MiniMax-M3")
+
+
+# -- pages ---------------------------------------------------------------------------------------
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether the addressing lives in host memory (its pages are then checked there, at once)."""
+    return t.device.type == "cpu"
+
+
+def block_table(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optional[torch.Tensor],
+                page_table: Optional[torch.Tensor], block_size: int, page_size: int, max_seqlen: int,
+                seq_lens: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(block table, fault word)``: each row's pages of ``block_size`` tokens as int32, on the device.
+
+    From ``page_table`` (``[batch, max_pages]``, ids of ``page_size``-token pages) when given; else
+    ``req_to_token[slot_ids[b], block_size * j] // block_size`` for ``j < cdiv(max_seqlen, block_size)``,
+    with the fault word (``request << 32 | block`` of the first block that is not one aligned page of
+    contiguous slots, else ``NO_FAULT``) computed by torch ops, or raised at once for a host table."""
+    R, B = seq_lens.shape[0], block_size
+    if page_table is not None:
+        pt = int_arg(fn, "page_table", page_table, 2, "[batch, max_pages]")
+        if pt.shape[0] != R:
+            raise InputError(f"{fn}: page_table has {pt.shape[0]} rows for {R} requests (seq_lens)")
+        m = page_size // B
+        if m == 1:
+            return pt, None
+        # pages of m blocks: block j of a row is block j % m of page j // m
+        return (pt.repeat_interleave(m, dim=1) * m + torch.arange(m, dtype=torch.int32, device=pt.device)
+                .repeat(pt.shape[1])), None
+    r2t = tensor_arg(fn, "req_to_token", req_to_token, 2, "[max_reqs, max_context_len]")
+    sid = tensor_arg(fn, "slot_ids", slot_ids, 1, "[batch]")
+    if r2t.dtype not in (torch.int32, torch.int64) or sid.dtype not in (torch.int32, torch.int64):
+        raise InputError(f"{fn}: req_to_token ({r2t.dtype}) and slot_ids ({sid.dtype}) must be integer tensors")
+    if sid.shape[0] != R:
+        raise InputError(f"{fn}: slot_ids has {sid.shape[0]} rows for {R} requests (seq_lens)")
+    cols = -(-min(max(int(max_seqlen), 0), r2t.shape[1]) // B)
+    width = cols * B
+    # slot ids wrap as SGLang's kernels read them (a padding row's may be -1): never an index outside the table
+    rows = r2t[:, :width].index_select(0, sid.to(torch.int64).remainder(max(r2t.shape[0], 1)))
+    if rows.shape[1] < width:                                          # a context not a multiple of B
+        rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=-1)
+    first = rows[:, ::B]
+    bt = torch.div(first, B, rounding_mode="floor").to(torch.int32)
+    # every slot of a used block must be its page's: slot = B * page + offset (a misaligned block fails at 0)
+    offs = torch.arange(B, dtype=rows.dtype, device=rows.device)
+    pos = torch.arange(width, dtype=torch.int64, device=rows.device).view(cols, B)
+    used = pos < seq_lens.to(torch.int64).view(R, 1, 1)
+    bad = (rows.view(R, cols, B) != (first - first.remainder(B)).unsqueeze(2) + offs) & used
+    bad_block = bad.any(dim=2)
+    if on_host(rows):
+        if bool(bad_block.any()):
+            r, j = (int(v) for v in bad_block.nonzero()[0])
+            s, i = int(sid[r]), int(bad[r, j].nonzero()[0])
+            raise InputError(
+                f"{fn}: req_to_token[{s}, {B * j}:{B * (j + 1)}] (request {r}'s block {j}) is not one aligned "
+                f"{B}-slot page: req_to_token[{s}, {B * j + i}] = {int(rows[r, B * j + i])}, expected "
+                f"{B * (int(first[r, j]) // B) + i}; mm3 reads {B}-token pages: serve SGLang with "
+                f"--page-size {B} (token-slot addressing, --page-size 1, is not served yet)")
+        return bt, None
+    req = torch.arange(R, dtype=torch.int64, device=rows.device).view(R, 1)
+    col = torch.arange(cols, dtype=torch.int64, device=rows.device).view(1, cols)
+    word = torch.where(bad_block, req << 32 | col, NO_FAULT).amin() if R and cols else None
+    return bt, None if word is None else word.view(1)
+
+
+def record_pages(flag: FaultFlag, word: Optional[torch.Tensor], fn: str, arg_names: ArgNames,
+                 batch: BatchMetadata, num_pages: int, graph: bool) -> None:
+    """Lower ``flag``'s word to ``word`` (no host sync): the fault is raised at the target's next eager call
+    (:func:`mm3.integrations.targets.check_page_ids` after graph replays)."""
+    if word is None:
+        return
+    flag.about(fn, arg_names, num_pages, batch)
+    torch.minimum(flag.word, word, out=flag.word)
+    if not graph:
+        flag.after_step()
+
+
+# -- caches --------------------------------------------------------------------------------------
+_SCALES: dict[tuple[object, ...], torch.Tensor] = {}
+
+
+def _scale(value: float, heads: int, device: torch.device, graph: bool) -> torch.Tensor:
+    """A per-tensor scale as the ``[Hkv]`` float32 view a cache keeps; kept when made outside capture."""
+    key = (value, heads, device)
+    got = _SCALES.get(key)
+    if got is None:
+        got = torch.full((1,), value, dtype=torch.float32, device=device).expand(heads)
+        if not graph:
+            if len(_SCALES) >= MAX_CLASSES:
+                _SCALES.clear()
+            _SCALES[key] = got
+    return got
+
+
+def _pages_of(fn: str, name: str, t: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[slots, ...]`` as ``[slots / B, B, ...]``: a view, whatever the strides."""
+    if t.shape[0] % block_size:
+        raise InputError(f"{fn}: {name} has {t.shape[0]} slots, not a multiple of block_size_k={block_size}: mm3 "
+                         f"reads it as pages of {block_size} tokens (SGLang's pool with --page-size {block_size} "
+                         f"holds whole pages)")
+    return t.unflatten(0, (t.shape[0] // block_size, block_size))
+
+
+def index_caches(fn: str, idx_k_cache: torch.Tensor, heads: int, block_size: int,
+                 kv: Optional[tuple[torch.Tensor, ...]] = None, dtype: torch.dtype = torch.bfloat16) -> PagedKVCache:
+    """SGLang's index key cache ``[slots, 1, idx_head_dim]`` as ``[pages, B, idx_head_dim]``; K/V are ``kv``,
+    else a one-element stand-in an index op never reads."""
+    tensor_arg(fn, "idx_k_cache", idx_k_cache, 3, "[max_slots, 1, idx_head_dim]")
+    if idx_k_cache.shape[1] != 1:
+        raise InputError(f"{fn}: idx_k_cache has {idx_k_cache.shape[1]} heads; MiniMax-M3's index keys have one "
+                         f"head, shared by every index head")
+    index = _pages_of(fn, "idx_k_cache", idx_k_cache[:, 0], block_size)
+    if kv is None:
+        P, B, Di = index.shape
+        one = torch.zeros(1, dtype=dtype, device=index.device).expand(P, B, heads, Di)
+        return PagedKVCache.rewrap(one, one, index)
+    return PagedKVCache.rewrap(kv[0], kv[1], index, *kv[2:])  # type: ignore[arg-type]
+
+
+def kv_caches(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: object, v_scale: object,
+              block_size: int, graph: bool) -> tuple[torch.Tensor, ...]:
+    """``(k, v[, k_scale, v_scale])``: SGLang's ``[slots, num_kv_heads, head_dim]`` K/V as paged NHD views,
+    and the ``[num_kv_heads]`` scales of an fp8 cache."""
+    tensor_arg(fn, "k_cache", k_cache, 3, "[max_slots, num_kv_heads, head_dim]")
+    tensor_arg(fn, "v_cache", v_cache, 3, "[max_slots, num_kv_heads, head_dim]")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise InputError(f"{fn}: k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype} must agree in shape and dtype")
+    if k_cache.dtype in _FNUZ:
+        raise refuse(fn, "k_cache.dtype", k_cache.dtype, "mm3 reads fp8 K/V as float8_e4m3fn or float8_e5m2 "
+                     "and has no fnuz path (the ROCm MI300 formats; vLLM's ROCm attention has no fnuz sparse "
+                     "path either, vLLM #45562)", "serve the model with --kv-cache-dtype fp8_e4m3 (OCP e4m3fn) "
+                     "or bf16")
+    k, v = _pages_of(fn, "k_cache", k_cache, block_size), _pages_of(fn, "v_cache", v_cache, block_size)
+    ks, vs = positive(fn, "k_scale", k_scale), positive(fn, "v_scale", v_scale)
+    if k_cache.dtype not in _FP8:
+        if (ks, vs) != (1.0, 1.0):
+            raise refuse(fn, "k_scale/v_scale", (k_scale, v_scale), f"a {k_cache.dtype} K/V cache holds its "
+                         f"values as they are (mm3 scales fp8 caches only)", "pass None for a 16-bit cache")
+        return k, v
+    H = k.shape[2]
+    return k, v, _scale(ks, H, k.device, graph), _scale(vs, H, k.device, graph)
+
+
+# -- the step's metadata -----------------------------------------------------------------------
+
+def decode_batch(seq_lens: torch.Tensor, bt: torch.Tensor, block_size: int) -> BatchMetadata:
+    """SGLang's decode rows as ``R`` one-token decodes at ``seq_len - 1`` (rows of one request share its
+    pages: speculative verify rows each carry their own ``seq_len``); ``seq_len == 0`` is padding."""
+    R, dev = seq_lens.shape[0], seq_lens.device
+    ar = torch.arange(R + 1, dtype=torch.int32, device=dev)
+    return BatchMetadata.assemble(ar, seq_lens, None, bt, ar[:R], seq_lens - 1, num_decodes=R, decode_query_len=1,
+                                  num_decode_tokens=R, max_prefill_query_len=0, block_size=block_size,
+                                  max_query_len=1 if R else 0)
+
+
+def prefill_batch(fn: str, cu_seqlens: object, seq_lens: torch.Tensor, bt: torch.Tensor, num_tokens: int,
+                  max_seqlen_q: int, block_size: int, prefix_lens: torch.Tensor) -> BatchMetadata:
+    """An extend batch (chunked prefills; SGLang's mixed chunks and verify steps are extends too)."""
+    cu = int_arg(fn, "cu_seqlens", cu_seqlens, 1, "[batch + 1]")
+    try:
+        return BatchMetadata.from_device(cu, seq_lens, bt, num_decodes=0, num_tokens=num_tokens,
+                                         max_query_len=max_seqlen_q, block_size=block_size, context_lens=prefix_lens)
+    except InputError as e:
+        raise InputError(f"{fn}: {e} (query_start_loc is cu_seqlens, context_lens is prefix_lens)") from None
+
+
+def topk_arg(fn: str, name: str, t: object, heads: int, rows: int) -> TopkBuffer:
+    """SGLang's ``[num_kv_heads, rows, topk]`` int32 ids (any strides) as a :class:`~mm3.TopkBuffer`."""
+    t = tensor_arg(fn, name, t, 3, "[num_kv_heads, num_tokens, topk]")
+    if t.shape[0] != heads or t.shape[1] != rows:
+        raise InputError(f"{fn}: {name} has shape {tuple(t.shape)}, needs [{heads}, {rows}, topk] "
+                         f"(num_kv_heads, query tokens, topk)")
+    try:
+        return TopkBuffer(t)
+    except InputError as e:
+        raise InputError(f"{fn}: {name}: {e}") from None
+
+
+def ascending_(ids: torch.Tensor) -> torch.Tensor:
+    """Sort each row's ids ascending, ``-1`` last, in place (SGLang's order; a row holds no repeats)."""
+    if ids.numel():
+        key = torch.where(ids < 0, _BIG, ids).sort(dim=-1).values
+        ids.copy_(torch.where(key == _BIG, -1, key))
+    return ids
