@@ -5,8 +5,9 @@
     step's counts (rules 1-9 of :mod:`mm3.contract.contents`), its context
     length when the batch has its own (rule 11), the position and request of
     each of its tokens (rule 10), and each block-table entry its ``seq_len``
-    uses (a page id in ``[0, num_pages)``). It lowers the flag word with one
-    ``atomic_min`` to the smallest fault word it met, the word
+    uses (a page id in ``[0, num_pages)``). It lowers the flag word to the
+    smallest fault word it met (a plain load and store: of programs that find
+    faults at once any one may win), the word
     :func:`mm3.contract.contents.lengths_word` and ``pages_word`` compute with
     about forty torch operations: one launch instead, no synchronisation.
 
@@ -87,8 +88,10 @@ def _contents_kernel(qsl_ptr, sl_ptr, ctx_ptr, bt_ptr, s_bt_r, s_bt_b, t2r_ptr, 
         page = tl.load(bt_ptr + r * s_bt_r + c * s_bt_b, mask=inside, other=0).to(tl.int64)
         bad = inside & ((page < 0) | (page >= num_pages))
         w = tl.minimum(w, tl.min(tl.where(bad, (r << 32) + c, _code(_NO_FAULT)), axis=0))
-    if w != _code(_NO_FAULT):
-        tl.atomic_min(word_ptr, w)
+    # the word is host memory mapped into the device, where atomics are not portable: a plain load and
+    # store (tl_utils.load_reported_page's), so of programs that find faults at once any one may win
+    if w < tl.load(word_ptr, volatile=True):
+        tl.store(word_ptr, w)
 
 
 def check_contents(batch: BatchMetadata, num_pages: int, word: torch.Tensor, cfg: LaunchConfig) -> None:

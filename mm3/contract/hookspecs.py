@@ -192,9 +192,10 @@ def check_contents(batch: "BatchMetadata", num_pages: int, word: "torch.Tensor")
     The rules of docs/errors.md §2.6 (query starts, decode and prefill query lengths, ``seq_len`` against
     the query length and the block table's width, every token's position and request, the context
     lengths when the batch has its own, every used block-table entry a page id in ``[0, num_pages)``):
-    lower ``word`` (a one-element int64 tensor on the batch's device, maybe over mapped host memory) to
-    the smallest fault word of :mod:`mm3.contract.contents` (``fault_word(request, block)`` for a page
-    id, ``LENGTHS | rule << 40 | index`` for the others). mm3 calls it once per batch object, or every
+    lower ``word`` (a one-element int64 tensor on the batch's device, maybe over mapped host memory: a
+    plain load and store, no atomics) to a fault word of :mod:`mm3.contract.contents`
+    (``fault_word(request, block)`` for a page id, ``LENGTHS | rule << 40 | index`` for the others),
+    the smallest one a program meets. mm3 calls it once per batch object, or every
     call for a backend that does not report page ids itself, instead of its own check of about forty
     torch operations; ``mm3.contract.contents.lengths_word`` and ``pages_word`` are the reference.
     Implement it as one launch, and only on devices your probe accepts.

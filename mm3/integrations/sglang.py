@@ -61,9 +61,9 @@ from mm3.contract.params import SparseAttentionParams
 from mm3.debug.guard import capturing
 from mm3.integrations import sglang_inputs as si
 from mm3.integrations.sglang_inputs import RELEASE
-from mm3.integrations.targets import bind
+from mm3.integrations.targets import MAX_CHOICES, bind
 from mm3.runtime.selection import requirements_for
-from mm3.runtime.step import BOTH, MAX_CLASSES, OpTarget
+from mm3.runtime.step import BOTH, OpTarget
 
 __all__ = ["minimax_sparse_decode", "minimax_sparse_prefill", "flash_decode_with_topk_idx",
            "flash_prefill_with_topk_index", "flash_decode_with_gqa_share_sparse",
@@ -97,7 +97,7 @@ def _target(fn: str, op: Optional[Op], params: SparseAttentionParams, dtype: tor
     key = (params, dtype, index_dtype, kv_dtype, device)
     req = _REQUIREMENTS.get(key)
     if req is None:
-        if len(_REQUIREMENTS) >= MAX_CLASSES:
+        if len(_REQUIREMENTS) >= MAX_CHOICES:
             _REQUIREMENTS.clear()
         req = _REQUIREMENTS[key] = requirements_for(params, dtype, index_dtype, device,
                                                     kv_dtype=kv_dtype).for_ops(*STEP_OPS)

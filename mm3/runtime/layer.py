@@ -188,7 +188,7 @@ class SparseAttention:
         target = self._resolve().target
         if out is None and isinstance(q, torch.Tensor):
             out = torch.empty_like(q)
-        if torch.compiler.is_compiling():  # one opaque node per op: nothing below is traced
+        if torch.compiler.is_dynamo_compiling():  # one opaque node per op: nothing below is traced
             # each op admits its call at run time, held to this layer's promises (its target carries them)
             args, c, handle, st = batch_args(batch), caches, target.handle, target.topk.storage  # type: ignore[union-attr]
             torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, st, *args, handle, c.k_scale, c.v_scale)
