@@ -184,7 +184,7 @@ def find_cycle(graph: dict[str, set[str]]) -> Optional[list[str]]:
 def test_the_checks_can_fail(tmp_path: Path) -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
-    assert _imports(CORE / "runtime" / "layer.py") >= {"mm3.runtime.registry", "mm3.debug.guard"}
+    assert _imports(CORE / "runtime" / "layer.py") >= {"mm3.runtime.registry", "mm3.runtime.binding"}
     assert "mm3_backends.triton.launch" in GRAPH["mm3_backends.triton.attention"]   # relative imports
     assert forbidden("mm3_backends.triton.launch", "mm3_backends.cuda.plugin")
     assert forbidden("mm3_backends.triton.tl_utils", "mm3.testing.factories")

@@ -32,7 +32,7 @@ from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.contents import NO_FAULT, FaultFlag
 from mm3.contract.errors import InputError
 from mm3.contract.facts import ArgNames
-from mm3.runtime.step import MAX_CLASSES
+from mm3.integrations.vllm_inputs import MAX_KEPT
 
 __all__ = ["RELEASE", "names", "refuse", "refusals", "one_index_head", "int_arg", "tensor_arg", "positive", "block_table", "record_pages",
            "on_host", "kv_caches", "index_caches", "decode_batch", "prefill_batch", "topk_arg", "ascending_",
@@ -230,7 +230,7 @@ def _scale(value: float, heads: int, device: torch.device, graph: bool) -> torch
     if got is None:
         got = torch.full((1,), value, dtype=torch.float32, device=device).expand(heads)
         if not graph:
-            if len(_SCALES) >= MAX_CLASSES:
+            if len(_SCALES) >= MAX_KEPT:
                 _SCALES.clear()
             _SCALES[key] = got
     return got
