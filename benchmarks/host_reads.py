@@ -89,8 +89,8 @@ class _SeeInside(TorchFunctionMode):
 class CountHostReads:
     """Count host reads of tensor values (see the module docstring) while entered.
 
-    ``count``: the reads; ``where``: ``"file:line function"`` of each read's innermost caller outside
-    torch, in order. Reads under frames of ``exempt`` files (substrings of their paths), or of Triton's
+    ``count``: the reads; ``where``: for each read, in order, ``"file:line function"`` of its innermost
+    three frames outside torch (innermost first, joined by ``" < "``). Reads under frames of ``exempt`` files (substrings of their paths), or of Triton's
     interpreter, are not counted. Counting goes on after a read: the call runs as it would.
     """
 
@@ -98,17 +98,23 @@ class CountHostReads:
         self.exempt = (TRITON_INTERPRETER, *exempt)
         self.count = 0
         self.where: list[str] = []
+        self._reading = False
         counter = self
 
         class Functions(_SeeInside):
             def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                if _to_host(func, args, kwargs or {}):
-                    counter._read(sys._getframe(1))
-                return super().__torch_function__(func, types, args, kwargs)
+                if not _to_host(func, args, kwargs or {}):
+                    return super().__torch_function__(func, types, args, kwargs)
+                counter._read(sys._getframe(1))
+                counter._reading = True     # one read: not again as the scalar it dispatches (item)
+                try:
+                    return super().__torch_function__(func, types, args, kwargs)
+                finally:
+                    counter._reading = False
 
         class Dispatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                if func is torch.ops.aten._local_scalar_dense.default:
+                if func is torch.ops.aten._local_scalar_dense.default and not counter._reading:
                     counter._read(sys._getframe(1))
                 return func(*args, **(kwargs or {}))
 
@@ -121,9 +127,11 @@ class CountHostReads:
                 return
             f = f.f_back
         self.count += 1
-        at = _caller(frame)
-        self.where.append("?" if at is None else
-                          f"{at.f_code.co_filename}:{at.f_lineno} {at.f_code.co_name}")
+        at, chain = _caller(frame), []
+        while at is not None and len(chain) < 3:
+            chain.append(f"{os.path.basename(at.f_code.co_filename)}:{at.f_lineno} {at.f_code.co_name}")
+            at = at.f_back
+        self.where.append(" < ".join(chain) or "?")
 
     def __enter__(self) -> "CountHostReads":
         for m in self._modes:

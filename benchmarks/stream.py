@@ -52,7 +52,7 @@ import random
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Any, Callable, Iterator, Optional, Protocol
 
@@ -239,21 +239,26 @@ class StreamStub:
         from mm3_backends.cpu_ref import plugin as cpu_ref
 
         self._ref = cpu_ref
+        #: hook calls so far, by hook name (a test's proof that each step reached the backend)
+        self.calls: dict[str, int] = {"index_topk": 0, "attention_forward": 0}
 
     @hookimpl
     def backend_capabilities(self) -> BackendCapabilities:
         return BackendCapabilities(name="stub", ops={"index_topk", "attention"}, device_types={"cpu"},
                                    topk_layout="head_major", max_decode_query_len=8,
-                                   kv_cache_dtypes={"bfloat16", "float16", "float32"}, reports_bad_page_ids=True)
+                                   kv_cache_dtypes={"bfloat16", "float16", "float32"},
+                                   index_cache_dtypes={"bfloat16", "float16", "float32"}, reports_bad_page_ids=True)
 
     @hookimpl
     def index_topk(self, index_q: torch.Tensor, caches: Any, batch: Any, params: Any, out: Any) -> None:
+        self.calls["index_topk"] += 1
         if self.real:
             self._ref.index_topk(index_q=index_q, caches=caches, batch=batch, params=params, out=out)
 
     @hookimpl
     def attention_forward(self, q: torch.Tensor, caches: Any, topk: Any, batch: Any, params: Any,
                           out: torch.Tensor) -> None:
+        self.calls["attention_forward"] += 1
         if self.real:
             self._ref.attention_forward(q=q, caches=caches, topk=topk, batch=batch, params=params, out=out)
 
@@ -284,11 +289,13 @@ class Setup:
     params: mm3.SparseAttentionParams
     stream: EngineStream
     device: torch.device
-    stub: bool
+    #: ``"stub"`` (:class:`StreamStub`), or a plugin of ``mm3_backends`` by name (``"cuda"``, ``"cpu_ref"``)
+    backend_name: str = "stub"
     #: the full model's params and the TP size of the ``tp rank`` row (its rank 0 has ``params``)
     full: Optional[mm3.SparseAttentionParams] = None
     world: int = 8
     dtype: torch.dtype = torch.bfloat16
+    _random: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def backend(self) -> tuple[str, Registry, Optional[StreamStub]]:
         """A fresh registry (fresh bound backends) and its backend's name; mm3's memo of admitted shape
@@ -296,20 +303,25 @@ class Setup:
         from mm3.runtime import step
 
         getattr(step, "forget", lambda: None)()
-        if self.stub:
+        if self.backend_name == "stub":
             stub = StreamStub()
             return "stub", Registry([stub], entry_points=False), stub
-        from mm3_backends.cuda import plugin as cuda_plugin
+        plugin = import_module(f"mm3_backends.{self.backend_name}.plugin")
+        return self.backend_name, Registry([plugin], entry_points=False), None
 
-        return "cuda", Registry([cuda_plugin], entry_points=False), None
+    def random(self, *shape: int) -> torch.Tensor:
+        """A random tensor of ``shape`` in the run's dtype, made once per shape: cache contents are no part
+        of mm3's state, and filling them costs more than a run (rows that need the same shape share it)."""
+        t = self._random.get(shape)
+        if t is None:
+            t = self._random[shape] = torch.randn(shape, dtype=self.dtype, device=self.device)
+        return t
 
     def caches(self, num_pages: int) -> mm3.PagedKVCache:
+        """Paged caches of ``num_pages`` pages (NHD), random."""
         p = self.params
-        c = mm3.PagedKVCache.allocate(num_pages, p.block_size, p.num_kv_heads, p.head_dim, p.index_head_dim,
-                                      self.dtype, self.dtype, device=self.device)
-        for t in (c.k, c.v, c.index):
-            t.normal_()
-        return c
+        kv = self.random(2, num_pages, p.block_size, p.num_kv_heads, p.head_dim)
+        return mm3.PagedKVCache(kv[0], kv[1], self.random(num_pages, p.block_size, p.index_head_dim))
 
     def tokens(self, n: int, heads: int, dim: int) -> torch.Tensor:
         return torch.randn(n, heads, dim, dtype=self.dtype, device=self.device)
@@ -329,15 +341,16 @@ def _batch(s: StreamStep, qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor,
                                          max_query_len=s.max_query_len, block_size=block_size)
 
 
-#: the first step of each batch kind, on caches of 8 pages and a 4-wide table (no stream step's shape)
-_PRIME = (StreamStep((0,), (259,), None), StreamStep((0,), (259,), (1, 5, 129)))
-
-
-def _prime_tensors(device: torch.device) -> list[tuple[StreamStep, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    i32 = dict(dtype=torch.int32, device=device)
+def _prime_steps(block_size: int, device: torch.device) -> list[tuple[StreamStep, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor]]:
+    """The first step of each batch kind, ``(step, query_start_loc, seq_lens, block_table)``: a decode,
+    then the same decode and a chunk after some context; a 4-wide table (no stream step's shape)."""
+    B, i32 = block_size, dict(dtype=torch.int32, device=device)
+    n, ctx = 5, B + 1
+    decode, mixed = StreamStep((0,), (2 * B + 3,), None), StreamStep((0,), (2 * B + 3,), (1, n, ctx))
     bt = torch.tensor([[3, 1, 4, 0], [5, 2, 6, 7]], **i32)
-    return [(_PRIME[0], torch.tensor([0, 1], **i32), torch.tensor([259], **i32), bt[:1]),
-            (_PRIME[1], torch.tensor([0, 1, 6], **i32), torch.tensor([259, 134], **i32), bt)]
+    return [(decode, torch.tensor([0, 1], **i32), torch.tensor([2 * B + 3], **i32), bt[:1]),
+            (mixed, torch.tensor([0, 1, 1 + n], **i32), torch.tensor([2 * B + 3, n + ctx], **i32), bt)]
 
 
 class LayerRow:
@@ -346,7 +359,8 @@ class LayerRow:
     def __init__(self, setup: Setup, tp: bool = False) -> None:
         name, reg, self.stub = setup.backend()
         p, S = setup.params, setup.stream
-        kw: dict[str, Any] = dict(device=setup.device, max_num_tokens=S.max_tokens, backend=name, registry=reg,
+        kw: dict[str, Any] = dict(device=setup.device, dtype=setup.dtype, index_dtype=setup.dtype,
+                                  max_num_tokens=S.max_tokens, backend=name, registry=reg,
                                   settings=Settings(check_contracts="first"))
         if tp:
             from mm3.runtime.distributed import TensorParallelSparseAttention
@@ -367,7 +381,7 @@ class LayerRow:
         small = self.setup.caches(8)
         if self.stub:
             self.stub.real = True
-        for s, qsl, sl, bt in _prime_tensors(self.setup.device):
+        for s, qsl, sl, bt in _prime_steps(self.setup.params.block_size, self.setup.device):
             self._call(s, _batch(s, qsl, sl, bt, self.setup.params.block_size), small)()
         if self.stub:
             self.stub.real = False
@@ -430,16 +444,16 @@ class VllmDecodeRow:
         self.topk = torch.empty(T, p.num_kv_heads, p.topk, dtype=torch.int32, device=setup.device).permute(1, 0, 2)
 
     def _caches(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM's combined K/V cache ``[pages, Hkv, B, 2D]`` and its index cache ``[pages, B, Di]``."""
+        """vLLM's combined K/V cache ``[pages, Hkv, B, 2D]`` and its index cache ``[pages, B, Di]``, random."""
         p, s = self.setup.params, self.setup
-        kv = torch.randn(pages, p.num_kv_heads, p.block_size, 2 * p.head_dim, dtype=s.dtype, device=s.device)
-        return kv, torch.randn(pages, p.block_size, p.index_head_dim, dtype=s.dtype, device=s.device)
+        return (s.random(pages, p.num_kv_heads, p.block_size, 2 * p.head_dim),
+                s.random(pages, p.block_size, p.index_head_dim))
 
     def prime(self) -> None:
         kv, index = self._caches(8)
         if self.stub:
             self.stub.real = True
-        s, _, sl, bt = _prime_tensors(self.setup.device)[0]
+        s, _, sl, bt = _prime_steps(self.setup.params.block_size, self.setup.device)[0]
         self._call(s, sl, bt, kv, index)()
         if self.stub:
             self.stub.real = False
@@ -462,6 +476,52 @@ class VllmDecodeRow:
         from mm3.integrations import targets
 
         targets.configure()
+
+
+class VllmPrefillRow(VllmDecodeRow):
+    """vLLM's prefill functions on the step's prefill chunk (``minimax_m3_index_score`` ->
+    ``minimax_m3_index_topk`` -> ``minimax_m3_sparse_attn``); a step without one calls nothing. Not a
+    row of the benchmark (a chunk comes on one step in four): tests run it."""
+
+    def __init__(self, setup: Setup) -> None:
+        super().__init__(setup)
+        p, T = setup.params, setup.stream.max_tokens
+        self.q, self.iq = setup.tokens(T, p.num_heads, p.head_dim), setup.tokens(T, p.num_kv_heads,
+                                                                               p.index_head_dim)
+        self.out = torch.empty_like(self.q)
+        self.topk = torch.empty(T, p.num_kv_heads, p.topk, dtype=torch.int32, device=setup.device).permute(1, 0, 2)
+
+    def prime(self) -> None:
+        kv, index = self._caches(8)
+        if self.stub:
+            self.stub.real = True
+        s, _, sl, bt = _prime_steps(self.setup.params.block_size, self.setup.device)[1]
+        self._prefill(s, sl[1:], bt[1:], kv, index)()
+        if self.stub:
+            self.stub.real = False
+
+    def _prefill(self, s: StreamStep, sl: torch.Tensor, bt: torch.Tensor, kv: torch.Tensor,
+                 index: torch.Tensor) -> Call:
+        """The chunk of ``s`` (whose decodes are skipped), ``sl`` and ``bt`` its rows; the rebased query
+        starts and the prefix lengths are the engine's tensors, made here."""
+        assert s.prefill is not None
+        p, v, (_, n, ctx) = self.setup.params, self.vllm, s.prefill
+        i32 = dict(dtype=torch.int32, device=self.setup.device)
+        cu, prefix = torch.tensor([0, n], **i32), torch.tensor([ctx], **i32)
+        q, iq, out, topk, H = self.q[:n], self.iq[:n], self.out[:n], self.topk[:, :n], p.num_kv_heads
+
+        def chunk() -> None:
+            scores = v.minimax_m3_index_score(iq, index, bt, cu, sl, prefix, n, n + ctx, H)
+            v.minimax_m3_index_topk(scores, cu, prefix, n, p.topk, p.init_blocks, p.local_blocks, out=topk,
+                                    block_size=p.block_size)
+            v.minimax_m3_sparse_attn(q, kv, topk, bt, cu, sl, prefix, n, H, p.softmax_scale, out)
+        return chunk
+
+    def prepare(self, s: StreamStep, qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor) -> Call:
+        if s.prefill is None:
+            return lambda: None
+        nd = s.num_decodes
+        return self._prefill(s, sl[nd:], bt[nd:], self.kv, self.index)
 
 
 #: the rows by name, each made fresh for a run (raising :class:`Unavailable` or ImportError where this
@@ -571,8 +631,7 @@ def measure_row(make: Callable[[Setup], Row], setup: Setup, buffers: EngineBuffe
 
 @contextlib.contextmanager
 def _no_collection() -> Iterator[None]:
-    """No garbage collection inside timed passes (one collection costs more than a step)."""
-    gc.collect()
+    """No garbage collection inside timed passes (one costs more than a step; they run between passes)."""
     gc.disable()
     try:
         yield
@@ -615,7 +674,8 @@ def measure_stream(steps: int = 200, *, stub: bool = True, device: str = "cpu", 
         torch.set_num_threads(1)
     p = mm3.SparseAttentionParams.minimax_m3(tp_size=8)
     stream = engine_stream(steps, seed=seed, block_size=p.block_size)
-    setup = Setup(p, stream, dev, stub, full=mm3.SparseAttentionParams.minimax_m3(tp_size=1), world=8)
+    setup = Setup(p, stream, dev, "stub" if stub else "cuda", full=mm3.SparseAttentionParams.minimax_m3(tp_size=1),
+                  world=8)
     buffers = EngineBuffers(stream, dev)
     res: dict[str, Any] = {"mm3": mm3.__file__, "notes": [], "measures": {},
                            "backend": "stub hooks on the CPU, block tables treated as device memory" if stub
