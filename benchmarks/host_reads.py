@@ -90,8 +90,9 @@ class CountHostReads:
     """Count host reads of tensor values (see the module docstring) while entered.
 
     ``count``: the reads; ``where``: for each read, in order, ``"file:line function"`` of its innermost
-    three frames outside torch (innermost first, joined by ``" < "``). Reads under frames of ``exempt`` files (substrings of their paths), or of Triton's
-    interpreter, are not counted. Counting goes on after a read: the call runs as it would.
+    three frames outside torch (innermost first, joined by ``" < "``). Reads under frames of ``exempt``
+    files (substrings of their paths), or of Triton's interpreter, are not counted. Counting goes on
+    after a read: the call runs as it would.
     """
 
     def __init__(self, *exempt: str) -> None:

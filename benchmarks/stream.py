@@ -670,8 +670,17 @@ def measure_stream(steps: int = 200, *, stub: bool = True, device: str = "cpu", 
     "measures": {"ROW: MEASURE": value or None}}`` (None: this checkout lacks the row's entry point).
     """
     dev = torch.device(device)
+    threads = torch.get_num_threads()
     if stub:
-        torch.set_num_threads(1)
+        torch.set_num_threads(1)    # a host's Python is one thread; the stub's few ops need no more
+    try:
+        return _measure_stream(steps, stub, dev, seed, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_stream(steps: int, stub: bool, dev: torch.device, seed: int,
+                    log: Callable[[str], None]) -> dict[str, Any]:
     p = mm3.SparseAttentionParams.minimax_m3(tp_size=8)
     stream = engine_stream(steps, seed=seed, block_size=p.block_size)
     setup = Setup(p, stream, dev, "stub" if stub else "cuda", full=mm3.SparseAttentionParams.minimax_m3(tp_size=1),
