@@ -128,7 +128,7 @@ class CountHostReads:
                 return
             f = f.f_back
         self.count += 1
-        at, chain = _caller(frame), []
+        at, chain = _caller(frame), list[str]()
         while at is not None and len(chain) < 3:
             chain.append(f"{os.path.basename(at.f_code.co_filename)}:{at.f_lineno} {at.f_code.co_name}")
             at = at.f_back

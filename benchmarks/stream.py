@@ -192,14 +192,18 @@ def engine_stream(steps: int, *, seed: int = 0, block_size: int = 128, max_decod
     return EngineStream(tuple(out), rows, block_size, width, num_pages)
 
 
+def _i32(values: list[Any], device: Optional[torch.device] = None) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
 class EngineBuffers:
     """An engine's persistent int32 metadata buffers on ``device``; :meth:`load` refills them for a step
     and returns the step's slices ``(query_start_loc, seq_lens, block_table)`` (new views each step)."""
 
     def __init__(self, stream: EngineStream, device: torch.device) -> None:
         R, W = stream.max_requests, stream.max_blocks
-        i32 = dict(dtype=torch.int32, device=device)
-        self.qsl, self.sl, self.bt = torch.zeros(R + 1, **i32), torch.zeros(R, **i32), torch.zeros(R, W, **i32)
+        self.qsl, self.sl, self.bt = (torch.zeros(shape, dtype=torch.int32, device=device)
+                                      for shape in ((R + 1,), (R,), (R, W)))
         # each step's contents, made once (the scheduler's work, not timed)
         self._steps = [self._host(stream, s) for s in stream.steps]
 
@@ -211,9 +215,7 @@ class EngineBuffers:
         starts = [0]
         for q in qlens:
             starts.append(starts[-1] + q)
-        i32 = dict(dtype=torch.int32)
-        return (torch.tensor(starts, **i32), torch.tensor(seq, **i32),
-                torch.tensor([stream.rows[r] for r in reqs], **i32))
+        return _i32(starts), _i32(seq), _i32([stream.rows[r] for r in reqs])
 
     def load(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qsl, sl, bt = self._steps[i]
@@ -345,12 +347,11 @@ def _prime_steps(block_size: int, device: torch.device) -> list[tuple[StreamStep
                                                                     torch.Tensor]]:
     """The first step of each batch kind, ``(step, query_start_loc, seq_lens, block_table)``: a decode,
     then the same decode and a chunk after some context; a 4-wide table (no stream step's shape)."""
-    B, i32 = block_size, dict(dtype=torch.int32, device=device)
-    n, ctx = 5, B + 1
+    B, n, ctx = block_size, 5, block_size + 1
     decode, mixed = StreamStep((0,), (2 * B + 3,), None), StreamStep((0,), (2 * B + 3,), (1, n, ctx))
-    bt = torch.tensor([[3, 1, 4, 0], [5, 2, 6, 7]], **i32)
-    return [(decode, torch.tensor([0, 1], **i32), torch.tensor([2 * B + 3], **i32), bt[:1]),
-            (mixed, torch.tensor([0, 1, 1 + n], **i32), torch.tensor([2 * B + 3, n + ctx], **i32), bt)]
+    bt = _i32([[3, 1, 4, 0], [5, 2, 6, 7]], device)
+    return [(decode, _i32([0, 1], device), _i32([2 * B + 3], device), bt[:1]),
+            (mixed, _i32([0, 1, 1 + n], device), _i32([2 * B + 3, n + ctx], device), bt)]
 
 
 class LayerRow:
@@ -506,8 +507,7 @@ class VllmPrefillRow(VllmDecodeRow):
         starts and the prefix lengths are the engine's tensors, made here."""
         assert s.prefill is not None
         p, v, (_, n, ctx) = self.setup.params, self.vllm, s.prefill
-        i32 = dict(dtype=torch.int32, device=self.setup.device)
-        cu, prefix = torch.tensor([0, n], **i32), torch.tensor([ctx], **i32)
+        cu, prefix = _i32([0, n], self.setup.device), _i32([ctx], self.setup.device)
         q, iq, out, topk, H = self.q[:n], self.iq[:n], self.out[:n], self.topk[:, :n], p.num_kv_heads
 
         def chunk() -> None:
@@ -700,7 +700,7 @@ def _measure_stream(steps: int, stub: bool, dev: torch.device, seed: int,
             log(f"stream: {name} ...")
             t0 = time.perf_counter()
             try:
-                got = measure_row(make, setup, buffers)
+                got: dict[str, Optional[float]] = dict(measure_row(make, setup, buffers))
             except (ImportError, Unavailable) as e:   # an older checkout without this entry point
                 res["notes"].append(f"{name}: n/a ({e})")
                 got = dict.fromkeys(MEASURES)
