@@ -23,13 +23,17 @@ engine's are.
 The measures of each row:
 
 * ``host reads / step``: host reads of tensor values (:class:`~.host_reads.CountHostReads`; on a
-  GPU, the syncs CUDA reports), per step, on the first pass over the stream (every shape class
-  new to the row) and on a second pass over the same stream (every class seen);
+  GPU, the syncs CUDA reports), per step, on the first pass over the stream (each shape class
+  new to the row where it first comes) and on a second pass over the same stream (every class seen);
   ``steps with host reads, pass 1``: how many steps of the first pass read at all;
-* ``host us / step``: mm3's own host time of the row's call, per step (the mean over the
-  stream's steps: the new-shape steps are the point), pass 1 on fresh objects (the minimum of
-  3 fresh runs), pass 2 the minimum of repeated passes; building the step's inputs is not timed;
-* ``torch ops / step``: the torch ops the call dispatches (on a GPU, launches besides the kernels).
+* ``host us / step``: mm3's own host time of the row's call, the mean over the stream's steps
+  (the new-shape steps are the point) of each step's fastest run: pass 1 over 5 runs, each on
+  fresh objects (a fresh registry, layer or drop-in choice, and mm3's memo of admitted shape
+  classes emptied), pass 2 over 2 passes after each of those; building the step's inputs
+  (the engine's work, and ``from_device`` but for the drop-in, which builds its batch itself)
+  is not timed;
+* ``torch ops / step``: the torch ops the call dispatches, views included (on a GPU, most of the
+  others are launches besides the backend's kernels).
 
 And once: ``from_device``'s host time and torch ops per step. Before a row's stream, it runs one
 small step of each batch kind on caches of its own (``check_contracts="first"`` guards the
@@ -41,7 +45,8 @@ declares ``reports_bad_page_ids`` (as the Triton backends do), computes through 
 first steps so the guard passes, and returns at once after; the block tables are treated as
 device memory (``mm3.runtime.step.on_host`` patched to False: a host table is checked on the host
 every step, by design). Without it: the ``cuda`` backend on a GPU, the device synchronised before
-each step, syncs counted by ``torch.cuda.set_sync_debug_mode("warn")``.
+each step, syncs counted by ``torch.cuda.set_sync_debug_mode("warn")``; Triton compiles a kernel
+once per process, so the compiles of the first fresh run fall out of the per-step minimum.
 """
 
 from __future__ import annotations
