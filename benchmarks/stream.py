@@ -18,7 +18,9 @@ engine's are.
 * ``vllm decode``: ``minimax_m3_index_decode`` + ``minimax_m3_sparse_attn_decode`` on the step's
   decodes (the drop-in builds its batch itself, so its time includes that);
 * ``tp rank``: rank 0 of ``TensorParallelSparseAttention`` at TP8, built without a process group
-  (a rank's step needs none: only ``gather`` communicates).
+  (a rank's step needs none: only ``gather`` communicates);
+* ``layer, no check_contents hook`` (``--stub``, a checkout with the hook): the layer on a stub
+  without ``check_contents``, so mm3 judges each batch's contents with its own torch ops.
 
 The measures of each row:
 
@@ -233,21 +235,36 @@ class EngineBuffers:
 
 # -- the stub backend -----------------------------------------------------------------------------
 
+#: whether this checkout's hook specifications have ``check_contents`` (a batch's contents judged by
+#: the backend in one launch); an older one rejects a plugin that implements it
+CONTENTS_HOOK = hasattr(import_module("mm3.contract.hookspecs"), "check_contents")
+
+
 class StreamStub:
     """A backend whose hooks compute (through cpu_ref) only while :attr:`real`, then return at once.
 
-    Declares ``reports_bad_page_ids``, as the production Triton backends do, so the page ids are
-    its kernels' job; the guarded first steps run with ``real`` set, so the guard passes.
+    Declares ``reports_bad_page_ids`` and, where this checkout has the hook, implements
+    ``check_contents`` (returning at once, where a Triton backend makes its one launch), as the
+    production Triton backends do: page ids and contents are its kernels' job. The guarded first
+    steps run with ``real`` set, so the guard passes. ``contents_hook=False``: no ``check_contents``,
+    so mm3 judges the contents itself (what a backend without the hook gets).
     """
 
     real = True
 
-    def __init__(self) -> None:
+    def __init__(self, contents_hook: bool = True) -> None:
         from mm3_backends.cpu_ref import plugin as cpu_ref
 
         self._ref = cpu_ref
         #: hook calls so far, by hook name (a test's proof that each step reached the backend)
-        self.calls: dict[str, int] = {"index_topk": 0, "attention_forward": 0}
+        self.calls: dict[str, int] = {"index_topk": 0, "attention_forward": 0, "check_contents": 0}
+        if not contents_hook:
+            self.check_contents = None  # type: ignore[method-assign,assignment]  # pluggy registers no non-routine
+
+    if CONTENTS_HOOK:
+        @hookimpl
+        def check_contents(self, batch: Any, num_pages: int, word: torch.Tensor) -> None:
+            self.calls["check_contents"] += 1
 
     @hookimpl
     def backend_capabilities(self) -> BackendCapabilities:
@@ -304,14 +321,14 @@ class Setup:
     dtype: torch.dtype = torch.bfloat16
     _random: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def backend(self) -> tuple[str, Registry, Optional[StreamStub]]:
+    def backend(self, contents_hook: bool = True) -> tuple[str, Registry, Optional[StreamStub]]:
         """A fresh registry (fresh bound backends) and its backend's name; mm3's memo of admitted shape
         classes is emptied too (where this checkout has one), so nothing of an earlier run is remembered."""
         from mm3.runtime import step
 
         getattr(step, "forget", lambda: None)()
         if self.backend_name == "stub":
-            stub = StreamStub()
+            stub = StreamStub(contents_hook)
             return "stub", Registry([stub], entry_points=False), stub
         plugin = import_module(f"mm3_backends.{self.backend_name}.plugin")
         return self.backend_name, Registry([plugin], entry_points=False), None
@@ -364,8 +381,8 @@ def _prime_steps(block_size: int, device: torch.device) -> list[tuple[StreamStep
 class LayerRow:
     """``layer(q, index_q, caches, batch, out)`` (``tp``: through rank 0 of a TP8 layer)."""
 
-    def __init__(self, setup: Setup, tp: bool = False) -> None:
-        name, reg, self.stub = setup.backend()
+    def __init__(self, setup: Setup, tp: bool = False, contents_hook: bool = True) -> None:
+        name, reg, self.stub = setup.backend(contents_hook)
         p, S = setup.params, setup.stream
         kw: dict[str, Any] = dict(device=setup.device, dtype=setup.dtype, index_dtype=setup.dtype,
                                   max_num_tokens=S.max_tokens, backend=name, registry=reg,
@@ -538,7 +555,16 @@ ROWS: dict[str, Callable[[Setup], Row]] = {
     "ops": OpsRow,
     "vllm decode": VllmDecodeRow,
     "tp rank": lambda setup: LayerRow(setup, tp=True),
+    "layer, no check_contents hook": lambda setup: _without_contents_hook(setup),
 }
+
+
+def _without_contents_hook(setup: Setup) -> LayerRow:
+    """The layer on a stub without ``check_contents``: mm3's own torch check of a batch's contents (what a
+    backend without the hook gets)."""
+    if not CONTENTS_HOOK or setup.backend_name != "stub":
+        raise Unavailable("no check_contents hook in this checkout" if not CONTENTS_HOOK else "stub backend only")
+    return LayerRow(setup, contents_hook=False)
 
 
 # -- the measurement -------------------------------------------------------------------------------
