@@ -346,7 +346,7 @@ def profile_layer(device: str, backend: Optional[str], tp: int, batch: int, cont
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description="host time per SparseAttention forward (us)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None, help="default: cuda where there is one, else cpu (--stub: cpu)")
     ap.add_argument("--backend", default=None)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--batch", type=int, default=1)
@@ -367,6 +367,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="instead: the host time of one eager prefill step of TOKENS new tokens after "
                          "--context cached ones (cuda backend; direct vs Triton's launches)")
     a = ap.parse_args(argv)
+    if a.stub and a.stream and a.device not in (None, "cpu"):
+        ap.error(f"--stub --stream runs on the CPU (the stand-in for a GPU), got --device {a.device}")
+    a.device = a.device or ("cuda" if torch.cuda.is_available() and not (a.stub and a.stream) else "cpu")
     if a.base and not a.stream:
         ap.error("--base REF compares --stream runs; add --stream")
     if a.stream:
@@ -407,8 +410,6 @@ def _stream_main(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if not a.device.startswith("cuda") or not torch.cuda.is_available():
             ap.error(f"--stream without --stub runs the cuda backend's kernels and needs a CUDA device (got --device "
                      f"{a.device}, CUDA available: {torch.cuda.is_available()}); on a CPU machine use --stub")
-    elif a.device != "cpu":
-        ap.error(f"--stub runs on the CPU (stand-in for a GPU), got --device {a.device}")
     base = stream.measure_ref(a.base, a.steps, stub=a.stub, device=a.device, seed=a.seed) if a.base else None
     here = stream.measure_stream(a.steps, stub=a.stub, device=a.device, seed=a.seed)
     if a.json:

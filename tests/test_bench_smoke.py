@@ -255,7 +255,7 @@ def test_host_overhead_stream_table_says_what_an_older_checkout_lacks() -> None:
 
 @pytest.mark.parametrize("argv, says", [
     (["--stream"], "needs a CUDA device"),          # a CPU machine: the GPU stream has no device
-    (["--stream", "--stub", "--device", "cuda"], "--stub runs on the CPU"),
+    (["--stream", "--stub", "--device", "cuda"], "--stub --stream runs on the CPU"),
     (["--base", "HEAD"], "add --stream"),
     (["--stream", "--stub", "--steps", "0"], "--steps must be >= 1"),
 ])
