@@ -43,6 +43,17 @@ plugin's Python without Triton's own launch. Minimum of ``repeat`` runs (a
 shared CI machine is noisy)::
 
     python benchmarks/host_overhead.py --stub --tp 8 --batch 1 --context 4096
+
+``--stream`` instead replays an engine's traffic, a step of a new shape almost every step
+(:mod:`mm3_benchmarks.stream` says what the stream is and what each row and measure means): host
+reads, mm3's host time and torch ops per step through the layer, the custom ops, vLLM's decode
+pair and a tensor-parallel rank, on a first pass over the stream and a second; and
+``BatchMetadata.from_device``'s own cost. ``--stub`` on the CPU, or the ``cuda`` backend on a GPU.
+``--base REF`` measures the git ref REF too (a temporary worktree, this script in a subprocess
+importing that ref's ``mm3`` and ``mm3_backends``) and prints both side by side::
+
+    python benchmarks/host_overhead.py --stub --stream --base 41597a9
+    python benchmarks/host_overhead.py --stream --device cuda --steps 200
 """
 
 from __future__ import annotations
@@ -335,7 +346,7 @@ def profile_layer(device: str, backend: Optional[str], tp: int, batch: int, cont
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description="host time per SparseAttention forward (us)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None, help="default: cuda where there is one, else cpu (--stub: cpu)")
     ap.add_argument("--backend", default=None)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--batch", type=int, default=1)
@@ -346,10 +357,24 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--stub", action="store_true", help="mm3's and the Triton plugin's host code alone, on the CPU")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="instead: N layer forwards under cProfile, the top functions by own and cumulative time")
+    ap.add_argument("--stream", action="store_true",
+                    help="instead: an engine-like stream of steps of new shapes through each entry point")
+    ap.add_argument("--steps", type=int, default=200, help="--stream: steps in the stream")
+    ap.add_argument("--seed", type=int, default=0, help="--stream: the stream's seed")
+    ap.add_argument("--base", default=None, metavar="REF",
+                    help="--stream: also measure git ref REF (a temporary worktree), side by side")
     ap.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                     help="instead: the host time of one eager prefill step of TOKENS new tokens after "
                          "--context cached ones (cuda backend; direct vs Triton's launches)")
     a = ap.parse_args(argv)
+    if a.stub and a.stream and a.device not in (None, "cpu"):
+        ap.error(f"--stub --stream runs on the CPU (the stand-in for a GPU), got --device {a.device}")
+    a.device = a.device or ("cuda" if torch.cuda.is_available() and not (a.stub and a.stream) else "cpu")
+    if a.base and not a.stream:
+        ap.error("--base REF compares --stream runs; add --stream")
+    if a.stream:
+        _stream_main(ap, a)
+        return
     if a.prefill:
         if not a.device.startswith("cuda"):
             ap.error(f"--prefill times the cuda backend's launches and needs a CUDA device, got --device "
@@ -373,6 +398,24 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"host us per forward, TP{a.tp} decode batch {a.batch} / {a.context}, {where}:")
     for k, v in res.items():
         print(f"  {k:22s} {v:9.1f}")
+
+
+def _stream_main(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """``--stream``: this checkout's measures (and ``--base``'s), as JSON or a table."""
+    from mm3_benchmarks import stream
+
+    if a.steps < 1:
+        ap.error(f"--steps must be >= 1, got {a.steps}")
+    if not a.stub:
+        if not a.device.startswith("cuda") or not torch.cuda.is_available():
+            ap.error(f"--stream without --stub runs the cuda backend's kernels and needs a CUDA device (got --device "
+                     f"{a.device}, CUDA available: {torch.cuda.is_available()}); on a CPU machine use --stub")
+    base = stream.measure_ref(a.base, a.steps, stub=a.stub, device=a.device, seed=a.seed) if a.base else None
+    here = stream.measure_stream(a.steps, stub=a.stub, device=a.device, seed=a.seed)
+    if a.json:
+        print(json.dumps(here if base is None else {"base": base, "this": here}))
+        return
+    print(stream.format_table(here, base, a.base))
 
 
 if __name__ == "__main__":

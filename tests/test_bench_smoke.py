@@ -210,3 +210,61 @@ def test_variants_above_the_variant_priority_are_skipped_aloud() -> None:
     assert harness._variants_for(ctx, SimpleNamespace(priority=1), "decode") == []
     assert len(logged) == 1 and "--variant-priority 0" in logged[0]
 
+
+
+def test_host_overhead_stream_measures_every_row_of_a_tiny_stream(capsys: pytest.CaptureFixture[str]) -> None:
+    """``host_overhead.py --stub --stream --steps 3``: every measure of every entry point, and the
+    process as it was (the tables' patch, the drop-in's backends, torch's threads) afterwards."""
+    import mm3
+    from mm3.integrations import targets
+    from mm3.runtime import step
+    from mm3.runtime.config import default_settings
+    from mm3_benchmarks import host_overhead
+    from mm3_benchmarks.stream import MEASURES, ROWS
+
+    on_host, threads = step.on_host, torch.get_num_threads()
+    host_overhead.main(["--stub", "--stream", "--steps", "3", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert got["mm3"] == mm3.__file__ and not got["notes"], got
+    want = {"from_device: host us / step", "from_device: torch ops / step"} | {f"{r}: {m}" for r in ROWS
+                                                                              for m in MEASURES}
+    assert set(got["measures"]) == want
+    m = got["measures"]
+    assert all(m[f"{r}: host us / step, pass {n}"] > 0 for r in ROWS for n in (1, 2)), m
+    assert all(m[f"{r}: host reads / step, pass 2"] == 0 for r in ROWS), m   # every class seen: nothing to read
+    assert m["from_device: torch ops / step"] > 0
+    assert step.on_host is on_host and torch.get_num_threads() == threads
+    assert targets.settings() is default_settings()     # the drop-in configured back to the process's own
+
+
+def test_host_overhead_stream_table_says_what_an_older_checkout_lacks() -> None:
+    from mm3_benchmarks.stream import format_table
+
+    this = {"stream": "3 steps", "backend": "stub", "notes": [],
+            "measures": {"layer: host us / step, pass 1": 61.25, "vllm decode: host reads / step, pass 1": 4.2,
+                         "layer: steps with host reads, pass 1": 3.0}}
+    base = {"stream": "3 steps", "backend": "stub", "notes": ["vllm decode: n/a (No module named 'x')"],
+            "measures": {"layer: host us / step, pass 1": 25.0, "vllm decode: host reads / step, pass 1": None,
+                         "layer: steps with host reads, pass 1": 0.0}}
+    lines = format_table(this, base, "41597a9").splitlines()
+    assert lines[3].split() == ["41597a9", "this", "checkout"]
+    assert lines[4].split()[-2:] == ["25.0", "61.2"] and lines[5].split()[-2:] == ["n/a", "4.20"]
+    assert lines[6].split()[-2:] == ["0", "3"]
+    assert lines[-1] == "note (41597a9): vllm decode: n/a (No module named 'x')"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--stream"], "needs a CUDA device"),          # a CPU machine: the GPU stream has no device
+    (["--stream", "--stub", "--device", "cuda"], "--stub --stream runs on the CPU"),
+    (["--base", "HEAD"], "add --stream"),
+    (["--stream", "--stub", "--steps", "0"], "--steps must be >= 1"),
+])
+def test_host_overhead_stream_refuses_what_it_cannot_run(argv: list[str], says: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from mm3_benchmarks import host_overhead
+
+    if argv == ["--stream"] and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(SystemExit) as e:
+        host_overhead.main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
