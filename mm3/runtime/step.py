@@ -234,11 +234,18 @@ class OpTarget:
             bs = batch.facts
             T = bs.num_tokens
             # the facts engine traffic does not change (a row-per-token tensor's rows are a count)
-            key = (entry, names, ops, bs.key, caches.facts, None if topk is None else topk.facts, T > 1,
-                   None if index_q is None else (index_q.dtype, index_q.device, index_q.shape[1:]),
-                   None if q is None else (q.dtype, q.device, q.shape[1:]),
-                   None if out is None else (out.dtype, out.device, out.shape[1:] if ops[0] is not _SCORES else
-                                             (out.shape[0], out.shape[2:]), out.stride()))
+            si = sq = so = None
+            fi = fq = fo = None
+            if index_q is not None:
+                si = index_q.shape
+                fi = (index_q.dtype, index_q.device, si[1:])
+            if q is not None:
+                sq = q.shape
+                fq = (q.dtype, q.device, sq[1:])
+            if out is not None:
+                so = out.shape
+                fo = (out.dtype, out.device, so[1:] if ops[0] is not _SCORES else (so[0], so[2:]), out.stride())
+            key = (entry, names, ops, bs.key, caches.facts, None if topk is None else topk.facts, T > 1, fi, fq, fo)
         except AttributeError:   # an argument of the wrong type: every rule names it
             return self._judge(entry, ops, caches, batch, topk, index_q, q, out, names)
         last = self._last
@@ -256,9 +263,9 @@ class OpTarget:
         nd = bs.num_decodes
         exact = plan.exact_rows
         if bs.consistent and T <= plan.max_tokens and (not nd or bs.decode_query_len <= plan.max_decode_query_len) \
-                and (index_q is None or (index_q.shape[0] == T if exact else index_q.shape[0] >= T)) \
-                and (q is None or (q.shape[0] == T if exact else q.shape[0] >= T)) \
-                and (out is None or out.shape[1 if ops[0] is _SCORES else 0] >= T) \
+                and (si is None or (si[0] == T if exact else si[0] >= T)) \
+                and (sq is None or (sq[0] == T if exact else sq[0] >= T)) \
+                and (so is None or so[1 if ops[0] is _SCORES else 0] >= T) \
                 and (topk is None or T <= topk.num_tokens <= plan.max_topk_rows):
             return plan
         # some count breaks a rule (which one, every rule says), or a plan of other counts holds (this call's)
