@@ -79,9 +79,12 @@ class CacheFacts(NamedTuple):
 
 def cache_facts(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_scale: object,
                 v_scale: object) -> CacheFacts:
-    """The facts of a cache's tensors (a scale that is not a tensor has none)."""
-    return CacheFacts(*(tensor_facts(t) for t in (k, v, index)),  # type: ignore[arg-type]
-                      *(tensor_facts(s if isinstance(s, torch.Tensor) else None) for s in (k_scale, v_scale)))
+    """The facts of a cache's tensors (a scale that is not a tensor has none); spelled out, not looped:
+    the custom ops make one per call."""
+    ks = TensorFacts(k_scale.shape, k_scale.dtype, k_scale.device) if isinstance(k_scale, torch.Tensor) else None
+    vs = TensorFacts(v_scale.shape, v_scale.dtype, v_scale.device) if isinstance(v_scale, torch.Tensor) else None
+    return CacheFacts(TensorFacts(k.shape, k.dtype, k.device), TensorFacts(v.shape, v.dtype, v.device),
+                      TensorFacts(index.shape, index.dtype, index.device), ks, vs)
 
 
 def topk_facts(storage: torch.Tensor, layout: str) -> tuple[Any, ...]:
@@ -150,17 +153,24 @@ _KEYS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 def batch_shape(qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torch.Tensor, pos: torch.Tensor,
                 ctx: Optional[torch.Tensor], num_decodes: int, decode_query_len: int, num_decode_tokens: int,
                 block_size: int) -> BatchShape:
-    """A batch's :class:`BatchShape` from its tensors and host ints (``ctx``: ``None`` when derived)."""
-    T = pos.shape[0] if pos.dim() == 1 else -1
-    R = sl.shape[0] if sl.dim() == 1 else -1
+    """A batch's :class:`BatchShape` from its tensors and host ints (``ctx``: ``None`` when derived); spelled
+    out, not looped: the custom ops assemble a batch per call."""
+    sq, ss, sb, st, sp = qsl.shape, sl.shape, bt.shape, t2r.shape, pos.shape
+    T = sp[0] if len(sp) == 1 else -1
+    R = ss[0] if len(ss) == 1 else -1
     nd, dql, ndt = num_decodes, decode_query_len, num_decode_tokens
-    key = (block_size, *((t.dtype, t.device, t.dim()) for t in (qsl, sl, bt, t2r, pos)),
+    key = (block_size, qsl.dtype, qsl.device, len(sq), sl.dtype, sl.device, len(ss), bt.dtype, bt.device, len(sb),
+           t2r.dtype, t2r.device, len(st), pos.dtype, pos.device, len(sp),
            None if ctx is None else (ctx.dtype, ctx.device, ctx.dim()))
-    key = _KEYS.setdefault(key, key) if len(_KEYS) < 1024 else key   # one object per value: compared by identity
-    consistent = (T >= 0 and R >= 0 and qsl.shape[0] == R + 1 and bt.shape[0] == R and t2r.shape[0] == T
+    got = _KEYS.get(key)       # one object per value: a step compares it by identity
+    if got is None:
+        if len(_KEYS) >= 1024:
+            _KEYS.clear()
+        got = _KEYS[key] = key
+    consistent = (T >= 0 and R >= 0 and sq[0] == R + 1 and sb[0] == R and st[0] == T
                   and (ctx is None or ctx.shape[0] == R) and 0 <= nd <= R and (not nd or dql >= 1)
                   and 0 <= ndt <= min(T, nd * dql))
-    return BatchShape(key, T, R, nd, dql, batch_kind(R, nd, dql), consistent, bt.device.type == "cpu")
+    return BatchShape(got, T, R, nd, dql, batch_kind(R, nd, dql), consistent, bt.device.type == "cpu")
 
 
 class LayerFacts(NamedTuple):
