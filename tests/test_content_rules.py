@@ -170,3 +170,28 @@ def test_a_prefill_seq_len_below_its_query_after_the_first_step_is_found_on_the_
             layer(case.q, case.index_q, case.caches, batch)
         else:
             layer.check_page_ids()
+
+
+def test_the_debugging_setting_waits_and_raises_in_the_step_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``check_contents_with_sync``: every eager step judges a device batch on the host, so the fault raises
+    in the step that got it (and the default reports it one step later, from the device)."""
+    from mm3.runtime.config import Settings
+
+    monkeypatch.setattr(step_mod, "on_host", lambda batch: False)
+    case = make_case(P, decodes=[70, 40], prefills=[(9, 30)], dtype="float32", seed=12)
+    b = case.batch
+    for sync, raised in ((True, "in the step"), (False, "one step later")):
+        batch = BatchMetadata.from_device(b.query_start_loc.clone(), b.seq_lens.clone(), b.block_table.clone(),
+                                          num_decodes=2, num_tokens=b.num_tokens, max_query_len=9, block_size=16)
+        layer = mm3.SparseAttention(P, dtype=torch.float32, max_num_tokens=32, backend="cpu_ref",
+                                    settings=Settings(check_contents_with_sync=sync))
+        layer(case.q, case.index_q, case.caches, batch)
+        batch.block_table[0, 1] = case.caches.num_pages + 5
+        batch.update_from_device_(batch.query_start_loc, batch.seq_lens, batch.block_table)
+        if raised == "in the step":
+            with pytest.raises(InputError, match=r"request 0, block 1: batch.block_table\[0, 1\] = \d+ is not a page"):
+                layer(case.q, case.index_q, case.caches, batch)
+        else:
+            layer(case.q, case.index_q, case.caches, batch)          # recorded on the device
+            with pytest.raises(InputError, match=r"request 0, block 1: .*found on the device"):
+                layer(case.q, case.index_q, case.caches, batch)

@@ -9,9 +9,10 @@ discovery, selection or configuration (those are :mod:`mm3.runtime`'s):
 * :mod:`.buffers` - :class:`TopkBuffer` and :class:`PagedKVCache`, tensors that carry their layout;
 * :mod:`.batch` - :class:`BatchMetadata`, the decode-first mixed batch;
 * :mod:`.params` - :class:`SparseAttentionParams`, the layer's shapes and policy;
-* :mod:`.facts` - a step's shape class, one value: what its argument checks read;
+* :mod:`.facts` - what a call's argument checks read, one value (and what a batch, a cache and a
+  top-k buffer work out about themselves);
 * :mod:`.checks` - the argument checks of a step, over its facts;
-* :mod:`.contents` - the data checks of a step (lengths, positions, page ids), every step;
+* :mod:`.contents` - the data checks of a step (lengths, positions, page ids), on the host or the device;
 * :mod:`.errors` - the exceptions.
 """
 

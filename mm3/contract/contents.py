@@ -1,9 +1,10 @@
 """The data checks of a step: what the batch's tensors hold must describe a step of the cache.
 
-Shapes are facts, judged once per class (:mod:`mm3.contract.checks`); contents
+Shapes are facts, judged once per plan (:mod:`mm3.contract.checks`); contents
 are not: an engine rewrites its block table, lengths and query starts in place
-from one step to the next, so they are judged every step, never remembered by
-the tensor that holds them. The rules (docs/errors.md §2.6):
+from one step to the next, so they are judged for every batch a step runs on.
+The rules (docs/errors.md §2.6), written once, as torch operations
+(:func:`lengths_word`, :func:`pages_word`):
 
 * ``query_start_loc`` starts at 0, never decreases and ends at the step's token count;
 * the first ``num_decodes`` requests hold ``decode_query_len`` tokens each, or none
@@ -17,16 +18,18 @@ the tensor that holds them. The rules (docs/errors.md §2.6):
   cache, read as an address, could fault the whole device);
 * per-tensor and per-head fp8 K/V scales are finite and positive.
 
-Three ways to check; only the first ever waits for a device, once per shape class:
+Where they run (the boundary picks, :mod:`mm3.runtime.step`); only the first
+ever waits for a device:
 
-* :func:`check_on_host` reads the tensors on the host and raises at once: for a
-  batch in host memory, every step (a few numpy operations), and for any batch
-  at the first step of its shape class (one synchronisation per class);
-* :meth:`FaultFlag.record` runs the same rules as torch operations on the
-  device and lowers a flag word, with no synchronisation;
+* :func:`check_on_host` runs them on host copies and raises at once: for a
+  batch in host memory, every call, and for a device batch at a target's first
+  eager step (one synchronisation);
+* :meth:`FaultFlag.record` runs them on the device and lowers a flag word, with
+  no synchronisation; a backend may do the same in one launch instead (its
+  ``check_contents`` hook: the Triton plugins');
 * an indexer whose capabilities declare ``reports_bad_page_ids`` clamps every
   page id its kernels load and lowers the same word (its kernels read every
-  used entry anyway: no launch of mm3's).
+  used entry anyway).
 
 The word lives in host memory the device writes (pinned and mapped), so the
 host reads it with no copy: :meth:`FaultFlag.raise_pending` turns a fault into

@@ -220,7 +220,7 @@ OPS_NAMES = ArgNames(topk="topk", k="k", v="v", index="index", k_scale="k_scale"
 
 
 class StepFacts(NamedTuple):
-    """Everything the checks of one call read (:func:`mm3.contract.checks.check`): its shape class.
+    """Everything the checks of one call read (:func:`mm3.contract.checks.check`), typed.
 
     ``ops``: the hooks the call runs (a layer's step runs both). ``indexer`` /
     ``attention``: the bound backends of those ops (objects fixed for the
