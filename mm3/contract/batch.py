@@ -332,11 +332,15 @@ class BatchMetadata:
             >>> b.token_positions.tolist(), b.validate().num_decode_tokens
             ([299, 128, 0, 1, 2, 3, 4], 2)
         """
-        for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table),
-                        ("context_lens", context_lens)):
-            if (t is not None or name != "context_lens") and (not isinstance(t, torch.Tensor) or t.dtype != torch.int32):
-                raise InputError(f"{name} must be an int32 tensor, got "
-                                 f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        i32, T = torch.int32, torch.Tensor
+        if not (isinstance(query_start_loc, T) and query_start_loc.dtype is i32 and isinstance(seq_lens, T)
+                and seq_lens.dtype is i32 and isinstance(block_table, T) and block_table.dtype is i32
+                and (context_lens is None or (isinstance(context_lens, T) and context_lens.dtype is i32))):
+            for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                            ("block_table", block_table), ("context_lens", context_lens)):
+                if (t is not None or name != "context_lens") and (not isinstance(t, T) or t.dtype != i32):
+                    raise InputError(f"{name} must be an int32 tensor, got "
+                                     f"{t.dtype if isinstance(t, T) else type(t).__name__}")
         R = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
         if R < 0 or query_start_loc.shape != (R + 1,) or block_table.dim() != 2 or block_table.shape[0] != R or \
                 (context_lens is not None and context_lens.shape != (R,)):
@@ -344,16 +348,20 @@ class BatchMetadata:
                              f"[R + 1], seq_lens {tuple(seq_lens.shape)} [R], block_table "
                              f"{tuple(block_table.shape)} [R, max_blocks]"
                              + ("" if context_lens is None else f", context_lens {tuple(context_lens.shape)} [R]"))
-        if num_decode_tokens is None and _count("num_decodes", num_decodes, R) and \
-                _count("decode_query_len", decode_query_len):
+        if num_decode_tokens is None and type(num_decodes) is int and type(decode_query_len) is int:
             num_decode_tokens = num_decodes * decode_query_len
-        for name, value, most in (("num_decodes", num_decodes, R), ("num_tokens", num_tokens, None),
-                                  ("max_query_len", max_query_len, None), ("block_size", block_size, None),
-                                  ("decode_query_len", decode_query_len, None),
-                                  ("num_decode_tokens", num_decode_tokens, num_tokens)):
-            _count(name, value, most)
-        if block_size < 1 or decode_query_len < 1:
-            raise InputError(f"block_size ({block_size}) and decode_query_len ({decode_query_len}) must be >= 1")
+        # every step builds one: the common case in one expression, the message only when it fails
+        if not (type(num_decodes) is int and type(num_tokens) is int and type(max_query_len) is int
+                and type(block_size) is int and type(decode_query_len) is int and type(num_decode_tokens) is int
+                and 0 <= num_decodes <= R and num_tokens >= 0 and max_query_len >= 0 and block_size >= 1
+                and decode_query_len >= 1 and 0 <= num_decode_tokens <= num_tokens):
+            for name, value, most in (("num_decodes", num_decodes, R), ("decode_query_len", decode_query_len, None),
+                                      ("num_tokens", num_tokens, None), ("max_query_len", max_query_len, None),
+                                      ("block_size", block_size, None), ("num_decode_tokens", num_decode_tokens,
+                                                                         num_tokens)):
+                _count(name, value, most)
+            if block_size < 1 or decode_query_len < 1:
+                raise InputError(f"block_size ({block_size}) and decode_query_len ({decode_query_len}) must be >= 1")
         pos, req = derive_tokens(query_start_loc, seq_lens, num_decodes, num_tokens)
         return cls.assemble(
             query_start_loc, seq_lens, context_lens, block_table, req, pos, num_decodes=num_decodes,
@@ -362,8 +370,7 @@ class BatchMetadata:
             max_query_len=max_query_len, max_seq_len=max_seq_len)
 
     def _derive_tokens(self) -> None:
-        """Refill ``token_to_request`` and ``token_positions`` (and derived ``context_lens``) from the lengths,
-        in place, on the device (the same derivation the contents check compares them with)."""
+        """Refill the per-token tensors (and derived ``context_lens``) in place, on the device, from the lengths."""
         qsl, sl, nd = self.query_start_loc, self.seq_lens, self.num_decodes
         pos, req = derive_tokens(qsl, sl, nd, self.num_tokens)
         if "context_lens" in self.__dict__:
@@ -436,9 +443,7 @@ class BatchMetadata:
                 f"max_seq_len={self.max_seq_len}, device={self.device})")
 
 
-def _count(name: str, value: object, most: Optional[int] = None) -> bool:
-    """Raise :class:`InputError` unless ``value`` is an int in ``[0, most]``; True when it is."""
+def _count(name: str, value: object, most: Optional[int] = None) -> None:
+    """Raise :class:`InputError` unless ``value`` is an int in ``[0, most]``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (most is not None and value > most):
-        bound = "" if most is None else f" and at most {most}"
-        raise InputError(f"{name} must be an int >= 0{bound}, got {value!r}")
-    return True
+        raise InputError(f"{name} must be an int >= 0{'' if most is None else f' and at most {most}'}, got {value!r}")
