@@ -38,10 +38,10 @@ def test_is_decode_flags() -> None:
 @pytest.mark.parametrize("kwargs,match", [
     (dict(query_lens=[1, 2], seq_lens=[9, 9], num_decodes=2), "decode query lengths must be uniform"),
     (dict(query_lens=[1], seq_lens=[9, 9]), "query_lens has 1 requests but seq_lens has 2"),
-    (dict(query_lens=[-1], seq_lens=[9]), "negative length"),
+    (dict(query_lens=[-1], seq_lens=[9]), "request 0 has a negative query length"),
     (dict(query_lens=[5], seq_lens=[3]), "seq_len 3 < query_len 5"),
     (dict(query_lens=[0], seq_lens=[3]), "prefills need >= 1 token"),
-    (dict(query_lens=[1], seq_lens=[65]), "needs 5 blocks of 16 but block_table has only 4 columns"),
+    (dict(query_lens=[1], seq_lens=[65]), "needs 5 blocks of 16 but the block table has only 4 columns"),
     (dict(query_lens=[1], seq_lens=[9], num_decodes=1, decode_query_len=2), "decode_query_len=2"),
     (dict(query_lens=[1], seq_lens=[9], num_decodes=3), "num_decodes=3 must be in"),
     (dict(query_lens=[1], seq_lens=[9], num_pages=0), r"block_table\[0, 0\] = 0 is not a page id"),

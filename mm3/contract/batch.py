@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mm3.contract.errors import InputError
-from mm3.contract.facts import BatchShape, batch_kind, batch_shape
+from mm3.contract.facts import ArgNames, BatchShape, batch_kind, batch_shape
 from mm3.contract.lengths import INT32_MAX, INT32_MIN, IntSeq, check_lengths, to_int_list
 from mm3.contract.contents import check_on_host, derive_context, derive_tokens
 
@@ -31,6 +31,9 @@ __all__ = ["BatchMetadata"]
 _HOST_INTS = ("num_decode_tokens", "max_query_len", "max_seq_len", "max_prefill_query_len",
               "max_prefill_context_len")
 _TENSORS = ("query_start_loc", "seq_lens", "context_lens", "block_table", "token_to_request", "token_positions")
+#: how :meth:`BatchMetadata.build`'s caller spells what its errors name
+BUILD_NAMES = ArgNames(query_start_loc="query_lens", seq_lens="seq_lens", block_table="block_table",
+                       context_lens="context_lens", where_made="the lengths given to BatchMetadata.build")
 #: host facts read back from the tensors' contents (dropped when the contents change in place)
 READ_BACK = ("query_lens", "seq_lens_host", "max_seq_len", "max_prefill_context_len")
 
@@ -221,8 +224,7 @@ class BatchMetadata:
                 raise InputError(f"block_table holds {hi if hi > INT32_MAX else lo}, which does not fit "
                                  f"the int32 page ids mm3 uses")
         dev = torch.device(device) if device is not None else block_table.device
-        decode_query_len = check_lengths(ql, sl, num_decodes, decode_query_len, block_size,
-                                          block_table.shape[1])
+        decode_query_len = check_lengths(ql, sl, num_decodes, decode_query_len, block_size)
 
         starts = [0]
         tok_req: list[int] = []
@@ -249,8 +251,7 @@ class BatchMetadata:
             token_to_request=torch.tensor(tok_req, **i32),
             token_positions=torch.tensor(tok_pos, **i32),
         )
-        if num_pages is not None:
-            check_on_host(batch, num_pages, entry="BatchMetadata.build")
+        check_on_host(batch, num_pages, entry="BatchMetadata.build", names=BUILD_NAMES)
         for name in (*_HOST_INTS, "facts"):  # cached now: a compiled caller reads them without running Python
             getattr(batch, name)
         return batch

@@ -79,7 +79,7 @@ LENGTHS = 1 << 62
 _RULES = {
     1: "starts {qsl} at {v} instead of 0 (offsets sliced from a longer batch's must be rebased: subtract the "
        "first entry, and slice the per-token tensors alike)",
-    2: "has a negative query length: query_start_loc decreases there",
+    2: "has a negative query length",
     3: "ends query_start_loc at {v} tokens, but the step has {T} (num_tokens)",
     4: "is one of the num_decodes={nd} decodes but holds {v} query tokens, not decode_query_len={dql} (or 0 "
        "for padding); if it is a prefill, num_decodes is too large",
@@ -143,14 +143,14 @@ def _value(word: int, qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r
     return value.get(rule, ql), ql, None
 
 
-def check_on_host(batch: "BatchMetadata", num_pages: int, *, entry: str, names: ArgNames = LAYER_NAMES,
+def check_on_host(batch: "BatchMetadata", num_pages: Optional[int], *, entry: str, names: ArgNames = LAYER_NAMES,
                   scales: tuple[Optional[torch.Tensor], ...] = ()) -> None:
     """Raise :class:`InputError` (prefixed with ``entry``) for the first rule the batch's contents break.
 
     The device check's rules (:func:`lengths_word`, :func:`pages_word`) on host copies of the tensors,
     the lengths first: no copy for a batch in host memory, one synchronisation for one on a device.
-    ``scales``: the K/V scales to check too (per-tensor and per-head ones; per-slot scales are cache
-    contents, not read).
+    ``num_pages``: ``None`` judges no page id. ``scales``: the K/V scales to check too (per-tensor and
+    per-head ones; per-slot scales are cache contents, not read).
     """
     for name, s in zip((names.k_scale, names.v_scale), scales):
         if s is not None and s.dim() == 1 and not bool((torch.isfinite(s) & (s > 0)).all()):
@@ -158,14 +158,14 @@ def check_on_host(batch: "BatchMetadata", num_pages: int, *, entry: str, names: 
                              f"got {s.tolist()}")
     host = batch if batch.block_table.device.type == "cpu" else batch.to("cpu")
     word = int(lengths_word(host))
-    if word == NO_FAULT:
+    if word == NO_FAULT and num_pages is not None:
         word = int(pages_word(host, num_pages))
     if word == NO_FAULT:
         return
     ctx = host.__dict__.get("context_lens")
     value, q, page = _value(word, host.query_start_loc.long(), host.seq_lens.long(), host.block_table,
                             host.token_to_request, host.token_positions, ctx, host.num_decodes)
-    raise InputError(f"{entry}: " + _message(word, batch, num_pages, names, value, page=page, q=q))
+    raise InputError(f"{entry}: " + _message(word, batch, num_pages or 0, names, value, page=page, q=q))
 
 
 def derive_context(qsl: torch.Tensor, sl: torch.Tensor, nd: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
-"""The host-side rules of one step's per-request lengths (docs/spec.md §2), before any tensor is built.
+"""The host-side arguments of a batch built from per-request lengths, before any tensor is built.
 
 Example:
     >>> check_lengths(to_int_list("query_lens", [1, 1, 5]), [300, 129, 5], num_decodes=2,
-    ...               decode_query_len=None, block_size=128, max_blocks=4)
+    ...               decode_query_len=None, block_size=128)
     1
     >>> to_int_list("seq_lens", [300, 30.5])
     Traceback (most recent call last):
@@ -63,19 +63,20 @@ def to_int_list(name: str, v: IntSeq) -> list[int]:
 
 
 def check_lengths(ql: list[int], sl: list[int], num_decodes: int, decode_query_len: Optional[int],
-                   block_size: int, max_blocks: int) -> int:
-    """The rules of one step's per-request lengths (docs/spec.md §2); returns the decode query length."""
+                  block_size: int) -> int:
+    """The arguments of :meth:`~mm3.contract.batch.BatchMetadata.build` that are not a batch's contents: the
+    decode count, the block size, lengths that fit int32, and the decodes' one query length (returned:
+    ``decode_query_len``, or the decodes' own). What the lengths must say of a step (a seq_len at least
+    its query, blocks that fit the table...) is the contents' rules', judged on the tensors built from
+    them (:func:`mm3.contract.contents.check_on_host`), as for every batch."""
     n = len(ql)
     if not (0 <= num_decodes <= n):
         raise InputError(f"num_decodes={num_decodes} must be in [0, {n}] (number of requests)")
     if not isinstance(block_size, int) or block_size <= 0:
         raise InputError(f"block_size must be a positive int, got {block_size!r}")
-
     for r, (q, s) in enumerate(zip(ql, sl)):
-        if q < 0 or s < 0:
-            raise InputError(f"request {r}: negative length (query_len={q}, seq_len={s})")
-        if s > INT32_MAX:
-            raise InputError(f"request {r}: seq_len {s} does not fit int32 (max {INT32_MAX})")
+        if max(q, s) > INT32_MAX or min(q, s) < INT32_MIN:
+            raise InputError(f"request {r}: a length ({q}, {s}) does not fit int32 (max {INT32_MAX})")
     dec_q = sorted({q for q in ql[:num_decodes] if q > 0})
     if len(dec_q) > 1:
         longest = next(r for r in range(num_decodes) if ql[r] == dec_q[-1])
@@ -91,22 +92,4 @@ def check_lengths(ql: list[int], sl: list[int], num_decodes: int, decode_query_l
         raise InputError(f"decodes have query length {dec_q[0]} but decode_query_len={decode_query_len}")
     if decode_query_len < 1:
         raise InputError(f"decode_query_len must be >= 1, got {decode_query_len}")
-    for r in range(n):
-        q, s = ql[r], sl[r]
-        is_dec = r < num_decodes
-        if is_dec and s == 0:
-            continue  # padding decode
-        if not is_dec and q < 1:
-            raise InputError(f"prefill request {r} has query_len {q}; prefills need >= 1 token "
-                             f"(drop empty requests, or list them among the decodes as padding)")
-        if s < q:
-            raise InputError(f"request {r}: seq_len {s} < query_len {q}; seq_len counts the cache "
-                             f"tokens including this step's")
-
-    for r, s in enumerate(sl):
-        need = -(-s // block_size)
-        if need > max_blocks:
-            raise InputError(
-                f"request {r}: seq_len {s} needs {need} blocks of {block_size} but block_table has "
-                f"only {max_blocks} columns; widen the block table")
     return decode_query_len
