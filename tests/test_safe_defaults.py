@@ -283,7 +283,8 @@ def test_device_flag_records_without_reading_a_value_on_the_host() -> None:
     case = _case("mixed")
     pages = case.caches.num_pages
     flag = FaultFlag("cpu")
+    bad = _with_page(case, 1, 0, pages + 3)     # built from host lists (and judged there, on the host)
     with _NoHostReads():
-        flag.record(_with_page(case, 1, 0, pages + 3), pages)
+        flag.record(bad, pages)
     with pytest.raises(InputError, match=r"block_table\[1, 0\] is not a page id"):
         flag.raise_pending()
