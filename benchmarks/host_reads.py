@@ -86,7 +86,22 @@ class _SeeInside(TorchFunctionMode):
             return op.redispatch(_device_key(args, kwargs), *args, **kwargs)
 
 
-class CountHostReads:
+class _Modes:
+    """Entered: the modes in ``_modes``, in order (and left in reverse)."""
+
+    _modes: tuple[Any, ...] = ()
+
+    def __enter__(self) -> Any:
+        for m in self._modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+
+
+class CountHostReads(_Modes):
     """Count host reads of tensor values (see the module docstring) while entered.
 
     ``count``: the reads; ``where``: for each read, in order, ``"file:line function"`` of its innermost
@@ -134,17 +149,8 @@ class CountHostReads:
             at = at.f_back
         self.where.append(" < ".join(chain) or "?")
 
-    def __enter__(self) -> "CountHostReads":
-        for m in self._modes:
-            m.__enter__()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        for m in reversed(self._modes):
-            m.__exit__(*exc)
-
-
-class CountOps:
+class CountOps(_Modes):
     """Count the torch ops dispatched while entered (on a GPU, each one that computes is a launch);
     a custom op counts as the ops its kernel dispatches."""
 
@@ -158,12 +164,3 @@ class CountOps:
                 return func(*args, **(kwargs or {}))
 
         self._modes = (_SeeInside(), Dispatch())
-
-    def __enter__(self) -> "CountOps":
-        for m in self._modes:
-            m.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for m in reversed(self._modes):
-            m.__exit__(*exc)

@@ -32,7 +32,7 @@ from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.contents import NO_FAULT, FaultFlag
 from mm3.contract.errors import InputError
 from mm3.contract.facts import ArgNames
-from mm3.integrations.vllm_inputs import MAX_KEPT
+from mm3.integrations.vllm_inputs import MAX_KEPT, tensor_arg
 
 __all__ = ["RELEASE", "names", "refuse", "refusals", "one_index_head", "int_arg", "tensor_arg", "positive", "block_table", "record_pages",
            "on_host", "kv_caches", "index_caches", "decode_batch", "prefill_batch", "topk_arg", "ascending_",
@@ -66,13 +66,6 @@ def refuse(fn: str, arg: str, value: object, why: str, advice: str) -> InputErro
 
 
 # -- arguments ---------------------------------------------------------------------------------
-
-def tensor_arg(fn: str, name: str, t: object, dim: int, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dim() != dim:
-        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise InputError(f"{fn}: {name} must be a {dim}-D tensor {what}, got {got}")
-    return t
-
 
 def int_arg(fn: str, name: str, t: object, dim: int, what: str) -> torch.Tensor:
     """An int32 or int64 tensor (SGLang keeps both) as int32 (a copy only for int64)."""
