@@ -94,7 +94,7 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
     launch layer records them, ``fast_launch.recording``)."""
     from mm3.contract import SparseAttentionParams, TopkBuffer
     from mm3.testing.factories import make_case
-    from mm3_backends.triton import attention, index_scores, indexer
+    from mm3_backends.triton import attention, contents, index_scores, indexer
     from mm3_backends.triton.fast_launch import recording
     from mm3_backends.triton.launch import override
 
@@ -125,6 +125,7 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
                              dtype=dtype, index_dtype=idt, seed=0, kv_dtype=kv[0] if kv else None,
                              kv_scale=kv[1] if len(kv) > 1 else "head")
             T = case.batch.num_tokens
+            contents.check_contents(case.batch, case.caches.num_pages, torch.zeros(1, dtype=torch.int64), cfg)
             topk = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, plugin_spec.topk_layout)
             indexer.index_topk(case.index_q, case.caches, case.batch, p, topk, cfg)
             attention.attention_forward(case.q, case.caches, topk, case.batch, p, torch.empty_like(case.q), cfg)

@@ -31,8 +31,9 @@ __all__ = ["check_contents"]
 
 #: tokens and block-table columns a program reads at a time
 _TILE = 64
-_LENGTHS = 1 << 62        # mm3.contract.contents.LENGTHS
-_NO_FAULT = 2 ** 63 - 1   # mm3.contract.contents.NO_FAULT
+# a kernel reads only constexpr globals
+_LENGTHS: tl.constexpr = tl.constexpr(1 << 62)        # mm3.contract.contents.LENGTHS
+_NO_FAULT: tl.constexpr = tl.constexpr(2 ** 63 - 1)   # mm3.contract.contents.NO_FAULT
 
 
 @triton.jit
@@ -100,7 +101,7 @@ def check_contents(batch: BatchMetadata, num_pages: int, word: torch.Tensor, cfg
     T = batch.num_tokens
     if not R:
         if T:   # tokens but no request: query_start_loc cannot end at T (rule 3 of request 0)
-            torch.minimum(word, torch.full_like(word, _LENGTHS + (3 << 40)), out=word)
+            torch.minimum(word, torch.full_like(word, _LENGTHS.value + (3 << 40)), out=word)
         return
     ctx = batch.__dict__.get("context_lens")    # only the batch's own: derived ones are right by construction
     bt = batch.block_table
