@@ -92,7 +92,7 @@ class Launch:
 def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
     """Every launch the plugin's hooks make on a mixed M3 step per shape variant (nothing runs: the
     launch layer records them, ``fast_launch.recording``)."""
-    from mm3.contract import SparseAttentionParams, TopkBuffer
+    from mm3.contract import BatchMetadata, SparseAttentionParams, TopkBuffer
     from mm3.testing.factories import make_case
     from mm3_backends.triton import attention, contents, index_scores, indexer
     from mm3_backends.triton.fast_launch import recording
@@ -125,7 +125,12 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
                              dtype=dtype, index_dtype=idt, seed=0, kv_dtype=kv[0] if kv else None,
                              kv_scale=kv[1] if len(kv) > 1 else "head")
             T = case.batch.num_tokens
-            contents.check_contents(case.batch, case.caches.num_pages, torch.zeros(1, dtype=torch.int64), cfg)
+            b = case.batch      # the contents check of a batch with its own context lengths, and of one without
+            derived = BatchMetadata.from_device(b.query_start_loc, b.seq_lens, b.block_table, num_decodes=b.num_decodes,
+                                                num_tokens=T, max_query_len=max(dq, 5), block_size=p.block_size,
+                                                decode_query_len=dq)
+            for batch in (b, derived):
+                contents.check_contents(batch, case.caches.num_pages, torch.zeros(1, dtype=torch.int64), cfg)
             topk = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, plugin_spec.topk_layout)
             indexer.index_topk(case.index_q, case.caches, case.batch, p, topk, cfg)
             attention.attention_forward(case.q, case.caches, topk, case.batch, p, torch.empty_like(case.q), cfg)
