@@ -17,6 +17,9 @@ engine's are.
   ``mm3.runtime.ops.batch_args`` of that batch;
 * ``vllm decode``: ``minimax_m3_index_decode`` + ``minimax_m3_sparse_attn_decode`` on the step's
   decodes (the drop-in builds its batch itself, so its time includes that);
+* ``sglang decode``: SGLang's ``minimax_sparse_decode`` on the step's decodes, addressed through a
+  ``req_to_token`` pool and the step's ``slot_ids`` (:mod:`mm3_benchmarks.stream_sglang`; it builds
+  its block table and batch itself, and checks on the device that each block is one page);
 * ``tp rank``: rank 0 of ``TensorParallelSparseAttention`` at TP8, built without a process group
   (a rank's step needs none: only ``gather`` communicates);
 * ``layer, no check_contents hook`` (``--stub``, a checkout with the hook): the layer on a stub
@@ -289,19 +292,29 @@ class StreamStub:
 
 @contextlib.contextmanager
 def treat_tables_as_device() -> Iterator[Optional[str]]:
-    """Within: CPU block tables stand in for device ones (``mm3.runtime.step.on_host`` returns False).
-    Yields a note when this checkout has no such function (its CPU tables then count as host ones)."""
+    """Within: CPU block tables stand in for device ones (``mm3.runtime.step.on_host`` returns False, and
+    so does the SGLang drop-in's own switch for its pages, where this checkout has it). Yields a note when
+    this checkout has no such function (its CPU tables then count as host ones)."""
     from mm3.runtime import step
 
     real = getattr(step, "on_host", None)
     if real is None:
         yield "no mm3.runtime.step.on_host in this checkout: its CPU block tables count as host memory"
         return
+    try:
+        si: Any = import_module("mm3.integrations.sglang_inputs")
+    except ImportError:
+        si = None
+    pages = getattr(si, "on_host", None)
     step.on_host = lambda batch: False  # type: ignore[attr-defined]
+    if pages is not None:
+        si.on_host = lambda t: False
     try:
         yield None
     finally:
         step.on_host = real  # type: ignore[attr-defined]
+        if pages is not None:
+            si.on_host = pages
 
 
 # -- the rows -------------------------------------------------------------------------------------
@@ -556,7 +569,17 @@ ROWS: dict[str, Callable[[Setup], Row]] = {
     "vllm decode": VllmDecodeRow,
     "tp rank": lambda setup: LayerRow(setup, tp=True),
     "layer, no check_contents hook": lambda setup: _without_contents_hook(setup),
+    "sglang decode": lambda setup: _sglang_row(setup),
 }
+
+
+def _sglang_row(setup: Setup) -> Row:
+    """SGLang's decode entry point (:mod:`mm3_benchmarks.stream_sglang`; a checkout without the drop-in raises
+    ImportError)."""
+    import_module("mm3.integrations.sglang")
+    from mm3_benchmarks.stream_sglang import SglangDecodeRow
+
+    return SglangDecodeRow(setup)
 
 
 def _without_contents_hook(setup: Setup) -> LayerRow:
