@@ -40,9 +40,9 @@ from mm3.runtime import step
 from mm3_backends.cpu_ref import plugin as cpu_ref_plugin
 from mm3_benchmarks.host_reads import CountHostReads
 from mm3_benchmarks.stream import (
-    EngineBuffers, LayerRow, OpsRow, Row, Setup, VllmDecodeRow, VllmPrefillRow, engine_stream,
+    EngineBuffers, LayerRow, OpsRow, Row, Setup, SglangDecodeRow, SglangPrefillRow, VllmDecodeRow, VllmPrefillRow,
+    engine_stream,
 )
-from mm3_benchmarks.stream_sglang import SglangDecodeRow, SglangPrefillRow
 
 P = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=32, num_index_heads=2, index_head_dim=32,
                               block_size=16, topk=4, init_blocks=1, local_blocks=1)
