@@ -1,4 +1,4 @@
-"""The order of a top-k row is declared and the plan establishes it: every pairing of indexer, attention and entry point.
+"""The order of a top-k row is declared and the plan establishes it: every pairing of indexer, attention, entry.
 
 The indexer declares the order it writes (``topk_order``: score or ascending),
 the attention the order it needs (``topk_order_required``: any or ascending),

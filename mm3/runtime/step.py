@@ -250,7 +250,8 @@ class OpTarget:
             if out is not None:
                 so = out.shape
                 fo = (out.dtype, out.device, so[1:] if ops[0] is not _SCORES else (so[0], so[2:]), out.stride())
-            key = (entry, names, ops, order, bs.key, caches.facts, None if topk is None else topk.facts, T > 1, fi, fq, fo)
+            key = (entry, names, ops, order, bs.key, caches.facts, None if topk is None else topk.facts, T > 1, fi, fq,
+                   fo)
         except AttributeError:   # an argument of the wrong type: every rule names it
             return self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
         last = self._last
