@@ -17,6 +17,9 @@ engine's are.
   ``mm3.runtime.ops.batch_args`` of that batch;
 * ``vllm decode``: ``minimax_m3_index_decode`` + ``minimax_m3_sparse_attn_decode`` on the step's
   decodes (the drop-in builds its batch itself, so its time includes that);
+* ``sglang decode``: SGLang's ``minimax_sparse_decode`` on the step's decodes, addressed through a
+  ``req_to_token`` pool and the step's ``slot_ids`` (:class:`SglangDecodeRow`; it builds
+  its block table and batch itself, and checks on the device that each block is one page);
 * ``tp rank``: rank 0 of ``TensorParallelSparseAttention`` at TP8, built without a process group
   (a rank's step needs none: only ``gather`` communicates);
 * ``layer, no check_contents hook`` (``--stub``, a checkout with the hook): the layer on a stub
@@ -73,7 +76,7 @@ from mm3.runtime.registry import Registry
 from mm3_benchmarks.host_reads import CountHostReads, CountOps
 
 __all__ = ["StreamStep", "EngineStream", "engine_stream", "EngineBuffers", "StreamStub", "treat_tables_as_device",
-           "measure_stream", "ROWS"]
+           "measure_stream", "ROWS", "SglangDecodeRow", "SglangPrefillRow", "req_to_token"]
 
 Call = Callable[[], object]
 
@@ -289,19 +292,29 @@ class StreamStub:
 
 @contextlib.contextmanager
 def treat_tables_as_device() -> Iterator[Optional[str]]:
-    """Within: CPU block tables stand in for device ones (``mm3.runtime.step.on_host`` returns False).
-    Yields a note when this checkout has no such function (its CPU tables then count as host ones)."""
+    """Within: CPU block tables stand in for device ones (``mm3.runtime.step.on_host`` returns False, and
+    so does the SGLang drop-in's own switch for its pages, where this checkout has it). Yields a note when
+    this checkout has no such function (its CPU tables then count as host ones)."""
     from mm3.runtime import step
 
     real = getattr(step, "on_host", None)
     if real is None:
         yield "no mm3.runtime.step.on_host in this checkout: its CPU block tables count as host memory"
         return
+    try:
+        si: Any = import_module("mm3.integrations.sglang_inputs")
+    except ImportError:
+        si = None
+    pages = getattr(si, "on_host", None)
     step.on_host = lambda batch: False  # type: ignore[attr-defined]
+    if pages is not None:
+        si.on_host = lambda t: False
     try:
         yield None
     finally:
         step.on_host = real  # type: ignore[attr-defined]
+        if pages is not None:
+            si.on_host = pages
 
 
 # -- the rows -------------------------------------------------------------------------------------
@@ -548,6 +561,112 @@ class VllmPrefillRow(VllmDecodeRow):
         return self._prefill(s, sl[nd:], bt[nd:], self.kv, self.index)
 
 
+# -- SGLang's entry points ----------------------------------------------------------------------------
+# SGLang addresses a request's tokens through its persistent req_to_token pool ([max_reqs, max_context], a
+# token slot per position) and a step's slot_ids (req_pool_indices); with --page-size equal to the block size
+# every block is one aligned page of contiguous slots. K/V are token-major [slots, Hkv, D], the index keys
+# [slots, 1, Di].
+
+def req_to_token(pages: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The ``req_to_token`` rows of requests whose blocks are ``pages`` (``[R, W]`` page ids): position ``j``
+    of row ``r`` is slot ``block_size * pages[r, j // block_size] + j % block_size``."""
+    offsets = torch.arange(block_size, dtype=torch.int32, device=pages.device)
+    return (pages.to(torch.int32).unsqueeze(2) * block_size + offsets).flatten(1)
+
+
+class SglangDecodeRow:
+    """SGLang's ``minimax_sparse_decode`` on the step's decodes, the drop-in's backends configured to this run's."""
+
+    def __init__(self, setup: Setup) -> None:
+        from mm3.integrations import sglang, targets
+
+        self.sglang, self.setup = sglang, setup
+        name, reg, self.stub = setup.backend()
+        targets.configure(Settings(backend=name, check_contracts="first"), registry=reg)
+        S, p = setup.stream, setup.params
+        self.caches = self._caches(S.num_pages)
+        #: each request's row of the pool, and the pool (made once, as SGLang's is)
+        self.slot = {r: i for i, r in enumerate(S.rows)}
+        self.pool = req_to_token(_i32(list(S.rows.values()), setup.device), p.block_size)
+        T = S.max_tokens
+        self.q, self.iq = setup.tokens(T, p.num_heads, p.head_dim), setup.tokens(T, p.num_kv_heads,
+                                                                               p.index_head_dim)
+
+    def _caches(self, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k_cache, v_cache, idx_k_cache)`` token-major over ``pages`` pages, random."""
+        p, s = self.setup.params, self.setup
+        slots = pages * p.block_size
+        kv = s.random(2, slots, p.num_kv_heads, p.head_dim)
+        return kv[0], kv[1], s.random(slots, 1, p.index_head_dim)
+
+    def _slots(self, s: StreamStep) -> torch.Tensor:
+        """The step's ``slot_ids`` (SGLang's ``req_pool_indices``, the scheduler's tensor: not timed)."""
+        reqs = list(s.decodes) + ([s.prefill[0]] if s.prefill else [])
+        return _i32([self.slot[r] for r in reqs], self.setup.device).to(torch.int64)
+
+    def _prime_pool(self, bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A first step's pool and slots: its block table's rows, in order."""
+        return req_to_token(bt, self.setup.params.block_size), torch.arange(bt.shape[0], device=bt.device)
+
+    def prime(self) -> None:
+        if self.stub:
+            self.stub.real = True
+        s, _, sl, bt = _prime_steps(self.setup.params.block_size, self.setup.device)[0]
+        self._decode(sl, *self._prime_pool(bt), max(s.decode_lens), self._caches(8))()
+        if self.stub:
+            self.stub.real = False
+
+    def _decode(self, sl: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, longest: int,
+                caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Call:
+        p, fn, n = self.setup.params, self.sglang.minimax_sparse_decode, sl.shape[0]
+        q, iq, (k, v, index), B = self.q[:n], self.iq[:n], caches, p.block_size
+
+        def decode() -> None:
+            fn(q, None, k, v, iq, None, index, None, pool, slots, sl, longest, 1, B, p.topk, p.init_blocks,
+               p.local_blocks, sm_scale=p.softmax_scale, disable_index_value=True, page_size=B)
+        return decode
+
+    def prepare(self, s: StreamStep, qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor) -> Call:
+        nd = s.num_decodes
+        return self._decode(sl[:nd], self.pool, self._slots(s)[:nd], max(s.decode_lens), self.caches)
+
+    def close(self) -> None:
+        from mm3.integrations import targets
+
+        targets.configure()
+
+
+class SglangPrefillRow(SglangDecodeRow):
+    """SGLang's ``minimax_sparse_prefill`` on a step with a prefill chunk, the whole step one extend batch."""
+
+    def prime(self) -> None:
+        if self.stub:
+            self.stub.real = True
+        s, qsl, sl, bt = _prime_steps(self.setup.params.block_size, self.setup.device)[1]
+        self._extend(s, qsl, sl, *self._prime_pool(bt), self._caches(8))()
+        if self.stub:
+            self.stub.real = False
+
+    def _extend(self, s: StreamStep, qsl: torch.Tensor, sl: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Call:
+        assert s.prefill is not None
+        p, fn, T, B = self.setup.params, self.sglang.minimax_sparse_prefill, s.num_tokens, self.setup.params.block_size
+        q, iq, (k, v, index) = self.q[:T], self.iq[:T], caches
+        prefix = sl - (qsl[1:] - qsl[:-1])        # the engine's extend_prefix_lens (not timed)
+        longest = max(*s.decode_lens, s.prefill[1] + s.prefill[2]) if s.decodes else s.prefill[1] + s.prefill[2]
+
+        def extend() -> Any:
+            return fn(q, k, v, None, iq, index, None, None, pool, slots, qsl, sl, prefix, s.max_query_len, longest,
+                      1, B, p.topk, p.init_blocks, p.local_blocks, sm_scale=p.softmax_scale,
+                      disable_index_value=True, page_size=B)
+        return extend
+
+    def prepare(self, s: StreamStep, qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor) -> Call:
+        if s.prefill is None:
+            return lambda: None
+        return self._extend(s, qsl, sl, self.pool, self._slots(s), self.caches)
+
+
 #: the rows by name, each made fresh for a run (raising :class:`Unavailable` or ImportError where this
 #: checkout lacks the entry point)
 ROWS: dict[str, Callable[[Setup], Row]] = {
@@ -556,7 +675,14 @@ ROWS: dict[str, Callable[[Setup], Row]] = {
     "vllm decode": VllmDecodeRow,
     "tp rank": lambda setup: LayerRow(setup, tp=True),
     "layer, no check_contents hook": lambda setup: _without_contents_hook(setup),
+    "sglang decode": lambda setup: _sglang_row(setup),
 }
+
+
+def _sglang_row(setup: Setup) -> Row:
+    """SGLang's decode entry point (a checkout without the drop-in raises ImportError)."""
+    import_module("mm3.integrations.sglang")
+    return SglangDecodeRow(setup)
 
 
 def _without_contents_hook(setup: Setup) -> LayerRow:

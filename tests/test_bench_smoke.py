@@ -268,3 +268,14 @@ def test_host_overhead_stream_refuses_what_it_cannot_run(argv: list[str], says: 
     with pytest.raises(SystemExit) as e:
         host_overhead.main(argv)
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_sglang_dropin_bench_parses_its_arguments_and_says_it_needs_a_gpu() -> None:
+    """Import-safe without CUDA or SGLang; its arguments parse; without CUDA it exits saying why."""
+    from mm3_benchmarks import sglang_dropin
+
+    a = sglang_dropin.parser().parse_args(["--tp", "1", "8", "--kind", "decode", "--graph", "--context", "4096"])
+    assert (a.tp, a.kind, a.graph, a.context, a.backend) == ([1, 8], "decode", True, 4096, "cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            sglang_dropin.main(["--tp", "1"])

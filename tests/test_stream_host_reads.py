@@ -7,7 +7,8 @@ shape class reads on nearly every step: a device sync each time on a GPU. Here
 a short engine-like stream (:func:`mm3_benchmarks.stream.engine_stream`: fresh
 ``BatchMetadata.from_device`` batches from an engine's int32 tensors, new
 shapes nearly every step) runs through the layer, the custom ops, vLLM's decode
-pair and prefill functions, and rank 0 of a tensor-parallel layer. Each entry
+pair and prefill functions, SGLang's decode and prefill entry points, and rank 0
+of a tensor-parallel layer. Each entry
 point's first steps (the first call of each batch kind, on caches of their own)
 are guarded by ``check_contracts="first"``, and the guard reads what it checks,
 by design; every step of the stream after them must read no tensor value on the
@@ -15,7 +16,10 @@ host (:class:`mm3_benchmarks.host_reads.CountHostReads`, which also sees inside
 the custom ops).
 
 The CPU block tables stand in for device ones (``on_host`` patched, as in
-tests/test_dropin_no_host_reads.py). Two backends: a stub that declares
+tests/test_dropin_no_host_reads.py, and SGLang's ``req_to_token`` pool too:
+``mm3.integrations.sglang_inputs.on_host``, whose pages are then checked with
+torch ops into the fault word). SGLang's pool has pages of the params' block
+size (``page_size`` = ``block_size_k`` = 16). Two backends: a stub that declares
 ``reports_bad_page_ids`` (as the Triton backends do: page ids are its kernels'
 job) and returns at once after its first steps, and cpu_ref (which checks no
 page ids itself; it plans its work from host lengths, so its own frames are let
@@ -31,11 +35,13 @@ import pytest
 import torch
 
 import mm3
+from mm3.integrations import sglang_inputs
 from mm3.runtime import step
 from mm3_backends.cpu_ref import plugin as cpu_ref_plugin
 from mm3_benchmarks.host_reads import CountHostReads
 from mm3_benchmarks.stream import (
-    EngineBuffers, LayerRow, OpsRow, Row, Setup, VllmDecodeRow, VllmPrefillRow, engine_stream,
+    EngineBuffers, LayerRow, OpsRow, Row, Setup, SglangDecodeRow, SglangPrefillRow, VllmDecodeRow, VllmPrefillRow,
+    engine_stream,
 )
 
 P = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=32, num_index_heads=2, index_head_dim=32,
@@ -52,6 +58,8 @@ ENTRIES: dict[str, Callable[[Setup], Row]] = {
     "custom ops": OpsRow,
     "vllm decode pair": VllmDecodeRow,
     "vllm prefill functions": VllmPrefillRow,
+    "sglang decode": SglangDecodeRow,
+    "sglang prefill": SglangPrefillRow,
     "tp rank": lambda setup: LayerRow(setup, tp=True),
 }
 
@@ -86,6 +94,7 @@ def test_the_counter_sees_every_kind_of_read_inside_a_custom_op_too() -> None:
 @pytest.mark.parametrize("entry", list(ENTRIES))
 def test_no_step_after_the_first_reads_the_host(entry: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step, "on_host", lambda batch: False)   # the CPU tables stand in for device ones
+    monkeypatch.setattr(sglang_inputs, "on_host", lambda t: False)
     setup = Setup(P, STREAM, torch.device("cpu"), backend, full=FULL, world=2, dtype=torch.float32)
     buffers = EngineBuffers(STREAM, setup.device)
     row = ENTRIES[entry](setup)
@@ -105,7 +114,8 @@ def test_no_step_after_the_first_reads_the_host(entry: str, backend: str, monkey
             ran = {k: stub.calls[k] - before[k] for k in before}
             prefills = sum(s.prefill is not None for s in STREAM.steps)
             want = {"layer": (16, 16), "custom ops": (16, 16), "tp rank": (16, 16), "vllm decode pair": (16, 16),
-                    "vllm prefill functions": (0, prefills)}[entry]
+                    "vllm prefill functions": (0, prefills), "sglang decode": (16, 16),
+                    "sglang prefill": (prefills, prefills)}[entry]
             assert (ran["index_topk"], ran["attention_forward"]) == want, ran
     finally:
         getattr(row, "close", lambda: None)()

@@ -29,6 +29,7 @@ from mm3.contract.hookspecs import INDEX_OPS, STEP_OPS, Op
 
 __all__ = [
     "TopkLayout",
+    "TopkOrder",
     "KVCacheLayout",
     "DType",
     "IndexDType",
@@ -40,6 +41,10 @@ __all__ = [
 
 TopkLayout = Literal["head_major", "token_major"]
 """Storage order of a top-k buffer: ``head_major`` = [H, T, K], ``token_major`` = [T, H, K]."""
+
+TopkOrder = Literal["score", "ascending"]
+"""The order of the valid ids in a top-k row: ``score`` = as the selection ranked them, highest score first
+(or any order not promised to be ascending); ``ascending`` = increasing ids. ``-1`` follows them either way."""
 
 KVCacheLayout = Literal["NHD", "HND"]
 """Storage order inside one KV page: tokens-then-heads (NHD) or heads-then-tokens (HND)."""
@@ -86,6 +91,12 @@ class BackendCapabilities(_Frozen):
     topk_requires_contiguous: bool = Field(
         False, description="its hooks read raw storage: hand them a dense buffer in topk_layout (the core "
                            "converts another one each step)")
+    topk_order: TopkOrder = Field(
+        "score", description="the order index_topk writes a row's ids in: score (highest score first, or no "
+                             "promise) or ascending (increasing ids); -1 last either way")
+    topk_order_required: Optional[Literal["ascending"]] = Field(
+        None, description="the order attention_forward needs a row's ids in: None = any (a row is a set), "
+                          "ascending = increasing ids, -1 last (the core sorts rows written in another order)")
     kv_cache_layout: KVCacheLayout = Field("NHD", description="the KV page layout it is fastest on, NHD or HND "
                                                               "(both must work)")
     dtypes: frozenset[DType] = Field(frozenset({"bfloat16", "float16", "float32"}),

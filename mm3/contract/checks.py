@@ -62,7 +62,11 @@ class Plan(NamedTuple):
 
     ``convert_to``: the layout the attention reads a copy of the top-k buffer in (``None``: it reads the
     buffer as it is); ``index_via``: the layout the indexer writes a buffer in before it is copied into the
-    caller's (``None``: it writes the caller's).
+    caller's (``None``: it writes the caller's); ``sort_written``: the rows the index op wrote are sorted
+    ascending, ``-1`` last, in place, before an attention reads them and before the call returns (the entry
+    point or the attention needs that order and the indexer does not declare it); ``sort_read``: the
+    attention reads a sorted copy of the rows the caller handed in (it needs ascending rows and the entry
+    point does not promise them).
 
     The counts: a later call whose facts differ from the planned one only in its token count ``T``, its
     requests and its decodes passes every rule exactly when ``T <= max_tokens``, its decodes' query length
@@ -75,6 +79,8 @@ class Plan(NamedTuple):
 
     convert_to: Optional[str]
     index_via: Optional[str]
+    sort_written: bool
+    sort_read: bool
     max_decode_query_len: int
     max_tokens: int
     exact_rows: bool
@@ -336,6 +342,22 @@ class _Rules:
         most = UNLIMITED if not head_major or H == 1 else st[0] // max(st[1], K, 1)  # type: ignore[index]
         return via[0], via[1], most
 
+    def order(self) -> tuple[bool, bool]:
+        """``(sort_written, sort_read)`` of the :class:`Plan`: the order the entry point and the attention
+        need of a row's ids, against the order the indexer declares it writes them in."""
+        f = self.f
+        want = f.topk_order
+        if want not in (None, "ascending"):
+            raise self.fail(f"the entry point asks for top-k rows in {want!r} order; the core establishes "
+                            f"'ascending' (or leaves rows as written: None), no other order")
+        if f.topk is None:    # block scores: no rows
+            return False, False
+        need = None if f.attention is None else f.attention.capabilities.topk_order_required
+        if Op.INDEX_TOPK in f.ops and f.indexer is not None:
+            return f.indexer.capabilities.topk_order != "ascending" and "ascending" in (want, need), False
+        # an attention alone reads the caller's rows, in the order the entry point promises of them
+        return False, need == "ascending" and want != "ascending"
+
     # -- what the backends declare ---------------------------------------------------------------
     def declared(self) -> int:
         """The declared limits and probes; returns the longest decode query every op's backend takes."""
@@ -382,9 +404,11 @@ def check(facts: StepFacts) -> Plan:
     rules.caches()
     rules.layer()
     convert_to, index_via, topk_rows = rules.hooks()
+    sort_written, sort_read = rules.order()
     most = rules.declared()
     L = facts.layer
     if L is not None:
         most = min(most, L.max_decode_query_len)
-    return Plan(convert_to, index_via, most, UNLIMITED if L is None else L.capacity, L is not None, topk_rows)
+    return Plan(convert_to, index_via, sort_written, sort_read, most, UNLIMITED if L is None else L.capacity,
+                L is not None, topk_rows)
 

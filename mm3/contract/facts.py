@@ -230,7 +230,10 @@ class StepFacts(NamedTuple):
     ``layer``: a layer's own promises, ``None`` for other entry points.
     ``out``: the call's output tensor (the attention's, or the block scores of
     ``index_scores``); ``topk``: the top-k buffer, ``None`` for a call that has
-    none (``index_scores``).
+    none (``index_scores``). ``topk_order``: the order of the top-k rows at
+    the entry point, ``"ascending"`` or ``None`` (any): what it requires of the
+    rows an index op writes for it, and what it promises of the rows it hands
+    an attention (SGLang's functions: ascending, their engine's convention).
 
     The boundary builds it only when a step's facts match no plan of its target
     (:mod:`mm3.runtime.step`): at a target's first call, and when something
@@ -252,4 +255,5 @@ class StepFacts(NamedTuple):
     topk: Optional[TensorFacts]
     caches: CacheFacts
     batch: BatchFacts
+    topk_order: Optional[str] = None
 

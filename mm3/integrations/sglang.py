@@ -125,7 +125,8 @@ def _addressing(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optiona
 def _run(fn: str, ops: tuple[Op, ...], target: OpTarget, caches: PagedKVCache, batch: Any, word: Any,
          names: Any, graph: bool, **call: Any) -> None:
     si.record_pages(target.flag, word, fn, names, batch, caches.num_pages, graph)
-    target.run(fn, ops, caches=caches, batch=batch, graph=graph, names=names, **call)
+    # SGLang's order: the rows an index op writes come back ascending, and rows SGLang hands in are
+    target.run(fn, ops, caches=caches, batch=batch, graph=graph, names=names, order=si.ORDER, **call)
 
 
 def _attention_step(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: object,
@@ -237,8 +238,6 @@ def minimax_sparse_decode(q: torch.Tensor, sink: Optional[torch.Tensor], k_cache
     target = _target(fn, None, params, q.dtype, caches.index_dtype, caches.dtype, q.device, graph)
     if T:
         _run(fn, BOTH, target, caches, batch, word, names, graph, topk=TopkBuffer(ids_t), index_q=idx_q, q=q, out=o)
-        if topk_out is not None:
-            si.ascending_(topk_out)
     return None, o
 
 
@@ -299,7 +298,7 @@ def minimax_sparse_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     target = _target(fn, None, params, q.dtype, caches.index_dtype, caches.dtype, q.device, graph)
     if T:
         _run(fn, BOTH, target, caches, batch, word, names, graph, topk=TopkBuffer(ids_t), index_q=idx_q, q=q, out=o)
-    return (None, o, si.ascending_(ids_t)) if return_topk_idx else (None, o)
+    return (None, o, ids_t) if return_topk_idx else (None, o)
 
 
 # -- the kernel-level functions ------------------------------------------------------------------
@@ -335,7 +334,7 @@ def flash_decode_with_topk_idx(q: torch.Tensor, sink: Optional[torch.Tensor], k_
     if T:
         _run(fn, (Op.INDEX_TOPK,), target, caches, batch, word, si.names(block_size, page_table is not None, False)
              ._replace(index_q="q", index="k_cache"), graph, topk=TopkBuffer(ids), index_q=q)
-    return None, si.ascending_(ids), None
+    return None, ids, None
 
 
 @torch.no_grad()
@@ -369,7 +368,7 @@ def flash_prefill_with_topk_index(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if T:
         _run(fn, (Op.INDEX_TOPK,), target, caches, batch, word, si.names(block_size_k, page_table is not None, True)
              ._replace(index_q="q", index="k_cache"), graph, topk=TopkBuffer(ids), index_q=q)
-    return None, si.ascending_(ids)
+    return None, ids
 
 
 @torch.no_grad()

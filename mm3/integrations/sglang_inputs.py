@@ -7,7 +7,8 @@ pages (``req_to_token[slot_ids[b], 128 * j] // 128``, or a batch-local
 of contiguous slots, the paged views of SGLang's token-major
 ``[slots, num_kv_heads, head_dim]`` K/V and ``[slots, 1, idx_head_dim]`` index
 caches (no copy), their per-tensor scales, decode and prefill batches, and the
-ascending top-k order SGLang's functions return. Every error is an
+ascending top-k order of SGLang's rows (:data:`ORDER`, which the core
+establishes). Every error is an
 :class:`~mm3.InputError` naming SGLang's function and argument.
 
 Example:
@@ -17,8 +18,6 @@ Example:
     >>> bt, _ = block_table("f", r2t, torch.tensor([2]), None, 16, 16, 40, torch.tensor([40]), 8)
     >>> bt.tolist()
     [[3, 4, 5]]
-    >>> ascending_(torch.tensor([[5, -1, 2, 7]], dtype=torch.int32)).tolist()
-    [[2, 5, 7, -1]]
 """
 
 from __future__ import annotations
@@ -35,15 +34,19 @@ from mm3.contract.facts import ArgNames
 from mm3.integrations.vllm_inputs import MAX_KEPT, tensor_arg
 
 __all__ = ["RELEASE", "names", "refuse", "refusals", "one_index_head", "int_arg", "tensor_arg", "positive", "block_table", "record_pages",
-           "on_host", "kv_caches", "index_caches", "decode_batch", "prefill_batch", "topk_arg", "ascending_",
+           "on_host", "kv_caches", "index_caches", "decode_batch", "prefill_batch", "topk_arg", "ORDER",
            "widen"]
 
 RELEASE = "0.5.23"
 """The SGLang release whose signatures :mod:`mm3.integrations.sglang` serves."""
 
+ORDER = "ascending"
+"""The order of a top-k row at SGLang's functions: the ids its attention reads and its callers get back
+increase, ``-1`` last (its kernels read the first ``count(ids >= 0)`` entries in that order). The step's plan
+sorts rows an indexer writes in another order (:mod:`mm3.contract.topk_order`)."""
+
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FNUZ = tuple(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz")) if d is not None)
-_BIG = 2 ** 31 - 1
 
 
 def names(block_size: int, page_table: bool, prefill: bool) -> ArgNames:
@@ -312,11 +315,3 @@ def topk_arg(fn: str, name: str, t: object, heads: int, rows: int) -> TopkBuffer
         return TopkBuffer(t)
     except InputError as e:
         raise InputError(f"{fn}: {name}: {e}") from None
-
-
-def ascending_(ids: torch.Tensor) -> torch.Tensor:
-    """Sort each row's ids ascending, ``-1`` last, in place (SGLang's order; a row holds no repeats)."""
-    if ids.numel():
-        key = torch.where(ids < 0, _BIG, ids).sort(dim=-1).values
-        ids.copy_(torch.where(key == _BIG, -1, key))
-    return ids

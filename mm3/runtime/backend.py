@@ -222,6 +222,10 @@ class Backend:
             raise InputError(f"{where}: needs a dense {self.capabilities.topk_layout} top-k buffer (it declares "
                              f"topk_requires_contiguous), got {topk!r}; convert it first: "
                              f"buf.to_layout({self.capabilities.topk_layout!r}) (SparseAttention does this for you)")
+        if plan.sort_read:     # a direct call hands the hook exactly what it was given
+            raise InputError(f"{where}: needs each row's ids ascending, -1 last (it declares "
+                             f"topk_order_required='ascending'); sort them first: "
+                             f"mm3.contract.topk_order.sort_ascending_(buf) (SparseAttention does this for you)")
         if op is Op.ATTENTION:
             self.invoke(op, (x, caches, topk, batch, params, out))
             return

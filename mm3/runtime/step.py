@@ -31,7 +31,10 @@ method — reaches a plugin's hook through :meth:`OpTarget.run`:
 4. **The hooks**, through the contract guard (:mod:`mm3.debug.guard`) where
    ``Settings.check_contracts`` says: ``"first"`` guards the first eager call of
    each op and batch kind, ``"always"`` every eager call, ``"never"`` none; a
-   call inside CUDA-graph capture is never guarded.
+   call inside CUDA-graph capture is never guarded. Between them, what the plan
+   says of the top-k rows: the written rows sorted ascending (for the entry
+   point or the attention, :mod:`mm3.contract.topk_order`), a copy in the
+   attention's layout, or a sorted copy of rows a caller handed in.
 
 An :class:`OpTarget` is what a layer, a drop-in choice or a backend binds
 (:mod:`mm3.runtime.binding`); ``torch.ops.mm3.*`` find it by its handle.
@@ -66,6 +69,7 @@ from mm3.contract.contents import NO_FAULT, FaultFlag, check_on_host
 from mm3.contract.errors import InputError
 from mm3.contract.facts import LAYER_NAMES, ArgNames, BatchFacts, LayerFacts, StepFacts, TensorFacts, tensor_facts
 from mm3.contract.hookspecs import Op
+from mm3.contract.topk_order import sort_ascending_, sorted_ascending
 from mm3.debug import guard
 from mm3.debug.guard import capturing
 
@@ -107,12 +111,13 @@ def describe(entry: str, ops: tuple[str, ...], params: "SparseAttentionParams", 
              topk: Optional[TopkBuffer] = None,
              index_q: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None,
              out: Optional[torch.Tensor] = None, layer: Optional[LayerFacts] = None,
-             names: ArgNames = LAYER_NAMES) -> StepFacts:
+             names: ArgNames = LAYER_NAMES, order: Optional[str] = None) -> StepFacts:
     """The facts of one call (:class:`~mm3.contract.facts.StepFacts`), read from its inputs as they are now.
 
     Reads shapes, dtypes, devices and two tensors' strides; no contents, no synchronisation.
     ``indexer``: the backend of the call's index op (``index_topk`` or ``index_scores``);
-    ``out``: the attention's output, or the block scores of ``index_scores``.
+    ``out``: the attention's output, or the block scores of ``index_scores``; ``order``: the order of the
+    top-k rows at the entry point (``"ascending"`` or ``None``: :attr:`~mm3.contract.facts.StepFacts.topk_order`).
     Raises :class:`InputError` naming an argument of the wrong type.
     """
     try:
@@ -135,7 +140,7 @@ def describe(entry: str, ops: tuple[str, ...], params: "SparseAttentionParams", 
                      _tensor(entry, names.index_q, index_q) if index else None,
                      _tensor(entry, names.q, q) if attend else None,
                      _tensor(entry, names.out, out, stride=True) if attend or _SCORES in ops else None,
-                     layout, tk, cf, bf)
+                     layout, tk, cf, bf, order)
 
 
 def on_host(batch: BatchMetadata) -> bool:
@@ -219,16 +224,16 @@ class OpTarget:
     # -- admission --------------------------------------------------------------------------------
     def _judge(self, entry: str, ops: tuple[str, ...], caches: PagedKVCache, batch: BatchMetadata,
                topk: Optional[TopkBuffer], index_q: Optional[torch.Tensor], q: Optional[torch.Tensor],
-               out: Optional[torch.Tensor], names: ArgNames) -> Plan:
+               out: Optional[torch.Tensor], names: ArgNames, order: Optional[str]) -> Plan:
         """Every rule on the call's facts: raises :class:`InputError` naming the broken one, or returns the plan."""
         index = self.scorer if _SCORES in ops else self.indexer if _INDEX in ops else None
         return check(describe(entry, ops, self.params, index, self.attention if _ATTENTION in ops else None,
                               caches=caches, batch=batch, topk=topk, index_q=index_q, q=q, out=out,
-                              layer=self.layer, names=names))
+                              layer=self.layer, names=names, order=order))
 
     def _admit(self, entry: str, ops: tuple[str, ...], caches: PagedKVCache, batch: BatchMetadata,
                topk: Optional[TopkBuffer], index_q: Optional[torch.Tensor], q: Optional[torch.Tensor],
-               out: Optional[torch.Tensor], names: ArgNames) -> Plan:
+               out: Optional[torch.Tensor], names: ArgNames, order: Optional[str]) -> Plan:
         """The call's plan, and its counts compared with it (a failed comparison runs every rule)."""
         try:
             bs = batch.facts
@@ -245,16 +250,17 @@ class OpTarget:
             if out is not None:
                 so = out.shape
                 fo = (out.dtype, out.device, so[1:] if ops[0] is not _SCORES else (so[0], so[2:]), out.stride())
-            key = (entry, names, ops, bs.key, caches.facts, None if topk is None else topk.facts, T > 1, fi, fq, fo)
+            key = (entry, names, ops, order, bs.key, caches.facts, None if topk is None else topk.facts, T > 1, fi, fq,
+                   fo)
         except AttributeError:   # an argument of the wrong type: every rule names it
-            return self._judge(entry, ops, caches, batch, topk, index_q, q, out, names)
+            return self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
         last = self._last
         if key == last[0]:       # the last call's facts (most calls): compared item by item, no hashing
             plan = last[1]
         else:
             plan = self.plans.get(key)
             if plan is None:
-                plan = self._judge(entry, ops, caches, batch, topk, index_q, q, out, names)
+                plan = self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
                 if len(self.plans) >= MAX_PLANS:
                     self.plans.clear()
                 self.plans[key] = plan
@@ -269,7 +275,7 @@ class OpTarget:
                 and (topk is None or T <= topk.num_tokens <= plan.max_topk_rows):
             return plan
         # some count breaks a rule (which one, every rule says), or a plan of other counts holds (this call's)
-        return self._judge(entry, ops, caches, batch, topk, index_q, q, out, names)
+        return self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
 
     def _contents(self, entry: str, reader: str, caches: PagedKVCache, batch: BatchMetadata, graph: bool,
                   names: ArgNames) -> Optional[torch.Tensor]:
@@ -301,11 +307,11 @@ class OpTarget:
     def admit_call(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
                    topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
                    q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: bool = False,
-                   names: ArgNames = LAYER_NAMES) -> tuple[Plan, Optional[torch.Tensor]]:
+                   names: ArgNames = LAYER_NAMES, order: Optional[str] = None) -> tuple[Plan, Optional[torch.Tensor]]:
         """Admit a call on this target and judge its contents, as :meth:`run` does before the hooks:
         ``(plan, page_faults)``. A caller that does an op's work itself (``index_scores`` where no
         bound backend provides it) calls this, then works."""
-        plan = self._admit(entry, ops, caches, batch, topk, index_q, q, out, names)
+        plan = self._admit(entry, ops, caches, batch, topk, index_q, q, out, names, order)
         return plan, self._contents(entry, ops[0], caches, batch, graph, names)
 
     # -- the step -------------------------------------------------------------------------------
@@ -317,15 +323,17 @@ class OpTarget:
     def run(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
             topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
             q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: Optional[bool] = None,
-            names: ArgNames = LAYER_NAMES) -> None:
+            names: ArgNames = LAYER_NAMES, order: Optional[str] = None) -> None:
         """Admit the call, judge its contents, run its hooks (``ops``: both, or one) on rows ``[0, T)``.
 
         ``index_scores`` (alone): ``out`` is the caller's ``[H, >= T, N]`` scores, of which rows ``[0, T)``
         are written; its backend must exist (:attr:`scorer`). ``graph``: the call is being captured in a
-        CUDA graph (``None``: :meth:`capturing` of the queries says)."""
+        CUDA graph (``None``: :meth:`capturing` of the queries says). ``order``: the order the entry point
+        needs of the rows its index op writes and promises of the rows it hands an attention
+        (``"ascending"``, or ``None``: any); the plan says what to sort."""
         if graph is None:
             graph = self.capturing(q if q is not None else index_q)
-        plan = self._admit(entry, ops, caches, batch, topk, index_q, q, out, names)
+        plan = self._admit(entry, ops, caches, batch, topk, index_q, q, out, names, order)
         faults = self._contents(entry, ops[0], caches, batch, graph, names)
         bs = batch.facts
         T, kind = bs.num_tokens, bs.kind
@@ -349,8 +357,12 @@ class OpTarget:
                 self._call(self.indexer, _INDEX_HOOK, (index_q, caches, batch, self.params, write, faults), kind, graph)
                 if write is not sel:
                     sel.copy_(write)
+                if plan.sort_written:
+                    sort_ascending_(sel)
             if _ATTENTION in ops:
                 read = sel if plan.convert_to is None else sel.to_layout(plan.convert_to)
+                if plan.sort_read:     # the caller's rows stay as given: a converted copy is sorted, or a new one
+                    read = sorted_ascending(read) if read is sel else sort_ascending_(read)
                 o = out if out.shape[0] == T else out[:T]  # type: ignore[union-attr]
                 self._call(self.attention, _ATTENTION_HOOK, (q, caches, read, batch, self.params, o), kind, graph)
         flag = self.flag

@@ -27,6 +27,11 @@ importing mm3 never imports a backend) and can inject one fault:
 ``"nan_output"``    ``attention_forward`` leaves NaN in the last row of ``out[:T]``
 ==================  ====================================================================
 
+The top-k order it declares holds: with ``topk_order="ascending"`` its
+``index_topk`` sorts the rows its delegate wrote, and with
+``topk_order_required="ascending"`` its ``attention_forward`` raises
+``AssertionError`` on rows handed to it in another order.
+
 Example:
     >>> from mm3.runtime.registry import Registry
     >>> mock = MockBackend("mock_tm", topk_layout="token_major", priority=5)
@@ -50,6 +55,7 @@ from mm3.contract.capabilities import BackendCapabilities, Probe
 from mm3.contract.errors import InputError, UnknownBackendError
 from mm3.contract.hookspecs import hookimpl
 from mm3.contract.params import SparseAttentionParams
+from mm3.contract.topk_order import is_ascending, sort_ascending_
 
 __all__ = ["MockBackend", "MockFault", "Call", "Fault", "FAULTS", "GARBAGE"]
 
@@ -218,6 +224,8 @@ class MockBackend:
                 out.rows(0, T).copy_(scratch)
         else:
             self.resolve_delegate().index_topk(index_q, caches, batch, params, out)  # type: ignore[attr-defined]
+        if self.capabilities.topk_order == "ascending":    # what it declares, whatever order the delegate wrote
+            sort_ascending_(out.rows(0, T))
         if self.fault == "out_of_range":
             real = (batch.token_positions >= 0).nonzero()
             if real.numel():
@@ -256,6 +264,10 @@ class MockBackend:
                      out=out)
         if self._faulted("attention_forward", out[: (batch.num_tokens + 1) // 2]):
             return
+        if self.capabilities.topk_order_required == "ascending" and batch.num_tokens and \
+                not bool(is_ascending(topk.rows(0, batch.num_tokens).storage).all()):
+            raise AssertionError(f"mock backend {self.capabilities.name!r} declares topk_order_required="
+                                 f"'ascending' and was handed rows that are not: {topk.head_major().tolist()}")
         need = self._for_delegate(topk)
         if need is not None:
             topk = topk.to_layout(need)
