@@ -65,9 +65,9 @@ def _contents_kernel(qsl_ptr, sl_ptr, ctx_ptr, bt_ptr, s_bt_r, s_bt_b, t2r_ptr, 
     w = _rule(w, (r == R - 1) & (end != T), 3, r)
     w = _rule(w, dec & (ql != 0) & (ql != dql), 4, r)
     w = _rule(w, (r == 0) & (tl.load(qsl_ptr + tl.minimum(nd, R)).to(tl.int64) != ndt), 5, r)
-    w = _rule(w, (not pad) & (sl < ql), 6, r)
-    w = _rule(w, (not dec) & (ql < 1), 7, r)
-    w = _rule(w, (not dec) & (ql > mpq), 8, r)
+    w = _rule(w, (pad == 0) & (sl < ql), 6, r)
+    w = _rule(w, (dec == 0) & (ql < 1), 7, r)
+    w = _rule(w, (dec == 0) & (ql > mpq), 8, r)
     w = _rule(w, (sl < 0) | ((sl + B - 1) // B > M), 9, r)
     if HAS_CTX:
         w = _rule(w, tl.load(ctx_ptr + r).to(tl.int64) != tl.maximum(sl - ql, 0), 11, r)

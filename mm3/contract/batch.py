@@ -154,7 +154,7 @@ class BatchMetadata:
         d = self.__dict__      # context lengths not given are derived from the lengths: right by construction
         return batch_shape(d["query_start_loc"], d["seq_lens"], d["block_table"], d["token_to_request"],
                            d["token_positions"], d.get("context_lens"), self.num_decodes, self.decode_query_len,
-                           self.num_decode_tokens, self.block_size)
+                           self.num_decode_tokens, self.block_size, self.max_prefill_query_len)
 
     @property
     def kind(self) -> str:

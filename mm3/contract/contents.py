@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 
 from mm3.contract.errors import InputError
-from mm3.contract.facts import LAYER_NAMES, ArgNames
+from mm3.contract.facts import LAYER_NAMES, ArgNames, BatchShape
 
 if TYPE_CHECKING:  # batch.py imports this module to check num_pages when a batch is built
     from mm3.contract.batch import BatchMetadata
@@ -104,7 +104,7 @@ def _where(rule: int, index: int) -> str:
     return f"token {index}" if rule == 10 else f"request {index}"
 
 
-def _message(word: int, batch: "Optional[BatchMetadata]", num_pages: int, names: ArgNames,
+def _message(word: int, shape: Optional[BatchShape], num_pages: int, names: ArgNames,
              value: object = "?", page: Optional[int] = None, q: object = "?") -> str:
     if word < LENGTHS:
         r, b = word >> 32, word & 0xFFFFFFFF
@@ -115,11 +115,11 @@ def _message(word: int, batch: "Optional[BatchMetadata]", num_pages: int, names:
     # values a device-side report does not carry show as "?"
     facts: dict[str, object] = dict(v=value, q=q, qsl=names.query_start_loc, context_lens=names.context_lens)
     facts.update(dict.fromkeys(("T", "nd", "dql", "ndt", "mpq", "M", "B", "need"), "?"))
-    if batch is not None:
-        B, known = batch.block_size, batch.__dict__
-        facts.update(T=batch.num_tokens, nd=batch.num_decodes, dql=batch.decode_query_len, B=B,
-                     ndt=known.get("num_decode_tokens", "?"), mpq=known.get("max_prefill_query_len", "?"),
-                     M=batch.block_table.shape[1], need=-(-value // B) if isinstance(value, int) else "?")
+    if shape is not None:
+        B = shape.block_size
+        facts.update(T=shape.num_tokens, nd=shape.num_decodes, dql=shape.decode_query_len, B=B,
+                     ndt=shape.num_decode_tokens, mpq=shape.max_prefill_query_len, M=shape.width,
+                     need=-(-value // B) if isinstance(value, int) and B else "?")
     return (f"{_where(rule, index)} {_RULES[rule].format(**facts)}; fix {names.query_start_loc}, {names.seq_lens} "
             f"and {names.block_table} where they are made ({names.where_made})")
 
@@ -165,7 +165,7 @@ def check_on_host(batch: "BatchMetadata", num_pages: Optional[int], *, entry: st
     ctx = host.__dict__.get("context_lens")
     value, q, page = _value(word, host.query_start_loc.long(), host.seq_lens.long(), host.block_table,
                             host.token_to_request, host.token_positions, ctx, host.num_decodes)
-    raise InputError(f"{entry}: " + _message(word, batch, num_pages or 0, names, value, page=page, q=q))
+    raise InputError(f"{entry}: " + _message(word, batch.facts, num_pages or 0, names, value, page=page, q=q))
 
 
 def derive_context(qsl: torch.Tensor, sl: torch.Tensor, nd: int) -> torch.Tensor:
@@ -293,13 +293,13 @@ class FaultFlag:
         self._lock = threading.Lock()
         #: what the message of a fault names: the entry, its spelling, the cache's pages and the batch of the
         #: last step that may have lowered the word (a step sets it: one attribute written)
-        self.context: "tuple[str, ArgNames, int, Optional[BatchMetadata]]" = ("mm3", LAYER_NAMES, 0, None)
+        self.context: tuple[str, ArgNames, int, Optional[BatchShape]] = ("mm3", LAYER_NAMES, 0, None)
         # a device word: raise_pending reads the host copy only once a copy was started
         self._copied = False
 
     def about(self, entry: str, names: ArgNames, num_pages: int, batch: "BatchMetadata") -> None:
         """Name what a fault found from now on belongs to (no device work)."""
-        self.context = (entry, names, num_pages, batch)
+        self.context = (entry, names, num_pages, batch.facts)
 
     def record(self, batch: "BatchMetadata", num_pages: int, *, graph: bool = False, lengths: bool = True,
                pages: bool = True) -> None:
@@ -308,7 +308,7 @@ class FaultFlag:
         ``lengths`` / ``pages``: which rules (:func:`lengths_word`, :func:`pages_word`); ``graph``: inside
         CUDA-graph capture (the replays lower the word; an eager step reads it).
         """
-        self.context = (*self.context[:2], num_pages, batch)
+        self.context = (*self.context[:2], num_pages, batch.facts)
         if lengths:
             torch.minimum(self.word, lengths_word(batch), out=self.word)
         if pages:
@@ -337,8 +337,8 @@ class FaultFlag:
             self.host_word[0] = NO_FAULT
             if not self.shared:
                 self.word.fill_(NO_FAULT)
-        entry, names, num_pages, batch = self.context
-        raise InputError(f"{entry}: " + _message(got, batch, num_pages, names)
+        entry, names, num_pages, shape = self.context
+        raise InputError(f"{entry}: " + _message(got, shape, num_pages, names)
                          + " (found on the device in an earlier step, whose output is not valid; reported at "
                            "the next step)")
 

@@ -135,6 +135,7 @@ class BatchShape(NamedTuple):
     shape rules hold (``query_start_loc`` ``[R + 1]``, ``block_table`` ``[R, M]``, the per-token
     tensors ``[T]``, decodes and decode tokens that fit); when not, a step runs every rule, which names
     the broken one. ``host``: the block table lives in host memory. ``kind``: :func:`batch_kind`.
+    ``width``: the block table's columns.
     """
 
     key: tuple[Any, ...]
@@ -145,6 +146,12 @@ class BatchShape(NamedTuple):
     kind: str
     consistent: bool
     host: bool
+    #: what an error about the batch's contents names: no tensor (a fault is raised after its step, and a
+    #: tensor kept past its step would be an allocation a CUDA graph's pool does not own)
+    block_size: int = 0
+    width: int = 0
+    num_decode_tokens: int = 0
+    max_prefill_query_len: int = 0
 
 
 _KEYS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -152,7 +159,7 @@ _KEYS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
 def batch_shape(qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torch.Tensor, pos: torch.Tensor,
                 ctx: Optional[torch.Tensor], num_decodes: int, decode_query_len: int, num_decode_tokens: int,
-                block_size: int) -> BatchShape:
+                block_size: int, max_prefill_query_len: int) -> BatchShape:
     """A batch's :class:`BatchShape` from its tensors and host ints (``ctx``: ``None`` when derived); spelled
     out, not looped: the custom ops assemble a batch per call."""
     sq, ss, sb, st, sp = qsl.shape, sl.shape, bt.shape, t2r.shape, pos.shape
@@ -170,7 +177,8 @@ def batch_shape(qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torc
     consistent = (T >= 0 and R >= 0 and sq[0] == R + 1 and sb[0] == R and st[0] == T
                   and (ctx is None or ctx.shape[0] == R) and 0 <= nd <= R and (not nd or dql >= 1)
                   and 0 <= ndt <= min(T, nd * dql))
-    return BatchShape(got, T, R, nd, dql, batch_kind(R, nd, dql), consistent, bt.device.type == "cpu")
+    return BatchShape(got, T, R, nd, dql, batch_kind(R, nd, dql), consistent, bt.device.type == "cpu", block_size,
+                      sb[1] if len(sb) == 2 else 0, ndt, max_prefill_query_len)
 
 
 class LayerFacts(NamedTuple):

@@ -285,7 +285,7 @@ class OpTarget:
         if not graph and flag.host_word[0] != NO_FAULT:
             flag.raise_pending()
         num_pages = caches.k.shape[0]
-        flag.context = (entry, names, num_pages, batch)
+        flag.context = (entry, names, num_pages, batch.facts)   # no tensor kept past the step
         # the op whose backend reads every used block-table entry: the index op, first in a call of two
         reports, checker = self._attention_reader if reader is _ATTENTION else self._scores_reader \
             if reader is _SCORES else self._index_reader
