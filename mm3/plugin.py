@@ -21,6 +21,8 @@ device) -> TopkBuffer``
 ``attention_forward(q, caches, topk, batch, params,    the attention (docs/spec.md §4)
 out)``
 ``index_scores(index_q, caches, batch, params, out)``  optional: the block scores (docs/spec.md §3.6)
+``check_contents(batch, num_pages, word)``             optional: a batch's contents judged on its
+                                                       device in one launch (docs/errors.md §2.6)
 =====================================================  ==========================================
 
 A hook takes any subset of its arguments, spelled as above. mm3 checks every
