@@ -1,0 +1,201 @@
+"""The paged key, value and index-key caches of one layer, and what they hold (docs/spec.md §1-2).
+
+Moved here from :mod:`mm3.contract.buffers` (which still exports :class:`PagedKVCache`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union, cast
+
+import torch
+
+from mm3.contract.capabilities import KVCacheLayout
+from mm3.contract.errors import InputError
+from mm3.contract.facts import CacheFacts, cache_facts
+from mm3.contract.kv_scales import FP8_KV_DTYPES, ScaleLike, cache_scales, dequantize, is_slot_scale
+
+__all__ = ["PagedKVCache"]
+
+
+@dataclass(frozen=True)
+class PagedKVCache:
+    """The paged key, value and index-key caches of one layer.
+
+    Logical shapes: ``k``/``v`` = ``[num_pages, block_size, Hkv, D]`` and
+    ``index`` = ``[num_pages, block_size, Di]``. The storage may be any strided
+    view of that shape; :meth:`allocate` with ``layout="HND"`` stores each page
+    heads-first and returns the permuted (logical) view. Kernels index through
+    the tensors' strides, so both layouts work without copies.
+
+    K and V may be stored in fp8, ``float8_e4m3fn`` or ``float8_e5m2``, with ``k_scale`` and
+    ``v_scale`` (docs/spec.md §1): ``value = float(stored) * scale``. A scale
+    is per tensor (a number, or a float32 tensor ``[]``/``[1]``), per KV head
+    (``[Hkv]``) or per KV head and token slot (``[Hkv, num_pages * block_size]``,
+    :attr:`slot_scaled`); after construction the first two are ``[Hkv]`` float32
+    views of what was given (:mod:`~mm3.contract.kv_scales`), and building the
+    cache reads their values once to check them.
+
+    Example:
+        >>> c = PagedKVCache.allocate(num_pages=4, block_size=16, num_kv_heads=2,
+        ...                           head_dim=8, index_head_dim=8, layout="HND")
+        >>> c.k.shape, c.kv_layout
+        (torch.Size([4, 16, 2, 8]), 'HND')
+        >>> f8 = PagedKVCache.allocate(4, 16, 2, 8, 8, dtype=torch.float8_e4m3fn, k_scale=0.25,
+        ...                            v_scale=torch.tensor([0.5, 2.0]))
+        >>> f8.kv_scaled, f8.k_scale.tolist(), f8.v_scale.tolist()
+        (True, [0.25, 0.25], [0.5, 2.0])
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    index: torch.Tensor
+    k_scale: Optional[ScaleLike] = None
+    v_scale: Optional[ScaleLike] = None
+    #: the five tensors' shapes, dtypes and devices, worked out when built: what a step reads
+    facts: CacheFacts = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise InputError(f"{name} cache must be a 4-D tensor [num_pages, block_size, Hkv, D], "
+                                 f"got {getattr(t, 'shape', type(t).__name__)}")
+        if self.k.shape != self.v.shape:
+            raise InputError(f"k cache {tuple(self.k.shape)} and v cache {tuple(self.v.shape)} differ in shape")
+        if self.k.dtype != self.v.dtype:
+            raise InputError(f"k cache ({self.k.dtype}) and v cache ({self.v.dtype}) differ in dtype")
+        if not isinstance(self.index, torch.Tensor) or self.index.dim() != 3:
+            raise InputError("index cache must be a 3-D tensor [num_pages, block_size, Di], got "
+                             f"{getattr(self.index, 'shape', type(self.index).__name__)}")
+        if tuple(self.index.shape[:2]) != tuple(self.k.shape[:2]):
+            raise InputError(f"index cache pages/block {tuple(self.index.shape[:2])} do not match the "
+                             f"KV cache's {tuple(self.k.shape[:2])}")
+        devs = {self.k.device, self.v.device, self.index.device}
+        if len(devs) != 1:
+            raise InputError(f"caches live on different devices: {sorted(map(str, devs))}")
+        if self.index.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
+            raise InputError(f"index cache dtype {self.index.dtype} unsupported; use bfloat16 or "
+                             f"float8_e4m3fn (float16/float32 accepted by the reference)")
+        ks, vs = cache_scales(self.k, self.k_scale, self.v_scale)
+        for name, value in (("k_scale", ks), ("v_scale", vs), ("facts", cache_facts(self.k, self.v, self.index, ks, vs))):
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def rewrap(cls, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+               k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> "PagedKVCache":
+        """The cache again from the tensors of one already built and checked: no checks, no device read.
+
+        For boundaries that can pass tensors only (``torch.ops.mm3.*``): the
+        scales are the ``[Hkv]`` views a checked cache holds, so reading their
+        values again (a device synchronisation, refused inside a captured
+        graph) would only repeat the check made when the cache was built.
+
+        Example:
+            >>> c = PagedKVCache.allocate(4, 16, 2, 8, 8, dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=2.0)
+            >>> r = PagedKVCache.rewrap(c.k, c.v, c.index, c.k_scale, c.v_scale)
+            >>> r.kv_scaled, r.k_scale.data_ptr() == c.k_scale.data_ptr()
+            (True, True)
+        """
+        cache = object.__new__(cls)
+        for name, value in (("k", k), ("v", v), ("index", index), ("k_scale", k_scale), ("v_scale", v_scale)):
+            object.__setattr__(cache, name, value)
+        object.__setattr__(cache, "facts", cache_facts(k, v, index, k_scale, v_scale))
+        return cache
+
+    @classmethod
+    def allocate(cls, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 index_head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                 index_dtype: torch.dtype = torch.bfloat16, layout: str = "NHD",
+                 device: Union[str, torch.device, None] = None, k_scale: Optional[ScaleLike] = None,
+                 v_scale: Optional[ScaleLike] = None) -> "PagedKVCache":
+        """Uninitialised caches (``torch.empty``) in the given page layout.
+
+        An fp8 ``dtype`` takes ``k_scale``/``v_scale`` (default 1.0 each).
+        """
+        if layout not in ("NHD", "HND"):
+            raise InputError(f"unknown KV cache layout {layout!r}; use 'NHD' or 'HND'")
+
+        def kv() -> torch.Tensor:
+            if layout == "NHD":
+                return torch.empty(num_pages, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            return torch.empty(num_pages, num_kv_heads, block_size, head_dim, dtype=dtype,
+                               device=device).transpose(1, 2)
+
+        index = torch.empty(num_pages, block_size, index_head_dim, dtype=index_dtype, device=device)
+        if dtype in FP8_KV_DTYPES:
+            k_scale = 1.0 if k_scale is None else k_scale
+            v_scale = 1.0 if v_scale is None else v_scale
+        return cls(kv(), kv(), index, k_scale, v_scale)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def index_head_dim(self) -> int:
+        return self.index.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def kv_scaled(self) -> bool:
+        """True for fp8 K/V with scales (``k_scale``/``v_scale`` are then float32 tensors)."""
+        return self.k_scale is not None
+
+    @property
+    def slot_scaled(self) -> bool:
+        """True when the scales are per KV head and token slot (``[Hkv, num_pages * block_size]``)."""
+        return is_slot_scale(self.k_scale)
+
+    @property
+    def index_dtype(self) -> torch.dtype:
+        return self.index.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        """``"HND"`` when a page stores heads outermost (stride of H > stride of B), else ``"NHD"``."""
+        return "HND" if self.k.stride(2) > self.k.stride(1) else "NHD"
+
+    def to_layout(self, layout: Literal["NHD", "HND"]) -> "PagedKVCache":
+        """A copy of the caches with pages stored in ``layout`` (same logical contents)."""
+        out = PagedKVCache.allocate(self.num_pages, self.block_size, self.num_kv_heads, self.head_dim,
+                                    self.index_head_dim, self.dtype, self.index_dtype, layout, self.device,
+                                    self.k_scale, self.v_scale)
+        out.k.copy_(self.k)
+        out.v.copy_(self.v)
+        out.index.copy_(self.index)
+        return out
+
+    def to(self, device: Union[str, torch.device]) -> "PagedKVCache":
+        """These caches (and scales) on ``device``."""
+        ks, vs = (s.to(device) if isinstance(s, torch.Tensor) else s for s in (self.k_scale, self.v_scale))
+        return PagedKVCache(self.k.to(device), self.v.to(device), self.index.to(device), ks, vs)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> "PagedKVCache":
+        """K and V as ``dtype`` values, scales applied (``stored * scale[h]``); the index cache as it is.
+
+        A full copy of K and V: for references and tests. Unscaled caches are
+        simply cast.
+        """
+        return PagedKVCache(dequantize(self.k.to(dtype), cast(Optional[torch.Tensor], self.k_scale)),
+                            dequantize(self.v.to(dtype), cast(Optional[torch.Tensor], self.v_scale)), self.index)
+
