@@ -1,4 +1,4 @@
-"""The model authors' formats (issue 45, docs/spec.md §1): fp8 queries, e4m3 K/V without a scale, NVFP4 K/V
+"""The model authors' formats (docs/spec.md §1): fp8 queries, e4m3 K/V without a scale, NVFP4 K/V
 and index keys. Their contract (named errors when a cache is built, capabilities, selection that refuses
 with the reason), the reference's exact reading against the fp64 oracle, and the conformance cases."""
 
@@ -226,3 +226,15 @@ def test_quantize_caches_keeps_the_layout_and_the_values_the_oracle_reads() -> N
     assert (q4.dequantized().k - case.caches.k).abs().mean() < 0.1
     u8 = quantize_caches(case.caches, "float8_e4m3fn_unscaled")
     assert torch.equal(u8.dequantized().k, case.caches.k.to(E4).float())
+
+
+def test_the_engines_kv_cache_dtype_names_map_or_are_refused_with_the_reason() -> None:
+    from mm3.integrations.kv_names import kv_format
+
+    assert kv_format("vllm", "fp8", "bfloat16") == "float8_e4m3fn"
+    assert kv_format("vllm", "auto", "float16") == "float16"
+    assert kv_format("sglang", "fp8_e5m2", "bfloat16") == "float8_e5m2"
+    with pytest.raises(mm3.InputError, match="global per-tensor scale"):
+        kv_format("vllm", "nvfp4", "bfloat16")
+    with pytest.raises(mm3.InputError, match="MXFP4-style"):
+        kv_format("sglang", "fp4_e2m1", "bfloat16")

@@ -1,6 +1,6 @@
 """The paged key, value and index-key caches of one layer, and what they hold (docs/spec.md §1-2).
 
-Moved here from :mod:`mm3.contract.buffers` (which still exports :class:`PagedKVCache`).
+:mod:`mm3.contract.buffers` exports :class:`PagedKVCache` too.
 """
 
 from __future__ import annotations
