@@ -164,7 +164,8 @@ def test_a_bound_backend_without_the_format_refuses_the_call_by_name() -> None:
     from mm3.testing.helpers import RegistryFactory
     from mm3.testing.mock import MockBackend
 
-    plain = MockBackend(name="plain_kv", device_types={"cpu"}, topk_layout="head_major", priority=50)
+    plain = MockBackend(name="plain_kv", device_types={"cpu"}, topk_layout="head_major", priority=50,
+                        kv_cache_dtypes={"bfloat16", "float16", "float32"})
     reg = RegistryFactory()(plain)
     case = make_case(P, decodes=[40], dtype="bfloat16", kv_dtype="nvfp4")
     out = torch.empty(case.batch.num_tokens, 8, 32, dtype=torch.bfloat16)
