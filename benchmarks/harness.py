@@ -68,12 +68,12 @@ class DecodeCfg:
     priority: int = 1
     peers: tuple[str, ...] = ("sdpa",)
     kv_dtype: str = "bfloat16"
+    q_dtype: str = "bfloat16"
 
     @property
     def name(self) -> str:
-        idx = "fp8" if self.index_dtype.startswith("float8") else "bf16"
-        kv = " kv-fp8" if self.kv_dtype == FP8 else ""
-        return f"decode {self.shape} b{self.batch} ctx{_k(self.context)} q{self.qlen} idx-{idx}{kv}"
+        idx = {"nvfp4": "nvfp4"}.get(self.index_dtype, "fp8" if self.index_dtype.startswith("float8") else "bf16")
+        return f"decode {self.shape} b{self.batch} ctx{_k(self.context)} q{self.qlen} idx-{idx}{_fmt_tag(self)}"
 
 
 @dataclass(frozen=True)
@@ -87,12 +87,19 @@ class PrefillCfg:
     parts: tuple[str, ...] = ("indexer", "attention", "step")
     blockmap: bool = False
     kv_dtype: str = "bfloat16"
+    q_dtype: str = "bfloat16"
 
     @property
     def name(self) -> str:
         sel = "random" if self.locality == 0 else f"shared{self.locality:g}"
-        kv = " kv-fp8" if self.kv_dtype == FP8 else ""
-        return f"prefill {self.shape} {_k(self.chunk)} new ctx{_k(self.context)} sel-{sel}{kv}"
+        return f"prefill {self.shape} {_k(self.chunk)} new ctx{_k(self.context)} sel-{sel}{_fmt_tag(self)}"
+
+
+def _fmt_tag(c: Any) -> str:
+    """The name's tail for K/V and query formats other than bf16: kv-fp8 (scaled), kv-fp8u (unscaled e4m3),
+    kv-nvfp4, q-fp8."""
+    kv = {FP8: " kv-fp8", "float8_e4m3fn_unscaled": " kv-fp8u", "nvfp4": " kv-nvfp4"}.get(c.kv_dtype, "")
+    return kv + (" q-fp8" if c.q_dtype == FP8 else "")
 
 
 def _k(n: int) -> str:
@@ -105,6 +112,8 @@ SHAPES_TINY = {"tiny": SparseAttentionParams(num_heads=8, num_kv_heads=2, head_d
                                              index_head_dim=32, block_size=16, topk=4)}
 
 FP8 = "float8_e4m3fn"
+Q8KV8 = "float8_e4m3fn_unscaled"
+NVFP4 = "nvfp4"
 
 
 def full_grid() -> list:
@@ -125,13 +134,22 @@ def full_grid() -> list:
         DecodeCfg("TP1", 1, 64 * K, index_dtype=FP8, kv_dtype=FP8, priority=0, peers=()),
         PrefillCfg("TP1", 32 * K, priority=0, peers=(), kv_dtype=FP8),
         PrefillCfg("TP1", 0, priority=0, peers=(), kv_dtype=FP8),
+        # the model authors' formats (docs/spec.md §1), beside the bf16 and fp8 rows: q8kv8 (fp8 queries, e4m3
+        # K/V without a scale) and q8kv4 (fp8 queries, NVFP4 K/V; also with NVFP4 index keys). A backend that
+        # does not declare a format records the refusal as the row's error (priority 1: a refusal does not
+        # fail the run; listed here, they run before the budget is spent).
+        *[DecodeCfg("TP1", b, 64 * K, index_dtype=idx, kv_dtype=kv, q_dtype=FP8, priority=1, peers=())
+          for b in (64, 1) for kv, idx in ((Q8KV8, "bfloat16"), (NVFP4, "bfloat16"), (NVFP4, NVFP4))],
+        DecodeCfg("TP8", 64, 64 * K, kv_dtype=NVFP4, q_dtype=FP8, priority=1, peers=()),
+        *[PrefillCfg("TP1", ctx, priority=1, peers=(), kv_dtype=kv, q_dtype=FP8)
+          for ctx in (32 * K, 0) for kv in (Q8KV8, NVFP4)],
     ]
-    seen = {(c.shape, c.batch, c.context, c.qlen, c.index_dtype, c.kv_dtype) for c in cfgs
+    seen = {(c.shape, c.batch, c.context, c.qlen, c.index_dtype, c.kv_dtype, c.q_dtype) for c in cfgs
             if isinstance(c, DecodeCfg)}
 
     def add(c: Any) -> None:
         if isinstance(c, DecodeCfg):
-            key = (c.shape, c.batch, c.context, c.qlen, c.index_dtype, c.kv_dtype)
+            key = (c.shape, c.batch, c.context, c.qlen, c.index_dtype, c.kv_dtype, c.q_dtype)
             if key in seen:
                 return
             seen.add(key)
@@ -184,6 +202,9 @@ def tiny_grid() -> list:
         PrefillCfg("tiny", 80, chunk=48, priority=0, peers=all_peers, blockmap=True),
         PrefillCfg("tiny", 80, chunk=48, locality=0.9, priority=0, peers=("flex",), blockmap=True),
         PrefillCfg("tiny", 80, chunk=48, priority=0, peers=(), kv_dtype=FP8),
+        DecodeCfg("tiny", 3, 200, index_dtype=NVFP4, kv_dtype=NVFP4, q_dtype=FP8, priority=1, peers=()),
+        DecodeCfg("tiny", 3, 200, kv_dtype=Q8KV8, q_dtype=FP8, priority=1, peers=()),
+        PrefillCfg("tiny", 80, chunk=48, priority=1, peers=(), kv_dtype=NVFP4, q_dtype=FP8),
     ]
 
 
@@ -281,14 +302,14 @@ class Context:
 def _step_bytes_estimate(p: SparseAttentionParams, c: DecodeCfg) -> int:
     nb = -(-c.context // p.block_size)
     kv_tokens = c.batch * p.num_kv_heads * min(p.topk * c.qlen, nb) * p.block_size
-    elt = 1 if c.index_dtype == FP8 else 2
+    elt = {FP8: 1, NVFP4: 9 / 16}.get(c.index_dtype, 2)
     return counts.decode_bytes(p, batch=c.batch, context=c.context, qlen=c.qlen, index_elt=elt,
                                kv_elt=_kv_elt(c), kv_tokens=kv_tokens, q_elt=2)["step"]
 
 
-def _kv_elt(c: Any) -> int:
-    """Bytes of one K or V element in configuration ``c``."""
-    return 1 if c.kv_dtype == FP8 else 2
+def _kv_elt(c: Any) -> float:
+    """Bytes of one K or V element in configuration ``c`` (NVFP4: half a byte and a sixteenth of a scale)."""
+    return {FP8: 1, Q8KV8: 1, NVFP4: 9 / 16}.get(c.kv_dtype, 2)
 
 
 def _num_sets(ctx: Context, p: SparseAttentionParams, c: DecodeCfg) -> int:
@@ -378,10 +399,11 @@ def _time_layer(ctx: Context, p: SparseAttentionParams, c: Any, sets: list[input
     :func:`.timing.capture_graph`), so any cost of mm3's own beside the hooks shows against ``step``."""
     import mm3
 
-    kv = None if c.kv_dtype == "bfloat16" else inputs.INDEX_DTYPES[c.kv_dtype]
+    kv = None if c.kv_dtype == "bfloat16" else inputs.INDEX_DTYPES.get(c.kv_dtype, c.kv_dtype)
+    idx = getattr(c, "index_dtype", "bfloat16")
     layer = mm3.SparseAttention(p, device=ctx.device, dtype=torch.bfloat16,
-                                index_dtype=inputs.INDEX_DTYPES[getattr(c, "index_dtype", "bfloat16")],
-                                kv_dtype=kv,
+                                index_dtype=inputs.INDEX_DTYPES.get(idx, idx),  # type: ignore[arg-type]
+                                kv_dtype=kv, q_dtype=torch.float8_e4m3fn if c.q_dtype == FP8 else None,
                                 max_num_tokens=max(s.batch.num_tokens for s in sets),
                                 max_decode_query_len=max(1, getattr(c, "qlen", 1)),
                                 backend=ctx.backend.name, cuda_graph=graph and ctx.gpu)
@@ -399,7 +421,7 @@ def run_decode(ctx: Context, c: DecodeCfg) -> None:
     S = _num_sets(ctx, p, c)
     pool = ctx.get_pool(c.shape, _pages_needed(ctx, c))
     sets = inputs.decode_sets(pool, batch=c.batch, context=c.context, qlen=c.qlen, num_sets=S,
-                              index_dtype=c.index_dtype, kv_dtype=c.kv_dtype)
+                              index_dtype=c.index_dtype, kv_dtype=c.kv_dtype, q_dtype=c.q_dtype)
     be = ctx.backend
     T = c.batch * c.qlen
     bufs = [be.alloc_topk_buffer(T, p.num_index_heads, p.topk, ctx.device) for _ in sets]
@@ -419,7 +441,7 @@ def run_decode(ctx: Context, c: DecodeCfg) -> None:
         got.append(_check_against_reference(ctx, be, p, s0, b0, rows, sub))
     check = _merge_checks(got)
     kv_tokens = counts.distinct_kv_tokens(b0.head_major()[:, :T], s0.batch.seq_lens, c.qlen, p.block_size)
-    elt = 1 if c.index_dtype == FP8 else 2
+    elt = {FP8: 1, NVFP4: 9 / 16}.get(c.index_dtype, 2)
     nbytes = counts.decode_bytes(p, batch=c.batch, context=c.context, qlen=c.qlen, index_elt=elt,
                                  kv_elt=_kv_elt(c), kv_tokens=kv_tokens, q_elt=2)
 
@@ -554,7 +576,7 @@ def run_prefill(ctx: Context, c: PrefillCfg) -> None:
     p = ctx.shapes[c.shape]
     pool = ctx.get_pool(c.shape, _pages_needed(ctx, c))
     s = inputs.prefill_inputs(pool, chunk=c.chunk, context=c.context, index_dtype="bfloat16",
-                              locality=c.locality, kv_dtype=c.kv_dtype)
+                              locality=c.locality, kv_dtype=c.kv_dtype, q_dtype=c.q_dtype)
     be = ctx.backend
     buf = be.alloc_topk_buffer(c.chunk, p.num_index_heads, p.topk, ctx.device)
     base = dict(kind="prefill", shape=c.shape, context=c.context, chunk=c.chunk, locality=c.locality,

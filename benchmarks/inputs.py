@@ -32,6 +32,9 @@ __all__ = ["Pool", "StepInputs", "decode_sets", "prefill_inputs", "dense_kv", "p
 
 INDEX_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 
+QUANT_KV = ("float8_e4m3fn_unscaled", "nvfp4")
+"""The model authors' K/V formats (docs/spec.md §1): copies of the pool's K/V made on first use."""
+
 
 FP8_KV_SCALE = 1.0 / 64
 """Scale of the pool's fp8 K/V copy: N(0, 1) values / scale stay well inside e4m3's +-448."""
@@ -70,6 +73,7 @@ class Pool:
                        "float8_e4m3fn": PagedKVCache(caches.k, caches.v,
                                                      caches.index.to(torch.float8_e4m3fn))}
         self._fp8_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._quant: dict[str, PagedKVCache] = {}
 
     def caches_for(self, index_dtype: str, kv_dtype: str = "bfloat16") -> PagedKVCache:
         """The pool's caches with this index dtype, K/V in bf16 or in fp8 (made on first use).
@@ -77,6 +81,8 @@ class Pool:
         The fp8 K/V hold the bf16 values divided by :data:`FP8_KV_SCALE` (the
         scales dequantize them back), so both read the same logical keys and values.
         """
+        if kv_dtype in QUANT_KV:
+            return self._quantized(index_dtype, kv_dtype)
         c = self.caches[index_dtype]
         if kv_dtype == "bfloat16":
             return c
@@ -87,6 +93,33 @@ class Pool:
         k, v = self._fp8_kv
         scale = torch.tensor([FP8_KV_SCALE], device=self.device)
         return PagedKVCache(k, v, c.index, scale, scale.clone())
+
+    def _quantized(self, index_dtype: str, kv_dtype: str, pages_per_pass: int = 4096) -> PagedKVCache:
+        """The pool's K/V (and index keys, for ``index_dtype="nvfp4"``) in one of :data:`QUANT_KV`: unscaled
+        e4m3 holds the N(0, 1) values as they are, NVFP4 their per-16 quantization (made a few thousand
+        pages at a time, kept)."""
+        from mm3.contract.quant import quantize_nvfp4
+
+        key = f"{kv_dtype}+{index_dtype}"
+        if key not in self._quant:
+            src = self.caches["bfloat16"]
+            p = self.params
+            c = PagedKVCache.allocate(self.num_pages, p.block_size, p.num_kv_heads, p.head_dim, p.index_head_dim,
+                                      device=self.device, kv_format=kv_dtype,
+                                      index_format="nvfp4" if index_dtype == "nvfp4" else None,
+                                      index_dtype=INDEX_DTYPES.get(index_dtype, torch.bfloat16))
+            for a in range(0, self.num_pages, pages_per_pass):
+                z = slice(a, a + pages_per_pass)
+                for name in ("k", "v", "index"):
+                    fmt = kv_dtype if name != "index" else index_dtype
+                    if fmt == "nvfp4":
+                        packed, scales = quantize_nvfp4(getattr(src, name)[z])
+                        getattr(c, name)[z] = packed
+                        getattr(c, f"{name}_block_scale")[z] = scales
+                    else:
+                        getattr(c, name)[z] = getattr(src, name)[z].to(getattr(c, name).dtype)
+            self._quant[key] = c
+        return self._quant[key]
 
     def sample_pages(self, n: int) -> torch.Tensor:
         """``n`` distinct random page ids (int32)."""
@@ -113,8 +146,10 @@ class StepInputs:
 
 
 def decode_sets(pool: Pool, *, batch: int, context: int, qlen: int, num_sets: int,
-                index_dtype: str, kv_dtype: str = "bfloat16") -> list[StepInputs]:
-    """``num_sets`` decode steps of ``batch`` requests of ``context`` tokens each, on disjoint pages."""
+                index_dtype: str, kv_dtype: str = "bfloat16", q_dtype: str = "bfloat16") -> list[StepInputs]:
+    """``num_sets`` decode steps of ``batch`` requests of ``context`` tokens each, on disjoint pages.
+
+    ``q_dtype="float8_e4m3fn"``: fp8 queries, the output in bf16."""
     p = pool.params
     nb = -(-context // p.block_size)
     pages = pool.sample_pages(num_sets * batch * nb).view(num_sets, batch, nb)
@@ -127,12 +162,15 @@ def decode_sets(pool: Pool, *, batch: int, context: int, qlen: int, num_sets: in
                                    device=pool.device)
         q = pool.randn(T, p.num_heads, p.head_dim)
         iq = pool.randn(T, p.num_index_heads, p.index_head_dim)
-        sets.append(StepInputs(q, iq, caches, meta, torch.empty_like(q), context, qlen))
+        sets.append(StepInputs(q.to(_Q[q_dtype]), iq, caches, meta, torch.empty_like(q), context, qlen))
     return sets
 
 
+_Q = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
 def prefill_inputs(pool: Pool, *, chunk: int, context: int, index_dtype: str,
-                   locality: float = 0.0, kv_dtype: str = "bfloat16") -> StepInputs:
+                   locality: float = 0.0, kv_dtype: str = "bfloat16", q_dtype: str = "bfloat16") -> StepInputs:
     """One prefill request: ``chunk`` new tokens after ``context`` cached ones.
 
     ``locality`` in [0, 1): the index query of every token is
@@ -154,7 +192,8 @@ def prefill_inputs(pool: Pool, *, chunk: int, context: int, index_dtype: str,
         c = torch.randn(1, p.num_index_heads, p.index_head_dim, device=pool.device, generator=pool.generator)
         noise = locality * c + math.sqrt(1.0 - locality ** 2) * noise
     iq = noise.to(torch.bfloat16)
-    return StepInputs(q, iq, pool.caches_for(index_dtype, kv_dtype), meta, torch.empty_like(q), seq, chunk)
+    return StepInputs(q.to(_Q[q_dtype]), iq, pool.caches_for(index_dtype, kv_dtype), meta, torch.empty_like(q), seq,
+                      chunk)
 
 
 def dense_kv(caches: PagedKVCache, block_table: torch.Tensor, num_blocks: int,

@@ -14,6 +14,7 @@ import os
 import pytest
 
 from mm3.runtime.registry import Registry
+from mm3.testing.conformance.quant_cases import QUANT_CASES
 from mm3_backends.cpu_ref import plugin as cpu_ref
 from mm3_backends.cuda import plugin as cuda_plugin
 from mm3_backends.rocm import plugin as rocm_plugin
@@ -48,8 +49,16 @@ def _plan(backend: str, dtype: str, index_dtype: str, registry: Registry) -> lis
 
 
 # Planning builds no input and runs no kernel: cheap enough for collection.
+def _declared(name: str) -> bool:
+    """Not one of the NVFP4 cases of the authors' formats, which the Triton plugins do not declare (they are
+    skipped, with the reason: tests/test_quant_formats.py); fp8 queries and unscaled e4m3 K/V they read."""
+    step = QUANT_CASES.get(name.split("/")[1].split(":")[0])
+    return step is None or "nvfp4" not in (step[1].kv_quant, step[1].index_format)
+
+
 CASES = [(backend, dtype, index_dtype, case.name) for backend, dtype, index_dtype, kinds in RUNS
-         for case in _plan(backend, dtype, index_dtype, _registry()) if case.name.split("/")[0] in kinds]
+         for case in _plan(backend, dtype, index_dtype, _registry()) if case.name.split("/")[0] in kinds
+         and _declared(case.name)]
 
 
 def test_every_run_plans_its_case_kinds() -> None:

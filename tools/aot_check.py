@@ -119,11 +119,16 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
             (m3(tp_size=1), torch.bfloat16, torch.bfloat16, 1, [300] * 64, [(5, 260)], "float8_e5m2"),
             (tiny, torch.bfloat16, torch.bfloat16, 1, [1], [(1, 1)]),
             (tiny, torch.bfloat16, torch.bfloat16, 1, [1], [(1, 1)], "float8_e4m3fn"),
+            # the authors' q8kv8: fp8 queries (fp16 dots of widened e4m3) on unscaled e4m3 K/V, and on bf16 K/V
+            (m3(tp_size=8), torch.bfloat16, torch.float8_e4m3fn, 2, [300] * 64, [(5, 260)], "float8_e4m3fn_unscaled",
+             "head", torch.float8_e4m3fn),
+            (m3(tp_size=1), torch.bfloat16, torch.bfloat16, 1, [300] * 64, [(5, 260)], None, "head",
+             torch.float8_e4m3fn),
         ]
         for p, dtype, idt, dq, decodes, prefills, *kv in variants:
             case = make_case(p, decodes=decodes, prefills=prefills, decode_query_len=dq,
                              dtype=dtype, index_dtype=idt, seed=0, kv_dtype=kv[0] if kv else None,
-                             kv_scale=kv[1] if len(kv) > 1 else "head")
+                             kv_scale=kv[1] if len(kv) > 1 else "head", q_dtype=kv[2] if len(kv) > 2 else None)
             T = case.batch.num_tokens
             b = case.batch      # the contents check of a batch with its own context lengths, and of one without
             derived = BatchMetadata.from_device(b.query_start_loc, b.seq_lens, b.block_table, num_decodes=b.num_decodes,
@@ -133,7 +138,8 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
                 contents.check_contents(batch, case.caches.num_pages, torch.zeros(1, dtype=torch.int64), cfg)
             topk = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, plugin_spec.topk_layout)
             indexer.index_topk(case.index_q, case.caches, case.batch, p, topk, cfg)
-            attention.attention_forward(case.q, case.caches, topk, case.batch, p, torch.empty_like(case.q), cfg)
+            attention.attention_forward(case.q, case.caches, topk, case.batch, p,
+                                        torch.empty_like(case.q, dtype=case.out_dtype), cfg)
             # the block scores, as vLLM's drop-in asks for them: a row of 16-aligned columns
             width = -(-case.batch.block_table.shape[1] // 16) * 16
             scores = torch.empty(p.num_index_heads, T, width, dtype=torch.float32)

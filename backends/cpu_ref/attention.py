@@ -18,7 +18,9 @@ times ``topk`` blocks).
 fp8 K/V caches (``float8_e4m3fn`` or ``float8_e5m2`` with scales) are widened to fp32 (exact) and
 multiplied by their scale (per head, or per head and token slot) as they are
 gathered, then the same math runs: the reference reads the dequantized cache
-(docs/spec.md §1).
+(docs/spec.md §1). Unscaled e4m3 K/V are widened as they are, NVFP4 K/V unpacked and multiplied
+by their per-16 e4m3 scales (exact in fp32), and fp8 queries widened (exact); the output is
+written in ``out``'s dtype.
 
 Semantics follow docs/spec.md §4 and the oracle literally: a token attends to
 positions ``j <= p`` inside the *set* of valid selected blocks (duplicates
@@ -54,7 +56,7 @@ from mm3.plugin import PagedKVCache, TopkBuffer
 from mm3.plugin import InputError
 from mm3.plugin import SparseAttentionParams
 
-from ._common import DEFAULT_MAX_ELEMENTS, gather_pages, page_ids
+from ._common import DEFAULT_MAX_ELEMENTS, gather_pages, page_ids, widened
 
 __all__ = ["attention_forward", "Strategy", "DENSE_MAX_BLOCKS_PER_TOPK"]
 
@@ -139,10 +141,13 @@ def _gather_chunk(q: torch.Tensor, pos: torch.Tensor, req: torch.Tensor, ids: to
     def slots() -> tuple[torch.Tensor, torch.Tensor]:   # per-slot scales: slot = page * B + offset
         return head, (pages.unsqueeze(-1) * B + torch.arange(B, device=dev)).reshape(C, Hkv, K * B)
 
-    kb = _dequantized(caches.k[pages, :, head].float().reshape(C, Hkv, K * B, D), caches.k_scale, (1, Hkv, 1, 1),
-                      slots)
-    vb = _dequantized(caches.v[pages, :, head].float().reshape(C, Hkv, K * B, D), caches.v_scale, (1, Hkv, 1, 1),
-                      slots)
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t[pages, :, head]
+
+    kb = _dequantized(widened(caches.k, caches.k_block_scale, pick).reshape(C, Hkv, K * B, D), caches.k_scale,
+                      (1, Hkv, 1, 1), slots)
+    vb = _dequantized(widened(caches.v, caches.v_block_scale, pick).reshape(C, Hkv, K * B, D), caches.v_scale,
+                      (1, Hkv, 1, 1), slots)
     j = safe.unsqueeze(-1) * B + torch.arange(B, device=dev)
     keep = (valid.unsqueeze(-1) & (j <= pos.view(C, 1, 1, 1))).view(C, Hkv, K * B)
     vb.masked_fill_(~keep.unsqueeze(-1), 0.0)
@@ -219,16 +224,19 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         a, b = starts[r], starts[r + 1]
         seq = batch.seq_lens_host[r]
         nblk = -(-seq // B)
-        kr = gather_pages(caches.k, batch.block_table[r:r + 1], nblk)[0]   # [nblk, B, Hkv, D]
-        vr = gather_pages(caches.v, batch.block_table[r:r + 1], nblk)[0]
+        def pages(t: torch.Tensor) -> torch.Tensor:
+            return gather_pages(t, batch.block_table[r:r + 1], nblk)[0]
+
+        kr = widened(caches.k, caches.k_block_scale, pages)   # [nblk, B, Hkv, D] fp32
+        vr = widened(caches.v, caches.v_block_scale, pages)
 
         def slots() -> tuple[torch.Tensor, torch.Tensor]:   # the slots of the pages gather_pages read
             pages = page_ids(batch.block_table[r:r + 1], nblk, caches.num_pages)[0]
             return (torch.arange(Hkv, device=q.device)[:, None],
                     (pages[:, None] * B + torch.arange(B, device=q.device)).flatten()[None, :])
 
-        kr = _dequantized(kr.reshape(nblk * B, Hkv, D).permute(1, 0, 2).float(), caches.k_scale, (Hkv, 1, 1), slots)
-        vr = _dequantized(vr.reshape(nblk * B, Hkv, D).permute(1, 0, 2).float(), caches.v_scale, (Hkv, 1, 1), slots)
+        kr = _dequantized(kr.reshape(nblk * B, Hkv, D).permute(1, 0, 2), caches.k_scale, (Hkv, 1, 1), slots)
+        vr = _dequantized(vr.reshape(nblk * B, Hkv, D).permute(1, 0, 2), caches.v_scale, (Hkv, 1, 1), slots)
         vr[:, seq:] = 0.0  # slots past seq_len are unwritten: never let them reach a matmul
         ctx = seq - (b - a)
         chunk = max(1, max_elements // (Hq * nblk * B))

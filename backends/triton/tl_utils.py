@@ -86,6 +86,12 @@ def dot_config(a: torch.dtype, b: torch.dtype, fp8_as_f16: bool = False) -> tupl
     """
     if a == b and a in (torch.float16, torch.bfloat16):
         return TL_DTYPES[a], "tf32", False
+    # fp8 queries (docs/spec.md §1): e4m3 widens exactly to fp16 and bf16, and so does an fp8 K/V tile to fp16,
+    # so the dots stay 16-bit and exact in their inputs (fp16 for two fp8 tiles: one native conversion on sm_89+)
+    if a == torch.float8_e4m3fn and b in (torch.float16, torch.bfloat16):
+        return TL_DTYPES[b], "tf32", False
+    if a == torch.float8_e4m3fn and b.itemsize == 1 and b.is_floating_point:
+        return tl.float16, "tf32", False
     # an fp8 K/V cache: the only one-byte floats a call can bring (the boundary admitted its dtype)
     if b.itemsize == 1 and b.is_floating_point and a in (torch.float16, torch.bfloat16):
         if fp8_as_f16 and a == torch.bfloat16:

@@ -34,6 +34,7 @@ __all__ = [
     "DType",
     "IndexDType",
     "KVDType",
+    "QueryDType",
     "BackendCapabilities",
     "Requirements",
     "Probe",
@@ -50,10 +51,13 @@ KVCacheLayout = Literal["NHD", "HND"]
 """Storage order inside one KV page: tokens-then-heads (NHD) or heads-then-tokens (HND)."""
 
 DType = Literal["bfloat16", "float16", "float32"]
-IndexDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
-KVDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
-"""A K/V cache dtype: the attention dtype, or fp8 (``float8_e4m3fn``, ``float8_e5m2``) with scales
-(docs/spec.md §1). A backend lists each fp8 format it reads: one it does not list is passed over."""
+IndexDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "nvfp4"]
+KVDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fn_unscaled", "nvfp4"]
+"""A K/V cache format: the attention dtype, fp8 (``float8_e4m3fn``, ``float8_e5m2``) with scales, e4m3
+without a scale (``float8_e4m3fn_unscaled``) or ``nvfp4`` (docs/spec.md §1, :mod:`mm3.contract.quant`).
+A backend lists each quantized format it reads: one it does not list is passed over."""
+QueryDType = Literal["float8_e4m3fn"]
+"""A query dtype besides the attention dtypes: fp8 e4m3 queries, no scale (the output is ``out``'s dtype)."""
 
 
 class _Frozen(BaseModel):
@@ -102,11 +106,16 @@ class BackendCapabilities(_Frozen):
     dtypes: frozenset[DType] = Field(frozenset({"bfloat16", "float16", "float32"}),
                                      description="attention dtypes of q, out and 16-bit K/V caches")
     index_cache_dtypes: frozenset[IndexDType] = Field(frozenset({"bfloat16", "float8_e4m3fn"}),
-                                                      description="index cache dtypes the indexer reads")
+                                                      description="index cache dtypes the indexer reads (nvfp4: "
+                                                                  "packed e2m1 with per-16 e4m3 scales)")
     kv_cache_dtypes: frozenset[KVDType] = Field(
         frozenset({"bfloat16", "float16", "float32"}),
-        description="K/V cache dtypes the attention reads; float8_e4m3fn and float8_e5m2 = scaled fp8, "
-                    "dequantized on load, each declared on its own")
+        description="K/V cache formats the attention reads; float8_e4m3fn and float8_e5m2 = scaled fp8, "
+                    "float8_e4m3fn_unscaled = e4m3 without a scale, nvfp4 = packed e2m1 with per-16 e4m3 "
+                    "scales: each declared on its own")
+    query_dtypes: frozenset[QueryDType] = Field(
+        frozenset(), description="query dtypes it reads besides its attention dtypes: float8_e4m3fn = fp8 "
+                                 "queries without a scale, the output in out's dtype")
     head_dims: Optional[frozenset[int]] = Field(None, description="attention head dims it supports; None = any")
     index_head_dims: Optional[frozenset[int]] = Field(None, description="index head dims it supports; None = any")
     block_sizes: Optional[frozenset[int]] = Field(None, description="KV page (= sparse block) sizes it supports; "
@@ -155,6 +164,8 @@ class BackendCapabilities(_Frozen):
             reasons.append(f"does not provide op(s) {sorted(missing)} (provides {sorted(self.ops)})")
         if Op.ATTENTION in req.ops and req.dtype not in self.dtypes:
             reasons.append(f"dtype {req.dtype} not in {sorted(self.dtypes)}")
+        if Op.ATTENTION in req.ops and req.query_dtype and req.query_dtype not in self.query_dtypes:
+            reasons.append(f"cannot read {req.query_dtype} queries (query_dtypes {sorted(self.query_dtypes)})")
         kv = req.kv_cache_dtype or req.dtype
         if Op.ATTENTION in req.ops and kv not in self.kv_cache_dtypes:
             reasons.append(f"KV cache dtype {kv} not in {sorted(self.kv_cache_dtypes)} "
@@ -165,7 +176,8 @@ class BackendCapabilities(_Frozen):
         index = bool(INDEX_OPS & req.ops)
         if index and req.index_cache_dtype not in self.index_cache_dtypes:
             reasons.append(
-                f"index cache dtype {req.index_cache_dtype} not in {sorted(self.index_cache_dtypes)}")
+                f"index cache dtype {req.index_cache_dtype} not in {sorted(self.index_cache_dtypes)}"
+                + (" (cannot read an NVFP4 index cache)" if req.index_cache_dtype == "nvfp4" else ""))
         checks = [
             ("head_dim", req.head_dim, self.head_dims, Op.ATTENTION in req.ops),
             ("index_head_dim", req.index_head_dim, self.index_head_dims, index),
@@ -191,9 +203,13 @@ class BackendCapabilities(_Frozen):
 
 def _cannot_read(kv: str, declared: frozenset[str]) -> str:
     """Why a backend declaring K/V cache dtypes ``declared`` cannot read a ``kv`` cache, in words."""
+    if kv == "nvfp4":
+        return "cannot read NVFP4 K/V (packed e2m1 with per-16 e4m3 scales)"
+    if kv == "float8_e4m3fn_unscaled":
+        return "cannot read e4m3 K/V without a scale"
     if not kv.startswith("float8_"):
         return "cannot read this K/V cache"
-    formats = sorted(d for d in declared if d.startswith("float8_"))
+    formats = sorted(d for d in declared if d.startswith("float8_") and not d.endswith("_unscaled"))
     if formats:
         return f"cannot read {kv} K/V: of fp8 formats it reads {' and '.join(formats)} only"
     return "cannot read fp8 K/V with scales"
@@ -211,6 +227,8 @@ class Requirements(_Frozen):
     dtype: DType = "bfloat16"
     index_cache_dtype: IndexDType = "bfloat16"
     kv_cache_dtype: Optional[KVDType] = Field(None, description="None: the attention dtype")
+    query_dtype: Optional[QueryDType] = Field(None, description="None: the attention dtype (fp8 queries: the "
+                                                                "output is in the attention dtype)")
     kv_slot_scales: bool = Field(False, description="fp8 K/V scaled per KV head and token slot (not per tensor "
                                                     "or per head)")
     head_dim: int = 128

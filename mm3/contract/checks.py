@@ -51,10 +51,11 @@ from mm3.contract.errors import InputError
 from mm3.contract.facts import BatchFacts, CacheFacts, StepFacts, TensorFacts
 from mm3.contract.hookspecs import INDEX_OPS, Op
 from mm3.contract.kv_scales import FP8_KV_DTYPES
+from mm3.contract.quant import NVFP4, cache_fault, logical_dim
 
 __all__ = ["check", "Plan", "UNLIMITED", "check_layer_args", "overlaps_itself"]
 
-_INDEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+_INDEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8)  # uint8: NVFP4
 
 
 class Plan(NamedTuple):
@@ -125,6 +126,11 @@ def overlaps_itself(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return False
 
 
+def _shown(fmt: str, dtype: torch.dtype) -> Any:
+    """A cache's (or a layer's) format as an error shows it: the dtype itself when the format is the dtype's."""
+    return dtype if not fmt or fmt == dtype_name(dtype) else fmt
+
+
 def _on(device: torch.device, want: torch.device) -> bool:
     """``device`` is ``want`` (a device without an index matches any of its type)."""
     return device.type == want.type and (want.index is None or device.index is None or device == want)
@@ -184,7 +190,12 @@ class _Rules:
         devices = {c.k.device, c.v.device, c.index.device}
         if len(devices) != 1:
             raise self.fail(f"the caches live on different devices: {sorted(map(str, devices))}")
-        if (c.k_scale is None) != (c.v_scale is None) or (c.k.dtype in FP8_KV_DTYPES) != (c.k_scale is not None):
+        quant = cache_fault(c.kv_format, c.index_format, (c.k.shape, c.k.dtype), (c.index.shape, c.index.dtype),
+                            c.k_scale, (c.k_block_scale, c.v_block_scale, c.index_block_scale))
+        if quant is not None:
+            raise self.fail(quant)
+        scaled = c.k.dtype in FP8_KV_DTYPES and c.kv_format != "float8_e4m3fn_unscaled"
+        if (c.k_scale is None) != (c.v_scale is None) or scaled != (c.k_scale is not None):
             raise self.fail(f"{n.k_scale} and {n.v_scale} go with fp8 (float8_e4m3fn, float8_e5m2) K/V and only with it: got "
                             f"{c.k.dtype} K/V with {'no ' if c.k_scale is None else ''}scales")
         P, B, H = c.k.shape[:3]
@@ -211,7 +222,7 @@ class _Rules:
                             "does not select backends for: call the bound backend of one that declares "
                             "kv_slot_scales (mm3 backends), or use mm3.integrations.vllm, whose selection "
                             "requires them")
-        given = [(n.q, f.q, (p.num_heads, p.head_dim), L.dtype), (n.index_q, f.index_q,
+        given = [(n.q, f.q, (p.num_heads, p.head_dim), L.q_dtype or L.dtype), (n.index_q, f.index_q,
                  (p.num_index_heads, p.index_head_dim), L.dtype)]
         for name, t, tail, dtype in given:
             if t is None:     # a call of one op: the other op's query is not part of it
@@ -224,8 +235,12 @@ class _Rules:
                                 f"layer with the matching dtype")
             if not _on(t.device, L.device):
                 raise self.fail(f"{name} is on {t.device} but the layer runs on {L.device}; move it with .to()")
-        cache_dtypes = [("the index cache", f.caches.index.dtype, L.index_dtype, "index_dtype")] if f.index_q else []
-        cache_dtypes += [("the k/v cache", f.caches.k.dtype, L.kv_dtype, "kv_dtype")] if f.q else []
+        # formats, not dtypes: unscaled e4m3 and NVFP4 are formats of their own (mm3.contract.quant)
+        c = f.caches
+        cache_dtypes = [("the index cache", _shown(c.index_format, c.index.dtype), _shown(
+            L.index_format, L.index_dtype), "index_dtype")] if f.index_q else []
+        cache_dtypes += [("the k/v cache", _shown(c.kv_format, c.k.dtype), _shown(L.kv_format, L.kv_dtype),
+                          "kv_dtype")] if f.q else []
         for name, dtype, want, arg in cache_dtypes:
             if dtype != want:
                 raise self.fail(f"{name} is {dtype} but this layer was built for {want}; cast it, or build the "
@@ -260,20 +275,30 @@ class _Rules:
         if INDEX_OPS.intersection(f.ops):
             assert f.index_q is not None
             rows.append((n.index_q, f.index_q, (p.num_index_heads, p.index_head_dim)))
-            if c.index.shape[2] != p.index_head_dim:
-                raise self.fail(f"index cache keys have dim {c.index.shape[2]}, params.index_head_dim is "
+            if logical_dim(c.index.shape[2], c.index_format) != p.index_head_dim:
+                raise self.fail(f"index cache keys have dim {logical_dim(c.index.shape[2], c.index_format)}, "
+                                f"params.index_head_dim is "
                                 f"{p.index_head_dim}")
         if Op.ATTENTION in f.ops:
             assert f.q is not None and f.out is not None
             rows += [(n.q, f.q, (p.num_heads, p.head_dim)), (n.out, f.out, (p.num_heads, p.head_dim))]
-            if c.k.shape[3] != p.head_dim:
-                raise self.fail(f"KV cache heads have dim {c.k.shape[3]}, params.head_dim is {p.head_dim}")
-            if c.k.dtype != f.q.dtype and c.k_scale is None:
-                raise self.fail(f"the KV cache dtype {c.k.dtype} differs from {n.q}'s {f.q.dtype}; cast one of them, "
-                                f"or store K/V in fp8 (float8_e4m3fn, float8_e5m2) with k_scale/v_scale")
-            if f.out.dtype != f.q.dtype:
+            if logical_dim(c.k.shape[3], c.kv_format) != p.head_dim:
+                raise self.fail(f"KV cache heads have dim {logical_dim(c.k.shape[3], c.kv_format)}"
+                                f"{' (NVFP4: two per byte)' if c.kv_format == NVFP4 else ''}, params.head_dim is "
+                                f"{p.head_dim}")
+            # fp8 queries say nothing of the attention dtype: the output's dtype is it (docs/spec.md §1)
+            att = f.out.dtype if f.q.dtype == torch.float8_e4m3fn else f.q.dtype
+            if f.q.dtype == torch.float8_e4m3fn and att not in (torch.bfloat16, torch.float16, torch.float32):
+                raise self.fail(f"{n.q} is float8_e4m3fn, so {n.out}'s dtype is the attention dtype: it must be "
+                                f"bfloat16, float16 or float32, got {f.out.dtype}")
+            if c.k.dtype != att and c.k_scale is None and c.kv_format not in ("float8_e4m3fn_unscaled", NVFP4):
+                raise self.fail(f"the KV cache dtype {c.k.dtype} differs from {n.q}'s {f.q.dtype}"
+                                f"{'' if att == f.q.dtype else f' (fp8 queries: from the output dtype {att})'}; cast one "
+                                f"of them, or store K/V in fp8 (float8_e4m3fn, float8_e5m2) with k_scale/v_scale, "
+                                f"unscaled e4m3 or NVFP4 (PagedKVCache kv_format)")
+            if f.out.dtype != att:
                 raise self.fail(f"{n.out} dtype {f.out.dtype} differs from {n.q}'s {f.q.dtype}; the output is in "
-                                f"{n.q}'s dtype")
+                                f"{n.q}'s dtype (in out's own, bfloat16/float16/float32, for float8_e4m3fn queries)")
         for name, t, tail in rows:
             if len(t.shape) != 1 + len(tail) or tuple(t.shape[1:]) != tail or t.shape[0] < T:
                 what = "num_heads, head_dim" if tail == (p.num_heads, p.head_dim) else \
@@ -378,9 +403,11 @@ class _Rules:
                 raise self.fail(f"backend {caps.name!r} cannot run on {device} here: {probe.reason}")
             # model_construct: these values come from tensors, not users; a dtype no backend
             # declares must reach unmet() and be named there, not fail validation here.
+            fp8_q = op == Op.ATTENTION and x.dtype == torch.float8_e4m3fn and f.out is not None
             req = Requirements.model_construct(
-                device_type=device.type, ops=frozenset({op}), dtype=dtype_name(x.dtype),
-                index_cache_dtype=dtype_name(f.caches.index.dtype), kv_cache_dtype=dtype_name(f.caches.k.dtype),
+                device_type=device.type, ops=frozenset({op}), dtype=dtype_name(f.out.dtype if fp8_q else x.dtype),  # type: ignore[union-attr]
+                query_dtype="float8_e4m3fn" if fp8_q else None,
+                index_cache_dtype=f.caches.index_format, kv_cache_dtype=f.caches.kv_format,
                 head_dim=p.head_dim, index_head_dim=p.index_head_dim, block_size=p.block_size, topk=p.topk,
                 gqa_group=p.gqa_group, decode_query_len=dql,
                 kv_slot_scales=f.caches.k_scale is not None and len(f.caches.k_scale.shape) == 2)

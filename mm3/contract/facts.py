@@ -20,6 +20,8 @@ an error names the function and the argument the caller wrote
 
 Example:
     >>> import torch
+
+from mm3.contract.quant import index_format_of, kv_format_of
     >>> a, b = torch.zeros(4, 2, 8), torch.ones(4, 2, 8)
     >>> TensorFacts(a.shape, a.dtype, a.device) == TensorFacts(b.shape, b.dtype, b.device)  # contents are no fact
     True
@@ -32,6 +34,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 import torch
+
+from mm3.contract.quant import index_format_of, kv_format_of
 
 __all__ = ["TensorFacts", "CacheFacts", "BatchFacts", "BatchShape", "LayerFacts", "StepFacts", "ArgNames",
            "batch_kind", "tensor_facts", "cache_facts", "topk_facts", "batch_shape", "LAYER_NAMES", "OPS_NAMES"]
@@ -75,16 +79,27 @@ class CacheFacts(NamedTuple):
     index: TensorFacts
     k_scale: Optional[TensorFacts]
     v_scale: Optional[TensorFacts]
+    #: what K/V and the index keys hold (mm3.contract.quant: a dtype's name, "float8_e4m3fn_unscaled", "nvfp4")
+    kv_format: str = ""
+    index_format: str = ""
+    #: NVFP4's per-16 e4m3 scales of K, V and the index keys (``None`` for other formats)
+    k_block_scale: Optional[TensorFacts] = None
+    v_block_scale: Optional[TensorFacts] = None
+    index_block_scale: Optional[TensorFacts] = None
 
 
 def cache_facts(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_scale: object,
-                v_scale: object) -> CacheFacts:
+                v_scale: object, k_block_scale: object = None, v_block_scale: object = None,
+                index_block_scale: object = None) -> CacheFacts:
     """The facts of a cache's tensors (a scale that is not a tensor has none); spelled out, not looped:
     the custom ops make one per call."""
     ks = TensorFacts(k_scale.shape, k_scale.dtype, k_scale.device) if isinstance(k_scale, torch.Tensor) else None
     vs = TensorFacts(v_scale.shape, v_scale.dtype, v_scale.device) if isinstance(v_scale, torch.Tensor) else None
+    kb, vb, ib = (TensorFacts(s.shape, s.dtype, s.device) if isinstance(s, torch.Tensor) else None
+                  for s in (k_block_scale, v_block_scale, index_block_scale))
     return CacheFacts(TensorFacts(k.shape, k.dtype, k.device), TensorFacts(v.shape, v.dtype, v.device),
-                      TensorFacts(index.shape, index.dtype, index.device), ks, vs)
+                      TensorFacts(index.shape, index.dtype, index.device), ks, vs,
+                      kv_format_of(k.dtype, ks is not None), index_format_of(index.dtype), kb, vb, ib)
 
 
 def topk_facts(storage: torch.Tensor, layout: str) -> tuple[Any, ...]:
@@ -190,6 +205,11 @@ class LayerFacts(NamedTuple):
     device: torch.device
     capacity: int
     max_decode_query_len: int
+    #: the K/V and index formats when quantized (mm3.contract.quant), else "" (the dtypes above say it)
+    kv_format: str = ""
+    index_format: str = ""
+    #: the query's dtype when it is not ``dtype`` (fp8 queries; the output stays in ``dtype``)
+    q_dtype: Optional[torch.dtype] = None
 
 
 class ArgNames(NamedTuple):

@@ -195,14 +195,21 @@ class RankShard:
         k, v = caches.k[:, :, sl], caches.v[:, :, sl]
         # fp8 K/V: the scales of this rank's heads (views of the full-model ones)
         ks, vs = ((s[sl] if isinstance(s, torch.Tensor) else None) for s in (caches.k_scale, caches.v_scale))
+        # NVFP4 K/V: this rank's heads of the block scales; the format goes with the cache (docs/spec.md §1)
+        kb, vb = ((s[:, :, sl] if s is not None else None) for s in (caches.k_block_scale, caches.v_block_scale))
+        quant = dict(kv_format=caches.kv_format, k_block_scale=kb, v_block_scale=vb,
+                     index_block_scale=caches.index_block_scale)
         if not contiguous:
-            return PagedKVCache(k, v, caches.index, ks, vs)
+            return PagedKVCache(k, v, caches.index, ks, vs, **quant)
+        fmt = caches.kv_format if caches.kv_format in ("nvfp4", "float8_e4m3fn_unscaled") else None
         out = PagedKVCache.allocate(caches.num_pages, caches.block_size, len(self.kv_heads), caches.head_dim,
                                     caches.index_head_dim, caches.dtype, caches.index_dtype,
-                                    caches.kv_layout, caches.device, ks, vs)
-        out.k.copy_(k)
-        out.v.copy_(v)
-        out.index.copy_(caches.index)
+                                    caches.kv_layout, caches.device, ks, vs, kv_format=fmt,
+                                    index_format="nvfp4" if caches.index_format == "nvfp4" else None)
+        for name, src in (("k", k), ("v", v), ("index", caches.index), ("k_block_scale", kb), ("v_block_scale", vb),
+                          ("index_block_scale", caches.index_block_scale)):
+            if src is not None:
+                getattr(out, name).copy_(src)
         return out
 
     def slice_inputs(self, q: torch.Tensor, index_q: torch.Tensor, caches: PagedKVCache, *,

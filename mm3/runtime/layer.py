@@ -57,8 +57,11 @@ class SparseAttention:
         dtype: attention dtype of ``q``, ``index_q`` and the KV cache.
         index_dtype: dtype of the index cache (bf16, or float8_e4m3fn).
         kv_dtype: dtype of the K/V caches when it is not ``dtype``: ``torch.float8_e4m3fn`` or
-            ``torch.float8_e5m2`` (scaled fp8, see :class:`~mm3.contract.buffers.PagedKVCache`).
-            ``None``: ``dtype``.
+            ``torch.float8_e5m2`` (scaled fp8, see :class:`~mm3.contract.buffers.PagedKVCache`), or a
+            quantized format's name: ``"float8_e4m3fn_unscaled"`` or ``"nvfp4"`` (docs/spec.md §1).
+            ``None``: ``dtype``. ``index_dtype`` may be ``"nvfp4"`` too.
+        q_dtype: the queries' dtype when it is not ``dtype``: ``torch.float8_e4m3fn`` (fp8 queries,
+            no scale; ``index_q`` and the output stay in ``dtype``).
         max_num_tokens: the largest step (tokens) this layer will see; sizes the
             persistent top-k buffer.
         max_decode_query_len: 1 + draft tokens for speculative decoding.
@@ -89,13 +92,16 @@ class SparseAttention:
                  max_num_tokens: int = 8192, max_decode_query_len: int = 1,
                  backend: Optional[str] = None, indexer_backend: Optional[str] = None,
                  settings: Optional[Settings] = None, registry: Optional[Registry] = None,
-                 cuda_graph: bool = False, kv_dtype: Optional[torch.dtype] = None) -> None:
+                 cuda_graph: bool = False, kv_dtype: Union[torch.dtype, str, None] = None,
+                 q_dtype: Optional[torch.dtype] = None) -> None:
         if not isinstance(params, SparseAttentionParams):
             raise InputError(f"params must be SparseAttentionParams, got {type(params).__name__}")
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise InputError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
-        for name, value in (("dtype", dtype), ("index_dtype", index_dtype), ("kv_dtype", kv_dtype)):
-            if value is not None and not isinstance(value, torch.dtype):
+        formats = {"kv_dtype": ("float8_e4m3fn_unscaled", "nvfp4"), "index_dtype": ("nvfp4",)}
+        for name, value in (("dtype", dtype), ("index_dtype", index_dtype), ("kv_dtype", kv_dtype),
+                            ("q_dtype", q_dtype)):
+            if value is not None and not isinstance(value, torch.dtype) and value not in formats.get(name, ()):
                 raise InputError(f"{name} must be a torch.dtype (e.g. torch.{value} if {value!r} is a dtype "
                                  f"name), got {type(value).__name__} {value!r}")
         self.params = params
@@ -108,16 +114,22 @@ class SparseAttention:
         self.settings = settings if settings is not None else default_settings()
         self.registry = registry if registry is not None else default_registry()
         self._explicit = (backend, indexer_backend) if backend is not None or indexer_backend is not None else None
+        if q_dtype not in (None, dtype, torch.float8_e4m3fn):
+            raise InputError(f"q_dtype must be torch.float8_e4m3fn (fp8 queries) or dtype, got {q_dtype}")
+        self.q_dtype = q_dtype if q_dtype is not None else dtype
+        fp8_q = self.q_dtype == torch.float8_e4m3fn and dtype != torch.float8_e4m3fn
         self.requirements = requirements_for(params, dtype, index_dtype, self.device,
                                              decode_query_len=max_decode_query_len, cuda_graph=cuda_graph,
-                                             kv_dtype=self.kv_dtype)
+                                             kv_dtype=self.kv_dtype, query_dtype="float8_e4m3fn" if fp8_q else None)
         self._bound: dict[tuple[str, Optional[str]], Binding] = {}
         #: the binding of the names that hold outside any use_backend scope (a step's one read)
         self._default: Optional[Binding] = None
         self._lock = threading.Lock()
         self._flag = FaultFlag(self.device)
-        self._facts = LayerFacts(dtype, index_dtype, self.kv_dtype, self.device, max_num_tokens,
-                                 max_decode_query_len)
+        fmt = [d if isinstance(d, str) else "" for d in (self.kv_dtype, index_dtype)]
+        self._facts = LayerFacts(dtype, index_dtype if not fmt[1] else torch.uint8,  # type: ignore[arg-type]
+                                 self.kv_dtype if not fmt[0] else torch.uint8, self.device,  # type: ignore[arg-type]
+                                 max_num_tokens, max_decode_query_len, fmt[0], fmt[1], q_dtype if fp8_q else None)
         self._resolve()  # select now so configuration errors surface at construction
 
     # -- selection -------------------------------------------------------------------
@@ -187,12 +199,13 @@ class SparseAttention:
         """
         target = self._resolve().target
         if out is None and isinstance(q, torch.Tensor):
-            out = torch.empty_like(q)
+            out = torch.empty_like(q, dtype=self.dtype)   # fp8 queries: the output is in the layer's dtype
         if torch.compiler.is_dynamo_compiling():  # one opaque node per op: nothing below is traced
             # each op admits its call at run time, held to this layer's promises (its target carries them)
             args, c, handle, st = batch_args(batch), caches, target.handle, target.topk.storage  # type: ignore[union-attr]
-            torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, st, *args, handle, c.k_scale, c.v_scale)
-            torch.ops.mm3.attention(q, c.k, c.v, c.index, st, *args, handle, out, c.k_scale, c.v_scale)
+            blocks = (c.k_block_scale, c.v_block_scale, c.index_block_scale)     # NVFP4's, else None
+            torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, st, *args, handle, c.k_scale, c.v_scale, *blocks)
+            torch.ops.mm3.attention(q, c.k, c.v, c.index, st, *args, handle, out, c.k_scale, c.v_scale, *blocks)
             return out[:batch.num_tokens]  # type: ignore[index]
         target.run(_ENTRY, BOTH, caches=caches, batch=batch, topk=target.topk, index_q=index_q, q=q, out=out)
         T = batch.facts.num_tokens if isinstance(batch, BatchMetadata) else batch.num_tokens

@@ -126,7 +126,8 @@ _BATCH = ("Tensor query_start_loc, Tensor seq_lens, Tensor context_lens, Tensor 
           "Tensor token_to_request, Tensor token_positions, SymInt num_decodes, SymInt decode_query_len, "
           "SymInt num_decode_tokens, SymInt max_prefill_query_len, SymInt block_size, int handle")
 _CACHES = "Tensor k, Tensor v, Tensor index"
-_SCALES = "Tensor? k_scale=None, Tensor? v_scale=None"
+_SCALES = ("Tensor? k_scale=None, Tensor? v_scale=None, Tensor? k_block_scale=None, Tensor? v_block_scale=None, "
+           "Tensor? index_block_scale=None")   # the block scales: NVFP4's (docs/spec.md §1)
 _LIB.define(f"index_topk(Tensor index_q, {_CACHES}, Tensor(a!) topk, {_BATCH}, {_SCALES}) -> ()")
 _LIB.define(f"attention(Tensor q, {_CACHES}, Tensor topk, {_BATCH}, Tensor(a!) out, {_SCALES}) -> ()")
 
@@ -136,14 +137,18 @@ def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
                context_lens: torch.Tensor, block_table: torch.Tensor, token_to_request: torch.Tensor,
                token_positions: torch.Tensor, num_decodes: int, decode_query_len: int, num_decode_tokens: int,
                max_prefill_query_len: int, block_size: int, handle: int,
-               k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
+               k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+               k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
+               index_block_scale: Optional[torch.Tensor] = None) -> None:
     """The indexer of the bound backend ``handle``: writes rows ``[0, T)`` of the top-k storage ``topk``."""
     target = lookup(handle)
     batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
                             token_positions, num_decodes, decode_query_len, num_decode_tokens,
                             max_prefill_query_len, block_size)
     entry = "torch.ops.mm3.index_topk"
-    target.run(entry, (Op.INDEX_TOPK,), caches=PagedKVCache.rewrap(k, v, index, k_scale, v_scale), batch=batch,
+    target.run(entry, (Op.INDEX_TOPK,), caches=PagedKVCache.rewrap(
+        k, v, index, k_scale, v_scale, k_block_scale=k_block_scale, v_block_scale=v_block_scale,
+        index_block_scale=index_block_scale), batch=batch,
                topk=target.topk_of(topk, f"{entry}: topk"), index_q=index_q, graph=_graph(index_q), names=OPS_NAMES)
 
 
@@ -152,14 +157,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Te
               block_table: torch.Tensor, token_to_request: torch.Tensor, token_positions: torch.Tensor,
               num_decodes: int, decode_query_len: int, num_decode_tokens: int, max_prefill_query_len: int,
               block_size: int, handle: int, out: torch.Tensor,
-              k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
+              k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+              k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
+              index_block_scale: Optional[torch.Tensor] = None) -> None:
     """The attention of the bound backend ``handle``: reads the top-k storage, writes ``out[:T]``."""
     target = lookup(handle)
     batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
                             token_positions, num_decodes, decode_query_len, num_decode_tokens,
                             max_prefill_query_len, block_size)
     entry = "torch.ops.mm3.attention"
-    target.run(entry, (Op.ATTENTION,), caches=PagedKVCache.rewrap(k, v, index, k_scale, v_scale), batch=batch,
+    target.run(entry, (Op.ATTENTION,), caches=PagedKVCache.rewrap(
+        k, v, index, k_scale, v_scale, k_block_scale=k_block_scale, v_block_scale=v_block_scale,
+        index_block_scale=index_block_scale), batch=batch,
                topk=target.topk_of(topk, f"{entry}: topk"), q=q, out=out, graph=_graph(q), names=OPS_NAMES)
 
 
@@ -170,12 +179,14 @@ _LIB.impl("attention", attention, "CompositeExplicitAutograd")
 @torch.library.register_fake("mm3::index_topk", lib=_LIB)
 def _(index_q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table,  # type: ignore[no-untyped-def]
       token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
-      max_prefill_query_len, block_size, handle, k_scale=None, v_scale=None) -> None:
+      max_prefill_query_len, block_size, handle, k_scale=None, v_scale=None, k_block_scale=None,
+      v_block_scale=None, index_block_scale=None) -> None:
     return None
 
 
 @torch.library.register_fake("mm3::attention", lib=_LIB)
 def _(q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table,  # type: ignore[no-untyped-def]
       token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
-      max_prefill_query_len, block_size, handle, out, k_scale=None, v_scale=None) -> None:
+      max_prefill_query_len, block_size, handle, out, k_scale=None, v_scale=None, k_block_scale=None,
+      v_block_scale=None, index_block_scale=None) -> None:
     return None

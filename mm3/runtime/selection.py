@@ -189,6 +189,7 @@ def describe_requirements(req: Requirements) -> str:
             f"{req.block_size}, topk {req.topk}, GQA group {req.gqa_group}, decode query len "
             f"{req.decode_query_len}"
             + (f", KV cache {req.kv_cache_dtype}" if req.kv_cache_dtype not in (None, req.dtype) else "")
+            + (f", {req.query_dtype} queries" if req.query_dtype else "")
             + (" with scales per token slot" if req.kv_slot_scales else "")
             + (", CUDA graph" if req.cuda_graph else ""))
 
@@ -197,12 +198,14 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
                      index_dtype: Union["torch.dtype", str], device: DeviceLike,
                      decode_query_len: int = 1, cuda_graph: bool = False,
                      kv_dtype: Union["torch.dtype", str, None] = None,
-                     kv_slot_scales: bool = False) -> Requirements:
+                     kv_slot_scales: bool = False, query_dtype: Optional[str] = None) -> Requirements:
     """The :class:`Requirements` of running ``params`` with these dtypes on ``device``.
 
     ``kv_dtype``: the K/V cache dtype when it is not ``q_dtype`` (``float8_e4m3fn`` or
     ``float8_e5m2``, scaled);
-    ``kv_slot_scales``: its scales are per KV head and token slot (docs/spec.md §1).
+    ``kv_slot_scales``: its scales are per KV head and token slot (docs/spec.md §1);
+    ``kv_dtype`` / ``index_dtype`` may name a quantized format (``"float8_e4m3fn_unscaled"``, ``"nvfp4"``)
+    and ``query_dtype="float8_e4m3fn"`` asks for fp8 queries (``q_dtype`` is then the output's dtype).
 
     Example:
         >>> import torch
@@ -224,11 +227,12 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
                             head_dim=params.head_dim, index_head_dim=params.index_head_dim,
                             block_size=params.block_size, topk=params.topk,
                             gqa_group=params.gqa_group, decode_query_len=decode_query_len,
-                            cuda_graph=cuda_graph, kv_slot_scales=kv_slot_scales)
+                            cuda_graph=cuda_graph, kv_slot_scales=kv_slot_scales, query_dtype=query_dtype)
     except ValidationError as e:
         raise InputError(f"unsupported request: {describe_validation_error(e)}; attention runs in bfloat16/float16/float32 "
-                         f"the K/V cache in that dtype or float8_e4m3fn/float8_e5m2, the index cache in "
-                         f"bfloat16/float16/float32/float8_e4m3fn") from None
+                         f"(queries also float8_e4m3fn), the K/V cache in that dtype, float8_e4m3fn/float8_e5m2, "
+                         f"float8_e4m3fn_unscaled or nvfp4, the index cache in bfloat16/float16/float32/float8_e4m3fn/"
+                         f"nvfp4") from None
 
 
 def _evaluate(be: "Backend", op: Op, req: Requirements, device: DeviceLike,

@@ -22,8 +22,13 @@ from mm3.contract.buffers import TORCH_DTYPES, PagedKVCache
 from mm3.contract.errors import InputError
 from mm3.contract.kv_scales import FP8_KV_DTYPES
 from mm3.contract.params import SparseAttentionParams
+from mm3.contract.quant import FP8_UNSCALED, NVFP4, quantize_nvfp4
 
-__all__ = ["Case", "make_case", "random_caches", "full_range_fp8"]
+__all__ = ["Case", "make_case", "random_caches", "full_range_fp8", "quantize_caches", "PAGE_ORDERS"]
+
+PAGE_ORDERS = ("permuted", "disjoint", "shared_prefix")
+"""How a step's requests map to cache pages: a random permutation (the default), each request on its own
+ascending pages, or every request's leading full blocks on the same pages (a shared prompt prefix)."""
 
 
 @dataclass
@@ -36,6 +41,11 @@ class Case:
     caches: PagedKVCache
     batch: BatchMetadata
 
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The attention output's dtype: the query's, or the attention dtype for fp8 queries."""
+        return self.index_q.dtype if self.q.dtype == torch.float8_e4m3fn else self.q.dtype
+
     def to(self, device: Union[str, torch.device]) -> "Case":
         c = self.caches
         return Case(self.params, self.q.to(device), self.index_q.to(device), c.to(device),
@@ -44,6 +54,11 @@ class Case:
 
 def _dtype(d: Union[str, torch.dtype]) -> torch.dtype:
     return TORCH_DTYPES[d] if isinstance(d, str) else d
+
+
+def _format(d: Union[str, torch.dtype]) -> Union[str, torch.dtype]:
+    """A dtype, or a quantized format's name as it is (``"nvfp4"``, ``"float8_e4m3fn_unscaled"``)."""
+    return d if d in (NVFP4, FP8_UNSCALED) else _dtype(d)
 
 
 def _fp8_scales(num_kv_heads: int, num_slots: int, kv_scale: str, generator: torch.Generator) -> torch.Tensor:
@@ -58,9 +73,50 @@ def _fp8_scales(num_kv_heads: int, num_slots: int, kv_scale: str, generator: tor
     return 0.02 + 0.03 * torch.rand(shapes[kv_scale], generator=generator)
 
 
+def quantize_caches(caches: PagedKVCache, kv_format: Optional[str] = None,
+                    index_format: Optional[str] = None) -> PagedKVCache:
+    """``caches`` (unquantized) with K/V in ``kv_format`` (``"nvfp4"``: per-16 e4m3 scales of ``amax / 6``;
+    ``"float8_e4m3fn_unscaled"``: the values rounded to e4m3) and/or the index keys in ``index_format``
+    (``"nvfp4"``), in the same page layout; ``None`` keeps a part as it is. New tensors; the oracle reads
+    what they hold (:meth:`PagedKVCache.dequantized`).
+
+    Example:
+        >>> p = SparseAttentionParams(num_heads=2, num_kv_heads=1, head_dim=32, num_index_heads=1,
+        ...                           index_head_dim=32, block_size=16, topk=2)
+        >>> c = quantize_caches(make_case(p, decodes=[40], dtype="float32").caches, "nvfp4", "nvfp4")
+        >>> c.kv_format, c.index_format, c.k.dtype, tuple(c.k_block_scale.shape), c.head_dim
+        ('nvfp4', 'nvfp4', torch.uint8, (6, 16, 1, 2), 32)
+    """
+    for name, fmt, allowed in (("kv_format", kv_format, (None, NVFP4, FP8_UNSCALED)),
+                               ("index_format", index_format, (None, NVFP4))):
+        if fmt not in allowed:
+            raise InputError(f"quantize_caches: {name} must be one of {allowed}, got {fmt!r}")
+    out = PagedKVCache.allocate(caches.num_pages, caches.block_size, caches.num_kv_heads, caches.head_dim,
+                                caches.index_head_dim, caches.dtype, caches.index_dtype, caches.kv_layout,
+                                caches.device, None if kv_format else caches.k_scale, None if kv_format else caches.v_scale,
+                                kv_format=kv_format or (caches.kv_format if caches.kv_format in (NVFP4, FP8_UNSCALED)
+                                                        else None),
+                                index_format=index_format or (NVFP4 if caches.index_format == NVFP4 else None))
+    values = caches.dequantized(torch.float32) if (kv_format or index_format) else caches
+    pairs = [("k", "k_block_scale", values.k if kv_format else caches.k, kv_format or "", caches.k_block_scale),
+             ("v", "v_block_scale", values.v if kv_format else caches.v, kv_format or "", caches.v_block_scale),
+             ("index", "index_block_scale", values.index if index_format else caches.index, index_format or "",
+              caches.index_block_scale)]
+    for name, scale_name, src, fmt, old_scale in pairs:
+        if fmt == NVFP4:
+            packed, scales = quantize_nvfp4(src)
+            getattr(out, name).copy_(packed)
+            getattr(out, scale_name).copy_(scales)
+            continue
+        getattr(out, name).copy_(src.to(torch.float8_e4m3fn) if fmt == FP8_UNSCALED else src)
+        if old_scale is not None:
+            getattr(out, scale_name).copy_(old_scale)
+    return out
+
+
 def random_caches(params: SparseAttentionParams, num_pages: int, *, dtype: torch.dtype,
-                  index_dtype: torch.dtype, kv_layout: str, device: Union[str, torch.device],
-                  generator: torch.Generator, kv_dtype: Optional[torch.dtype] = None,
+                  index_dtype: Union[torch.dtype, str], kv_layout: str, device: Union[str, torch.device],
+                  generator: torch.Generator, kv_dtype: Union[torch.dtype, str, None] = None,
                   kv_scale: str = "head") -> PagedKVCache:
     """Caches filled with N(0, 1) values (never zeros), generated on the CPU then moved.
 
@@ -70,8 +126,18 @@ def random_caches(params: SparseAttentionParams, num_pages: int, *, dtype: torch
     scale 1.0, the values stored as they are). The stored
     values (|N(0, 1)| / 0.02 < 300 in practice) lie well inside both formats' finite range (448,
     57344); rounding to fp8 changes the stored values, and the oracle reads them as stored.
+    ``kv_dtype="nvfp4"`` or ``"float8_e4m3fn_unscaled"`` and ``index_dtype="nvfp4"`` quantize the
+    N(0, 1) values (:func:`quantize_caches`).
     """
-    kv_dtype = kv_dtype or dtype
+    quant = kv_dtype if kv_dtype in (NVFP4, FP8_UNSCALED) else None
+    iquant = NVFP4 if index_dtype == NVFP4 else None
+    if quant or iquant:
+        plain = random_caches(params, num_pages, dtype=torch.float32 if quant else dtype,
+                              index_dtype=torch.float32 if iquant else index_dtype, kv_layout=kv_layout, device=device,
+                              generator=generator, kv_dtype=None if quant else kv_dtype, kv_scale=kv_scale)
+        return quantize_caches(plain, quant, iquant)
+    kv_dtype = _dtype(kv_dtype or dtype)
+    index_dtype = _dtype(index_dtype)
     fp8 = kv_dtype in FP8_KV_DTYPES
     slots = num_pages * params.block_size
     scales = [_fp8_scales(params.num_kv_heads, slots, kv_scale, generator).to(device) if fp8 else None
@@ -96,7 +162,8 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
               kv_dtype: Union[str, torch.dtype, None] = None, kv_scale: str = "head", kv_layout: str = "NHD",
               device: Union[str, torch.device] = "cpu", seed: int = 0,
               extra_pages: int = 3, extra_block_columns: int = 1, num_pages: Optional[int] = None,
-              generator: Optional[torch.Generator] = None) -> Case:
+              generator: Optional[torch.Generator] = None, q_dtype: Union[str, torch.dtype, None] = None,
+              pages: str = "permuted") -> Case:
     """A random decode-first step.
 
     ``decodes``: seq_len of each decode (each has ``decode_query_len`` new tokens).
@@ -109,9 +176,14 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
     ``"head"``, ``"tensor"``, ``"slot"`` or ``"unit"``, see :func:`random_caches`); ``None``
     stores them in ``dtype``. ``num_pages``: the cache's pages (default: those the step uses plus
     ``extra_pages``), so steps of an engine-like stream can share one cache shape.
+    ``kv_dtype`` / ``index_dtype`` may name a quantized format (``"nvfp4"``, ``"float8_e4m3fn_unscaled"``);
+    ``q_dtype="float8_e4m3fn"``: fp8 queries (``dtype`` stays the attention and output dtype);
+    ``pages``: one of :data:`PAGE_ORDERS`.
     """
+    if pages not in PAGE_ORDERS:
+        raise InputError(f"pages must be one of {PAGE_ORDERS}, got {pages!r}")
     g = generator or torch.Generator().manual_seed(seed)
-    dtype, index_dtype = _dtype(dtype), _dtype(index_dtype)
+    dtype, index_dtype = _dtype(dtype), _format(index_dtype)
     ql: list[int] = []
     sl: list[int] = []
     for s in decodes:
@@ -131,24 +203,30 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
         sl.append(s)
     B = params.block_size
     need = [-(-s // B) for s in sl]
+    # shared_prefix: the leading full blocks every real request has live on the same pages
+    shared = min([n - 1 for n in need if n > 1] or [0]) if pages == "shared_prefix" else 0
+    used = sum(n - min(n, shared) for n in need) + shared
     if num_pages is None:
-        num_pages = sum(need) + extra_pages
-    elif num_pages < sum(need):
-        raise ValueError(f"num_pages={num_pages} is fewer than the step's {sum(need)} blocks")
+        num_pages = used + extra_pages
+    elif num_pages < used:
+        raise ValueError(f"num_pages={num_pages} is fewer than the step's {used} blocks")
     perm = torch.randperm(num_pages, generator=g).to(torch.int32)
+    if pages == "disjoint":
+        perm = torch.arange(num_pages, dtype=torch.int32)
     width = max(need, default=0) + extra_block_columns
     bt = torch.full((len(ql), max(width, 1)), -1, dtype=torch.int32)
-    i = 0
+    i = shared
     for r, n in enumerate(need):
-        bt[r, :n] = perm[i:i + n]
-        i += n
+        own = n - min(n, shared)
+        bt[r, :n] = torch.cat([perm[:n - own], perm[i:i + own]])
+        i += own
     batch = BatchMetadata.build(ql, sl, bt, block_size=B, num_decodes=num_decodes,
                                 decode_query_len=decode_query_len, num_pages=num_pages, device=device)
     caches = random_caches(params, num_pages, dtype=dtype, index_dtype=index_dtype,
                            kv_layout=kv_layout, device=device, generator=g,
-                           kv_dtype=None if kv_dtype is None else _dtype(kv_dtype), kv_scale=kv_scale)
+                           kv_dtype=None if kv_dtype is None else _format(kv_dtype), kv_scale=kv_scale)
     T = batch.num_tokens
-    q = torch.randn(T, params.num_heads, params.head_dim, generator=g).to(dtype).to(device)
+    q = torch.randn(T, params.num_heads, params.head_dim, generator=g).to(_dtype(q_dtype or dtype)).to(device)
     index_q = torch.randn(T, params.num_index_heads, params.index_head_dim, generator=g)
     index_q = index_q.to(dtype).to(device)
     return Case(params, q, index_q, caches, batch)

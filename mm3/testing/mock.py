@@ -70,7 +70,10 @@ _DEFAULT_CAPABILITIES: dict[str, Any] = dict(
     device_types=frozenset({"cpu", "cuda"}),
     topk_layout="head_major",
     max_decode_query_len=16,
-    kv_cache_dtypes=frozenset({"bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"}),  # as cpu_ref
+    kv_cache_dtypes=frozenset({"bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2",  # as cpu_ref
+                               "float8_e4m3fn_unscaled", "nvfp4"}),
+    index_cache_dtypes=frozenset({"bfloat16", "float8_e4m3fn", "nvfp4"}),
+    query_dtypes=frozenset({"float8_e4m3fn"}),
     kv_slot_scales=True,
     description="mm3.testing.MockBackend",
 )

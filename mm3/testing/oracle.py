@@ -90,7 +90,7 @@ def _padded_block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: Bat
     """
     B = params.block_size
     iq = _f64(index_q)
-    icache = _f64(caches.index)
+    icache = _f64(caches.index_values(torch.float64))   # an NVFP4 index cache: its dequantized keys (§1)
     H = params.num_index_heads
     for rq in _requests(batch, B):
         # each distinct key is scored once: equal keys then score exactly alike (§3.5's exact ties), which
@@ -191,7 +191,8 @@ def oracle_attention(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
     """docs/spec.md §4 in float64 on the CPU; returns ``[T, Hq, D]`` float64."""
     B, G = params.block_size, params.gqa_group
     qf = _f64(q)
-    # fp8 K/V: the oracle's input is the dequantized cache (docs/spec.md §1), exact in float64
+    # fp8 and NVFP4 K/V: the oracle's input is the dequantized cache (docs/spec.md §1), exact in float64;
+    # fp8 queries are widened exactly
     values = caches.dequantized(torch.float64)
     kc, vc = _f64(values.k), _f64(values.v)
     sel = topk.head_major().to("cpu").long()                                    # [Hkv, T, K]

@@ -82,11 +82,17 @@ class Step:
     # or the one scale 1.0 (an engine's fp8 cache without scales)
     kv_fp8: str = ""
     kv_format: str = "float8_e4m3fn"  # the fp8 format of K/V when kv_fp8 is set: float8_e4m3fn or float8_e5m2
+    # the model authors' formats (docs/spec.md §1): fp8 queries, K/V in "float8_e4m3fn_unscaled" or "nvfp4",
+    # an "nvfp4" index cache, and how requests map to pages (mm3.testing.factories.PAGE_ORDERS)
+    q8: bool = False
+    kv_quant: str = ""
+    index_format: str = ""
+    pages: str = "permuted"
 
     @property
     def kv_dtype(self) -> Optional[str]:
-        """The K/V cache dtype when it is not the attention dtype (scaled fp8), else ``None``."""
-        return self.kv_format if self.kv_fp8 else None
+        """The K/V cache format when it is not the attention dtype (scaled fp8, unscaled e4m3, NVFP4), else ``None``."""
+        return self.kv_quant or (self.kv_format if self.kv_fp8 else None)
 
     def params(self) -> SparseAttentionParams:
         return SparseAttentionParams(num_heads=self.H * self.G, num_kv_heads=self.H, head_dim=self.D,
@@ -96,8 +102,9 @@ class Step:
     def build(self, dtype: str, index_dtype: str, device: torch.device, seed: int) -> Case:
         case = make_case(self.params(), decodes=self.decodes, prefills=self.prefills,
                          decode_query_len=self.dq, padding_decodes=self.padding, empty_decodes=self.empty,
-                         dtype=dtype, index_dtype=index_dtype, kv_layout=self.kv_layout, device=device,
-                         seed=seed, kv_dtype=self.kv_dtype, kv_scale=self.kv_fp8 or "head")
+                         dtype=dtype, index_dtype=self.index_format or index_dtype, kv_layout=self.kv_layout,
+                         device=device, seed=seed, kv_dtype=self.kv_dtype, kv_scale=self.kv_fp8 or "head",
+                         q_dtype="float8_e4m3fn" if self.q8 else None, pages=self.pages)
         for t in self.nan_tokens:
             case.index_q[t, 0, 1] = float("nan")
         if self.ties:

@@ -26,6 +26,7 @@ from mm3.testing.conformance.cases import (
     ATTENTION_STEPS, BODIES, BUFFER_CASES, COMPOSED_STEPS, INDEXER_STEPS, LARGE_STEPS, CaseContext,
     CaseSpec, Step,
 )
+from mm3.testing.conformance.quant_cases import QUANT_CASES
 from mm3.testing.conformance.report import CaseResult, ConformanceReport
 from mm3.testing.conformance.scores import SCORE_STEPS, scores_body
 
@@ -155,6 +156,13 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
     pairs = [(dt, base_idx) for dt in want_dt] + [(base_dt, i) for i in want_idx if i != base_idx]
     for step_name, step, (dt, idx) in expanded({**COMPOSED_STEPS, **large}, pairs):
         add("composed", f"composed/{step_name}:{dt}+{idx}", step, dt, idx, {"index_topk", "attention"})
+    # the authors' formats: each case once, its formats fixed by the step (the report names a missing declaration)
+    for step_name, (kind, step) in QUANT_CASES.items():
+        idx = step.index_format or base_idx
+        ops = {"attention": {"attention"}, "indexer": {"index_topk"}, "composed": {"index_topk", "attention"}}[kind]
+        tail = f"{base_dt}+{idx}" if kind == "composed" else (idx if kind == "indexer" else base_dt)
+        add(kind, f"{kind}/{step_name}:{tail}", step, q_dtype_for_index(idx) if kind == "indexer" else base_dt,
+            idx, ops)
 
     probe = be.probe(dev)
     planned = []
@@ -168,7 +176,8 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
         else:
             req = requirements_for(spec.step.params(), spec.dtype, spec.index_dtype, dev,
                                    decode_query_len=spec.step.dq, kv_dtype=spec.step.kv_dtype,
-                                   kv_slot_scales=spec.step.kv_fp8 == "slot").for_ops(*spec.ops)
+                                   kv_slot_scales=spec.step.kv_fp8 == "slot",
+                                   query_dtype="float8_e4m3fn" if spec.step.q8 else None).for_ops(*spec.ops)
             reasons += caps.unmet(req)
             other = "token_major" if caps.topk_layout == "head_major" else "head_major"
             if spec.needs_any_layout and not caps.accepts_topk(other, dense=True):

@@ -18,7 +18,7 @@ from mm3.testing.conformance.oracle_cache import (
 from mm3.testing.factories import Case
 from mm3.testing.oracle import check_topk
 
-__all__ = ["CaseFailure", "TOLERANCES", "SENTINEL", "OUT_POISON", "check_spare_rows", "check_selection",
+__all__ = ["CaseFailure", "TOLERANCES", "QUANTIZED_TOLERANCE", "quantized", "SENTINEL", "OUT_POISON", "check_spare_rows", "check_selection",
            "check_exact_selection", "poisoned_out", "check_attention"]
 
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -27,6 +27,16 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "float32": (1e-5, 1e-5),
 }
 """docs/spec.md §4: ``(mean, max)`` absolute error against the fp64 oracle, per attention dtype."""
+
+QUANTIZED_TOLERANCE: tuple[float, float] = (1e-2, 5e-2)
+"""docs/spec.md §4: ``(mean, max)`` for a step with fp8 queries, unscaled e4m3 or NVFP4 K/V, where a backend
+may round as the model's authors do (an NVFP4 product to e4m3, P * 448 to e4m3 for the P.V product)."""
+
+
+def quantized(case: Case) -> bool:
+    """Whether ``case`` reads fp8 queries, or K/V in unscaled e4m3 or NVFP4 (:data:`QUANTIZED_TOLERANCE`)."""
+    return case.q.dtype == torch.float8_e4m3fn or case.caches.kv_format in ("float8_e4m3fn_unscaled", "nvfp4")
+
 
 SENTINEL = 123456789
 """Fills top-k rows a backend must not write (an int32 no block id can equal)."""
@@ -95,7 +105,7 @@ def check_exact_selection(case: Case, sel: TopkBuffer) -> None:
 
 def poisoned_out(case: Case, spare: int = 3) -> torch.Tensor:
     T = case.batch.num_tokens
-    out = torch.full((T + spare, *case.q.shape[1:]), float("nan"), dtype=case.q.dtype, device=case.q.device)
+    out = torch.full((T + spare, *case.q.shape[1:]), float("nan"), dtype=case.out_dtype, device=case.q.device)
     out[T:] = OUT_POISON
     return out
 
@@ -119,10 +129,12 @@ def check_attention(case: Case, sel: TopkBuffer, out: torch.Tensor, details: dic
         raise CaseFailure(f"non-finite output for token {t} (NaN/inf, or a row left unwritten: rows "
                           f"start as NaN)", details)
     ref = oracle_attention_cached(case, sel)
-    dtype = str(case.q.dtype).removeprefix("torch.")
+    dtype = str(case.out_dtype).removeprefix("torch.")
     mean_tol, max_tol = TOLERANCES[dtype]
+    if quantized(case):      # docs/spec.md §4: a backend may round as the model's authors do
+        mean_tol, max_tol = max(mean_tol, QUANTIZED_TOLERANCE[0]), max(max_tol, QUANTIZED_TOLERANCE[1])
     err = (got - ref).abs()[real]
-    floor = (ref.to(case.q.dtype).to(torch.float64) - ref).abs()[real]
+    floor = (ref.to(case.out_dtype).to(torch.float64) - ref).abs()[real]
     if err.numel():
         details.update(mean_err=float(err.mean()), max_err=float(err.max()),
                        floor_mean=float(floor.mean()), mean_tol=mean_tol, max_tol=max_tol)
