@@ -95,8 +95,10 @@ def cache_facts(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_scale: 
     the custom ops make one per call."""
     ks = TensorFacts(k_scale.shape, k_scale.dtype, k_scale.device) if isinstance(k_scale, torch.Tensor) else None
     vs = TensorFacts(v_scale.shape, v_scale.dtype, v_scale.device) if isinstance(v_scale, torch.Tensor) else None
-    kb, vb, ib = (TensorFacts(s.shape, s.dtype, s.device) if isinstance(s, torch.Tensor) else None
-                  for s in (k_block_scale, v_block_scale, index_block_scale))
+    kb = vb = ib = None
+    if k_block_scale is not None or v_block_scale is not None or index_block_scale is not None:   # NVFP4
+        kb, vb, ib = (TensorFacts(s.shape, s.dtype, s.device) if isinstance(s, torch.Tensor) else None
+                      for s in (k_block_scale, v_block_scale, index_block_scale))
     return CacheFacts(TensorFacts(k.shape, k.dtype, k.device), TensorFacts(v.shape, v.dtype, v.device),
                       TensorFacts(index.shape, index.dtype, index.device), ks, vs,
                       kv_format_of(k.dtype, ks is not None), index_format_of(index.dtype), kb, vb, ib)

@@ -29,6 +29,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 from typing import Optional
 
 import torch
@@ -63,6 +65,7 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@functools.lru_cache(maxsize=None)    # a dtype's name is string work, and a custom op's call asks every time
 def kv_format_of(k_dtype: torch.dtype, scaled: bool) -> str:
     """The format of K/V stored as ``k_dtype`` (``scaled``: with ``k_scale``/``v_scale``).
 
@@ -75,6 +78,7 @@ def kv_format_of(k_dtype: torch.dtype, scaled: bool) -> str:
     return _name(k_dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def index_format_of(index_dtype: torch.dtype) -> str:
     """The format of index keys stored as ``index_dtype`` (uint8: NVFP4)."""
     return NVFP4 if index_dtype == torch.uint8 else _name(index_dtype)
