@@ -176,7 +176,7 @@ def derive_context(qsl: torch.Tensor, sl: torch.Tensor, nd: int) -> torch.Tensor
 
 def derive_tokens(qsl: torch.Tensor, sl: torch.Tensor, nd: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(positions, requests)`` of the step's ``T`` tokens as the lengths give them (padding: ``-1``), in
-    ``qsl``'s dtype; six torch ops, no synchronisation.
+    ``qsl``'s dtype; five torch operations that compute, no synchronisation.
 
     Token ``t`` of request ``r`` sits at ``seq_len[r] - (query_start_loc[r + 1] - t)``; a padding decode
     (``seq_len`` 0) gives a negative position, which is where ``-1`` comes from (so does a request whose
@@ -185,9 +185,10 @@ def derive_tokens(qsl: torch.Tensor, sl: torch.Tensor, nd: int, T: int) -> tuple
     t = torch.arange(T, dtype=qsl.dtype, device=qsl.device)
     if not R:
         return torch.full_like(t, -1), torch.zeros_like(t)
-    ends = qsl[1:]
-    req = torch.searchsorted(ends, t, right=True, out_int32=qsl.dtype == torch.int32).clamp_(max=R - 1)
-    pos = (sl.to(qsl.dtype) - ends)[req].add_(t).clamp_(min=-1)
+    # the request of token t: the first whose end is past t, searched among all but the last end, so a
+    # token past every end (a batch whose starts end short of T) falls to the last request, never beyond
+    req = torch.searchsorted(qsl[1:-1], t, right=True, out_int32=qsl.dtype == torch.int32)
+    pos = (sl.to(qsl.dtype) - qsl[1:])[req].add_(t).clamp_(min=-1)
     return pos, req
 
 
