@@ -207,10 +207,13 @@ def lengths_word(batch: "BatchMetadata") -> torch.Tensor:
     dec = req < nd
     pad = dec & (sl == 0)
     ndt, mpq = batch.num_decode_tokens, batch.max_prefill_query_len
-    rules = [(req == 0) & (qsl[0] != 0), ql < 0, (req == R - 1) & (qsl[-1] != T),
-             dec & (ql != 0) & (ql != batch.decode_query_len), (req == 0) & (qsl[min(nd, R)] != ndt),
-             ~pad & (sl < ql), ~dec & (ql < 1), ~dec & (ql > mpq), (sl < 0) | ((sl + B - 1) // B > M)]
-    words = [torch.where(bad, LENGTHS | rule << 40 | req, NO_FAULT).amin() for rule, bad in enumerate(rules, 1)]
+    first, prefill = req == 0, ~dec
+    rules = [first & (qsl[0] != 0), ql < 0, (req == R - 1) & (qsl[-1] != T),
+             dec & (ql != 0) & (ql != batch.decode_query_len), first & (qsl[min(nd, R)] != ndt),
+             ~pad & (sl < ql), prefill & (ql < 1), prefill & (ql > mpq), (sl < 0) | ((sl + B - 1) // B > M)]
+    # rules 1..9 of every request at once: one [rule, request] mask, one code each, the smallest kept
+    codes = (torch.arange(1, len(rules) + 1, device=dev)[:, None] << 40 | req) | LENGTHS
+    words = [torch.where(torch.stack(rules), codes, NO_FAULT).amin()]
     if T:
         pos, t2r = derive_tokens(qsl, sl, nd, T)
         wrong = (pos != batch.token_positions) | (t2r != batch.token_to_request)
