@@ -195,3 +195,37 @@ def test_the_debugging_setting_waits_and_raises_in_the_step_itself(monkeypatch: 
             layer(case.q, case.index_q, case.caches, batch)          # recorded on the device
             with pytest.raises(InputError, match=r"request 0, block 1: .*found on the device"):
                 layer(case.q, case.index_q, case.caches, batch)
+
+
+def test_a_failing_check_contents_hook_is_named_like_any_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin's ``check_contents`` that raises reaches the caller as a PluginError naming it and the hook."""
+    from mm3.plugin import BackendCapabilities, hookimpl
+    from mm3.runtime.registry import Registry
+    from mm3_backends.cpu_ref import plugin as cpu_ref
+
+    class Judge:
+        @hookimpl
+        def backend_capabilities(self) -> BackendCapabilities:
+            return BackendCapabilities(name="judge", ops={"index_topk", "attention"}, device_types={"cpu"},
+                                       topk_layout="head_major", dtypes={"float32"}, kv_cache_dtypes={"float32"},
+                                       index_cache_dtypes={"float32"})
+
+        @hookimpl
+        def check_contents(self, batch: Any, num_pages: int, word: torch.Tensor) -> None:
+            raise RuntimeError("the judge's kernel broke")
+
+        @hookimpl
+        def index_topk(self, index_q: Any, caches: Any, batch: Any, params: Any, out: Any) -> None:
+            cpu_ref.index_topk(index_q=index_q, caches=caches, batch=batch, params=params, out=out)
+
+        @hookimpl
+        def attention_forward(self, q: Any, caches: Any, topk: Any, batch: Any, params: Any, out: Any) -> None:
+            cpu_ref.attention_forward(q=q, caches=caches, topk=topk, batch=batch, params=params, out=out)
+
+    monkeypatch.setattr(step_mod, "on_host", lambda batch: False)
+    case = make_case(P, decodes=[70, 40], dtype="float32", index_dtype="float32", seed=13)
+    layer = mm3.SparseAttention(P, dtype=torch.float32, index_dtype=torch.float32, max_num_tokens=32,
+                                backend="judge", registry=Registry([Judge()], entry_points=False))
+    layer(case.q, case.index_q, case.caches, case.batch)       # the first step: judged on the host
+    with pytest.raises(mm3.PluginError, match=r"backend 'judge'.*check_contents.*the judge's kernel broke"):
+        layer(case.q, case.index_q, case.caches, case.batch)

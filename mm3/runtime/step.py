@@ -186,13 +186,15 @@ class OpTarget:
     _rows: dict[int, TopkBuffer] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        # for the op that reads a call's block table first: (its backend checks the page ids it loads,
-        # that backend's own check of a batch's contents in one launch, or None)
+        # for the op that reads a call's block table first: (its backend, which checks the page ids it loads,
+        # and whose own check of a batch's contents is one launch, or None)
         scorer = self.scorer
-        self._index_reader = (self.indexer.capabilities.reports_bad_page_ids, self.indexer.check_contents)
-        self._attention_reader = (self.attention.capabilities.reports_bad_page_ids, self.attention.check_contents)
-        self._scores_reader = (False, None) if scorer is None else \
-            (scorer.capabilities.reports_bad_page_ids, scorer.check_contents)
+        self._index_reader = (self.indexer, self.indexer.capabilities.reports_bad_page_ids,
+                              self.indexer.check_contents)
+        self._attention_reader = (self.attention, self.attention.capabilities.reports_bad_page_ids,
+                                  self.attention.check_contents)
+        self._scores_reader = (None, False, None) if scorer is None else \
+            (scorer, scorer.capabilities.reports_bad_page_ids, scorer.check_contents)
         self._never, self._always = self.mode == "never", self.mode == "always"
         #: the facts and plan of the last call (most calls repeat them)
         self._last: tuple[Any, Optional[Plan]] = (None, None)
@@ -287,7 +289,7 @@ class OpTarget:
         num_pages = caches.k.shape[0]
         flag.context = (entry, names, num_pages, batch.facts)   # no tensor kept past the step
         # the op whose backend reads every used block-table entry: the index op, first in a call of two
-        reports, checker = self._attention_reader if reader is _ATTENTION else self._scores_reader \
+        be, reports, checker = self._attention_reader if reader is _ATTENTION else self._scores_reader \
             if reader is _SCORES else self._index_reader
         if on_host(batch) or (not graph and (self._first or self.sync_contents)):
             check_on_host(batch, num_pages, entry=entry, names=names,
@@ -298,7 +300,10 @@ class OpTarget:
             judged = batch.__dict__.get("judged_by")     # the lengths' rules, once per batch object
             if not reports or judged is None:
                 if checker is not None:
-                    checker(batch, num_pages, flag.word)
+                    try:
+                        checker(batch, num_pages, flag.word)
+                    except Exception as e:     # named as any hook's failure is
+                        be.reraise(e, "check_contents")
                 else:
                     flag.record(batch, num_pages, graph=graph, lengths=judged is None, pages=not reports)
                 batch.__dict__["judged_by"] = flag
