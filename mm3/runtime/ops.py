@@ -176,11 +176,34 @@ _LIB.impl("index_topk", index_topk, "CompositeExplicitAutograd")
 _LIB.impl("attention", attention, "CompositeExplicitAutograd")
 
 
+def _meta_argument(entry: str, named: dict[str, object]) -> None:
+    """A real call with a ``meta`` tensor among its arguments: torch's dispatcher runs the fake kernel (the
+    Meta key wins over the others), so the boundary would never see it; refuse it here, by name. Under
+    ``torch.compile``'s fake tensors (``torch.library.get_ctx()`` answers only there) it is shape
+    propagation, and a call whose every tensor is ``meta`` is one too: both pass."""
+    try:
+        torch.library.get_ctx()
+        return
+    except RuntimeError:
+        pass
+    tensors = {n: t for n, t in named.items() if isinstance(t, torch.Tensor)}
+    devices = {t.device.type for t in tensors.values()}
+    if "meta" in devices and len(devices) > 1:
+        name = next(n for n, t in tensors.items() if t.device.type == "meta")
+        others = sorted({str(t.device) for t in tensors.values() if t.device.type != "meta"})
+        raise InputError(f"{entry}: {name} is on meta but the other inputs are on {', '.join(others)}; move every "
+                         f"input of the step to one device (tensor.to(device))")
+
+
 @torch.library.register_fake("mm3::index_topk", lib=_LIB)
 def _(index_q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table,  # type: ignore[no-untyped-def]
       token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
       max_prefill_query_len, block_size, handle, k_scale=None, v_scale=None, k_block_scale=None,
       v_block_scale=None, index_block_scale=None) -> None:
+    _meta_argument("torch.ops.mm3.index_topk", dict(
+        index_q=index_q, k=k, v=v, index=index, topk=topk, query_start_loc=query_start_loc, seq_lens=seq_lens,
+        context_lens=context_lens, block_table=block_table, token_to_request=token_to_request,
+        token_positions=token_positions, k_scale=k_scale, v_scale=v_scale))
     return None
 
 
@@ -189,4 +212,8 @@ def _(q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table
       token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
       max_prefill_query_len, block_size, handle, out, k_scale=None, v_scale=None, k_block_scale=None,
       v_block_scale=None, index_block_scale=None) -> None:
+    _meta_argument("torch.ops.mm3.attention", dict(
+        q=q, k=k, v=v, index=index, topk=topk, query_start_loc=query_start_loc, seq_lens=seq_lens,
+        context_lens=context_lens, block_table=block_table, token_to_request=token_to_request,
+        token_positions=token_positions, out=out, k_scale=k_scale, v_scale=v_scale))
     return None
