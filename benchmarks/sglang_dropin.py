@@ -41,6 +41,7 @@ import mm3
 from mm3.integrations import sglang as dropin
 from mm3.integrations import targets
 from mm3.runtime.config import Settings
+from mm3_benchmarks.timing import capture_graph
 
 __all__ = ["parser", "build", "measure", "check", "main", "sglang_kernels"]
 
@@ -147,16 +148,7 @@ def _rows(step: Step, layer: mm3.SparseAttention, sglang: Optional[Any]) -> dict
 def _time(call: Fn, iters: int, graph: bool) -> float:
     """Median microseconds of one call (or one replay of its captured graph), each timed by its own events."""
     if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                call()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            call()
-        call = g.replay
+        call = capture_graph(call, warmups=2).replay
     for _ in range(5):
         call()
     torch.cuda.synchronize()

@@ -155,14 +155,20 @@ def _attention_step(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return q, caches, params, torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
 
 
+def _index_query(fn: str, name: str, q: object, scales: tuple[tuple[str, object], ...]) -> torch.Tensor:
+    """The index queries, their dtype widened where mm3 reads another, after checking the factors ``scales``
+    (positive factors on every index score: the ranking, all mm3 returns, is theirs)."""
+    si.tensor_arg(fn, name, q, 3, "[num_tokens, num_idx_heads, idx_head_dim]")
+    for scale, value in scales:
+        si.positive(fn, scale, value)
+    return si.widen(q)  # type: ignore[arg-type]
+
+
 def _index_step(fn: str, q: torch.Tensor, k_cache: torch.Tensor, block_size: int, topk: int, init_blocks: int,
                 local_blocks: int, scales: tuple[tuple[str, object], ...]) -> tuple[torch.Tensor, PagedKVCache,
                                                                                      SparseAttentionParams]:
     """``(idx_q, caches, params)`` of a kernel-level index call (each index head stands for a KV head)."""
-    si.tensor_arg(fn, "q", q, 3, "[num_tokens, num_idx_heads, idx_head_dim]")
-    for name, value in scales:   # positive factors on every score: the ranking, all mm3 returns, is theirs
-        si.positive(fn, name, value)
-    q = si.widen(q)
+    q = _index_query(fn, "q", q, scales)
     H, Di = q.shape[1], q.shape[2]
     caches = si.index_caches(fn, k_cache, H, block_size, dtype=q.dtype)
     return q, caches, _params(fn, H, H, Di, H, Di, block_size, topk, init_blocks, local_blocks, 1.0)
@@ -212,11 +218,9 @@ def minimax_sparse_decode(q: torch.Tensor, sink: Optional[torch.Tensor], k_cache
             block_size_q=block_size_q, page_size=page_size, block_size_k=block_size_k,
             hooks=(("dense_main_attn_fn", dense_main_attn_fn), ("hisparse_swap_in_fn", hisparse_swap_in_fn),
                    ("indexer_cp", indexer_cp)))
-    for name, value in (("idx_sm_scale", idx_sm_scale), ("idx_q_scale", idx_q_scale), ("idx_k_scale", idx_k_scale)):
-        si.positive(fn, name, value)
     graph = capturing(q)
-    si.tensor_arg(fn, "idx_q", idx_q, 3, "[num_tokens, num_idx_heads, idx_head_dim]")
-    idx_q = si.widen(idx_q)
+    idx_q = _index_query(fn, "idx_q", idx_q, (("idx_sm_scale", idx_sm_scale), ("idx_q_scale", idx_q_scale),
+                                               ("idx_k_scale", idx_k_scale)))
     index = None if cached_topk_idx is not None else (idx_q, idx_k_cache)
     q, caches, params, o = _attention_step(fn, q, k_cache, v_cache, k_scale, v_scale, sm_scale, q_scale,
                                            block_size_k, topk, index, (init_blocks, local_blocks), graph)
@@ -273,11 +277,9 @@ def minimax_sparse_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     si.refusals(fn, score_type=score_type, sink=sink, idx_sink=idx_sink, disable_index_value=disable_index_value,
             block_size_q=block_size_q, page_size=page_size, block_size_k=block_size_k,
             hooks=(("loc_mapping", loc_mapping),))
-    for name, value in (("idx_sm_scale", idx_sm_scale), ("idx_q_scale", idx_q_scale), ("idx_k_scale", idx_k_scale)):
-        si.positive(fn, name, value)
     graph = capturing(q)
-    si.tensor_arg(fn, "idx_q", idx_q, 3, "[num_tokens, num_idx_heads, idx_head_dim]")
-    idx_q = si.widen(idx_q)
+    idx_q = _index_query(fn, "idx_q", idx_q, (("idx_sm_scale", idx_sm_scale), ("idx_q_scale", idx_q_scale),
+                                               ("idx_k_scale", idx_k_scale)))
     index = None if cached_topk_idx is not None else (idx_q, idx_k_cache)
     q, caches, params, o = _attention_step(fn, q, k_cache, v_cache, k_scale, v_scale, sm_scale, q_scale,
                                            block_size_k, topk, index, (init_blocks, local_blocks), graph)
