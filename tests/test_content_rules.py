@@ -229,3 +229,29 @@ def test_a_failing_check_contents_hook_is_named_like_any_hook(monkeypatch: pytes
     layer(case.q, case.index_q, case.caches, case.batch)       # the first step: judged on the host
     with pytest.raises(mm3.PluginError, match=r"backend 'judge'.*check_contents.*the judge's kernel broke"):
         layer(case.q, case.index_q, case.caches, case.batch)
+
+
+@pytest.mark.parametrize("backend", ["cpu_ref", "cuda"])
+def test_lengths_edited_in_place_on_the_same_batch_object_are_judged_again(
+        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine rewrites seq_lens in place and calls again with the same batch object (no refill call): the
+    next step judges what the tensors hold now, on the device, whatever judged them before. cpu_ref judges
+    with mm3's torch operations, the cuda plugin (interpreter) with its own launch."""
+    import os
+
+    if backend == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton plugins on CPU tensors need the interpreter")
+    monkeypatch.setattr(step_mod, "on_host", lambda batch: False)
+    dtype = "float32" if backend == "cpu_ref" else "bfloat16"
+    case = make_case(P, decodes=[70, 40], prefills=[(9, 30)], dtype=dtype, seed=14)
+    b = case.batch
+    batch = BatchMetadata.from_device(b.query_start_loc.clone(), b.seq_lens.clone(), b.block_table.clone(),
+                                      num_decodes=2, num_tokens=b.num_tokens, max_query_len=9, block_size=16)
+    layer = mm3.SparseAttention(P, dtype=getattr(torch, dtype), max_num_tokens=32, backend=backend)
+    layer(case.q, case.index_q, case.caches, batch)          # the first step: on the host
+    layer(case.q, case.index_q, case.caches, batch)          # on the device: fine
+    layer.check_page_ids()
+    batch.seq_lens[2] = 4                                    # the prefill holds 9 tokens: seq_len 4 < 9
+    layer(case.q, case.index_q, case.caches, batch)
+    with pytest.raises(InputError, match=r"request 2 has seq_len \S+ < query_len .*found on the device"):
+        layer.check_page_ids()

@@ -114,7 +114,8 @@ def test_a_steady_step_reaches_its_first_hook_through_few_files(monkeypatch: Any
     layer(q, iq, caches, first, out)          # the plan, the guard's first decode step, the one host check
     quick.real = False
     layer(q, iq, caches, first, out)
-    again = _stops(lambda: layer(q, iq, caches, first, out), "index_topk")
+    # the first hook a steady step calls: the backend's check of what the batch holds now (every call)
+    again = _stops(lambda: layer(q, iq, caches, first, out), "check_contents")
     fresh = _batch([41, 18, 90])              # an engine's next step: a new shape, a new batch object
     q3, iq3, out3 = tensors(3)
     new = _stops(lambda: layer(q3, iq3, caches, fresh, out3), "check_contents")

@@ -396,7 +396,7 @@ class BatchMetadata:
                                  f"captured {tuple(dst.shape)}; build a new batch for a new shape class")
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
-        for k in (*READ_BACK, "judged_by"):     # new contents: judged again at the next step
+        for k in READ_BACK:
             self.__dict__.pop(k, None)
         self._derive_tokens()
         return self
@@ -435,7 +435,6 @@ class BatchMetadata:
             if dst.shape != src.shape:
                 raise InputError(f"update_: {f} shape {tuple(src.shape)} != captured {tuple(dst.shape)}")
             dst.copy_(src)
-        self.__dict__.pop("judged_by", None)      # new contents: judged again at the next step
         return self
 
     def __repr__(self) -> str:

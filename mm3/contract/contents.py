@@ -305,16 +305,14 @@ class FaultFlag:
         """Name what a fault found from now on belongs to (no device work)."""
         self.context = (entry, names, num_pages, batch.facts)
 
-    def record(self, batch: "BatchMetadata", num_pages: int, *, graph: bool = False, lengths: bool = True,
-               pages: bool = True) -> None:
+    def record(self, batch: "BatchMetadata", num_pages: int, *, graph: bool = False, pages: bool = True) -> None:
         """Check ``batch``'s contents against ``num_pages`` with torch ops on its device; no host sync.
 
-        ``lengths`` / ``pages``: which rules (:func:`lengths_word`, :func:`pages_word`); ``graph``: inside
-        CUDA-graph capture (the replays lower the word; an eager step reads it).
+        ``pages``: the page ids too (:func:`pages_word`; the lengths' rules, :func:`lengths_word`, always);
+        ``graph``: inside CUDA-graph capture (the replays lower the word; an eager step reads it).
         """
         self.context = (*self.context[:2], num_pages, batch.facts)
-        if lengths:
-            torch.minimum(self.word, lengths_word(batch), out=self.word)
+        torch.minimum(self.word, lengths_word(batch), out=self.word)
         if pages:
             torch.minimum(self.word, pages_word(batch, num_pages), out=self.word)
         if not graph:

@@ -195,8 +195,8 @@ def check_contents(batch: "BatchMetadata", num_pages: int, word: "torch.Tensor")
     lower ``word`` (a one-element int64 tensor on the batch's device, maybe over mapped host memory: a
     plain load and store, no atomics) to a fault word of :mod:`mm3.contract.contents`
     (``fault_word(request, block)`` for a page id, ``LENGTHS | rule << 40 | index`` for the others),
-    the smallest one a program meets. mm3 calls it once per batch object, or every
-    call for a backend that does not report page ids itself, instead of its own check of about forty
+    the smallest one a program meets. mm3 calls it at every eager call that reads a device batch (an
+    engine edits a batch's tensors in place between steps), instead of its own check of about forty
     torch operations; ``mm3.contract.contents.lengths_word`` and ``pages_word`` are the reference.
     Implement it as one launch, and only on devices your probe accepts.
     """

@@ -21,13 +21,12 @@ method — reaches a plugin's hook through :meth:`OpTarget.run`:
    * a batch in host memory: on the host, every call;
    * a target's first eager step (or every eager step with
      ``Settings.check_contents_with_sync``): on the host, one synchronisation;
-   * otherwise on the device, into the target's :class:`~mm3.contract.contents.FaultFlag`:
-     page ids by the kernels of a backend that reports them
-     (``reports_bad_page_ids``), else by :meth:`~mm3.contract.contents.FaultFlag.record`
-     every call; the rules of the lengths once per batch object (a step builds
-     one for all its layers; :meth:`~mm3.contract.batch.BatchMetadata.update_from_device_`
-     asks for them again). A fault raises at the target's next eager step, or
-     at ``check_page_ids()``.
+   * otherwise on the device, every call, into the target's :class:`~mm3.contract.contents.FaultFlag`:
+     by the reading backend's ``check_contents`` hook (one launch: the Triton plugins') where it has
+     one, else by :meth:`~mm3.contract.contents.FaultFlag.record` (torch operations; page ids left to
+     the kernels of a backend that reports them, ``reports_bad_page_ids``). Nothing is remembered
+     about a batch object: an engine edits its tensors in place. A fault raises at the target's next
+     eager step, or at ``check_page_ids()``.
 4. **The hooks**, through the contract guard (:mod:`mm3.debug.guard`) where
    ``Settings.check_contracts`` says: ``"first"`` guards the first eager call of
    each op and batch kind, ``"always"`` every eager call, ``"never"`` none; a
@@ -293,20 +292,16 @@ class OpTarget:
             if reader is _SCORES else self._index_reader
         if on_host(batch) or (not graph and (self._first or self.sync_contents)):
             check_on_host(batch, num_pages, entry=entry, names=names,
-                          scales=(caches.k_scale, caches.v_scale) if self._first else ())
+                          scales=(caches.k_scale, caches.v_scale) if self._first or self.sync_contents else ())
             if not graph:
                 self._first = False
+        elif checker is not None:      # what the tensors hold now, every call: an engine edits them in place
+            try:
+                checker(batch, num_pages, flag.word)
+            except Exception as e:     # named as any hook's failure is
+                be.reraise(e, "check_contents")
         else:
-            judged = batch.__dict__.get("judged_by")     # the lengths' rules, once per batch object
-            if not reports or judged is None:
-                if checker is not None:
-                    try:
-                        checker(batch, num_pages, flag.word)
-                    except Exception as e:     # named as any hook's failure is
-                        be.reraise(e, "check_contents")
-                else:
-                    flag.record(batch, num_pages, graph=graph, lengths=judged is None, pages=not reports)
-                batch.__dict__["judged_by"] = flag
+            flag.record(batch, num_pages, graph=graph, pages=not reports)
         return flag.word if reports and reader is not _ATTENTION else None
 
     def admit_call(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
