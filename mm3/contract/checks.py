@@ -48,7 +48,7 @@ import torch
 from mm3.contract.buffers import dtype_name, in_storage_order, is_dense_storage
 from mm3.contract.capabilities import Requirements
 from mm3.contract.errors import InputError
-from mm3.contract.facts import BatchFacts, CacheFacts, StepFacts, TensorFacts
+from mm3.contract.facts import StepFacts, TensorFacts
 from mm3.contract.hookspecs import INDEX_OPS, Op
 from mm3.contract.kv_scales import FP8_KV_DTYPES
 from mm3.contract.quant import NVFP4, cache_fault, logical_dim
