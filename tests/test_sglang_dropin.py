@@ -312,3 +312,14 @@ def test_int64_req_to_token_and_int32_seq_lens_are_read_as_they_are() -> None:
                                      s.req_to_token, s.row_slots.int(), s.row_seq_lens.int(), 100, 1, *SEL.values(),
                                      disable_index_value=True, page_size=B, topk_out=got)
     assert torch.equal(ids, got) and torch.equal(o, o2)
+
+
+def test_a_scale_on_a_device_is_refused_and_a_host_one_read() -> None:
+    """A one-element scale tensor on a device would be read by the host at every call (a sync in the step):
+    refused with the float to pass instead; on the host it is read without a wait."""
+    s = sglang_step(P, decodes=(70, 33), seed=15)
+    with pytest.raises(mm3.InputError, match=r"minimax_sparse_decode: q_scale is a one-element tensor on meta.*"
+                                             r"layer\.k_scale_float"):
+        decode(s, q_scale=torch.ones(1, device="meta"))
+    ids, o = decode(s, q_scale=torch.ones(1))
+    assert_output_right(s, ids, o)

@@ -83,7 +83,11 @@ def positive(fn: str, name: str, value: object, default: float = 1.0) -> float:
     if value is None:
         return default
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = float(value)     # SGLang passes floats (layer.k_scale_float); a 1-element tensor is read once
+        if value.device.type != "cpu":   # its value read on the host every call: a device sync in the step
+            raise InputError(f"{fn}: {name} is a one-element tensor on {value.device}, whose value the host would "
+                             f"wait for at every call; pass the float SGLang keeps (layer.k_scale_float, "
+                             f"layer.v_scale_float) or a CPU tensor")
+        value = float(value)     # SGLang passes floats (layer.k_scale_float); a host tensor reads without a wait
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < float(value) < float("inf")):
         raise InputError(f"{fn}: {name} must be a finite float > 0 or None, got {value!r}")
     return float(value)
