@@ -255,3 +255,16 @@ def test_lengths_edited_in_place_on_the_same_batch_object_are_judged_again(
     layer(case.q, case.index_q, case.caches, batch)
     with pytest.raises(InputError, match=r"request 2 has seq_len \S+ < query_len .*found on the device"):
         layer.check_page_ids()
+
+
+def test_a_bound_backends_own_calls_report_device_faults_at_check_page_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_mod, "on_host", lambda batch: False)
+    case = make_case(P, decodes=[70, 40], prefills=[(9, 30)], dtype="float32", seed=16)
+    be = default_registry().get("cpu_ref")
+    rows = mm3.TopkBuffer.allocate(case.batch.num_tokens, P.num_kv_heads, P.topk, be.capabilities.topk_layout)
+    be.index_topk(case.index_q, case.caches, case.batch, P, rows)      # the first call: judged on the host
+    be.check_page_ids()
+    case.batch.block_table[0, 1] = case.caches.num_pages + 2           # rewritten in place
+    be.index_topk(case.index_q, case.caches, case.batch, P, rows)      # judged on the device: no wait
+    with pytest.raises(InputError, match=r"cpu_ref\.index_topk: request 0, block 1: .*found on the device"):
+        be.check_page_ids()
