@@ -136,11 +136,6 @@ class BatchFacts(NamedTuple):
     def num_requests(self) -> int:
         return self.seq_lens.shape[0] if len(self.seq_lens.shape) == 1 else -1
 
-    @property
-    def kind(self) -> str:
-        """The batch's kind (:func:`batch_kind`): the guard's policy guards the first step of each."""
-        return batch_kind(self.num_requests, self.num_decodes, self.decode_query_len)
-
 
 class BatchShape(NamedTuple):
     """What a batch object says of itself, worked out once when it is built (every layer of a step reads it).
