@@ -762,7 +762,14 @@ def _per_step_min(runs: list[list[float]]) -> float:
 def measure_row(make: Callable[[Setup], Row], setup: Setup, buffers: EngineBuffers, fresh: int = 5,
                 again: int = 2) -> dict[str, float]:
     """A row's measures (module docstring): ``fresh`` timed first passes, each on fresh objects and
-    followed by ``again`` timed second passes; then one fresh run of both passes, counted."""
+    followed by ``again`` timed second passes; then one fresh run of both passes, counted. All under
+    ``torch.inference_mode()``, as engines call every entry point."""
+    with torch.inference_mode():
+        return _measure_row(make, setup, buffers, fresh, again)
+
+
+def _measure_row(make: Callable[[Setup], Row], setup: Setup, buffers: EngineBuffers, fresh: int,
+                 again: int) -> dict[str, float]:
     first: list[list[float]] = []
     second: list[list[float]] = []
     for _ in range(fresh):
@@ -846,8 +853,9 @@ def _measure_stream(steps: int, stub: bool, dev: torch.device, seed: int,
                   world=8)
     buffers = EngineBuffers(stream, dev)
     res: dict[str, Any] = {"mm3": mm3.__file__, "notes": [], "measures": {},
-                           "backend": "stub hooks on the CPU, block tables treated as device memory" if stub
-                           else f"the cuda backend on {torch.cuda.get_device_name(dev)}"}
+                           "backend": ("stub hooks on the CPU, block tables treated as device memory" if stub
+                                       else f"the cuda backend on {torch.cuda.get_device_name(dev)}")
+                           + ", under torch.inference_mode()"}
     n_mixed = sum(s.prefill is not None for s in stream.steps)
     res["stream"] = (f"{steps} steps ({n_mixed} with a prefill chunk), {stream.new_shapes()} distinct shapes "
                      f"(requests, decodes, tokens); block table {stream.max_blocks} wide, {stream.num_pages} pages")
@@ -855,7 +863,8 @@ def _measure_stream(steps: int, stub: bool, dev: torch.device, seed: int,
         if note:
             res["notes"].append(note)
         try:
-            res["measures"].update(measure_from_device(setup, buffers))
+            with torch.inference_mode():      # where engines build their metadata
+                res["measures"].update(measure_from_device(setup, buffers))
         except Unavailable as e:
             res["notes"].append(f"from_device: n/a ({e})")
             res["measures"].update(dict.fromkeys(("from_device: host us / step", "from_device: torch ops / step")))

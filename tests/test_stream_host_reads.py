@@ -99,24 +99,25 @@ def test_no_step_after_the_first_reads_the_host(entry: str, backend: str, monkey
     buffers = EngineBuffers(STREAM, setup.device)
     row = ENTRIES[entry](setup)
     try:
-        row.prime()
-        stub = getattr(row, "stub", None)
-        before = dict(stub.calls) if stub else {}
-        reads_at: list[str] = []
-        for i, s in enumerate(STREAM.steps):
-            call = row.prepare(s, *buffers.load(i))
-            with CountHostReads(CPU_REF) as reads:
-                call()
-            if reads.count:
-                reads_at.append(f"step {i} ({s.kind}, {s.num_decodes} decodes, {s.num_tokens} tokens): "
-                                f"{reads.count} host reads, first at {reads.where[0]}")
-        if stub:   # every step reached the backend: nothing was skipped
-            ran = {k: stub.calls[k] - before[k] for k in before}
-            prefills = sum(s.prefill is not None for s in STREAM.steps)
-            want = {"layer": (16, 16), "custom ops": (16, 16), "tp rank": (16, 16), "vllm decode pair": (16, 16),
-                    "vllm prefill functions": (0, prefills), "sglang decode": (16, 16),
-                    "sglang prefill": (prefills, prefills)}[entry]
-            assert (ran["index_topk"], ran["attention_forward"]) == want, ran
+        with torch.inference_mode():     # as engines call every entry point
+            row.prime()
+            stub = getattr(row, "stub", None)
+            before = dict(stub.calls) if stub else {}
+            reads_at: list[str] = []
+            for i, s in enumerate(STREAM.steps):
+                call = row.prepare(s, *buffers.load(i))
+                with CountHostReads(CPU_REF) as reads:
+                    call()
+                if reads.count:
+                    reads_at.append(f"step {i} ({s.kind}, {s.num_decodes} decodes, {s.num_tokens} tokens): "
+                                    f"{reads.count} host reads, first at {reads.where[0]}")
+            if stub:   # every step reached the backend: nothing was skipped
+                ran = {k: stub.calls[k] - before[k] for k in before}
+                prefills = sum(s.prefill is not None for s in STREAM.steps)
+                want = {"layer": (16, 16), "custom ops": (16, 16), "tp rank": (16, 16), "vllm decode pair": (16, 16),
+                        "vllm prefill functions": (0, prefills), "sglang decode": (16, 16),
+                        "sglang prefill": (prefills, prefills)}[entry]
+                assert (ran["index_topk"], ran["attention_forward"]) == want, ran
     finally:
         getattr(row, "close", lambda: None)()
     assert not reads_at, (f"{entry} on {backend}: {len(reads_at)} of the stream's {len(STREAM.steps)} steps (all "
