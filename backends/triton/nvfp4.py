@@ -1,0 +1,63 @@
+"""NVFP4 tiles for the Triton kernels (docs/spec.md §1): packed e2m1 bytes and per-16 e4m3 scales, unpacked
+on chip into the dot's dtype, so no dequantized copy of a cache is ever made.
+
+A row of an NVFP4 cache (one token's key of one KV head, or one index key) is ``D/2`` bytes, two e2m1
+codes each, the low nibble the even element, and ``D/16`` e4m3 scales, one per 16 consecutive
+elements; element ``i`` is ``e2m1(code_i) * scale[i // 16]``. That product has at most 6 significant
+bits and lies within ``[2^-10, 2688]`` in magnitude (or is 0), so it is exact in fp16, bf16 and fp32:
+the tile :func:`load_nvfp4_rows` returns holds the very values the reference reads
+(``mm3.contract.quant.dequantize_nvfp4``), in whichever of those dtypes the dot takes. No rounding to
+e4m3 as the model authors' SM100 kernels do (docs/spec.md §1 says why).
+
+The e2m1 value comes from arithmetic on the code, not a table (a kernel has no registers it can index):
+with ``e = (c >> 1) & 3`` and ``m = c & 1``, four times the magnitude is ``2m`` for ``e = 0`` and
+``(2 + m) << e`` otherwise (0, 2, 4, 6, 8, 12, 16, 24); bit 3 is the sign. The 1/4 joins the scale.
+
+Callers pass each row's start (``[R]`` pointers), so whatever addresses a kernel's rows (pages and
+slots, NHD or HND) stays the kernel's; only the bytes of a row are read here.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["e2m1_times_4", "load_nvfp4_rows"]
+
+#: head-dim elements per e4m3 scale (mm3.contract.quant.NVFP4_GROUP)
+GROUP = tl.constexpr(16)
+
+
+@triton.jit
+def e2m1_times_4(codes):
+    """Four times the e2m1 values of ``codes`` (int32, 0-15): exact small integers, as float32."""
+    e = (codes >> 1) & 3
+    m = codes & 1
+    q4 = tl.where(e == 0, 2 * m, (2 + m) << e)
+    return tl.where((codes & 8) != 0, -q4, q4).to(tl.float32)
+
+
+@triton.jit
+def load_nvfp4_rows(byte_rows, scale_rows, s_byte, s_scale, D: tl.constexpr, DTYPE: tl.constexpr, row_mask=None):
+    """The ``[R, D]`` values of ``R`` NVFP4 rows as ``DTYPE`` (exact in fp16, bf16 and fp32).
+
+    ``byte_rows``: ``[R]`` pointers (uint8) to each row's first packed byte, the next ones ``s_byte``
+    apart; ``scale_rows``: ``[R]`` pointers (float8e4nv) to each row's first scale, the next ones
+    ``s_scale`` apart. ``row_mask`` (``[R]`` bool, optional): rows where it is False are not read and
+    hold zeros (a zero scale, as a masked load gives).
+    """
+    offs_b = tl.arange(0, D // 2)
+    offs_g = tl.arange(0, D // GROUP)
+    if row_mask is None:
+        packed = tl.load(byte_rows[:, None] + offs_b[None, :] * s_byte)
+        scales = tl.load(scale_rows[:, None] + offs_g[None, :] * s_scale)
+    else:
+        packed = tl.load(byte_rows[:, None] + offs_b[None, :] * s_byte, mask=row_mask[:, None], other=0)
+        scales = tl.load(scale_rows[:, None] + offs_g[None, :] * s_scale, mask=row_mask[:, None], other=0.0)
+    packed = packed.to(tl.int32)
+    # element 2i is byte i's low nibble, 2i + 1 its high one
+    vals = tl.interleave(e2m1_times_4(packed & 15), e2m1_times_4(packed >> 4))
+    R: tl.constexpr = vals.shape[0]
+    factor = scales.to(tl.float32) * 0.25
+    grouped = tl.reshape(vals, [R, D // GROUP, GROUP]) * factor[:, :, None]
+    return tl.reshape(grouped, [R, D]).to(DTYPE)
