@@ -48,23 +48,23 @@ def _plan(backend: str, dtype: str, index_dtype: str, registry: Registry) -> lis
     return plan_cases(registry.get(backend), device="cpu", quick=True, dtypes=[dtype], index_dtypes=[index_dtype])
 
 
-# Planning builds no input and runs no kernel: cheap enough for collection.
-def _declared(name: str) -> bool:
-    """Not one of the NVFP4 cases of the authors' formats, which the Triton plugins do not declare (they are
-    skipped, with the reason: tests/test_quant_formats.py); fp8 queries and unscaled e4m3 K/V they read."""
-    step = QUANT_CASES.get(name.split("/")[1].split(":")[0])
-    return step is None or "nvfp4" not in (step[1].kv_quant, step[1].index_format)
-
-
+# Planning builds no input and runs no kernel: cheap enough for collection. Every case of the authors'
+# formats (NVFP4 K/V and index keys, fp8 queries, unscaled e4m3) is among them: both plugins declare them all.
 CASES = [(backend, dtype, index_dtype, case.name) for backend, dtype, index_dtype, kinds in RUNS
-         for case in _plan(backend, dtype, index_dtype, _registry()) if case.name.split("/")[0] in kinds
-         and _declared(case.name)]
+         for case in _plan(backend, dtype, index_dtype, _registry()) if case.name.split("/")[0] in kinds]
 
 
 def test_every_run_plans_its_case_kinds() -> None:
     for backend, dtype, index_dtype, want in RUNS:
         kinds = {name.split("/")[0] for b, d, i, name in CASES if (b, d, i) == (backend, dtype, index_dtype)}
         assert kinds == set(want), (backend, dtype, kinds)
+
+
+def test_every_case_of_the_authors_formats_runs_on_both_plugins() -> None:
+    """NVFP4 K/V and index keys included (run with every kind: cuda in fp16, rocm in fp32), none skipped."""
+    for backend, dtype in (("cuda", "float16"), ("rocm", "float32")):
+        quant = {name.split("/")[1].split(":")[0] for b, d, _, name in CASES if (b, d) == (backend, dtype)}
+        assert set(QUANT_CASES) <= quant, (backend, sorted(set(QUANT_CASES) - quant))
 
 
 def _default_run(case: str) -> bool:

@@ -59,6 +59,7 @@ from .arrivals import arrival_counters, claim_ready_flags
 from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .merge import _merge_kernel, _merge_row_kernel, merge_splits
+from .nvfp4 import kv_block_scale_args, load_nvfp4_rows
 from .plans import decode_attention_plan
 from .prefill_attention import prefill_attention_forward
 from .scratch import scratch_parts
@@ -101,10 +102,13 @@ def online_softmax_step(s, vals, m_i, l_i, acc, v_f, DOT_DTYPE: tl.constexpr, DO
 
 @triton.jit
 def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_mask, pos, b,
-                  qk_scale, ks_row, vs_row, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SLOT_SCALED: tl.constexpr):
+                  qk_scale, ks_row, vs_row, kb_page, vb_page, s_kbb, s_kbd, s_vbb, s_vbd,
+                  B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SLOT_SCALED: tl.constexpr,
+                  KV_NVFP4: tl.constexpr = False):
     """Online-softmax steps over block ``b`` (its page's K/V head slices) for the masked rows
-    (``ks_row``, ``vs_row``: the page's per-slot scales of this KV head, read with ``SLOT_SCALED``).
+    (``ks_row``, ``vs_row``: the page's per-slot scales of this KV head, read with ``SLOT_SCALED``;
+    ``kb_page``, ``vb_page``: its NVFP4 block scales of this KV head, read with ``KV_NVFP4``).
 
     The block is taken ``BN`` keys at a time: a whole 128 x 128 K tile plus its V
     tile would not fit in registers next to the accumulator.
@@ -112,8 +116,12 @@ def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_
     offs_d = tl.arange(0, D)
     for c in tl.static_range(0, B, BN):
         offs_j = c + tl.arange(0, BN)
-        keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd).to(DOT_DTYPE)
-        vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd).to(DOT_DTYPE)
+        if KV_NVFP4:
+            keys = load_nvfp4_rows(k_page + offs_j * s_kb, kb_page + offs_j * s_kbb, s_kd, s_kbd, D, DOT_DTYPE)
+            vals = load_nvfp4_rows(v_page + offs_j * s_vb, vb_page + offs_j * s_vbb, s_vd, s_vbd, D, DOT_DTYPE)
+        else:
+            keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd).to(DOT_DTYPE)
+            vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd).to(DOT_DTYPE)
         m_i, l_i, acc = _softmax_update(q, keys, vals, row_mask, b * B + offs_j, pos, m_i, l_i, acc,
                                         qk_scale, slot_scales(ks_row, offs_j, SLOT_SCALED),
                                         slot_scales(vs_row, offs_j, SLOT_SCALED), DOT_DTYPE, DOT_PREC, SLOT_SCALED)
@@ -122,17 +130,23 @@ def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_
 
 @triton.jit
 def _attend_block_masked(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_mask, pos, b, use,
-                         qk_scale, ks_row, vs_row, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                         DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SLOT_SCALED: tl.constexpr):
+                         qk_scale, ks_row, vs_row, kb_page, vb_page, s_kbb, s_kbd, s_vbb, s_vbd,
+                         B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SLOT_SCALED: tl.constexpr,
+                         KV_NVFP4: tl.constexpr = False):
     """:func:`_attend_block` with the K/V loads predicated on ``use`` (scalar): no traffic when False."""
     offs_d = tl.arange(0, D)
     for c in tl.static_range(0, B, BN):
         offs_j = c + tl.arange(0, BN)
-        # a full-shape mask (the interpreter cannot broadcast a scalar boolean mask)
-        ld = (tl.zeros([BN, D], tl.int32) + use.to(tl.int32)) > 0
-        keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd, mask=ld, other=0.0)
-        vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd, mask=ld, other=0.0)
         ldj = (tl.zeros([BN], tl.int32) + use.to(tl.int32)) > 0
+        if KV_NVFP4:   # masked rows: zero bytes and zero scales, so zeros as below
+            keys = load_nvfp4_rows(k_page + offs_j * s_kb, kb_page + offs_j * s_kbb, s_kd, s_kbd, D, DOT_DTYPE, ldj)
+            vals = load_nvfp4_rows(v_page + offs_j * s_vb, vb_page + offs_j * s_vbb, s_vd, s_vbd, D, DOT_DTYPE, ldj)
+        else:
+            # a full-shape mask (the interpreter cannot broadcast a scalar boolean mask)
+            ld = (tl.zeros([BN, D], tl.int32) + use.to(tl.int32)) > 0
+            keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd, mask=ld, other=0.0)
+            vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd, mask=ld, other=0.0)
         m_i, l_i, acc = _softmax_update(q, keys.to(DOT_DTYPE), vals.to(DOT_DTYPE), row_mask, b * B + offs_j,
                                         pos, m_i, l_i, acc, qk_scale, slot_scales(ks_row, offs_j, SLOT_SCALED, ldj),
                                         slot_scales(vs_row, offs_j, SLOT_SCALED, ldj), DOT_DTYPE, DOT_PREC,
@@ -145,10 +159,12 @@ def _decode_attention_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, num_pages, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
+    kb_ptr, s_kbp, s_kbb, s_kbh, s_kbd, vb_ptr, s_vbp, s_vbb, s_vbh, s_vbd,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 2, PDL: tl.constexpr = False,
     KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False, SLOT_SCALED: tl.constexpr = False,
+    KV_NVFP4: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     t = tl.program_id(0)
@@ -185,7 +201,8 @@ def _decode_attention_kernel(
             m_i, l_i, acc = _attend_block_masked(
                 q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                 s_kb, s_kd, s_vb, s_vd, row_ok & use, pos_rows, blk, use, qk, ks_ptr + h * s_ks + page * B,
-                vs_ptr + h * s_vs + page * B, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED)
+                vs_ptr + h * s_vs + page * B, kb_ptr + page * s_kbp + h * s_kbh, vb_ptr + page * s_vbp + h * s_vbh,
+                s_kbb, s_kbd, s_vbb, s_vbd, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED, KV_NVFP4)
     acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
     if SPLITS == 1:
         store_rows(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
@@ -202,12 +219,13 @@ def _decode_attention_flat_kernel(
     bt_ptr, s_bt_r, s_bt_b, num_pages, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h, num_items, IPP, qk_scale,
     ks_ptr, s_ks, vs_ptr, s_vs, cnt_ptr, ready_ptr, num_decodes,
+    kb_ptr, s_kbp, s_kbb, s_kbh, s_kbd, vb_ptr, s_vbp, s_vbb, s_vbh, s_vbd,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 3, PDL: tl.constexpr = False,
     KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False, MERGE_LAST: tl.constexpr = False,
     S_PAD: tl.constexpr = 1, SLOT_SCALED: tl.constexpr = False, STREAM: tl.constexpr = False,
-    TRIGGER: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
 ):
     """:func:`_decode_attention_kernel`'s work, persistent: grid ``(programs,)``.
 
@@ -276,7 +294,9 @@ def _decode_attention_flat_kernel(
             q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
             s_kb, s_kd, s_vb, s_vd, row_ok & use, zero_rows + pos, blk, use,
             score_scale(qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED), undo, SCALE_Q),
-            ks_ptr + h * s_ks + page * B, vs_ptr + h * s_vs + page * B, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED)
+            ks_ptr + h * s_ks + page * B, vs_ptr + h * s_vs + page * B, kb_ptr + page * s_kbp + h * s_kbh,
+            vb_ptr + page * s_vbp + h * s_vbh, s_kbb, s_kbd, s_vbb, s_vbd, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED,
+            KV_NVFP4)
         last = row_ok & ((zero_rows + j) == KPS - 1)
         store_item(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
                    (t * num_h + h) * SPLITS + sp, acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED), m_i, l_i, last,
@@ -296,9 +316,10 @@ def _prefill_attention_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, num_pages, qsl_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od, G, first_request, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
+    kb_ptr, s_kbp, s_kbb, s_kbh, s_kbd, vb_ptr, s_vbp, s_vbb, s_vbh, s_vbd,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    KV_SCALED: tl.constexpr = False, SLOT_SCALED: tl.constexpr = False,
+    KV_SCALED: tl.constexpr = False, SLOT_SCALED: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
 ):
     r = first_request + tl.program_id(0)
     h = tl.program_id(2)
@@ -324,7 +345,8 @@ def _prefill_attention_kernel(
                 m_i, l_i, acc = _attend_block(
                     q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                     s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, ks_ptr + h * s_ks + page * B,
-                    vs_ptr + h * s_vs + page * B, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED)
+                    vs_ptr + h * s_vs + page * B, kb_ptr + page * s_kbp + h * s_kbh, vb_ptr + page * s_vbp + h * s_vbh,
+                    s_kbb, s_kbd, s_vbb, s_vbd, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED, KV_NVFP4)
         acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
         store_rows(out_ptr, tok, qh, s_ot, s_oh, s_od, acc, l_i, row_in, D)
 
@@ -340,6 +362,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     k, v, bt = caches.k, caches.v, batch.block_table
     qk_scale = params.softmax_scale * LOG2E
     scales, kv_scaled, slot_scaled = kv_scale_args(caches, q)
+    blocks, kv_nvfp4 = kv_block_scale_args(caches, q)
     sh, st, sk = topk.strides()
     # the page count bounds every page id the kernels read (tl_utils.load_page)
     tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()), caches.num_pages)
@@ -373,10 +396,11 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
                 options = plan.stream_options
             launch(_decode_attention_flat_kernel, plan.grid,
                    (*head, Hkv, *plan.flat_ints, qk_scale, *scales, ws_m if counters is None else counters,
-                    ws_m if ready is None else ready, batch.num_decodes),
+                    ws_m if ready is None else ready, batch.num_decodes, *blocks),
                    constexprs, options, fast)
         else:
-            launch(_decode_attention_kernel, plan.grid, (*head, qk_scale, *scales), constexprs, plan.options, fast)
+            launch(_decode_attention_kernel, plan.grid, (*head, qk_scale, *scales, *blocks), constexprs, plan.options,
+                   fast)
         if merge and plan.merge_per_row:
             launch(_merge_row_kernel, plan.merge_grid, (out, *so, ws_m, ws_l, ws_acc, G, Hkv),
                    plan.merge_constexprs, plan.merge_options, fast)
@@ -400,7 +424,8 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         m = rows // G
         launch(_prefill_attention_kernel, (npf, triton.cdiv(batch.max_prefill_query_len, m), Hkv),
                (*tensors, batch.query_start_loc, batch.token_positions,
-                topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale, *scales),
+                topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale, *scales, *blocks),
                dict(ROWS=rows, M=m, B=B, BN=min(B, tiles.block_n), D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype,
-                    DOT_PREC=dot_prec, KV_SCALED=kv_scaled, **({"SLOT_SCALED": True} if slot_scaled else {})),
+                    DOT_PREC=dot_prec, KV_SCALED=kv_scaled, **({"SLOT_SCALED": True} if slot_scaled else {}),
+                    **({"KV_NVFP4": True} if kv_nvfp4 else {})),
                dict(num_warps=tiles.warps, num_stages=tiles.num_stages, **opts), cfg.algorithms.fast_launch)

@@ -48,6 +48,7 @@ from mm3.plugin import SparseAttentionParams
 
 from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
+from .nvfp4 import index_block_scale_args, load_nvfp4_rows
 from .plans import decode_index_plan
 from .tiles import load_query_rows, token_rows
 from .arrivals import arrival_counters, capture_matters, offer_ready_flags
@@ -78,7 +79,8 @@ def _causal_mask(s, key_pos, pos):
 def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
                       ROWS: tl.constexpr, B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, NAN_IN_MAX: tl.constexpr = False,
-                      pos_min=0, MASK_ALL: tl.constexpr = True):
+                      pos_min=0, MASK_ALL: tl.constexpr = True, scale_page=None, s_is_b=0, s_is_d=0,
+                      INDEX_NVFP4: tl.constexpr = False):
     """Max over block ``b``'s visible keys (``j <= pos``) of ``<q_row, key_j>``, per row; NaN -> -1e30.
 
     Keys are read ``BN`` at a time to bound register use. ``row_scale``
@@ -89,15 +91,21 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
     that every row sees whole (its last key at or before ``pos_min``, the
     smallest position of the rows that count) skips the causal mask: in a
     prefill tile only the diagonal blocks need it, and the mask's compare and
-    select per score were a quarter of the instructions of the loop.
+    select per score were a quarter of the instructions of the loop. With
+    ``INDEX_NVFP4`` the keys are packed e2m1 with their block scales at
+    ``scale_page`` (``s_is_b``, ``s_is_d``: that page's strides), unpacked exactly.
     """
     offs_d = tl.arange(0, DI)
     smax = tl.full([ROWS], float("-inf"), tl.float32)
     nans = tl.zeros([ROWS], tl.int32)
     for c in tl.static_range(0, B, BN):
         offs_j = c + tl.arange(0, BN)
-        keys = tl.load(page_ptr + offs_j[:, None] * s_ik_b + offs_d[None, :] * s_ik_d)
-        s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PREC)  # [ROWS, BN] fp32
+        if INDEX_NVFP4:
+            keys = load_nvfp4_rows(page_ptr + offs_j * s_ik_b, scale_page + offs_j * s_is_b, s_ik_d, s_is_d, DI,
+                                   DOT_DTYPE)
+        else:
+            keys = tl.load(page_ptr + offs_j[:, None] * s_ik_b + offs_d[None, :] * s_ik_d).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(keys), input_precision=DOT_PREC)  # [ROWS, BN] fp32
         if MASK_ALL:
             s = _causal_mask(s, b * B + offs_j, pos)
         elif b * B + c + BN - 1 > pos_min:
@@ -116,12 +124,13 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
 def _decode_score_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
     qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H, out_ptr, s_out_h, s_out_t, s_out_k, cnt_ptr, ready_ptr,
+    is_ptr, s_is_p, s_is_b, s_is_d,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
     BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, PDL: tl.constexpr = False,
     TOPK_LAST: tl.constexpr = False, K: tl.constexpr = 1, K_PAD: tl.constexpr = 1, NB_PAD: tl.constexpr = 1,
     INIT: tl.constexpr = 0, LOCAL: tl.constexpr = 0, R_TK: tl.constexpr = 1, TK_ROWS: tl.constexpr = 1,
-    STREAM: tl.constexpr = False, TRIGGER: tl.constexpr = False,
+    STREAM: tl.constexpr = False, TRIGGER: tl.constexpr = False, INDEX_NVFP4: tl.constexpr = False,
 ):
     """Scores of ``BPS`` blocks of one request for all its rows: request ``program_id(0)``, split
     ``program_id(1)``. With ``TOPK_LAST`` the request's last score program to finish (:mod:`.arrivals`,
@@ -158,7 +167,8 @@ def _decode_score_kernel(
         for b in tl.range(b0, tl.minimum(b0 + BPS, nb_req)):
             page = load_reported_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages, faults_ptr, r, b)
             smax = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
-                                     ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, NAN_IN_MAX)
+                                     ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, NAN_IN_MAX, 0, True,
+                                     is_ptr + page * s_is_p, s_is_b, s_is_d, INDEX_NVFP4)
             tl.store(ws_ptr + r * s_ws_r + rows * s_ws_row + b, smax, mask=row_ok)
     if TOPK_LAST:
         if arrive_last(cnt_ptr, r, splits):
@@ -241,12 +251,13 @@ def _decode_topk_kernel(
 def _prefill_index_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
     qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
-    ws_ptr, s_ws_s, s_ws_t, first_token,
+    ws_ptr, s_ws_s, s_ws_t, first_token, is_ptr, s_is_p, s_is_b, s_is_d,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, CH: tl.constexpr,
     SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, SPLITS: tl.constexpr = 1,
     MASK_ALL: tl.constexpr = True, SORTED_MERGE: tl.constexpr = False, KEY_ROW: tl.constexpr = 0,
+    INDEX_NVFP4: tl.constexpr = False,
 ):
     """Top-k of a tile of ``M`` tokens of prefill request ``first_request + program_id(0)`` for all index
     heads (rows ``(token, head)``); the running top-K is kept as packed keys and updated once per
@@ -291,7 +302,8 @@ def _prefill_index_kernel(
                 b = c0 + j
                 page = load_reported_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages, faults_ptr, r, b)
                 sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
-                                       ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, NAN_IN_MAX, pos_min, MASK_ALL)
+                                       ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, NAN_IN_MAX, pos_min, MASK_ALL,
+                                       is_ptr + page * s_is_p, s_is_b, s_is_d, INDEX_NVFP4)
                 if SORTED_MERGE:
                     chunk = tl.where(cols == j, sb[:, None], chunk)
                 else:
@@ -365,6 +377,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     bt = batch.block_table
     sh, st, sk = out.strides()
     faults = page_faults if page_faults is not None else scratch(ik.device, "page-faults", (1,), torch.int64)
+    iscale, index_nvfp4 = index_block_scale_args(caches, ik)
 
     nd = batch.num_decodes
     if nd > 0 and batch.num_decode_tokens > 0:
@@ -387,7 +400,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         launch(_decode_score_kernel, plan.score_grid,
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults, qsl, pos, ws,
                 ws.stride(0), ws.stride(1), H, out.storage, sh, st, sk, ws if counters is None else counters,
-                ws if ready is None else ready),
+                ws if ready is None else ready, *iscale),
                score_constexprs, plan.score_options, fast)
         offer_ready_flags(dev, out.storage, nd, ready if streamed else None)
         if counters is None:   # no top-k in the score kernel: a launch of its own
@@ -414,11 +427,12 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         launch(_prefill_index_kernel, (npf, tiles, splits),
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults,
                 batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd,
-                ws, ws.stride(0), ws.stride(1) if splits > 1 else 0, t0),
+                ws, ws.stride(0), ws.stride(1) if splits > 1 else 0, t0, *iscale),
                dict(ROWS=rows, M=m, K=K, K_PAD=k_pad, INIT=params.init_blocks, LOCAL=params.local_blocks,
                     BN=min(B, pic.block_n), **common, CH=max(pic.chunk, k_pad), SPLITS=splits,
                     MASK_ALL=not pic.unmasked_full, SORTED_MERGE=pic.sorted_merge,
-                    KEY_ROW=ik.stride(1) if pic.static_key_stride else 0),
+                    KEY_ROW=ik.stride(1) if pic.static_key_stride else 0,
+                    **({"INDEX_NVFP4": True} if index_nvfp4 else {})),
                dict(num_warps=pic.warps, num_stages=pic.num_stages, **opts), fast)
         if splits > 1:
             r_merge = 16

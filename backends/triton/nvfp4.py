@@ -19,10 +19,13 @@ slots, NHD or HND) stays the kernel's; only the bytes of a row are read here.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["e2m1_times_4", "load_nvfp4_rows"]
+__all__ = ["e2m1_times_4", "load_nvfp4_rows", "kv_block_scale_args", "index_block_scale_args"]
 
 #: head-dim elements per e4m3 scale (mm3.contract.quant.NVFP4_GROUP)
 GROUP = tl.constexpr(16)
@@ -61,3 +64,30 @@ def load_nvfp4_rows(byte_rows, scale_rows, s_byte, s_scale, D: tl.constexpr, DTY
     factor = scales.to(tl.float32) * 0.25
     grouped = tl.reshape(vals, [R, D // GROUP, GROUP]) * factor[:, :, None]
     return tl.reshape(grouped, [R, D]).to(DTYPE)
+
+
+def kv_block_scale_args(caches: Any, dummy: torch.Tensor) -> tuple[tuple[Any, ...], bool]:
+    """``((k_block_scale, its 4 strides, v_block_scale, its 4 strides), KV_NVFP4)`` for a kernel that reads
+    ``caches``' K/V: NVFP4's scales read in place (any page layout), else ``dummy`` with zero strides,
+    never read.
+
+    Example:
+        >>> from mm3.contract.buffers import PagedKVCache
+        >>> c = PagedKVCache.allocate(2, 16, 1, 32, 32, kv_format="nvfp4", layout="HND")
+        >>> args, nvfp4 = kv_block_scale_args(c, c.k)
+        >>> nvfp4, args[1:5]
+        (True, (32, 2, 32, 1))
+    """
+    if caches.k_block_scale is None:
+        return (dummy, 0, 0, 0, 0, dummy, 0, 0, 0, 0), False
+    kb, vb = caches.k_block_scale, caches.v_block_scale
+    return (kb, *kb.stride(), vb, *vb.stride()), True
+
+
+def index_block_scale_args(caches: Any, dummy: torch.Tensor) -> tuple[tuple[Any, ...], bool]:
+    """``((index_block_scale, its 3 strides), INDEX_NVFP4)`` for a kernel that reads ``caches``' index keys
+    (NVFP4's scales read in place), else ``dummy`` with zero strides, never read."""
+    s = caches.index_block_scale
+    if s is None:
+        return (dummy, 0, 0, 0), False
+    return (s, *s.stride()), True

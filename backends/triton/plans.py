@@ -98,6 +98,8 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
                      DOT_PREC=dot_prec, KV_SCALED=kv_scaled, SCALE_Q=scale_q)
         if slot_scaled:
             const["SLOT_SCALED"] = True
+        if kv_dtype == torch.uint8:   # NVFP4 K/V (.nvfp4); every other format compiles as without it
+            const["KV_NVFP4"] = True
         opts = dict(num_warps=dac.warps, num_stages=dac.num_stages, **dopts)
         flat = cfg.algorithms.decode_attention_flat
         if flat:
@@ -161,6 +163,8 @@ def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_
         dot_dtype, dot_prec, scale_q = dot_config(q_dtype, index_dtype, cfg.numerics.fp8_as_f16)
         common = dict(B=B, DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
                       SCALE_Q=scale_q, NAN_IN_MAX=cfg.numerics.nan_in_max)
+        if index_dtype == torch.uint8:   # NVFP4 index keys (.nvfp4)
+            common["INDEX_NVFP4"] = True
         rows = Q * H
         dic = cfg.decode_index
         bps = cfg.decode_index_blocks_per_split(nd, width, streamed)

@@ -45,6 +45,7 @@ from mm3.plugin import SparseAttentionParams
 
 from .fast_launch import launch
 from .launch import next_pow2
+from .nvfp4 import kv_block_scale_args, load_nvfp4_rows
 from .prefill_config import PrefillAttentionConfig
 from .prefill_plan import plan_pairs
 from .tiles import load_rows, store_rows
@@ -84,14 +85,19 @@ def _store_partials(ws_o_ptr, ws_lse_ptr, place, G, o, lse, row_ok, D: tl.conste
 
 
 @triton.jit
-def _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, B: tl.constexpr, D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, kb_page, vb_page, s_kbb, s_kbd, s_vbb, s_vbd,
+              B: tl.constexpr, D: tl.constexpr, DOT_DTYPE: tl.constexpr, KV_NVFP4: tl.constexpr = False):
     """A block's K^T (the dot's B operand as loaded, so the compiler keeps it in shared memory
-    across a run) and V."""
+    across a run) and V (``KV_NVFP4``: unpacked with the block scales at ``kb_page``, ``vb_page``)."""
     offs_d = tl.arange(0, D)
     offs_j = tl.arange(0, B)
-    keys_t = tl.load(k_page + offs_d[:, None] * s_kd + offs_j[None, :] * s_kb)
-    vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd)
-    return keys_t.to(DOT_DTYPE), vals.to(DOT_DTYPE)
+    if KV_NVFP4:
+        keys_t = tl.trans(load_nvfp4_rows(k_page + offs_j * s_kb, kb_page + offs_j * s_kbb, s_kd, s_kbd, D, DOT_DTYPE))
+        vals = load_nvfp4_rows(v_page + offs_j * s_vb, vb_page + offs_j * s_vbb, s_vd, s_vbd, D, DOT_DTYPE)
+    else:
+        keys_t = tl.load(k_page + offs_d[:, None] * s_kd + offs_j[None, :] * s_kb).to(DOT_DTYPE)
+        vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd).to(DOT_DTYPE)
+    return keys_t, vals
 
 
 @triton.jit
@@ -123,9 +129,11 @@ def _block_run_kernel(
     v_ptr, s_vp, s_vb: tl.constexpr, s_vh, s_vd: tl.constexpr,
     pos_ptr, run_seg_ptr, run_page_ptr, run_tok_ptr, run_pairs_ptr, run_place_ptr, num_runs_ptr, ws_o_ptr,
     ws_lse_ptr, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
+    kb_ptr, s_kbp, s_kbb: tl.constexpr, s_kbh, s_kbd: tl.constexpr,
+    vb_ptr, s_vbp, s_vbb: tl.constexpr, s_vbh, s_vbd: tl.constexpr,
     B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr, RUN: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 4, KV_SCALED: tl.constexpr = False,
-    SLOT_SCALED: tl.constexpr = False,
+    SLOT_SCALED: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
 ):
     """Runs ``program_id, program_id + programs, ...``; a run is up to ``RUN`` tiles of one segment.
 
@@ -148,7 +156,9 @@ def _block_run_kernel(
         h = seg // nb_max // num_req
         k_page = k_ptr + page * s_kp + h * s_kh
         v_page = v_ptr + page * s_vp + h * s_vh
-        keys_t, vals = _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, B, D, DOT_DTYPE)
+        keys_t, vals = _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, kb_ptr + page * s_kbp + h * s_kbh,
+                                 vb_ptr + page * s_vbp + h * s_vbh, s_kbb, s_kbd, s_vbb, s_vbd, B, D, DOT_DTYPE,
+                                 KV_NVFP4)
         # fp8 K/V: the K scale joins the logits' factor, the V scale multiplies the result once
         run_qk_scale = qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED)
         v_scale = kv_scale(vs_ptr, h, s_vs, KV_SCALED)
@@ -226,6 +236,7 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
                          f"overflow the int32 segment ids; split the step into fewer prefill requests")
     k, v = caches.k, caches.v
     scales, kv_scaled, slot_scaled = kv_scale_args(caches, q)
+    blocks, kv_nvfp4 = kv_block_scale_args(caches, q)
     sel = topk.head_major()
     run_options = dict(num_warps=cfg.warps, **platform_options)
     merge_options = dict(num_warps=cfg.merge_warps, **platform_options)
@@ -243,9 +254,10 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         launch(_block_run_kernel, (programs,),
                (q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
                 plan.tile_seg, plan.tile_page, plan.tile_tok, plan.tile_pairs, plan.tile_place, plan.num_tiles,
-                ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales),
+                ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales, *blocks),
                dict(ROWS=rows, M=m, RUN=cfg.run_tiles, STAGES=cfg.stages, KV_SCALED=kv_scaled, B=B, D=D,
-                    DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, **({"SLOT_SCALED": True} if slot_scaled else {})),
+                    DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, **({"SLOT_SCALED": True} if slot_scaled else {}),
+                    **({"KV_NVFP4": True} if kv_nvfp4 else {})),
                run_options, fast)
         launch(_merge_slots_kernel, (c, Hkv), (out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G),
                dict(K=K, **_merge_sizes(G, D)), merge_options, fast)

@@ -74,8 +74,9 @@ def dot_config(a: torch.dtype, b: torch.dtype, fp8_as_f16: bool = False) -> tupl
     fp16 is one native conversion per two values on sm_89+ and e4m3 -> bf16 several
     (e5m2 -> fp16 keeps fp16's exponent: the byte is the fp16's upper half),
     and its rows are then scaled into fp16's range (``SCALE_Q``:
-    :func:`.tiles.load_query_rows`). Anything else (fp32, or two different
-    16-bit types) goes through fp32 with ``ieee`` precision, because tf32 would
+    :func:`.tiles.load_query_rows`). An NVFP4 ``b`` (uint8) is unpacked to ``a``'s 16-bit
+    dtype (fp16 for fp8 queries), in which its values are exact (:mod:`.nvfp4`). Anything
+    else (fp32, or two different 16-bit types) goes through fp32 with ``ieee`` precision, because tf32 would
     round scores to about 1e-3, the size of the selection tolerance itself.
 
     Example:
@@ -83,9 +84,18 @@ def dot_config(a: torch.dtype, b: torch.dtype, fp8_as_f16: bool = False) -> tupl
         ('tf32', True)
         >>> dot_config(torch.float16, torch.float8_e5m2)[1:]
         ('tf32', False)
+        >>> dot_config(torch.bfloat16, torch.uint8, fp8_as_f16=True)    # NVFP4: exact in bf16, no row scaling
+        (bfloat16, 'tf32', False)
     """
     if a == b and a in (torch.float16, torch.bfloat16):
         return TL_DTYPES[a], "tf32", False
+    # an NVFP4 cache (uint8): its values, e2m1 x e4m3 products, are exact in fp16 and bf16 (.nvfp4)
+    if b == torch.uint8:
+        if a in (torch.float16, torch.bfloat16):
+            return TL_DTYPES[a], "tf32", False
+        if a == torch.float8_e4m3fn:
+            return tl.float16, "tf32", False
+        return tl.float32, "ieee", False
     # fp8 queries (docs/spec.md §1): e4m3 widens exactly to fp16 and bf16, and so does an fp8 K/V tile to fp16,
     # so the dots stay 16-bit and exact in their inputs (fp16 for two fp8 tiles: one native conversion on sm_89+)
     if a == torch.float8_e4m3fn and b in (torch.float16, torch.bfloat16):
