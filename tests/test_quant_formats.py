@@ -163,6 +163,20 @@ def test_the_triton_plugins_declare_every_format_of_the_authors(name: str) -> No
         assert "cannot read" not in (planned[case_name].skip or ""), (case_name, planned[case_name].skip)
 
 
+def test_the_bench_rows_of_nvfp4_select_the_cuda_plugin() -> None:
+    """``mm3 bench``'s kv-nvfp4 rows (decode and prefill, NVFP4 index keys too) ask for what the cuda plugin
+    declares, so on a GPU its automatic selection measures the Triton kernels, not a refusal."""
+    from mm3_benchmarks.harness import SHAPES_FULL, full_grid
+
+    rows = [c for c in full_grid() if "nvfp4" in (c.kv_dtype, getattr(c, "index_dtype", ""))]
+    assert {"decode", "prefill"} <= {c.name.split()[0] for c in rows} and all("kv-nvfp4" in c.name for c in rows)
+    caps = default_registry().get("cuda").capabilities
+    for c in rows:
+        req = requirements_for(SHAPES_FULL[c.shape], "bfloat16", getattr(c, "index_dtype", "bfloat16"), "cuda",
+                               kv_dtype=c.kv_dtype, query_dtype=None if c.q_dtype == "bfloat16" else c.q_dtype)
+        assert not caps.unmet(req), (c.name, caps.unmet(req))
+
+
 def test_a_bound_backend_without_the_format_refuses_the_call_by_name() -> None:
     from mm3.testing.helpers import RegistryFactory
     from mm3.testing.mock import MockBackend

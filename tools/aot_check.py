@@ -34,7 +34,7 @@ import torch
 __all__ = ["Launch", "record_launches", "compile_launch", "main"]
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.uint8: "u8"}
 
 
 @dataclass
@@ -101,7 +101,8 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
     with recording() as launches:
         # PDL off, as the compile check always ran: its launches are proven on the GPU (tests/gpu)
         cfg = override(plugin_spec.launch.for_device_sms(132), algorithms=dict(pdl=False))
-        # (tp, dtype, index dtype, decode query len, decodes, prefills[, K/V dtype]); fp32 (tests only) is left out:
+        # (tp, dtype, index dtype, decode query len, decodes, prefills[, K/V dtype, K/V scale, query dtype,
+        # page layout]); fp32 (tests only) is left out:
         # its ieee dots take ten times longer to compile
         m3 = SparseAttentionParams.minimax_m3
         # the smallest shapes the fuzzer draws: top-1 (a one-wide sort), 16-token blocks,
@@ -124,11 +125,19 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
              "head", torch.float8_e4m3fn),
             (m3(tp_size=1), torch.bfloat16, torch.bfloat16, 1, [300] * 64, [(5, 260)], None, "head",
              torch.float8_e4m3fn),
+            # the authors' q8kv4: fp8 queries on NVFP4 K/V and index keys (unpacked on chip); bf16 queries on
+            # NVFP4 K/V in HND pages at TP1 (eight KV heads: the block-grouped prefill compiles in-page strides in)
+            (m3(tp_size=8), torch.bfloat16, "nvfp4", 2, [300] * 64, [(5, 260)], "nvfp4", "head", torch.float8_e4m3fn),
+            (m3(tp_size=8), torch.bfloat16, "nvfp4", 1, [300] * 64, [(5, 260)], "nvfp4", "head", torch.float8_e4m3fn),
+            (m3(tp_size=1), torch.bfloat16, torch.bfloat16, 1, [300] * 64, [(5, 260)], "nvfp4", "head", None, "HND"),
+            # head dim 16: one scale per row
+            (tiny, torch.bfloat16, "nvfp4", 1, [1], [(1, 1)], "nvfp4"),
         ]
         for p, dtype, idt, dq, decodes, prefills, *kv in variants:
             case = make_case(p, decodes=decodes, prefills=prefills, decode_query_len=dq,
                              dtype=dtype, index_dtype=idt, seed=0, kv_dtype=kv[0] if kv else None,
-                             kv_scale=kv[1] if len(kv) > 1 else "head", q_dtype=kv[2] if len(kv) > 2 else None)
+                             kv_scale=kv[1] if len(kv) > 1 else "head", q_dtype=kv[2] if len(kv) > 2 else None,
+                             kv_layout=kv[3] if len(kv) > 3 else "NHD")
             T = case.batch.num_tokens
             b = case.batch      # the contents check of a batch with its own context lengths, and of one without
             derived = BatchMetadata.from_device(b.query_start_loc, b.seq_lens, b.block_table, num_decodes=b.num_decodes,
