@@ -72,7 +72,7 @@ def kv_block_scale_args(caches: Any, dummy: torch.Tensor) -> tuple[tuple[Any, ..
     never read.
 
     Example:
-        >>> from mm3.contract.buffers import PagedKVCache
+        >>> from mm3.plugin import PagedKVCache
         >>> c = PagedKVCache.allocate(2, 16, 1, 32, 32, kv_format="nvfp4", layout="HND")
         >>> args, nvfp4 = kv_block_scale_args(c, c.k)
         >>> nvfp4, args[1:5]

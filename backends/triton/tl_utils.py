@@ -85,7 +85,7 @@ def dot_config(a: torch.dtype, b: torch.dtype, fp8_as_f16: bool = False) -> tupl
         >>> dot_config(torch.float16, torch.float8_e5m2)[1:]
         ('tf32', False)
         >>> dot_config(torch.bfloat16, torch.uint8, fp8_as_f16=True)    # NVFP4: exact in bf16, no row scaling
-        (bfloat16, 'tf32', False)
+        (triton.language.bfloat16, 'tf32', False)
     """
     if a == b and a in (torch.float16, torch.bfloat16):
         return TL_DTYPES[a], "tf32", False
