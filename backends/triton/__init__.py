@@ -2,6 +2,7 @@
 
 * :mod:`.indexer` - decode and prefill indexers (docs/spec.md §3);
 * :mod:`.attention` - decode (flash-decoding) and prefill block-sparse attention (docs/spec.md §4);
+* :mod:`.nvfp4` - NVFP4 K/V and index-key tiles unpacked on chip (docs/spec.md §1);
 * :mod:`.launch` - :class:`LaunchConfig` (groups the configs below) and the shape-only grid heuristics;
 * :mod:`.kernel_configs`, :mod:`.prefill_config` - tile sizes, warps and stages per kernel family;
 * :mod:`.algorithms` - which kernel variants run, and the kernels' numerics;

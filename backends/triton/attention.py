@@ -39,7 +39,8 @@ stored (:func:`.tl_utils.kv_scale`). With bf16 queries and
 e4m3 -> fp16 is one native conversion; each query row is scaled by a power of
 two into fp16's range and the inverse joins its score scale,
 :func:`.tiles.score_scale`); the prefill kernels widen fp8 K/V to the queries'
-dtype.
+dtype. NVFP4 K/V (``KV_NVFP4``) are unpacked tile by tile as they are loaded,
+with their block scales, exactly into the dot dtype (:mod:`.nvfp4`).
 
 Rows and slots that hold no valid block (``-1``, ids ``>= nb``, repeated ids)
 contribute nothing; a token with no visible key (padding) outputs zeros.
