@@ -342,7 +342,7 @@ def _check_against_reference(ctx: Context, be: Any, p: SparseAttentionParams, s:
     ref.index_topk(s.index_q[rows].contiguous(), s.caches, sub, p, rbuf)
     mine = buf.head_major()[:, rows]
     same = _row_sets_equal(mine, rbuf.head_major()[:, :n])
-    out = torch.empty_like(s.q[rows])
+    out = torch.empty_like(s.out[rows])      # the output's dtype: fp8 queries write bf16
     mine_buf = TopkBuffer(mine.contiguous())
     ref.attention_forward(s.q[rows].contiguous(), s.caches, mine_buf, sub, p, out)
     err = (out.float() - s.out[rows].float()).abs()

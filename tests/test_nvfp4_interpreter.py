@@ -141,3 +141,26 @@ def test_fp8_queries_on_nvfp4_caches_through_the_layer(backend: str, layout: str
     sel = layer.topk_buffer.rows(0, case.batch.num_tokens)
     assert not check_topk(sel, case.index_q, case.caches, case.batch, P)
     _check_attention(out, case, sel)
+
+
+@pytest.mark.slow   # the tiny bench rows through the interpreter: ~40 s on 2 cores
+def test_the_bench_rows_of_q8kv4_run_on_the_cuda_plugin_checked_by_cpu_ref(tmp_path: object) -> None:
+    """``mm3 bench``'s NVFP4 rows (fp8 queries, NVFP4 K/V, NVFP4 index keys) measure the cuda plugin and
+    check each step against cpu_ref: the reference writes the step's output dtype (bf16), not the queries'."""
+    import argparse
+    import json
+
+    from mm3.cli import bench
+
+    harness = bench.load_harness()
+    ap = argparse.ArgumentParser()
+    harness.add_arguments(ap)
+    args = ap.parse_args(["--tiny", "--device", "cpu", "--backend", "cuda", "--reference", "cpu_ref",
+                          "--out", str(tmp_path), "--only", "kv-nvfp4"])
+    assert harness.run(args) == 0
+    recs = json.loads((tmp_path / "results.json").read_text())["records"]
+    assert not [r["error"] for r in recs if "error" in r]
+    steps = [r for r in recs if r.get("part") == "step" and r.get("impl") == "mm3:cuda"]
+    assert {r["kind"] for r in steps} == {"decode", "prefill"}
+    for r in steps:
+        assert r["check"]["sel_match"] == 1.0 and r["check"]["attn_max_err"] < 2e-2, r["check"]
