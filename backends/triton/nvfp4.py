@@ -86,7 +86,15 @@ def kv_block_scale_args(caches: Any, dummy: torch.Tensor) -> tuple[tuple[Any, ..
 
 def index_block_scale_args(caches: Any, dummy: torch.Tensor) -> tuple[tuple[Any, ...], bool]:
     """``((index_block_scale, its 3 strides), INDEX_NVFP4)`` for a kernel that reads ``caches``' index keys
-    (NVFP4's scales read in place), else ``dummy`` with zero strides, never read."""
+    (NVFP4's scales read in place), else ``dummy`` with zero strides, never read.
+
+    Example:
+        >>> from mm3.plugin import PagedKVCache
+        >>> c = PagedKVCache.allocate(2, 16, 1, 32, 64, index_format="nvfp4")
+        >>> args, nvfp4 = index_block_scale_args(c, c.index)
+        >>> nvfp4, args[1:]
+        (True, (64, 4, 1))
+    """
     s = caches.index_block_scale
     if s is None:
         return (dummy, 0, 0, 0), False
