@@ -60,6 +60,7 @@ from mm3.contract.hookspecs import STEP_OPS, Op
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.guard import capturing
 from mm3.integrations import sglang_inputs as si
+from mm3.integrations.no_grad import without_grad
 from mm3.integrations.sglang_inputs import RELEASE
 from mm3.integrations.targets import MAX_CHOICES, bind
 from mm3.runtime.selection import requirements_for
@@ -187,7 +188,7 @@ def _topk_out(fn: str, name: str, t: Optional[torch.Tensor], shape: tuple[int, i
 
 # -- the entry points ----------------------------------------------------------------------------
 
-@torch.no_grad()
+@without_grad
 def minimax_sparse_decode(q: torch.Tensor, sink: Optional[torch.Tensor], k_cache: torch.Tensor,
                           v_cache: torch.Tensor, idx_q: torch.Tensor, idx_sink: Optional[torch.Tensor],
                           idx_k_cache: torch.Tensor, idx_v_cache: Optional[torch.Tensor],
@@ -245,7 +246,7 @@ def minimax_sparse_decode(q: torch.Tensor, sink: Optional[torch.Tensor], k_cache
     return None, o
 
 
-@torch.no_grad()
+@without_grad
 def minimax_sparse_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            sink: Optional[torch.Tensor], idx_q: torch.Tensor, idx_k_cache: torch.Tensor,
                            idx_v_cache: Optional[torch.Tensor], idx_sink: Optional[torch.Tensor],
@@ -305,7 +306,7 @@ def minimax_sparse_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 # -- the kernel-level functions ------------------------------------------------------------------
 
-@torch.no_grad()
+@without_grad
 def flash_decode_with_topk_idx(q: torch.Tensor, sink: Optional[torch.Tensor], k_cache: torch.Tensor,
                                v_cache: Optional[torch.Tensor], req_to_token: Optional[torch.Tensor],
                                seq_lens: torch.Tensor, max_seqlen: int, slot_ids: Optional[torch.Tensor],
@@ -339,7 +340,7 @@ def flash_decode_with_topk_idx(q: torch.Tensor, sink: Optional[torch.Tensor], k_
     return None, ids, None
 
 
-@torch.no_grad()
+@without_grad
 def flash_prefill_with_topk_index(q: torch.Tensor, k_cache: torch.Tensor, v_cache: Optional[torch.Tensor],
                                   sink: Optional[torch.Tensor], req_to_token: Optional[torch.Tensor],
                                   slot_ids: Optional[torch.Tensor], cu_seqlens: torch.Tensor, seq_lens: torch.Tensor,
@@ -373,7 +374,7 @@ def flash_prefill_with_topk_index(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     return None, ids
 
 
-@torch.no_grad()
+@without_grad
 def flash_decode_with_gqa_share_sparse(q: torch.Tensor, sink: Optional[torch.Tensor], k_cache: torch.Tensor,
                                        v_cache: torch.Tensor, req_to_token: Optional[torch.Tensor],
                                        seq_lens: torch.Tensor, slot_ids: Optional[torch.Tensor], block_size: int,
@@ -405,7 +406,7 @@ def flash_decode_with_gqa_share_sparse(q: torch.Tensor, sink: Optional[torch.Ten
     return o
 
 
-@torch.no_grad()
+@without_grad
 def flash_prefill_with_gqa_share_sparse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                         sink: Optional[torch.Tensor], req_to_token: Optional[torch.Tensor],
                                         slot_ids: Optional[torch.Tensor], topk_idx: torch.Tensor, block_size_q: int,

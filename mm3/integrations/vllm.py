@@ -53,6 +53,7 @@ from mm3.contract.errors import BackendUnavailableError, InputError
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.guard import capturing
 from mm3.integrations.block_scores import block_scores, score_width, select_topk
+from mm3.integrations.no_grad import without_grad
 from mm3.integrations.targets import MAX_CHOICES, Binding, bind
 from mm3.integrations.vllm_inputs import (
     DECODE_NAMES, FP8_DTYPES, VLLM_NAMES, attention_caches, cdiv, check_heads, decode_batch, index_caches, int32_arg,
@@ -189,7 +190,7 @@ def _decode_scores(fn: str, idx_q: torch.Tensor, index_kv_cache: torch.Tensor, b
 
 # -- vLLM's six functions -----------------------------------------------------------------------
 
-@torch.no_grad()
+@without_grad
 def minimax_m3_index_decode(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, block_table: torch.Tensor,
                             seq_lens: torch.Tensor, max_seq_len: int, topk: int, init_blocks: int,
                             local_blocks: int, num_kv_heads: int, decode_query_len: int,
@@ -223,7 +224,7 @@ def minimax_m3_index_decode(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, b
     return rows
 
 
-@torch.no_grad()
+@without_grad
 def minimax_m3_index_decode_score(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, block_table: torch.Tensor,
                                   seq_lens: torch.Tensor, max_seq_len: int, init_blocks: int, local_blocks: int,
                                   num_kv_heads: int, decode_query_len: int, max_decode_query_len: int,
@@ -253,7 +254,7 @@ def minimax_m3_index_decode_score(idx_q: torch.Tensor, index_kv_cache: torch.Ten
                           max_decode_query_len, score_out, graph)
 
 
-@torch.no_grad()
+@without_grad
 def minimax_m3_index_score(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, block_table: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, prefix_lens: torch.Tensor,
                            max_query_len: int, max_seq_len: int, num_kv_heads: int) -> torch.Tensor:
@@ -277,7 +278,7 @@ def minimax_m3_index_score(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, bl
     return scores
 
 
-@torch.no_grad()
+@without_grad
 def minimax_m3_index_topk(score: torch.Tensor, cu_seqlens_q: torch.Tensor, prefix_lens: torch.Tensor,
                           max_query_len: int, topk: int, init_blocks: int, local_blocks: int,
                           out: Optional[torch.Tensor] = None, *, block_size: int = SPARSE_BLOCK_SIZE) -> torch.Tensor:
@@ -306,7 +307,7 @@ def minimax_m3_index_topk(score: torch.Tensor, cu_seqlens_q: torch.Tensor, prefi
     return rows
 
 
-@torch.no_grad()
+@without_grad
 def minimax_m3_sparse_attn(q: torch.Tensor, kv_cache: torch.Tensor, topk_idx: torch.Tensor,
                            block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                            prefix_lens: torch.Tensor, max_query_len: int, num_kv_heads: int, sm_scale: float,
@@ -335,7 +336,7 @@ def minimax_m3_sparse_attn(q: torch.Tensor, kv_cache: torch.Tensor, topk_idx: to
         _run_attention(fn, q, caches, topk_idx, batch, output, params, 1, graph)
 
 
-@torch.no_grad()
+@without_grad
 def minimax_m3_sparse_attn_decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_idx: torch.Tensor,
                                   block_table: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int,
                                   sm_scale: float, output: torch.Tensor, decode_query_len: int,
