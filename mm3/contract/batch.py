@@ -282,21 +282,16 @@ class BatchMetadata:
             [39, 0]
         """
         batch = cls.__new__(cls)  # the fields set directly: the custom ops assemble a batch per call
-        d = batch.__dict__
-        d.update(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
-                 query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
-                 token_to_request=token_to_request, host_lens=None, token_positions=token_positions,
-                 num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len)
-        if context_lens is not None:
-            d["context_lens"] = context_lens
-        if max_query_len is not None:     # the cached properties
-            d["max_query_len"] = max_query_len
-        if max_seq_len is not None:
-            d["max_seq_len"] = max_seq_len
-        # worked out now, once (every layer of the step reads it), as the cached property would
-        d["facts"] = batch_shape(query_start_loc, seq_lens, block_table, token_to_request, token_positions,
-                                 context_lens, num_decodes, decode_query_len, num_decode_tokens, block_size,
-                                 max_prefill_query_len)
+        batch.__dict__.update(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
+                              query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+                              token_to_request=token_to_request, host_lens=None, token_positions=token_positions,
+                              num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len,
+                              facts=batch_shape(query_start_loc, seq_lens, block_table, token_to_request,  # once
+                                                token_positions, context_lens, num_decodes, decode_query_len,
+                                                num_decode_tokens, block_size, max_prefill_query_len))
+        for name, value in (("context_lens", context_lens), ("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+            if value is not None:     # the cached properties
+                batch.__dict__[name] = value
         return batch
 
     def __getattr__(self, name: str) -> torch.Tensor:
