@@ -176,7 +176,8 @@ def prefill_batch(fn: str, cu_seqlens_q: object, seq_lens: object, block_table: 
 def index_caches(index_cache: torch.Tensor, heads: int, dtype: torch.dtype, graph: bool) -> PagedKVCache:
     P, B, Di = index_cache.shape
     dev, shape = index_cache.device, (P, B, heads, Di)
-    (kv,) = kept(("stand-in", dtype, dev, shape), graph, _stand_in, dtype, dev, shape)  # an indexer reads the index cache only
+    # an indexer reads the index cache only
+    (kv,) = kept(("stand-in", dtype, dev, shape), graph, _stand_in, dtype, dev, shape)
     return PagedKVCache.rewrap(kv, kv, index_cache)
 
 
@@ -197,7 +198,7 @@ def attention_caches(fn: str, kv_cache: torch.Tensor, k_scale: object, v_scale: 
         raise InputError(f"{fn}: kv_cache's last axis ({D2}) must hold K then V: 2 * head_dim")
     k, v = kv_cache.transpose(1, 2).chunk(2, dim=-1)         # [N, B, H, D] views: HND pages
     dev, shape = kv_cache.device, (N, B, D2 // 2)
-    (index,) = kept(("stand-in", q.dtype, dev, shape), graph, _stand_in, q.dtype, dev, shape)  # never read by an attention
+    (index,) = kept(("stand-in", q.dtype, dev, shape), graph, _stand_in, q.dtype, dev, shape)  # no attention reads it
     if kv_cache.dtype not in FP8_DTYPES:
         return PagedKVCache.rewrap(k, v, index)              # vLLM reads scales of fp8 caches only
     if (k_scale is None) != (v_scale is None):

@@ -208,10 +208,10 @@ class OpTarget:
         """The (op, batch kind) pairs whose first eager call passed the guard ("first" mode)."""
         return {(op, kind) for op, kinds in self._passed.items() for kind in kinds}
 
-    def topk_of(self, t: torch.Tensor, what: str) -> TopkBuffer:
+    def topk_of(self, t: torch.Tensor, entry: str) -> TopkBuffer:
         """The top-k buffer a custom op was given: the owner's own buffer when ``t`` is its storage (same
         address, shape and strides), else ``t`` read as the logical ``[H, T, K]`` view of the caller's memory
-        (its strides say the layout). ``what`` names the argument in errors."""
+        (its strides say the layout). ``entry`` names the op in errors (its argument is ``topk``)."""
         own = self.topk
         if own is not None and isinstance(t, torch.Tensor):
             s = own.storage
@@ -220,7 +220,7 @@ class OpTarget:
         try:
             return TopkBuffer(t)
         except InputError as e:
-            raise InputError(f"{what}: {e}; pass the layer's own top-k storage (layer.topk_buffer.storage) or "
+            raise InputError(f"{entry}: topk: {e}; pass the layer's own top-k storage (layer.topk_buffer.storage) or "
                              f"the logical [H, T, K] view of your memory") from None
 
     # -- admission --------------------------------------------------------------------------------
