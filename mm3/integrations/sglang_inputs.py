@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -50,8 +51,9 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FNUZ = tuple(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz")) if d is not None)
 
 
+@functools.lru_cache(maxsize=None)
 def names(block_size: int, page_table: bool, prefill: bool) -> ArgNames:
-    """SGLang's spelling of a call's arguments (errors name these)."""
+    """SGLang's spelling of a call's arguments (errors name these); made once per kind of call."""
     pages = "page_table" if page_table else (
         f"the page ids of req_to_token[slot_ids] (each {block_size}-token block must be {block_size} "
         f"contiguous slots of one aligned page: serve SGLang with --page-size {block_size})")

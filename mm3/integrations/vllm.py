@@ -137,10 +137,15 @@ def _index_call(fn: str, op: Op, idx_q: torch.Tensor, index_cache: torch.Tensor,
     return idx_q, caches, target
 
 
+#: how the index and score functions spell their outputs, for a decode batch and a prefill batch (made once)
+_INDEX_NAMES = (DECODE_NAMES._replace(topk="out"), VLLM_NAMES._replace(topk="out"))
+_SCORE_NAMES = (DECODE_NAMES._replace(out="score_out"), VLLM_NAMES._replace(out="score_out"))
+
+
 def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: BatchMetadata, rows: torch.Tensor,
                params: SparseAttentionParams, max_decode_query_len: int, graph: bool) -> None:
     idx_q, caches, target = _index_call(fn, Op.INDEX_TOPK, idx_q, index_cache, params, max_decode_query_len, graph)
-    names = (DECODE_NAMES if batch.num_decodes else VLLM_NAMES)._replace(topk="out")
+    names = _INDEX_NAMES[not batch.num_decodes]
     target.run(fn, (Op.INDEX_TOPK,), caches=caches, batch=batch, topk=topk_view(fn, "out", rows), index_q=idx_q,
                graph=graph, names=names)
 
@@ -159,7 +164,7 @@ def _run_scores(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: 
     backend's ``index_scores``, or, where it has none (its selection's trace says so), mm3's torch scorer
     on a call admitted at the same boundary."""
     idx_q, caches, target = _index_call(fn, Op.INDEX_SCORES, idx_q, index_cache, params, decode_query_len, graph)
-    names = (DECODE_NAMES if batch.num_decodes else VLLM_NAMES)._replace(out="score_out")
+    names = _SCORE_NAMES[not batch.num_decodes]
     call = dict(caches=caches, batch=batch, index_q=idx_q, out=out, graph=graph, names=names)
     if target.scorer is not None:
         target.run(fn, (Op.INDEX_SCORES,), **call)  # type: ignore[arg-type]

@@ -91,7 +91,7 @@ def out_rows(fn: str, out: Optional[torch.Tensor], heads: int, num_tokens: int, 
     if out.shape[0] != heads or out.shape[1] < num_tokens or out.shape[2] != topk:
         raise InputError(f"{fn}: out has shape {tuple(out.shape)}, needs [{heads}, >= {num_tokens}, {topk}] "
                          f"(num_kv_heads, tokens, topk)")
-    return out[:, :num_tokens, :]
+    return out if out.shape[1] == num_tokens else out[:, :num_tokens]   # a slice is a torch op: host time
 
 
 # -- device-resident constants -----------------------------------------------------------------
