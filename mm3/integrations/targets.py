@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import Any, Hashable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -104,7 +104,7 @@ def bind(params: SparseAttentionParams, requirements: Requirements, device: torc
     ``names``: ``(backend, indexer_backend)``; default: the innermost ``use_backend``
     scope, else the settings'. Selection errors (``NoBackendError``,
     ``BackendUnavailableError``...) propagate with their explanation. ``made``: ``Made((params,
-    requirements, device))``, kept by the caller so each call hashes none of them again. ``capturing``:
+    requirements, str(device)))``, kept by the caller so each call hashes none of them again. ``capturing``:
     the call is being captured in a CUDA graph, where nothing may be bound (binding
     allocates device memory that a graph would re-initialise at every replay): the
     choice must exist from an eager call, else :class:`~mm3.InputError` says so.
