@@ -15,6 +15,8 @@ engine's are.
 * ``layer``: ``mm3.SparseAttention`` on a fresh ``BatchMetadata.from_device`` batch per step;
 * ``ops``: ``torch.ops.mm3.index_topk`` + ``torch.ops.mm3.attention``, called eagerly with
   ``mm3.runtime.ops.batch_args`` of that batch;
+* ``ops, no-op kernels (the dispatcher's floor)``: the same calls on ops of the same schemas whose kernels
+  return at once (no mm3 code): what PyTorch's dispatcher alone costs the ``ops`` row;
 * ``vllm decode``: ``minimax_m3_index_decode`` + ``minimax_m3_sparse_attn_decode`` on the step's
   decodes (the drop-in builds its batch itself, so its time includes that);
 * ``sglang decode``: SGLang's ``minimax_sparse_decode`` on the step's decodes, addressed through a
@@ -454,6 +456,38 @@ class OpsRow(LayerRow):
         return ops
 
 
+_FLOOR: dict[str, Any] = {}
+
+
+def _floor_ops() -> tuple[Any, Any]:
+    """``torch.ops.mm3_floor.index_topk`` / ``.attention``: ops of this checkout's ``torch.ops.mm3`` schemas whose
+    kernels return at once (registered once per process): what PyTorch's dispatcher alone costs per call."""
+    if not _FLOOR:
+        lib = torch.library.Library("mm3_floor", "DEF")
+        for name in ("index_topk", "attention"):
+            lib.define(str(getattr(torch.ops.mm3, name).default._schema).split("::", 1)[1])
+            lib.impl(name, lambda *args, **kwargs: None, "CompositeExplicitAutograd")
+        _FLOOR["lib"] = lib
+    return torch.ops.mm3_floor.index_topk, torch.ops.mm3_floor.attention
+
+
+class OpsFloorRow(OpsRow):
+    """The ops row's calls, same arguments, on ops of the same schemas whose kernels return at once: the
+    floor the dispatcher sets under the custom ops (no mm3 code runs)."""
+
+    def _call(self, s: StreamStep, b: Any, caches: mm3.PagedKVCache) -> Call:
+        from mm3.runtime.ops import batch_args
+
+        T, c, (index_topk, attention) = s.num_tokens, caches, _floor_ops()
+        q, iq, out = self.q[:T], self.iq[:T], self.out[:T]
+        args, h, st = batch_args(b), self.layer.op_target.handle, self.layer.topk_buffer.storage
+
+        def ops() -> None:
+            index_topk(iq, c.k, c.v, c.index, st, *args, h)
+            attention(q, c.k, c.v, c.index, st, *args, h, out)
+        return ops
+
+
 def _forget_kept() -> None:
     """Empty the drop-in's small constants kept per request count, so a fresh run makes them anew, as a
     new process would (a checkout without them has nothing to empty)."""
@@ -672,6 +706,7 @@ class SglangPrefillRow(SglangDecodeRow):
 ROWS: dict[str, Callable[[Setup], Row]] = {
     "layer": LayerRow,
     "ops": OpsRow,
+    "ops, no-op kernels (the dispatcher's floor)": OpsFloorRow,
     "vllm decode": VllmDecodeRow,
     "tp rank": lambda setup: LayerRow(setup, tp=True),
     "layer, no check_contents hook": lambda setup: _without_contents_hook(setup),

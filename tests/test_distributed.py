@@ -303,3 +303,40 @@ def test_auto_picks_the_reference_backend_on_cpu_tensors_even_under_the_interpre
     for name in ("cuda", "rocm"):
         probe = reg.get(name).probe("cpu")
         assert not (probe.available and probe.auto), probe   # usable on CPU tensors only when named
+
+
+# -- a rank takes every option of the layer it builds ----------------------------------------------------
+def test_a_rank_takes_every_keyword_of_the_layer() -> None:
+    """The rank's constructor lists the layer's options by hand (typed, documented); this keeps the two lists
+    the same, so an option added to SparseAttention cannot be missing from a tensor-parallel rank."""
+    import inspect
+
+    from mm3.runtime.layer import SparseAttention
+
+    def options(fn: Any, skip: set[str]) -> dict[str, Any]:
+        return {n: p.default for n, p in inspect.signature(fn).parameters.items() if n not in skip}
+
+    layer = options(SparseAttention.__init__, {"self", "params"})
+    rank = options(TensorParallelSparseAttention.__init__, {"self", "full_params", "rank", "world_size", "group"})
+    assert rank == layer
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_rank_serves_fp8_queries_on_nvfp4_caches_as_the_whole_layer(tp: int) -> None:
+    """The authors' q8kv4 format (fp8 queries, NVFP4 K/V and index keys) through a rank: its heads of the
+    whole layer's output, its slice of the block scales."""
+    case = make_case(SMALL, decodes=[70, 40], prefills=[(9, 30)], decode_query_len=1, dtype="bfloat16",
+                     kv_dtype="nvfp4", index_dtype="nvfp4", q_dtype="float8_e4m3fn", seed=tp)
+    opts: dict[str, Any] = dict(dtype=torch.bfloat16, index_dtype="nvfp4", kv_dtype="nvfp4",
+                                q_dtype=torch.float8_e4m3fn, max_num_tokens=64, backend="cpu_ref")
+    import mm3
+
+    whole = mm3.SparseAttention(SMALL, **opts)(case.q, case.index_q, case.caches, case.batch)
+    parts = []
+    for s in all_rank_shards(SMALL, tp):
+        rank = TensorParallelSparseAttention(SMALL, rank=s.rank, world_size=tp, **opts)
+        assert "KV cache nvfp4, float8_e4m3fn queries" in rank.explain()
+        q, iq, caches = rank.shard_inputs(case.q, case.index_q, case.caches)
+        assert caches.kv_format == "nvfp4" and caches.k_block_scale is not None
+        parts.append(rank(q, iq, caches, case.batch))
+    assert torch.equal(concat_heads(parts, SMALL), whole)

@@ -281,16 +281,17 @@ class BatchMetadata:
             >>> b.context_lens.tolist()     # a padding decode (seq_len 0) has no context
             [39, 0]
         """
+        facts = batch_shape(query_start_loc, seq_lens, block_table, token_to_request, token_positions, context_lens,
+                            num_decodes, decode_query_len, num_decode_tokens, block_size, max_prefill_query_len)
         batch = cls.__new__(cls)  # the fields set directly: the custom ops assemble a batch per call
         batch.__dict__.update(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
-                              query_start_loc=query_start_loc, seq_lens=seq_lens,
-                              block_table=block_table, token_to_request=token_to_request, host_lens=None,
-                              token_positions=token_positions, num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len)
-        if context_lens is not None:
-            batch.__dict__["context_lens"] = context_lens
-        batch.__dict__.update({k: v for k, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len))
-                               if v is not None})  # the cached properties
-        batch.facts   # worked out now, once: every layer of the step reads it
+                              query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+                              token_to_request=token_to_request, host_lens=None, token_positions=token_positions,
+                              num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len,
+                              facts=facts)
+        for k, v in (("context_lens", context_lens), ("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+            if v is not None:     # the cached properties
+                batch.__dict__[k] = v
         return batch
 
     def __getattr__(self, name: str) -> torch.Tensor:

@@ -129,11 +129,10 @@ class PagedKVCache:
         """
         cache = object.__new__(cls)
         facts = cache_facts(k, v, index, k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
-        for name, value in (("k", k), ("v", v), ("index", index), ("k_scale", k_scale), ("v_scale", v_scale),
-                            ("kv_format", facts.kv_format), ("k_block_scale", k_block_scale),
-                            ("v_block_scale", v_block_scale), ("index_block_scale", index_block_scale),
-                            ("facts", facts)):
-            object.__setattr__(cache, name, value)
+        # the fields set directly (frozen: no __setattr__): the custom ops rewrap their caches every call
+        cache.__dict__.update(k=k, v=v, index=index, k_scale=k_scale, v_scale=v_scale, kv_format=facts.kv_format,
+                              k_block_scale=k_block_scale, v_block_scale=v_block_scale,
+                              index_block_scale=index_block_scale, facts=facts)
         return cache
 
     @classmethod

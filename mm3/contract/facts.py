@@ -88,11 +88,37 @@ class CacheFacts(NamedTuple):
     index_block_scale: Optional[TensorFacts] = None
 
 
+#: CacheFacts by the shapes, dtypes and devices they are made of: one object per value, so a step compares
+#: it with its plan's by identity (an engine's caches keep their facts for the process)
+_CACHE_FACTS: dict[tuple[Any, ...], CacheFacts] = {}
+
+
+def _scale_key(t: object) -> Optional[tuple[Any, ...]]:
+    return (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None
+
+
 def cache_facts(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_scale: object,
                 v_scale: object, k_block_scale: object = None, v_block_scale: object = None,
                 index_block_scale: object = None) -> CacheFacts:
-    """The facts of a cache's tensors (a scale that is not a tensor has none); spelled out, not looped:
-    the custom ops make one per call."""
+    """The facts of a cache's tensors (a scale that is not a tensor has none); kept by exactly what they are
+    read from (the custom ops and drop-ins make one per call)."""
+    key: tuple[Any, ...] = (k.shape, k.dtype, k.device, v.shape, v.dtype, v.device, index.shape, index.dtype,
+                            index.device)
+    if k_scale is not None or v_scale is not None:
+        key += (_scale_key(k_scale), _scale_key(v_scale))
+    if k_block_scale is not None or v_block_scale is not None or index_block_scale is not None:
+        key += ("block", _scale_key(k_block_scale), _scale_key(v_block_scale), _scale_key(index_block_scale))
+    got = _CACHE_FACTS.get(key)
+    if got is None:
+        if len(_CACHE_FACTS) >= 1024:
+            _CACHE_FACTS.clear()
+        got = _CACHE_FACTS[key] = _cache_facts(k, v, index, k_scale, v_scale, k_block_scale, v_block_scale,
+                                               index_block_scale)
+    return got
+
+
+def _cache_facts(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_scale: object, v_scale: object,
+                 k_block_scale: object, v_block_scale: object, index_block_scale: object) -> CacheFacts:
     ks = TensorFacts(k_scale.shape, k_scale.dtype, k_scale.device) if isinstance(k_scale, torch.Tensor) else None
     vs = TensorFacts(v_scale.shape, v_scale.dtype, v_scale.device) if isinstance(v_scale, torch.Tensor) else None
     kb = vb = ib = None
@@ -189,7 +215,7 @@ def batch_shape(qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torc
     consistent = (T >= 0 and R >= 0 and sq[0] == R + 1 and sb[0] == R and st[0] == T
                   and (ctx is None or ctx.shape[0] == R) and 0 <= nd <= R and (not nd or dql >= 1)
                   and 0 <= ndt <= min(T, nd * dql))
-    return BatchShape(got, T, R, nd, dql, batch_kind(R, nd, dql), consistent, bt.device.type == "cpu", block_size,
+    return BatchShape(got, T, R, nd, dql, batch_kind(R, nd, dql), consistent, bt.is_cpu, block_size,
                       sb[1] if len(sb) == 2 else 0, ndt, max_prefill_query_len)
 
 

@@ -55,13 +55,15 @@ from typing import Any, Callable, Optional
 import torch
 
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
+from mm3.contract.capabilities import Requirements
 from mm3.contract.errors import BackendUnavailableError, InputError
 from mm3.contract.hookspecs import STEP_OPS, Op
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.guard import capturing
 from mm3.integrations import sglang_inputs as si
+from mm3.integrations.no_grad import without_grad
 from mm3.integrations.sglang_inputs import RELEASE
-from mm3.integrations.targets import MAX_CHOICES, bind
+from mm3.integrations.targets import MAX_CHOICES, Made, bind
 from mm3.runtime.selection import requirements_for
 from mm3.runtime.step import BOTH, OpTarget
 
@@ -87,7 +89,8 @@ def _params(fn: str, *args: Any) -> SparseAttentionParams:
         raise InputError(f"{fn}: {e}") from None
 
 
-_REQUIREMENTS: dict[tuple[object, ...], object] = {}
+#: each call's requirements and its choice's key (:class:`~mm3.integrations.targets.Made`), by what they are made of
+_REQUIREMENTS: dict[tuple[object, ...], tuple[Requirements, Made]] = {}
 
 
 def _target(fn: str, op: Optional[Op], params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
@@ -95,13 +98,13 @@ def _target(fn: str, op: Optional[Op], params: SparseAttentionParams, dtype: tor
     """The bound backends of a call (one choice per requirements serves every function of this module); a
     captured call of a backend that is not CUDA-graph safe is refused with the reason."""
     key = (params, dtype, index_dtype, kv_dtype, device)
-    req = _REQUIREMENTS.get(key)
-    if req is None:
+    got = _REQUIREMENTS.get(key)
+    if got is None:
         if len(_REQUIREMENTS) >= MAX_CHOICES:
             _REQUIREMENTS.clear()
-        req = _REQUIREMENTS[key] = requirements_for(params, dtype, index_dtype, device,
-                                                    kv_dtype=kv_dtype).for_ops(*STEP_OPS)
-    bound = bind(params, req, device, capturing=graph)  # type: ignore[arg-type]
+        req = requirements_for(params, dtype, index_dtype, device, kv_dtype=kv_dtype).for_ops(*STEP_OPS)
+        got = _REQUIREMENTS[key] = (req, Made((params, req, str(device))))
+    bound = bind(params, got[0], device, capturing=graph, made=got[1])
     sel = bound.selection
     for be in ((sel.indexer, sel.attention) if op is None else
                (sel.indexer if op == Op.INDEX_TOPK else sel.attention,)):
@@ -187,7 +190,7 @@ def _topk_out(fn: str, name: str, t: Optional[torch.Tensor], shape: tuple[int, i
 
 # -- the entry points ----------------------------------------------------------------------------
 
-@torch.no_grad()
+@without_grad
 def minimax_sparse_decode(q: torch.Tensor, sink: Optional[torch.Tensor], k_cache: torch.Tensor,
                           v_cache: torch.Tensor, idx_q: torch.Tensor, idx_sink: Optional[torch.Tensor],
                           idx_k_cache: torch.Tensor, idx_v_cache: Optional[torch.Tensor],
@@ -245,7 +248,7 @@ def minimax_sparse_decode(q: torch.Tensor, sink: Optional[torch.Tensor], k_cache
     return None, o
 
 
-@torch.no_grad()
+@without_grad
 def minimax_sparse_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            sink: Optional[torch.Tensor], idx_q: torch.Tensor, idx_k_cache: torch.Tensor,
                            idx_v_cache: Optional[torch.Tensor], idx_sink: Optional[torch.Tensor],
@@ -305,7 +308,7 @@ def minimax_sparse_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 # -- the kernel-level functions ------------------------------------------------------------------
 
-@torch.no_grad()
+@without_grad
 def flash_decode_with_topk_idx(q: torch.Tensor, sink: Optional[torch.Tensor], k_cache: torch.Tensor,
                                v_cache: Optional[torch.Tensor], req_to_token: Optional[torch.Tensor],
                                seq_lens: torch.Tensor, max_seqlen: int, slot_ids: Optional[torch.Tensor],
@@ -339,7 +342,7 @@ def flash_decode_with_topk_idx(q: torch.Tensor, sink: Optional[torch.Tensor], k_
     return None, ids, None
 
 
-@torch.no_grad()
+@without_grad
 def flash_prefill_with_topk_index(q: torch.Tensor, k_cache: torch.Tensor, v_cache: Optional[torch.Tensor],
                                   sink: Optional[torch.Tensor], req_to_token: Optional[torch.Tensor],
                                   slot_ids: Optional[torch.Tensor], cu_seqlens: torch.Tensor, seq_lens: torch.Tensor,
@@ -373,7 +376,7 @@ def flash_prefill_with_topk_index(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     return None, ids
 
 
-@torch.no_grad()
+@without_grad
 def flash_decode_with_gqa_share_sparse(q: torch.Tensor, sink: Optional[torch.Tensor], k_cache: torch.Tensor,
                                        v_cache: torch.Tensor, req_to_token: Optional[torch.Tensor],
                                        seq_lens: torch.Tensor, slot_ids: Optional[torch.Tensor], block_size: int,
@@ -405,7 +408,7 @@ def flash_decode_with_gqa_share_sparse(q: torch.Tensor, sink: Optional[torch.Ten
     return o
 
 
-@torch.no_grad()
+@without_grad
 def flash_prefill_with_gqa_share_sparse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                         sink: Optional[torch.Tensor], req_to_token: Optional[torch.Tensor],
                                         slot_ids: Optional[torch.Tensor], topk_idx: torch.Tensor, block_size_q: int,

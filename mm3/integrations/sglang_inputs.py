@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -31,7 +32,8 @@ from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.contents import NO_FAULT, FaultFlag
 from mm3.contract.errors import InputError
 from mm3.contract.facts import ArgNames
-from mm3.integrations.vllm_inputs import MAX_KEPT, tensor_arg
+from mm3.debug.guard import capturing
+from mm3.integrations.vllm_inputs import MAX_KEPT, kept, tensor_arg
 
 __all__ = ["RELEASE", "names", "refuse", "refusals", "one_index_head", "int_arg", "tensor_arg", "positive", "block_table", "record_pages",
            "on_host", "kv_caches", "index_caches", "decode_batch", "prefill_batch", "topk_arg", "ORDER",
@@ -49,8 +51,9 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FNUZ = tuple(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz")) if d is not None)
 
 
+@functools.lru_cache(maxsize=None)
 def names(block_size: int, page_table: bool, prefill: bool) -> ArgNames:
-    """SGLang's spelling of a call's arguments (errors name these)."""
+    """SGLang's spelling of a call's arguments (errors name these); made once per kind of call."""
     pages = "page_table" if page_table else (
         f"the page ids of req_to_token[slot_ids] (each {block_size}-token block must be {block_size} "
         f"contiguous slots of one aligned page: serve SGLang with --page-size {block_size})")
@@ -180,19 +183,22 @@ def block_table(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optiona
     cols = -(-min(max(int(max_seqlen), 0), r2t.shape[1]) // B)
     width = cols * B
     # slot ids wrap as SGLang's kernels read them (a padding row's may be -1): never an index outside the table
-    rows = r2t[:, :width].index_select(0, sid.to(torch.int64).remainder(max(r2t.shape[0], 1)))
+    rows = r2t[:, :width].index_select(0, sid.remainder(max(r2t.shape[0], 1)))
     if rows.shape[1] < width:                                          # a context not a multiple of B
         rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=-1)
-    first = rows[:, ::B]
-    bt = torch.div(first, B, rounding_mode="floor").to(torch.int32)
+    # Every call, so as few torch ops as the check allows (each is host time, and a launch on a GPU): the
+    # arange-like constants are kept per shape, nothing is widened that compares as it is.
+    dev, host, graph = rows.device, on_host(rows), capturing(rows)
+    offs, pos, col_word = kept(("pages", B, cols, rows.dtype, dev), graph, _page_constants, B, cols, rows.dtype, dev)
+    blocks = rows.view(R, cols, B)
+    page = blocks[:, :, 0].div(B, rounding_mode="floor")
+    bt = page if page.dtype == torch.int32 else page.to(torch.int32)
     # every slot of a used block must be its page's: slot = B * page + offset (a misaligned block fails at 0)
-    offs = torch.arange(B, dtype=rows.dtype, device=rows.device)
-    pos = torch.arange(width, dtype=torch.int64, device=rows.device).view(cols, B)
-    used = pos < seq_lens.to(torch.int64).view(R, 1, 1)
-    bad = (rows.view(R, cols, B) != (first - first.remainder(B)).unsqueeze(2) + offs) & used
-    bad_block = bad.any(dim=2)
-    if on_host(rows):
+    bad = ((blocks - offs) != (page * B).unsqueeze(2)) & (pos < seq_lens.view(R, 1, 1))
+    bad_block = bad.any(dim=2)     # [R, cols]: the word's ops below then read one element per block
+    if host:
         if bool(bad_block.any()):
+            first = rows[:, ::B]
             r, j = (int(v) for v in bad_block.nonzero()[0])
             s, i = int(sid[r]), int(bad[r, j].nonzero()[0])
             raise InputError(
@@ -201,10 +207,24 @@ def block_table(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optiona
                 f"{B * (int(first[r, j]) // B) + i}; mm3 reads {B}-token pages: serve SGLang with "
                 f"--page-size {B} (token-slot addressing, --page-size 1, is not served yet)")
         return bt, None
-    req = torch.arange(R, dtype=torch.int64, device=rows.device).view(R, 1)
-    col = torch.arange(cols, dtype=torch.int64, device=rows.device).view(1, cols)
-    word = torch.where(bad_block, req << 32 | col, NO_FAULT).amin() if R and cols else None
-    return bt, None if word is None else word.view(1)
+    if not (R and cols):
+        return bt, None
+    # the first bad block's ``request << 32 | block``, else NO_FAULT
+    (req_word,) = kept(("page requests", R, dev), graph, _request_words, R, dev)
+    return bt, torch.where(bad_block, req_word | col_word, NO_FAULT).amin()
+
+
+def _page_constants(B: int, cols: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """What :func:`block_table`'s check compares with: each slot's offset in its page ``[B]``, its position in
+    the row ``[cols, B]``, and each block's part of a fault word ``[cols]``."""
+    return (torch.arange(B, dtype=dtype, device=device),
+            torch.arange(cols * B, dtype=torch.int32, device=device).view(cols, B),
+            torch.arange(cols, dtype=torch.int64, device=device))
+
+
+def _request_words(R: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Each request's part of a fault word, ``request << 32``, as ``[R, 1]``."""
+    return (torch.arange(R, dtype=torch.int64, device=device).view(R, 1) << 32,)
 
 
 def record_pages(flag: FaultFlag, word: Optional[torch.Tensor], fn: str, arg_names: ArgNames,
@@ -292,10 +312,15 @@ def decode_batch(seq_lens: torch.Tensor, bt: torch.Tensor, block_size: int) -> B
     """SGLang's decode rows as ``R`` one-token decodes at ``seq_len - 1`` (rows of one request share its
     pages: speculative verify rows each carry their own ``seq_len``); ``seq_len == 0`` is padding."""
     R, dev = seq_lens.shape[0], seq_lens.device
-    ar = torch.arange(R + 1, dtype=torch.int32, device=dev)
-    return BatchMetadata.assemble(ar, seq_lens, None, bt, ar[:R], seq_lens - 1, num_decodes=R, decode_query_len=1,
+    qsl, req = kept(("sglang decode", R, dev), capturing(seq_lens), _decode_constants, R, dev)
+    return BatchMetadata.assemble(qsl, seq_lens, None, bt, req, seq_lens - 1, num_decodes=R, decode_query_len=1,
                                   num_decode_tokens=R, max_prefill_query_len=0, block_size=block_size,
                                   max_query_len=1 if R else 0)
+
+
+def _decode_constants(R: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    ar = torch.arange(R + 1, dtype=torch.int32, device=device)
+    return ar, ar[:R]
 
 
 def prefill_batch(fn: str, cu_seqlens: object, seq_lens: torch.Tensor, bt: torch.Tensor, num_tokens: int,

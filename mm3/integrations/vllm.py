@@ -48,12 +48,14 @@ import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache
+from mm3.contract.capabilities import Requirements
 from mm3.contract.hookspecs import ALL_OPS, Op
 from mm3.contract.errors import BackendUnavailableError, InputError
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.guard import capturing
 from mm3.integrations.block_scores import block_scores, score_width, select_topk
-from mm3.integrations.targets import MAX_CHOICES, Binding, bind
+from mm3.integrations.no_grad import without_grad
+from mm3.integrations.targets import MAX_CHOICES, Binding, Made, bind
 from mm3.integrations.vllm_inputs import (
     DECODE_NAMES, FP8_DTYPES, VLLM_NAMES, attention_caches, cdiv, check_heads, decode_batch, index_caches, int32_arg,
     out_rows, prefill_batch, tensor_arg, topk_view,
@@ -94,7 +96,8 @@ def _params(fn: str, build: Callable[..., SparseAttentionParams], *args: object)
 
 
 # -- the bound backends --------------------------------------------------------------------------
-_REQUIREMENTS: dict[tuple[object, ...], object] = {}
+#: each call's requirements and its choice's key (:class:`~mm3.integrations.targets.Made`), by what they are made of
+_REQUIREMENTS: dict[tuple[object, ...], tuple[Requirements, Made]] = {}
 
 
 def _bound(fn: str, op: Op, params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
@@ -104,16 +107,16 @@ def _bound(fn: str, op: Op, params: SparseAttentionParams, dtype: torch.dtype, i
     does), so a captured call of a backend that is not CUDA-graph safe is refused here, with the reason.
     Every op is selected (block scores too), so one choice serves each of the six functions."""
     key = (params, dtype, index_dtype, kv_dtype, slot_scales, device, decode_query_len)
-    req = _REQUIREMENTS.get(key)
-    if req is None:
+    got = _REQUIREMENTS.get(key)
+    if got is None:
         if len(_REQUIREMENTS) >= MAX_CHOICES:
             _REQUIREMENTS.clear()
-        req = _REQUIREMENTS[key] = requirements_for(params, dtype, index_dtype, device,
-                                                    decode_query_len=decode_query_len, kv_dtype=kv_dtype,
-                                                    kv_slot_scales=slot_scales).for_ops(*ALL_OPS)
-    bound = bind(params, req, device, capturing=graph)  # type: ignore[arg-type]
+        req = requirements_for(params, dtype, index_dtype, device, decode_query_len=decode_query_len,
+                               kv_dtype=kv_dtype, kv_slot_scales=slot_scales).for_ops(*ALL_OPS)
+        got = _REQUIREMENTS[key] = (req, Made((params, req, str(device))))
+    bound = bind(params, got[0], device, capturing=graph, made=got[1])
     sel = bound.selection
-    be = {Op.INDEX_TOPK: sel.indexer, Op.ATTENTION: sel.attention, Op.INDEX_SCORES: sel.scorer}[op]
+    be = sel.indexer if op is Op.INDEX_TOPK else sel.attention if op is Op.ATTENTION else sel.scorer
     if graph and be is not None and not be.capabilities.cuda_graph_safe:
         why = " (among the backends that read k_scale/v_scale per token slot)" if slot_scales else ""
         raise BackendUnavailableError(
@@ -134,10 +137,15 @@ def _index_call(fn: str, op: Op, idx_q: torch.Tensor, index_cache: torch.Tensor,
     return idx_q, caches, target
 
 
+#: how the index and score functions spell their outputs, for a decode batch and a prefill batch (made once)
+_INDEX_NAMES = (DECODE_NAMES._replace(topk="out"), VLLM_NAMES._replace(topk="out"))
+_SCORE_NAMES = (DECODE_NAMES._replace(out="score_out"), VLLM_NAMES._replace(out="score_out"))
+
+
 def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: BatchMetadata, rows: torch.Tensor,
                params: SparseAttentionParams, max_decode_query_len: int, graph: bool) -> None:
     idx_q, caches, target = _index_call(fn, Op.INDEX_TOPK, idx_q, index_cache, params, max_decode_query_len, graph)
-    names = (DECODE_NAMES if batch.num_decodes else VLLM_NAMES)._replace(topk="out")
+    names = _INDEX_NAMES[not batch.num_decodes]
     target.run(fn, (Op.INDEX_TOPK,), caches=caches, batch=batch, topk=topk_view(fn, "out", rows), index_q=idx_q,
                graph=graph, names=names)
 
@@ -156,7 +164,7 @@ def _run_scores(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: 
     backend's ``index_scores``, or, where it has none (its selection's trace says so), mm3's torch scorer
     on a call admitted at the same boundary."""
     idx_q, caches, target = _index_call(fn, Op.INDEX_SCORES, idx_q, index_cache, params, decode_query_len, graph)
-    names = (DECODE_NAMES if batch.num_decodes else VLLM_NAMES)._replace(out="score_out")
+    names = _SCORE_NAMES[not batch.num_decodes]
     call = dict(caches=caches, batch=batch, index_q=idx_q, out=out, graph=graph, names=names)
     if target.scorer is not None:
         target.run(fn, (Op.INDEX_SCORES,), **call)  # type: ignore[arg-type]
@@ -189,7 +197,7 @@ def _decode_scores(fn: str, idx_q: torch.Tensor, index_kv_cache: torch.Tensor, b
 
 # -- vLLM's six functions -----------------------------------------------------------------------
 
-@torch.no_grad()
+@without_grad
 def minimax_m3_index_decode(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, block_table: torch.Tensor,
                             seq_lens: torch.Tensor, max_seq_len: int, topk: int, init_blocks: int,
                             local_blocks: int, num_kv_heads: int, decode_query_len: int,
@@ -223,7 +231,7 @@ def minimax_m3_index_decode(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, b
     return rows
 
 
-@torch.no_grad()
+@without_grad
 def minimax_m3_index_decode_score(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, block_table: torch.Tensor,
                                   seq_lens: torch.Tensor, max_seq_len: int, init_blocks: int, local_blocks: int,
                                   num_kv_heads: int, decode_query_len: int, max_decode_query_len: int,
@@ -253,7 +261,7 @@ def minimax_m3_index_decode_score(idx_q: torch.Tensor, index_kv_cache: torch.Ten
                           max_decode_query_len, score_out, graph)
 
 
-@torch.no_grad()
+@without_grad
 def minimax_m3_index_score(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, block_table: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, prefix_lens: torch.Tensor,
                            max_query_len: int, max_seq_len: int, num_kv_heads: int) -> torch.Tensor:
@@ -277,7 +285,7 @@ def minimax_m3_index_score(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, bl
     return scores
 
 
-@torch.no_grad()
+@without_grad
 def minimax_m3_index_topk(score: torch.Tensor, cu_seqlens_q: torch.Tensor, prefix_lens: torch.Tensor,
                           max_query_len: int, topk: int, init_blocks: int, local_blocks: int,
                           out: Optional[torch.Tensor] = None, *, block_size: int = SPARSE_BLOCK_SIZE) -> torch.Tensor:
@@ -306,7 +314,7 @@ def minimax_m3_index_topk(score: torch.Tensor, cu_seqlens_q: torch.Tensor, prefi
     return rows
 
 
-@torch.no_grad()
+@without_grad
 def minimax_m3_sparse_attn(q: torch.Tensor, kv_cache: torch.Tensor, topk_idx: torch.Tensor,
                            block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                            prefix_lens: torch.Tensor, max_query_len: int, num_kv_heads: int, sm_scale: float,
@@ -335,7 +343,7 @@ def minimax_m3_sparse_attn(q: torch.Tensor, kv_cache: torch.Tensor, topk_idx: to
         _run_attention(fn, q, caches, topk_idx, batch, output, params, 1, graph)
 
 
-@torch.no_grad()
+@without_grad
 def minimax_m3_sparse_attn_decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_idx: torch.Tensor,
                                   block_table: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int,
                                   sm_scale: float, output: torch.Tensor, decode_query_len: int,

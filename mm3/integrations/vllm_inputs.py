@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import torch
@@ -30,7 +29,7 @@ from mm3.contract.facts import ArgNames
 from mm3.contract.kv_scales import check_kv_dtype, is_slot_scale, kv_scale_view
 
 __all__ = ["FP8_DTYPES", "VLLM_NAMES", "DECODE_NAMES", "cdiv", "tensor_arg", "int32_arg", "check_heads", "topk_view",
-           "out_rows", "decode_batch", "prefill_batch", "index_caches", "attention_caches"]
+           "out_rows", "decode_batch", "prefill_batch", "index_caches", "attention_caches", "kept", "MAX_KEPT"]
 
 FP8_DTYPES = {d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
                                                              "float8_e5m2fnuz")) if d is not None}
@@ -92,7 +91,7 @@ def out_rows(fn: str, out: Optional[torch.Tensor], heads: int, num_tokens: int, 
     if out.shape[0] != heads or out.shape[1] < num_tokens or out.shape[2] != topk:
         raise InputError(f"{fn}: out has shape {tuple(out.shape)}, needs [{heads}, >= {num_tokens}, {topk}] "
                          f"(num_kv_heads, tokens, topk)")
-    return out[:, :num_tokens, :]
+    return out if out.shape[1] == num_tokens else out[:, :num_tokens]   # a slice is a torch op: host time
 
 
 # -- device-resident constants -----------------------------------------------------------------
@@ -103,10 +102,12 @@ _KEPT: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = {}
 MAX_KEPT = 4096
 
 
-def _kept(key: tuple[object, ...], graph: bool, make: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+def kept(key: tuple[object, ...], graph: bool, make: Callable[..., tuple[torch.Tensor, ...]],
+          *args: object) -> tuple[torch.Tensor, ...]:
+    """The constants ``make(*args)`` kept under ``key`` (made anew inside capture, and then not kept)."""
     got = _KEPT.get(key)
     if got is None:
-        got = make()
+        got = make(*args)
         if not graph:
             if len(_KEPT) >= MAX_KEPT:
                 _KEPT.clear()
@@ -120,9 +121,9 @@ def _decode_constants(R: int, dql: int, device: torch.device) -> tuple[torch.Ten
             torch.arange(dql, **i32) - dql)
 
 
-def _stand_in(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-    # one element, never read: expanded into the cache an op does not use (K/V of an index op...)
-    return (torch.zeros(1, dtype=dtype, device=device),)
+def _stand_in(dtype: torch.dtype, device: torch.device, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    # one element, never read, seen as ``shape``: the cache an op does not use (K/V of an index op...)
+    return (torch.zeros(1, dtype=dtype, device=device).expand(shape),)
 
 
 def _unit_scale(device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -143,16 +144,17 @@ def decode_batch(fn: str, seq_lens: object, block_table: object, decode_query_le
     if not isinstance(dql, int) or dql < 1 or num_tokens != R * dql:
         raise InputError(f"{fn}: {num_tokens} query tokens for {R} requests of decode_query_len={dql}; a decode "
                          f"batch holds num_reqs * decode_query_len tokens")
-    qsl, tok_req, offsets = _kept(("decode", R, dql, sl.device), graph,
-                                  functools.partial(_decode_constants, R, dql, sl.device))
+    dev = sl.device
+    qsl, tok_req, offsets = kept(("decode", R, dql, dev), graph, _decode_constants, R, dql, dev)
     # position of draft i of request r: seq_len - dql + i; below 0 is padding (-1), as vLLM's kernels read it.
-    # Each small kernel costs about a microsecond of a captured step: with one query token seq_len - 1 is
-    # -1 for a padding request (seq_len 0) already, so no clamp, and the context lengths, which no
-    # decode kernel reads, are derived only if something asks for them
-    pos = torch.add(sl.unsqueeze(1), offsets)
-    if dql > 1:
-        pos.clamp_(min=-1)
-    return BatchMetadata.assemble(qsl, sl, None, bt, tok_req, pos.view(num_tokens), num_decodes=R, decode_query_len=dql,
+    # Each small kernel costs about a microsecond of a captured step (and one of host time): with one query
+    # token seq_len - 1 is -1 for a padding request (seq_len 0) already, so one op and no clamp, and the
+    # context lengths, which no decode kernel reads, are derived only if something asks for them
+    if dql == 1:
+        pos = sl - 1
+    else:
+        pos = torch.add(sl.unsqueeze(1), offsets).clamp_(min=-1).view(num_tokens)
+    return BatchMetadata.assemble(qsl, sl, None, bt, tok_req, pos, num_decodes=R, decode_query_len=dql,
                                   num_decode_tokens=num_tokens, max_prefill_query_len=0, block_size=block_size,
                                   max_query_len=dql if R else 0)
 
@@ -173,9 +175,9 @@ def prefill_batch(fn: str, cu_seqlens_q: object, seq_lens: object, block_table: 
 
 def index_caches(index_cache: torch.Tensor, heads: int, dtype: torch.dtype, graph: bool) -> PagedKVCache:
     P, B, Di = index_cache.shape
-    (one,) = _kept(("stand-in", dtype, index_cache.device), graph,
-                   functools.partial(_stand_in, dtype, index_cache.device))
-    kv = one.expand(P, B, heads, Di)     # an indexer reads the index cache only
+    dev, shape = index_cache.device, (P, B, heads, Di)
+    # an indexer reads the index cache only
+    (kv,) = kept(("stand-in", dtype, dev, shape), graph, _stand_in, dtype, dev, shape)
     return PagedKVCache.rewrap(kv, kv, index_cache)
 
 
@@ -195,8 +197,8 @@ def attention_caches(fn: str, kv_cache: torch.Tensor, k_scale: object, v_scale: 
     if D2 % 2:
         raise InputError(f"{fn}: kv_cache's last axis ({D2}) must hold K then V: 2 * head_dim")
     k, v = kv_cache.transpose(1, 2).chunk(2, dim=-1)         # [N, B, H, D] views: HND pages
-    (one,) = _kept(("stand-in", q.dtype, kv_cache.device), graph, functools.partial(_stand_in, q.dtype, kv_cache.device))
-    index = one.expand(N, B, D2 // 2)                      # an attention never reads the index cache
+    dev, shape = kv_cache.device, (N, B, D2 // 2)
+    (index,) = kept(("stand-in", q.dtype, dev, shape), graph, _stand_in, q.dtype, dev, shape)  # no attention reads it
     if kv_cache.dtype not in FP8_DTYPES:
         return PagedKVCache.rewrap(k, v, index)              # vLLM reads scales of fp8 caches only
     if (k_scale is None) != (v_scale is None):
@@ -206,7 +208,7 @@ def attention_caches(fn: str, kv_cache: torch.Tensor, k_scale: object, v_scale: 
     except InputError as e:
         raise InputError(f"{fn}: kv_cache: {e}") from None
     if k_scale is None:                                      # an fp8 cache without scales: values as stored
-        (unit,) = _kept(("unit", kv_cache.device), graph, functools.partial(_unit_scale, kv_cache.device))
+        (unit,) = kept(("unit", kv_cache.device), graph, _unit_scale, kv_cache.device)
         ks = vs = unit.expand(H)
     else:
         ks, vs = (_scale(fn, n, s, H, N * B, kv_cache.device) for n, s in (("k_scale", k_scale),

@@ -13,6 +13,7 @@ the plugin, which checks only what is its own.
 from __future__ import annotations
 
 import inspect
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
@@ -316,9 +317,21 @@ def _positional(fn: "pluggy.HookImpl", spec: tuple[str, ...]) -> Callable[..., A
     those, positionally (no wrapper: a step calls it), else a call by name (pluggy lets a hookimpl take
     any subset of its spec's arguments, in any order)."""
     params = list(inspect.signature(fn.function).parameters.values())
+    f = fn.function
     if [p.name for p in params] == list(spec) and all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params):
-        return fn.function
-    return lambda *args: call_hookimpl(fn, **dict(zip(spec, args)))
+        return f
+    wanted = [n for n in fn.kwargnames if n in spec]
+    if wanted or not set(fn.argnames) <= set(spec):
+        return lambda *args: call_hookimpl(fn, **dict(zip(spec, args)))
+    # the subset it names, picked by position (a step calls it: no dict of the arguments per call)
+    at = [spec.index(n) for n in fn.argnames]
+    if not at:
+        return lambda *args: f()
+    if len(at) == 1:
+        (i,) = at
+        return lambda *args: f(args[i])
+    pick = itemgetter(*at)
+    return lambda *args: f(*pick(args))
 
 
 def _named(exc: MM3Error, backend: str, hook: str) -> MM3Error:

@@ -355,11 +355,11 @@ class TensorParallelSparseAttention:
     def __init__(self, full_params: SparseAttentionParams, *, rank: Optional[int] = None,
                  world_size: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
                  device: DeviceLike = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 index_dtype: torch.dtype = torch.bfloat16, max_num_tokens: int = 8192,
+                 index_dtype: Union[torch.dtype, str] = torch.bfloat16, max_num_tokens: int = 8192,
                  max_decode_query_len: int = 1, backend: Optional[str] = None,
                  indexer_backend: Optional[str] = None, settings: Optional["Settings"] = None,
                  registry: Optional["Registry"] = None, cuda_graph: bool = False,
-                 kv_dtype: Optional[torch.dtype] = None) -> None:
+                 kv_dtype: Union[torch.dtype, str, None] = None, q_dtype: Optional[torch.dtype] = None) -> None:
         if (rank is None) != (world_size is None):
             raise InputError("give both rank and world_size, or neither (to read them from the process group)")
         if rank is None or world_size is None:
@@ -373,7 +373,7 @@ class TensorParallelSparseAttention:
             self.shard.params, device=device, dtype=dtype, index_dtype=index_dtype,
             max_num_tokens=max_num_tokens, max_decode_query_len=max_decode_query_len, backend=backend,
             indexer_backend=indexer_backend, settings=settings, registry=registry, cuda_graph=cuda_graph,
-            kv_dtype=kv_dtype)
+            kv_dtype=kv_dtype, q_dtype=q_dtype)
 
     @property
     def params(self) -> SparseAttentionParams:

@@ -112,6 +112,11 @@ def batch_from_args(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, conte
                                   max_prefill_query_len=max_prefill_query_len, block_size=block_size)
 
 
+# each op's name in errors and its ops, made once (an enum member's attribute lookup runs Python every call)
+_INDEX_ENTRY, _INDEX_OPS = "torch.ops.mm3.index_topk", (Op.INDEX_TOPK,)
+_ATTENTION_ENTRY, _ATTENTION_OPS = "torch.ops.mm3.attention", (Op.ATTENTION,)
+
+
 def _graph(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -145,11 +150,10 @@ def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
     batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
                             token_positions, num_decodes, decode_query_len, num_decode_tokens,
                             max_prefill_query_len, block_size)
-    entry = "torch.ops.mm3.index_topk"
-    target.run(entry, (Op.INDEX_TOPK,), caches=PagedKVCache.rewrap(
-        k, v, index, k_scale, v_scale, k_block_scale=k_block_scale, v_block_scale=v_block_scale,
-        index_block_scale=index_block_scale), batch=batch,
-               topk=target.topk_of(topk, f"{entry}: topk"), index_q=index_q, graph=_graph(index_q), names=OPS_NAMES)
+    caches = PagedKVCache.rewrap(k, v, index, k_scale, v_scale, k_block_scale=k_block_scale,
+                                 v_block_scale=v_block_scale, index_block_scale=index_block_scale)
+    target.run(_INDEX_ENTRY, _INDEX_OPS, caches=caches, batch=batch, topk=target.topk_of(topk, _INDEX_ENTRY),
+               index_q=index_q, graph=_graph(index_q), names=OPS_NAMES)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, topk: torch.Tensor,
@@ -165,11 +169,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Te
     batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
                             token_positions, num_decodes, decode_query_len, num_decode_tokens,
                             max_prefill_query_len, block_size)
-    entry = "torch.ops.mm3.attention"
-    target.run(entry, (Op.ATTENTION,), caches=PagedKVCache.rewrap(
-        k, v, index, k_scale, v_scale, k_block_scale=k_block_scale, v_block_scale=v_block_scale,
-        index_block_scale=index_block_scale), batch=batch,
-               topk=target.topk_of(topk, f"{entry}: topk"), q=q, out=out, graph=_graph(q), names=OPS_NAMES)
+    caches = PagedKVCache.rewrap(k, v, index, k_scale, v_scale, k_block_scale=k_block_scale,
+                                 v_block_scale=v_block_scale, index_block_scale=index_block_scale)
+    target.run(_ATTENTION_ENTRY, _ATTENTION_OPS, caches=caches, batch=batch,
+               topk=target.topk_of(topk, _ATTENTION_ENTRY), q=q, out=out, graph=_graph(q), names=OPS_NAMES)
 
 
 _LIB.impl("index_topk", index_topk, "CompositeExplicitAutograd")

@@ -195,8 +195,9 @@ class OpTarget:
         self._scores_reader = (None, False, None) if scorer is None else \
             (scorer, scorer.capabilities.reports_bad_page_ids, scorer.check_contents)
         self._never, self._always = self.mode == "never", self.mode == "always"
-        #: the facts and plan of the last call (most calls repeat them)
-        self._last: tuple[Any, Optional[Plan]] = (None, None)
+        #: the facts and plan of the last call of each entry point (most calls repeat them; a step of the
+        #: custom ops calls two entry points in turn, so one slot for both would miss every call)
+        self._last: dict[str, tuple[Any, Plan]] = {}
         #: the batch kinds whose first eager call of each op passed the guard ("first" mode)
         self._passed: dict[str, set[str]] = {_INDEX_HOOK[0]: set(), _ATTENTION_HOOK[0]: set(), _SCORES_HOOK[0]: set()}
         #: the first eager step has not run yet: its contents are read on the host, once
@@ -207,10 +208,10 @@ class OpTarget:
         """The (op, batch kind) pairs whose first eager call passed the guard ("first" mode)."""
         return {(op, kind) for op, kinds in self._passed.items() for kind in kinds}
 
-    def topk_of(self, t: torch.Tensor, what: str) -> TopkBuffer:
+    def topk_of(self, t: torch.Tensor, entry: str) -> TopkBuffer:
         """The top-k buffer a custom op was given: the owner's own buffer when ``t`` is its storage (same
         address, shape and strides), else ``t`` read as the logical ``[H, T, K]`` view of the caller's memory
-        (its strides say the layout). ``what`` names the argument in errors."""
+        (its strides say the layout). ``entry`` names the op in errors (its argument is ``topk``)."""
         own = self.topk
         if own is not None and isinstance(t, torch.Tensor):
             s = own.storage
@@ -219,7 +220,7 @@ class OpTarget:
         try:
             return TopkBuffer(t)
         except InputError as e:
-            raise InputError(f"{what}: {e}; pass the layer's own top-k storage (layer.topk_buffer.storage) or "
+            raise InputError(f"{entry}: topk: {e}; pass the layer's own top-k storage (layer.topk_buffer.storage) or "
                              f"the logical [H, T, K] view of your memory") from None
 
     # -- admission --------------------------------------------------------------------------------
@@ -255,8 +256,8 @@ class OpTarget:
                    fo)
         except AttributeError:   # an argument of the wrong type: every rule names it
             return self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
-        last = self._last
-        if key == last[0]:       # the last call's facts (most calls): compared item by item, no hashing
+        last = self._last.get(entry)
+        if last is not None and key == last[0]:   # the last call's facts (most calls): item by item, no hashing
             plan = last[1]
         else:
             plan = self.plans.get(key)
@@ -265,7 +266,7 @@ class OpTarget:
                 if len(self.plans) >= MAX_PLANS:
                     self.plans.clear()
                 self.plans[key] = plan
-            self._last = (key, plan)
+            self._last[entry] = (key, plan)
         # the counts (Plan says which): O(1) int comparisons
         nd = bs.num_decodes
         exact = plan.exact_rows
