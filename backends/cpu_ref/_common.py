@@ -10,8 +10,9 @@ from typing import Callable, Optional
 
 import torch
 
+from mm3.plugin import BatchMetadata, PagedKVCache, key_rows
 
-__all__ = ["DEFAULT_MAX_ELEMENTS", "gather_pages", "page_ids", "widened"]
+__all__ = ["DEFAULT_MAX_ELEMENTS", "block_rows", "gather_rows", "widened"]
 
 DEFAULT_MAX_ELEMENTS = 1 << 24
 """Largest intermediate (fp32 elements, 64 MiB) one chunk of work may create.
@@ -21,20 +22,18 @@ whatever the context length or prefill size.
 """
 
 
-def gather_pages(cache: torch.Tensor, block_table_rows: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """The first ``num_blocks`` pages of each block-table row: ``[R, num_blocks, *page]``.
-
-    Unused block-table entries may hold ``-1`` (or anything): they are clamped
-    into the cache so the gather never goes out of bounds. Callers mask every
-    position at or beyond a request's ``seq_len``, so those pages' contents
-    never reach a result.
-    """
-    return cache[page_ids(block_table_rows, num_blocks, cache.shape[0])]
+def block_rows(batch: BatchMetadata, req: torch.Tensor, pos: torch.Tensor, caches: PagedKVCache) -> torch.Tensor:
+    """The cache rows (of the flattened ``[num_pages * page_size]``) of positions ``pos`` of requests
+    ``req`` (broadcast), through the batch's pages or token slots, clamped into the cache: positions
+    at or past a request's ``seq_len`` read a real row that callers mask."""
+    return key_rows(batch, req, pos, caches.num_pages * caches.block_size, caches.block_size)
 
 
-def page_ids(block_table_rows: torch.Tensor, num_blocks: int, num_pages: int) -> torch.Tensor:
-    """The pages :func:`gather_pages` reads: ``[R, num_blocks]`` long, clamped into ``[0, num_pages)``."""
-    return block_table_rows[:, :num_blocks].to(torch.long).clamp(0, num_pages - 1)
+def gather_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``cache`` ``[num_pages, page_size, ...]`` at the flat rows ``rows`` (of :func:`block_rows`):
+    ``[*rows.shape, ...]``, any strides, no copy of the cache."""
+    page_size = cache.shape[1]
+    return cache[rows // page_size, rows % page_size]
 
 
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

@@ -56,7 +56,7 @@ from mm3.plugin import PagedKVCache, TopkBuffer
 from mm3.plugin import InputError
 from mm3.plugin import SparseAttentionParams
 
-from ._common import DEFAULT_MAX_ELEMENTS, gather_pages, page_ids, widened
+from ._common import DEFAULT_MAX_ELEMENTS, block_rows, gather_rows, widened
 
 __all__ = ["attention_forward", "Strategy", "DENSE_MAX_BLOCKS_PER_TOPK"]
 
@@ -119,7 +119,7 @@ def _valid_ids(ids: torch.Tensor, nb: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _gather_chunk(q: torch.Tensor, pos: torch.Tensor, req: torch.Tensor, ids: torch.Tensor,
-                  caches: PagedKVCache, block_table: torch.Tensor,
+                  caches: PagedKVCache, batch: BatchMetadata,
                   params: SparseAttentionParams) -> torch.Tensor:
     """Attention for ``C`` tokens of any requests, reading only their selected blocks.
 
@@ -133,16 +133,17 @@ def _gather_chunk(q: torch.Tensor, pos: torch.Tensor, req: torch.Tensor, ids: to
     nb = (pos // B + 1).view(C, 1, 1)
     ids, valid = _valid_ids(ids, nb)
     safe = torch.where(valid, ids, 0)
-    pages = block_table[req.view(C, 1, 1), safe].to(torch.long).clamp_(0, caches.num_pages - 1)
-    head = torch.arange(Hkv, device=dev).view(1, Hkv, 1)
-    # Advanced indices on dims 0 and 2 around a slice: result [C, Hkv, K, B, D], whose
+    # the cache row of every key of every chosen block, through the batch's pages or token slots
+    rows = block_rows(batch, req.view(C, 1, 1, 1), safe.unsqueeze(-1) * B + torch.arange(B, device=dev), caches)
+    head = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1)
+    # Advanced indices on dims 0, 1 and 2: result [C, Hkv, K, B, D], whose
     # strides depend on the device's index kernel (hence reshape, not view).
 
-    def slots() -> tuple[torch.Tensor, torch.Tensor]:   # per-slot scales: slot = page * B + offset
-        return head, (pages.unsqueeze(-1) * B + torch.arange(B, device=dev)).reshape(C, Hkv, K * B)
+    def slots() -> tuple[torch.Tensor, torch.Tensor]:   # per-slot scales: the rows read
+        return head.view(1, Hkv, 1), rows.reshape(C, Hkv, K * B)
 
     def pick(t: torch.Tensor) -> torch.Tensor:
-        return t[pages, :, head]
+        return t[rows // caches.block_size, rows % caches.block_size, head]
 
     kb = _dequantized(widened(caches.k, caches.k_block_scale, pick).reshape(C, Hkv, K * B, D), caches.k_scale,
                       (1, Hkv, 1, 1), slots)
@@ -217,23 +218,23 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         for s in range(a, b, chunk):
             e = min(b, s + chunk)
             ids = sel[:, s:e].permute(1, 0, 2).to(torch.long)
-            o = _gather_chunk(q[s:e], positions[s:e], requests[s:e], ids, caches, batch.block_table, params)
+            o = _gather_chunk(q[s:e], positions[s:e], requests[s:e], ids, caches, batch, params)
             out[s:e] = o.to(out.dtype)
 
     def run_dense(r: int) -> None:
         a, b = starts[r], starts[r + 1]
         seq = batch.seq_lens_host[r]
         nblk = -(-seq // B)
-        def pages(t: torch.Tensor) -> torch.Tensor:
-            return gather_pages(t, batch.block_table[r:r + 1], nblk)[0]
+        rows = block_rows(batch, torch.tensor(r, device=q.device), torch.arange(nblk * B, device=q.device), caches)
 
-        kr = widened(caches.k, caches.k_block_scale, pages)   # [nblk, B, Hkv, D] fp32
+        def pages(t: torch.Tensor) -> torch.Tensor:
+            return gather_rows(t, rows)
+
+        kr = widened(caches.k, caches.k_block_scale, pages)   # [nblk * B, Hkv, D] fp32
         vr = widened(caches.v, caches.v_block_scale, pages)
 
-        def slots() -> tuple[torch.Tensor, torch.Tensor]:   # the slots of the pages gather_pages read
-            pages = page_ids(batch.block_table[r:r + 1], nblk, caches.num_pages)[0]
-            return (torch.arange(Hkv, device=q.device)[:, None],
-                    (pages[:, None] * B + torch.arange(B, device=q.device)).flatten()[None, :])
+        def slots() -> tuple[torch.Tensor, torch.Tensor]:   # the rows the gather read
+            return torch.arange(Hkv, device=q.device)[:, None], rows[None, :]
 
         kr = _dequantized(kr.reshape(nblk * B, Hkv, D).permute(1, 0, 2), caches.k_scale, (Hkv, 1, 1), slots)
         vr = _dequantized(vr.reshape(nblk * B, Hkv, D).permute(1, 0, 2), caches.v_scale, (Hkv, 1, 1), slots)

@@ -126,7 +126,8 @@ def describe(entry: str, ops: tuple[str, ...], params: "SparseAttentionParams", 
                         batch.max_prefill_query_len,
                         *(tensor_facts(d.get(f)) for f in ("query_start_loc", "seq_lens", "block_table",
                                                              "token_to_request", "token_positions",
-                                                             "context_lens")))
+                                                             "context_lens")),
+                        *(tensor_facts(t) for t in (d.get("slots") or (None, None))))
         if topk is None and _SCORES in ops:     # block scores: a call without a top-k buffer
             layout, tk = None, None
         else:

@@ -29,6 +29,7 @@ import torch
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.params import SparseAttentionParams
+from mm3.contract.slots import key_rows
 
 __all__ = [
     "FORCED_INIT", "FORCED_LOCAL", "NAN_SCORE",
@@ -62,17 +63,19 @@ class _Request:
         return int(self.pages.shape[0])
 
 
-def _requests(batch: BatchMetadata, block_size: int) -> Iterator[_Request]:
-    """Every request with at least one real token (padding tokens have position -1)."""
-    pos = batch.token_positions.to("cpu").long()
-    req = batch.token_to_request.to("cpu").long()
-    table = batch.block_table.to("cpu").long()
+def _requests(batch: BatchMetadata, caches: PagedKVCache) -> Iterator[_Request]:
+    """Every request with at least one real token (padding tokens have position -1), its positions found
+    through the batch's pages or token slots (:func:`mm3.contract.slots.key_rows`)."""
+    host = batch.to("cpu")
+    pos, req = host.token_positions.long(), host.token_to_request.long()
+    page_size = caches.block_size
     real = pos >= 0
     for r in torch.unique(req[real]).tolist():
         tokens = torch.nonzero(real & (req == r)).flatten()
         p = pos[tokens]
-        j = torch.arange(int(p.max()) + 1)
-        yield _Request(tokens, p, table[r, j // block_size], j % block_size)
+        rows = key_rows(host, torch.tensor(r), torch.arange(int(p.max()) + 1), caches.num_pages * page_size,
+                        page_size)
+        yield _Request(tokens, p, rows // page_size, rows % page_size)
 
 
 def _chunks(n: int, elements_per_token: int) -> Iterator[slice]:
@@ -92,7 +95,7 @@ def _padded_block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: Bat
     iq = _f64(index_q)
     icache = _f64(caches.index_values(torch.float64))   # an NVFP4 index cache: its dequantized keys (§1)
     H = params.num_index_heads
-    for rq in _requests(batch, B):
+    for rq in _requests(batch, caches):
         # each distinct key is scored once: equal keys then score exactly alike (§3.5's exact ties), which
         # a matmul over every position does not promise (its sums' order depends on the column)
         keys, which = torch.unique(icache[rq.pages, rq.slots], dim=0, return_inverse=True)   # [U, Di], [L]
@@ -198,7 +201,7 @@ def oracle_attention(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
     sel = topk.head_major().to("cpu").long()                                    # [Hkv, T, K]
     T, Hq, D = q.shape
     out = torch.zeros(T, Hq, D, dtype=torch.float64)
-    for rq in _requests(batch, B):
+    for rq in _requests(batch, caches):
         L = rq.length
         nb_max = (L - 1) // B + 1
         j = torch.arange(L)
