@@ -29,7 +29,6 @@ import torch
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.params import SparseAttentionParams
-from mm3.contract.slots import key_rows
 
 __all__ = [
     "FORCED_INIT", "FORCED_LOCAL", "NAN_SCORE",
@@ -63,19 +62,23 @@ class _Request:
         return int(self.pages.shape[0])
 
 
-def _requests(batch: BatchMetadata, caches: PagedKVCache) -> Iterator[_Request]:
+def _requests(batch: BatchMetadata, block_size: int) -> Iterator[_Request]:
     """Every request with at least one real token (padding tokens have position -1), its positions found
-    through the batch's pages or token slots (:func:`mm3.contract.slots.key_rows`)."""
-    host = batch.to("cpu")
-    pos, req = host.token_positions.long(), host.token_to_request.long()
-    page_size = caches.block_size
+    through the batch's block table or, for token slots, its slot table (docs/spec.md §2; written out
+    here, apart from the backends' :func:`mm3.contract.slots.key_rows`, so a wrong address there shows)."""
+    pos = batch.token_positions.to("cpu").long()
+    req = batch.token_to_request.to("cpu").long()
+    slots = None if batch.slots is None else batch.slots.to("cpu")
+    table = batch.block_table.to("cpu").long() if slots is None else slots.table.long()
     real = pos >= 0
     for r in torch.unique(req[real]).tolist():
         tokens = torch.nonzero(real & (req == r)).flatten()
         p = pos[tokens]
-        rows = key_rows(host, torch.tensor(r), torch.arange(int(p.max()) + 1), caches.num_pages * page_size,
-                        page_size)
-        yield _Request(tokens, p, rows // page_size, rows % page_size)
+        j = torch.arange(int(p.max()) + 1)
+        if slots is None:
+            yield _Request(tokens, p, table[r, j // block_size], j % block_size)
+        else:   # one-token pages: a position's slot is its page
+            yield _Request(tokens, p, table[int(slots.rows[r]), j], torch.zeros_like(j))
 
 
 def _chunks(n: int, elements_per_token: int) -> Iterator[slice]:
@@ -95,7 +98,7 @@ def _padded_block_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: Bat
     iq = _f64(index_q)
     icache = _f64(caches.index_values(torch.float64))   # an NVFP4 index cache: its dequantized keys (§1)
     H = params.num_index_heads
-    for rq in _requests(batch, caches):
+    for rq in _requests(batch, B):
         # each distinct key is scored once: equal keys then score exactly alike (§3.5's exact ties), which
         # a matmul over every position does not promise (its sums' order depends on the column)
         keys, which = torch.unique(icache[rq.pages, rq.slots], dim=0, return_inverse=True)   # [U, Di], [L]
@@ -201,7 +204,7 @@ def oracle_attention(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer,
     sel = topk.head_major().to("cpu").long()                                    # [Hkv, T, K]
     T, Hq, D = q.shape
     out = torch.zeros(T, Hq, D, dtype=torch.float64)
-    for rq in _requests(batch, caches):
+    for rq in _requests(batch, B):
         L = rq.length
         nb_max = (L - 1) // B + 1
         j = torch.arange(L)
