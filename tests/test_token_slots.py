@@ -185,3 +185,12 @@ def test_a_slot_edited_in_place_between_steps_is_caught_at_the_next_step() -> No
     s.table[s.rows[0], 5] = slotted.caches.num_pages + 3  # type: ignore[attr-defined]
     with pytest.raises(InputError, match=r"request 0, position 5: .*slot_table.* is not a slot of the cache"):
         layer(slotted.q, slotted.index_q, slotted.caches, slotted.batch)  # type: ignore[attr-defined]
+
+
+def test_a_padding_request_needs_no_slot_row() -> None:
+    """A padding decode (seq_len 0) reads nothing: its row may be anything an engine leaves there (-1)."""
+    b = _slot_batch(GOOD, [-1, 2], sl=(0, 3))
+    check_on_host(b, NUM_SLOTS, entry="t")
+    flag = FaultFlag("cpu")
+    flag.record(b, NUM_SLOTS)
+    flag.raise_pending()

@@ -16,8 +16,8 @@ The rules (docs/errors.md §2.6), written once, as torch operations
   given) are the ones those lengths give;
 * every block-table entry a request uses is a page of the cache (an id past the
   cache, read as an address, could fault the whole device); for token slots
-  (:mod:`mm3.contract.slots`), each request's slot row is a row of the slot
-  table and every slot a position below its ``seq_len`` names is a row of the
+  (:mod:`mm3.contract.slots`), each request with a ``seq_len`` has a slot row of
+  the slot table, and every slot a position below its ``seq_len`` names is a row of the
   cache (:func:`slots_word`: every used entry, where pages read one per block);
 * per-tensor and per-head fp8 K/V scales are finite and positive.
 
@@ -273,10 +273,11 @@ def slots_word(batch: "BatchMetadata", num_slots: int) -> torch.Tensor:
     N, W = table.shape
     dev, R = rows.device, rows.shape[0]
     req = torch.arange(R, device=dev)
-    row_ok = (rows >= 0) & (rows < N)
-    words = [torch.where(row_ok, NO_FAULT, LENGTHS | 12 << 40 | req).amin()] if R else []
+    sl = batch.seq_lens.to(torch.int64)
+    row_ok = (rows >= 0) & (rows < N)     # a request with no tokens to read (padding) needs no row
+    words = [torch.where(row_ok | (sl <= 0), NO_FAULT, LENGTHS | 12 << 40 | req).amin()] if R else []
     safe = rows.clamp(0, max(N - 1, 0))[:, None]
-    sl = torch.where(row_ok, batch.seq_lens.to(torch.int64), 0)[:, None]
+    sl = torch.where(row_ok, sl, 0)[:, None]
     for c0 in range(0, W if R and N else 0, _SLOT_COLUMNS):
         cols = torch.arange(c0, min(W, c0 + _SLOT_COLUMNS), device=dev)[None, :]
         ids = table[safe, cols]
