@@ -302,7 +302,8 @@ class OpTarget:
             except Exception as e:     # named as any hook's failure is
                 be.reraise(e, "check_contents")
         else:
-            flag.record(batch, num_pages, graph=graph, pages=not reports)
+            # a backend's reporting covers the page ids its kernels load; token slots are judged here
+            flag.record(batch, num_pages, graph=graph, pages=not reports or batch.slots is not None)
         return flag.word if reports and reader is not _ATTENTION else None
 
     def admit_call(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
