@@ -4,7 +4,8 @@ What :mod:`mm3.integrations.sglang` builds from the tensors SGLang passes, on
 their device and without a device-to-host copy: the block table of 128-token
 pages (``req_to_token[slot_ids[b], 128 * j] // 128``, or a batch-local
 ``page_table``) with a device-side check that every block is one aligned page
-of contiguous slots, the paged views of SGLang's token-major
+of contiguous slots, or, for any other ``page_size``, the token slots
+``req_to_token``/``slot_ids`` as they are (:mod:`mm3.contract.slots`), the paged views of SGLang's token-major
 ``[slots, num_kv_heads, head_dim]`` K/V and ``[slots, 1, idx_head_dim]`` index
 caches (no copy), their per-tensor scales, decode and prefill batches, and the
 ascending top-k order of SGLang's rows (:data:`ORDER`, which the core
