@@ -11,6 +11,7 @@ on the host and on the device and name the entry at fault.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -103,9 +104,16 @@ def test_a_backend_without_slots_is_refused_by_name_when_bound_and_passed_over_b
 def test_the_triton_plugins_do_not_yet_claim_slots_so_selection_says_why(name: str) -> None:
     import importlib
 
-    caps = importlib.import_module(f"mm3_backends.{name}.plugin").backend_capabilities()
+    plugin = importlib.import_module(f"mm3_backends.{name}.plugin")
     req = requirements_for(P, torch.bfloat16, torch.bfloat16, "cuda", addressing="slots")
-    assert any("through slots" in r for r in caps.unmet(req))
+    assert any("through slots" in r for r in plugin.backend_capabilities().unmet(req))
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    # bound (under Triton's interpreter, which its probe accepts by name): its own calls refuse a slot batch
+    be = Registry([plugin], entry_points=False).get(name)
+    _, slotted = _cases(15)
+    with pytest.raises(InputError, match=rf"cannot find tokens through slots.*outside what backend '{name}' declares"):
+        _run(be, slotted)
 
 
 def test_a_slot_batch_needs_one_token_pages() -> None:
@@ -194,3 +202,21 @@ def test_a_padding_request_needs_no_slot_row() -> None:
     flag = FaultFlag("cpu")
     flag.record(b, NUM_SLOTS)
     flag.raise_pending()
+
+
+def test_the_guard_finds_a_non_finite_key_through_the_slots() -> None:
+    """The guard lets a non-finite output through only where an input the token attends to is not finite;
+    with token slots it finds that input through the slot table (and blames nothing else)."""
+    from mm3.runtime.config import Settings
+
+    _, slotted = _cases(17)
+    b = slotted.batch  # type: ignore[attr-defined]
+    r = b.num_decodes + 1                                     # the longer prefill
+    first = int(b.query_start_loc[r])
+    slot = int(b.slots.table[b.slots.rows[r], 0])             # its position 0: always a forced init block
+    slotted.caches.v[slot, 0, 1] = float("inf")               # KV head 1  # type: ignore[attr-defined]
+    layer = mm3.SparseAttention(P, dtype=torch.float32, index_dtype=torch.bfloat16, max_decode_query_len=2,
+                                backend="cpu_ref", settings=Settings(check_contracts="always"))
+    out = layer(slotted.q, slotted.index_q, slotted.caches, b)  # type: ignore[attr-defined]
+    assert not torch.isfinite(out[first:, 2:]).all()
+    assert torch.isfinite(out[:, :2]).all()
