@@ -169,6 +169,6 @@ def test_a_backend_without_token_slots_is_passed_over_with_the_reason() -> None:
     """The backend named (here a stand-in that reads pages only, under the name this module selects) is
     refused for a call of token slots, and the error says why."""
     s = sglang_slot_step(P, decodes=(70, 100), seed=11)
-    targets.configure(registry=Registry(plugins=[MockBackend("cpu_ref")], entry_points=False))
+    targets.configure(registry=Registry(plugins=[MockBackend("cpu_ref", addressings={"pages"})], entry_points=False))
     with pytest.raises(mm3.BackendUnavailableError, match=r"cpu_ref.*cannot find tokens through slots"):
         decode(s)

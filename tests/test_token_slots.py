@@ -83,7 +83,7 @@ def test_key_rows_of_pages_and_slots() -> None:
 
 
 def test_a_backend_without_slots_is_refused_by_name_when_bound_and_passed_over_by_selection() -> None:
-    mock = MockBackend("pages_only")
+    mock = MockBackend("pages_only", addressings={"pages"})
     reg = Registry(plugins=[mock], entry_points=False)
     be = reg.get("pages_only")
     _, slotted = _cases(7)

@@ -406,7 +406,7 @@ ATTENTION_STEPS: dict[str, Step] = {
                                        prefills=((30, 600),), addressing="slots"),
     "token_slots_chunked_prefill": Step(H=1, G=4, D=64, K=16, decodes=(520,), prefills=((64, 640), (48, 400)),
                                         pages="shared_prefix", addressing="slots"),
-    "token_slots_kv_fp8_slot": Step(H=2, G=4, K=16, decodes=(420, 300), padding=1, prefills=((6, 380),),
+    "token_slots_fp8_slot_scales": Step(H=2, G=4, K=16, decodes=(420, 300), padding=1, prefills=((6, 380),),
                                     kv_fp8="slot", addressing="slots"),
     "kv_e5m2_unscaled_spec_decode": Step(H=1, G=8, D=64, K=16, dq=2, decodes=(330, 170), prefills=((7, 290),),
                                          kv_fp8="unit", kv_format="float8_e5m2"),
