@@ -56,7 +56,7 @@ from mm3.plugin import PagedKVCache, TopkBuffer
 from mm3.plugin import InputError
 from mm3.plugin import SparseAttentionParams
 
-from ._common import DEFAULT_MAX_ELEMENTS, block_rows, gather_rows, widened
+from ._common import DEFAULT_MAX_ELEMENTS, block_rows, first_block_rows, first_blocks, widened
 
 __all__ = ["attention_forward", "Strategy", "DENSE_MAX_BLOCKS_PER_TOPK"]
 
@@ -133,17 +133,22 @@ def _gather_chunk(q: torch.Tensor, pos: torch.Tensor, req: torch.Tensor, ids: to
     nb = (pos // B + 1).view(C, 1, 1)
     ids, valid = _valid_ids(ids, nb)
     safe = torch.where(valid, ids, 0)
-    # the cache row of every key of every chosen block, through the batch's pages or token slots
-    rows = block_rows(batch, req.view(C, 1, 1, 1), safe.unsqueeze(-1) * B + torch.arange(B, device=dev), caches)
-    head = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1)
-    # Advanced indices on dims 0, 1 and 2: result [C, Hkv, K, B, D], whose
-    # strides depend on the device's index kernel (hence reshape, not view).
+    head = torch.arange(Hkv, device=dev).view(1, Hkv, 1)
+    if batch.slots is None:
+        pages = batch.block_table[req.view(C, 1, 1), safe].to(torch.long).clamp_(0, caches.num_pages - 1)
+    else:   # token slots: the cache row of every key of every chosen block
+        keys = safe.unsqueeze(-1) * B + torch.arange(B, device=dev)
+        rows = block_rows(batch, req.view(C, 1, 1, 1), keys, caches)
+    # Advanced indices on dims 0 and 2 around a slice (pages; token slots: around row 0 of a one-token
+    # page): result [C, Hkv, K, B, D], whose strides depend on the device's index kernel (hence reshape).
 
-    def slots() -> tuple[torch.Tensor, torch.Tensor]:   # per-slot scales: the rows read
-        return head.view(1, Hkv, 1), rows.reshape(C, Hkv, K * B)
+    def slots() -> tuple[torch.Tensor, torch.Tensor]:   # per-slot scales: slot = page * B + offset, or the row
+        if batch.slots is not None:
+            return head, rows.reshape(C, Hkv, K * B)
+        return head, (pages.unsqueeze(-1) * B + torch.arange(B, device=dev)).reshape(C, Hkv, K * B)
 
     def pick(t: torch.Tensor) -> torch.Tensor:
-        return t[rows // caches.block_size, rows % caches.block_size, head]
+        return t[pages, :, head] if batch.slots is None else t[rows, 0, head.unsqueeze(-1)]
 
     kb = _dequantized(widened(caches.k, caches.k_block_scale, pick).reshape(C, Hkv, K * B, D), caches.k_scale,
                       (1, Hkv, 1, 1), slots)
@@ -225,16 +230,16 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         a, b = starts[r], starts[r + 1]
         seq = batch.seq_lens_host[r]
         nblk = -(-seq // B)
-        rows = block_rows(batch, torch.tensor(r, device=q.device), torch.arange(nblk * B, device=q.device), caches)
+        req = torch.tensor([r], device=q.device)
 
         def pages(t: torch.Tensor) -> torch.Tensor:
-            return gather_rows(t, rows)
+            return first_blocks(t, batch, req, nblk, caches)[0]
 
         kr = widened(caches.k, caches.k_block_scale, pages)   # [nblk * B, Hkv, D] fp32
         vr = widened(caches.v, caches.v_block_scale, pages)
 
         def slots() -> tuple[torch.Tensor, torch.Tensor]:   # the rows the gather read
-            return torch.arange(Hkv, device=q.device)[:, None], rows[None, :]
+            return torch.arange(Hkv, device=q.device)[:, None], first_block_rows(batch, req, nblk, caches)
 
         kr = _dequantized(kr.reshape(nblk * B, Hkv, D).permute(1, 0, 2), caches.k_scale, (Hkv, 1, 1), slots)
         vr = _dequantized(vr.reshape(nblk * B, Hkv, D).permute(1, 0, 2), caches.v_scale, (Hkv, 1, 1), slots)

@@ -177,12 +177,15 @@ def check_on_host(batch: "BatchMetadata", num_pages: Optional[int], *, entry: st
         if s is not None and s.dim() == 1 and not bool((torch.isfinite(s) & (s > 0)).all()):
             raise InputError(f"{entry}: {name} must be finite and > 0 for every KV head (value = stored * scale), "
                              f"got {s.tolist()}")
-    host = batch if batch.block_table.device.type == "cpu" else batch.to("cpu")
-    word = int(lengths_word(host))
+    on_cpu = batch.block_table.device.type == "cpu"
+    # a slot table is judged where it lives (it is the engine's whole pool: no host copy of it unless a fault)
+    judged = batch if on_cpu or batch.slots is not None else batch.to("cpu")
+    word = int(lengths_word(judged))
     if word == NO_FAULT and num_pages is not None:
-        word = int(pages_word(host, num_pages))
+        word = int(pages_word(judged, num_pages))
     if word == NO_FAULT:
         return
+    host = batch if on_cpu else batch.to("cpu")
     ctx = host.__dict__.get("context_lens")
     value, q, page = _value(word, host.query_start_loc.long(), host.seq_lens.long(), host.block_table,
                             host.token_to_request, host.token_positions, ctx, host.num_decodes, host.slots)

@@ -71,10 +71,12 @@ class TokenSlots(NamedTuple):
             if not isinstance(t, torch.Tensor) or t.dim() != dim or t.dtype not in _INTS:
                 got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise InputError(f"{name} must be a {dim}-D int32 or int64 tensor {what}, got {got}")
-        if table.device != rows.device:  # type: ignore[union-attr]
-            raise InputError(f"{table_name} is on {table.device} and {rows_name} on {rows.device}; "  # type: ignore[union-attr]
-                             f"put them on the step's device")
-        return cls(table, rows)  # type: ignore[arg-type]
+        t, r = table, rows
+        assert isinstance(t, torch.Tensor) and isinstance(r, torch.Tensor)
+        if t.device != r.device:
+            raise InputError(f"{table_name} is on {t.device} and {rows_name} on {r.device}; put them on the step's "
+                             f"device")
+        return cls(t, r)
 
     def to(self, device: torch.device | str) -> "TokenSlots":
         return TokenSlots(self.table.to(device), self.rows.to(device))

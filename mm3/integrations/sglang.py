@@ -382,7 +382,8 @@ def flash_decode_with_gqa_share_sparse(q: torch.Tensor, sink: Optional[torch.Ten
     """Sparse attention of decode rows over ``topk_idx`` (``[num_kv_heads, rows, topk]``): ``o``
     ``[rows, num_q_heads, head_dim]``. The valid ids of a row are read as a set."""
     fn = "flash_decode_with_gqa_share_sparse"
-    si.refusals(fn, sink=sink, page_size=page_size, block_size_k=block_size, hooks=(("hisparse_slots", hisparse_slots),))
+    si.refusals(fn, sink=sink, page_size=page_size, block_size_k=block_size,
+                hooks=(("hisparse_slots", hisparse_slots),))
     graph = capturing(q)
     si.tensor_arg(fn, "topk_idx", topk_idx, 3, "[num_kv_heads, rows, topk]")
     q, caches, params, o = _attention_step(fn, q, k_cache, v_cache, k_scale, v_scale, sm_scale, q_scale, block_size,

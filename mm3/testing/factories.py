@@ -257,8 +257,11 @@ def as_token_slots(case: Case, generator: torch.Generator, spare_slots: int = 37
     def slotted(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if t is None:
             return None
-        noise = torch.randn((N, 1, *t.shape[2:]), generator=generator)
-        out = (noise * 64).to(t.dtype) if t.dtype != torch.uint8 else torch.randint(0, 256, noise.shape, generator=generator, dtype=torch.uint8)
+        shape = (N, 1, *t.shape[2:])
+        if t.dtype == torch.uint8:      # packed NVFP4 codes
+            out = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+        else:
+            out = (torch.randn(shape, generator=generator) * 64).to(t.dtype)
         out = out.to(t.device)
         out[perm] = t.reshape(paged_rows, 1, *t.shape[2:])
         return out
@@ -270,11 +273,12 @@ def as_token_slots(case: Case, generator: torch.Generator, spare_slots: int = 37
             moved[:, perm] = s[:, :paged_rows]
             s = moved
         scales.append(s)
-    caches = PagedKVCache(slotted(c.k), slotted(c.v), slotted(c.index.unsqueeze(2)).squeeze(2),  # type: ignore[arg-type, union-attr]
-                          *scales, kv_format=c.kv_format, k_block_scale=slotted(c.k_block_scale),
-                          v_block_scale=slotted(c.v_block_scale),
-                          index_block_scale=None if c.index_block_scale is None else
-                          slotted(c.index_block_scale.unsqueeze(2)).squeeze(2))  # type: ignore[union-attr]
+    index = slotted(c.index.unsqueeze(2)).squeeze(2)  # type: ignore[union-attr]
+    iscale = c.index_block_scale
+    index_scale = None if iscale is None else slotted(iscale.unsqueeze(2)).squeeze(2)  # type: ignore[union-attr]
+    caches = PagedKVCache(slotted(c.k), slotted(c.v), index, *scales,  # type: ignore[arg-type]
+                          kv_format=c.kv_format, k_block_scale=slotted(c.k_block_scale),
+                          v_block_scale=slotted(c.v_block_scale), index_block_scale=index_scale)
     R, sl = b.num_requests, b.seq_lens_host
     width = max(sl, default=0) + B
     table = torch.full((R + spare_rows, width), -1, dtype=torch.int32)
