@@ -220,3 +220,22 @@ def test_the_guard_finds_a_non_finite_key_through_the_slots() -> None:
     out = layer(slotted.q, slotted.index_q, slotted.caches, b)  # type: ignore[attr-defined]
     assert not torch.isfinite(out[first:, 2:]).all()
     assert torch.isfinite(out[:, :2]).all()
+
+
+def test_slot_tensors_of_the_wrong_kind_are_refused_by_name() -> None:
+    with pytest.raises(InputError, match=r"slot_table must be a 2-D int32 or int64 tensor \[num_table_rows, "
+                                         r"max_context\], got torch.float32"):
+        TokenSlots.of(torch.zeros(2, 4), torch.tensor([0]))
+    with pytest.raises(InputError, match=r"req_to_token is on cpu and slot_ids on meta"):
+        TokenSlots.of(torch.zeros(2, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int64, device="meta"),
+                      "req_to_token", "slot_ids")
+    _, slotted = _cases(19)
+    b = slotted.batch  # type: ignore[attr-defined]
+    short = BatchMetadata.assemble(b.query_start_loc, b.seq_lens, None, b.block_table, b.token_to_request,
+                                   b.token_positions, num_decodes=b.num_decodes, decode_query_len=2,
+                                   num_decode_tokens=b.num_decode_tokens, max_prefill_query_len=20,
+                                   block_size=16, slots=TokenSlots(b.slots.table, b.slots.rows[:-1]))
+    with pytest.raises(InputError, match=r"batch.slot_rows has shape \(4,\), expected \(5,\): one slot-table row "
+                                         r"per request"):
+        _run(default_registry().get("cpu_ref"), type(slotted)(P, slotted.q, slotted.index_q,  # type: ignore[call-arg]
+                                                              slotted.caches, short))  # type: ignore[attr-defined]
