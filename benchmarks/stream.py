@@ -243,6 +243,9 @@ class EngineBuffers:
 #: whether this checkout's hook specifications have ``check_contents`` (a batch's contents judged by
 #: the backend in one launch); an older one rejects a plugin that implements it
 CONTENTS_HOOK = hasattr(import_module("mm3.contract.hookspecs"), "check_contents")
+#: the stub reads token slots too, where this checkout has them (SGLang's page_size=1 row)
+ADDRESSINGS: dict[str, Any] = ({"addressings": {"pages", "slots"}} if "addressings" in BackendCapabilities.model_fields
+                               else {})
 
 
 class StreamStub:
@@ -276,7 +279,8 @@ class StreamStub:
         return BackendCapabilities(name="stub", ops={"index_topk", "attention"}, device_types={"cpu"},
                                    topk_layout="head_major", max_decode_query_len=8,
                                    kv_cache_dtypes={"bfloat16", "float16", "float32"},
-                                   index_cache_dtypes={"bfloat16", "float16", "float32"}, reports_bad_page_ids=True)
+                                   index_cache_dtypes={"bfloat16", "float16", "float32"}, reports_bad_page_ids=True,
+                                   **ADDRESSINGS)
 
     @hookimpl
     def index_topk(self, index_q: torch.Tensor, caches: Any, batch: Any, params: Any, out: Any) -> None:
@@ -609,12 +613,14 @@ def req_to_token(pages: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 class SglangDecodeRow:
-    """SGLang's ``minimax_sparse_decode`` on the step's decodes, the drop-in's backends configured to this run's."""
+    """SGLang's ``minimax_sparse_decode`` on the step's decodes, the drop-in's backends configured to this run's
+    (``page_size``: SGLang's, the block size (pages) by default; 1 reads the same pool as token slots)."""
 
-    def __init__(self, setup: Setup) -> None:
+    def __init__(self, setup: Setup, page_size: Optional[int] = None) -> None:
         from mm3.integrations import sglang, targets
 
         self.sglang, self.setup = sglang, setup
+        self.page_size = setup.params.block_size if page_size is None else page_size
         name, reg, self.stub = setup.backend()
         targets.configure(Settings(backend=name, check_contracts="first"), registry=reg)
         S, p = setup.stream, setup.params
@@ -657,7 +663,7 @@ class SglangDecodeRow:
 
         def decode() -> None:
             fn(q, None, k, v, iq, None, index, None, pool, slots, sl, longest, 1, B, p.topk, p.init_blocks,
-               p.local_blocks, sm_scale=p.softmax_scale, disable_index_value=True, page_size=B)
+               p.local_blocks, sm_scale=p.softmax_scale, disable_index_value=True, page_size=self.page_size)
         return decode
 
     def prepare(self, s: StreamStep, qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor) -> Call:
@@ -692,7 +698,7 @@ class SglangPrefillRow(SglangDecodeRow):
         def extend() -> Any:
             return fn(q, k, v, None, iq, index, None, None, pool, slots, qsl, sl, prefix, s.max_query_len, longest,
                       1, B, p.topk, p.init_blocks, p.local_blocks, sm_scale=p.softmax_scale,
-                      disable_index_value=True, page_size=B)
+                      disable_index_value=True, page_size=self.page_size)
         return extend
 
     def prepare(self, s: StreamStep, qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor) -> Call:

@@ -63,12 +63,13 @@ from mm3.contract.capabilities import BackendCapabilities, Probe
 from mm3.contract.errors import BackendUnavailableError, InputError
 from mm3.contract.hookspecs import hookimpl
 from mm3.contract.params import SparseAttentionParams
+from mm3.contract.slots import TokenSlots, key_rows
 
 __all__ = [
     # declare
     "hookimpl", "BackendCapabilities", "Probe",
     # receive
-    "TopkBuffer", "PagedKVCache", "BatchMetadata", "SparseAttentionParams",
+    "TopkBuffer", "PagedKVCache", "BatchMetadata", "SparseAttentionParams", "TokenSlots", "key_rows",
     # raise
     "InputError", "BackendUnavailableError",
 ]

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from mm3.contract.buffers import TopkBuffer
-from mm3.testing.factories import Case, make_case
+from mm3.testing.factories import Case, as_token_slots, make_case
 from mm3.testing.oracle import check_topk, oracle_attention
 
 #: docs/spec.md §4: (max, mean) absolute errors against the fp64 oracle
@@ -108,3 +108,18 @@ def assert_output_right(s: SglangStep, ids: torch.Tensor, out: torch.Tensor, dty
     err = (out.double() - ref).abs()
     tmax, tmean = TOL[dtype]
     assert float(err.max()) <= tmax and float(err.mean()) <= tmean, (float(err.max()), float(err.mean()))
+
+
+def sglang_slot_step(params, *, decodes=(), prefills=(), dql: int = 1, padding: int = 0, dtype: str = "float32",
+                     kv_dtype: Optional[str] = None, pages: str = "permuted", seed: int = 0) -> SglangStep:
+    """A step as SGLang holds it with ``--page-size 1``: every token on a slot of its own, a random
+    permutation of the pool (:func:`mm3.testing.factories.as_token_slots`), ``req_to_token`` rows at
+    random; ``page_table`` is the batch's rows of it (one-token pages)."""
+    paged = make_case(params, decodes=decodes, prefills=prefills, decode_query_len=dql, padding_decodes=padding,
+                      dtype=dtype, kv_dtype=kv_dtype, kv_scale="tensor", seed=seed, pages=pages)
+    case = as_token_slots(paged, torch.Generator().manual_seed(seed + 2000))
+    c, slots = case.caches, case.batch.slots
+    ks = None if c.k_scale is None else float(c.k_scale[0])
+    vs = None if c.v_scale is None else float(c.v_scale[0])
+    return SglangStep(case, c.k[:, 0], c.v[:, 0], c.index, ks, vs, slots.table, slots.rows.long(),
+                      slots.table[slots.rows.long()])

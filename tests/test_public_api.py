@@ -24,7 +24,7 @@ ENGINE = ["SparseAttention", "SparseAttentionParams", "BatchMetadata", "PagedKVC
           "MM3Error", "InputError", "ConfigError", "UnknownBackendError", "BackendUnavailableError",
           "NoBackendError", "PluginError", "ContractViolation", "__version__"]
 PLUGIN = ["hookimpl", "BackendCapabilities", "Probe", "TopkBuffer", "PagedKVCache", "BatchMetadata",
-          "SparseAttentionParams", "InputError", "BackendUnavailableError"]
+          "SparseAttentionParams", "TokenSlots", "key_rows", "InputError", "BackendUnavailableError"]
 
 # Exported objects defined in files another change owns; their examples come with that change.
 EXAMPLE_PENDING: set[str] = set()

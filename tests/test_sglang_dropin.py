@@ -221,7 +221,8 @@ REFUSED = [
     ("index_value", dict(disable_index_value=False), "disable_index_value=False is not served.*index value branch"
                                                        ".*disable_value_layer_ids"),
     ("block_size_q", dict(block_size_q=2), "block_size_q=2 is not served.*pass block_size_q=1"),
-    ("page_size_1", dict(page_size=1), "page_size=1 is not served.*token-slot addressing.*--page-size 16"),
+    ("page_size_negative", dict(page_size=-1), "page_size=-1 is not served.*a multiple of block_size_k=16 "
+                                               r"\(pages\), or 1 \(token slots\)"),
     ("fnuz", dict(fnuz=True), r"k_cache.dtype=torch.float8_e4m3fnuz is not served.*no fnuz path.*#45562.*"
                               r"--kv-cache-dtype fp8_e4m3"),
     ("dense_main", dict(dense_main_attn_fn=print), "dense_main_attn_fn='<given>' is not served"),
@@ -256,9 +257,10 @@ def test_kernel_level_refusals_name_their_function() -> None:
     s = sglang_step(P, prefills=((9, 40),), seed=14)
     c, a = s.case, extend_args(s)
     ids = torch.zeros(2, 9, 4, dtype=torch.int32)
-    with pytest.raises(InputError, match=r"flash_decode_with_gqa_share_sparse \(SGLang 0.5.23\): page_size=0"):
+    with pytest.raises(InputError, match=r"flash_decode_with_gqa_share_sparse \(SGLang 0.5.23\): hisparse_slots"):
         sg.flash_decode_with_gqa_share_sparse(c.q, None, s.k_cache, s.v_cache, s.req_to_token,
-                                              a["seq_lens"].repeat(9)[:9], s.req_slots.repeat(9), B, ids)
+                                              a["seq_lens"].repeat(9)[:9], s.req_slots.repeat(9), B, ids,
+                                              hisparse_slots=torch.zeros(1))
     with pytest.raises(InputError, match=r"flash_decode_with_topk_idx \(SGLang 0.5.23\): use_dense_main_attn=True"):
         sg.flash_decode_with_topk_idx(c.index_q, None, s.idx_k_cache, None, s.req_to_token, a["seq_lens"], 40,
                                       s.req_slots, B, 4, 1, 1, disable_index_value=True, use_dense_main_attn=True,

@@ -19,7 +19,8 @@ The CPU block tables stand in for device ones (``on_host`` patched, as in
 tests/test_dropin_no_host_reads.py, and SGLang's ``req_to_token`` pool too:
 ``mm3.integrations.sglang_inputs.on_host``, whose pages are then checked with
 torch ops into the fault word). SGLang's pool has pages of the params' block
-size (``page_size`` = ``block_size_k`` = 16). Two backends: a stub that declares
+size (``page_size`` = ``block_size_k`` = 16), read as pages and, with ``page_size=1``, as token slots
+(whose contents mm3 judges with torch ops too). Two backends: a stub that declares
 ``reports_bad_page_ids`` (as the Triton backends do: page ids are its kernels'
 job) and returns at once after its first steps, and cpu_ref (which checks no
 page ids itself; it plans its work from host lengths, so its own frames are let
@@ -60,6 +61,8 @@ ENTRIES: dict[str, Callable[[Setup], Row]] = {
     "vllm prefill functions": VllmPrefillRow,
     "sglang decode": SglangDecodeRow,
     "sglang prefill": SglangPrefillRow,
+    "sglang decode, token slots": lambda setup: SglangDecodeRow(setup, page_size=1),
+    "sglang prefill, token slots": lambda setup: SglangPrefillRow(setup, page_size=1),
     "tp rank": lambda setup: LayerRow(setup, tp=True),
 }
 
@@ -116,7 +119,7 @@ def test_no_step_after_the_first_reads_the_host(entry: str, backend: str, monkey
                 prefills = sum(s.prefill is not None for s in STREAM.steps)
                 want = {"layer": (16, 16), "custom ops": (16, 16), "tp rank": (16, 16), "vllm decode pair": (16, 16),
                         "vllm prefill functions": (0, prefills), "sglang decode": (16, 16),
-                        "sglang prefill": (prefills, prefills)}[entry]
+                        "sglang prefill": (prefills, prefills)}[entry.replace(", token slots", "")]
                 assert (ran["index_topk"], ran["attention_forward"]) == want, ran
     finally:
         getattr(row, "close", lambda: None)()

@@ -1,4 +1,4 @@
-"""Helpers shared by the reference kernels: work budgets and page gathers.
+"""Helpers shared by the reference kernels: work budgets and the gathers of pages or token slots.
 
 Everything here is plain tensor code that runs on whatever device the inputs
 live on; nothing asks which device that is.
@@ -10,8 +10,10 @@ from typing import Callable, Optional
 
 import torch
 
+from mm3.plugin import BatchMetadata, PagedKVCache, key_rows
 
-__all__ = ["DEFAULT_MAX_ELEMENTS", "gather_pages", "page_ids", "widened"]
+__all__ = ["DEFAULT_MAX_ELEMENTS", "gather_pages", "page_ids", "block_rows", "first_blocks", "first_block_rows",
+           "widened"]
 
 DEFAULT_MAX_ELEMENTS = 1 << 24
 """Largest intermediate (fp32 elements, 64 MiB) one chunk of work may create.
@@ -35,6 +37,34 @@ def gather_pages(cache: torch.Tensor, block_table_rows: torch.Tensor, num_blocks
 def page_ids(block_table_rows: torch.Tensor, num_blocks: int, num_pages: int) -> torch.Tensor:
     """The pages :func:`gather_pages` reads: ``[R, num_blocks]`` long, clamped into ``[0, num_pages)``."""
     return block_table_rows[:, :num_blocks].to(torch.long).clamp(0, num_pages - 1)
+
+
+def block_rows(batch: BatchMetadata, req: torch.Tensor, pos: torch.Tensor, caches: PagedKVCache) -> torch.Tensor:
+    """The cache rows (of the flattened ``[num_pages * page_size]``) of positions ``pos`` of requests
+    ``req`` (broadcast), through the batch's pages or token slots, clamped into the cache: positions
+    at or past a request's ``seq_len`` read a real row that callers mask."""
+    return key_rows(batch, req, pos, caches.num_pages * caches.block_size, caches.block_size)
+
+
+def first_blocks(cache: torch.Tensor, batch: BatchMetadata, requests: torch.Tensor, num_blocks: int,
+                 caches: PagedKVCache) -> torch.Tensor:
+    """The rows of ``cache`` (K, V, index keys or their block scales) at the first ``num_blocks`` blocks of
+    each of ``requests`` (``[G]`` long): ``[G, num_blocks * B, *row]``; pages gathered whole, token slots
+    row by row."""
+    if batch.slots is None:
+        return gather_pages(cache, batch.block_table[requests], num_blocks).flatten(1, 2)
+    return cache[first_block_rows(batch, requests, num_blocks, caches), 0]
+
+
+def first_block_rows(batch: BatchMetadata, requests: torch.Tensor, num_blocks: int,
+                     caches: PagedKVCache) -> torch.Tensor:
+    """The flat cache rows :func:`first_blocks` reads: ``[G, num_blocks * B]`` long."""
+    B = batch.block_size
+    if batch.slots is None:
+        pages = page_ids(batch.block_table[requests], num_blocks, caches.num_pages)
+        return (pages.unsqueeze(-1) * B + torch.arange(B, device=pages.device)).flatten(1)
+    pos = torch.arange(num_blocks * B, device=requests.device)
+    return block_rows(batch, requests[:, None], pos[None, :], caches)
 
 
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

@@ -56,7 +56,7 @@ from mm3.plugin import PagedKVCache, TopkBuffer
 from mm3.plugin import InputError
 from mm3.plugin import SparseAttentionParams
 
-from ._common import DEFAULT_MAX_ELEMENTS, gather_pages, page_ids, widened
+from ._common import DEFAULT_MAX_ELEMENTS, block_rows, first_block_rows, first_blocks, widened
 
 __all__ = ["attention_forward", "Strategy", "DENSE_MAX_BLOCKS_PER_TOPK"]
 
@@ -119,7 +119,7 @@ def _valid_ids(ids: torch.Tensor, nb: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _gather_chunk(q: torch.Tensor, pos: torch.Tensor, req: torch.Tensor, ids: torch.Tensor,
-                  caches: PagedKVCache, block_table: torch.Tensor,
+                  caches: PagedKVCache, batch: BatchMetadata,
                   params: SparseAttentionParams) -> torch.Tensor:
     """Attention for ``C`` tokens of any requests, reading only their selected blocks.
 
@@ -133,16 +133,22 @@ def _gather_chunk(q: torch.Tensor, pos: torch.Tensor, req: torch.Tensor, ids: to
     nb = (pos // B + 1).view(C, 1, 1)
     ids, valid = _valid_ids(ids, nb)
     safe = torch.where(valid, ids, 0)
-    pages = block_table[req.view(C, 1, 1), safe].to(torch.long).clamp_(0, caches.num_pages - 1)
     head = torch.arange(Hkv, device=dev).view(1, Hkv, 1)
-    # Advanced indices on dims 0 and 2 around a slice: result [C, Hkv, K, B, D], whose
-    # strides depend on the device's index kernel (hence reshape, not view).
+    if batch.slots is None:
+        pages = batch.block_table[req.view(C, 1, 1), safe].to(torch.long).clamp_(0, caches.num_pages - 1)
+    else:   # token slots: the cache row of every key of every chosen block
+        keys = safe.unsqueeze(-1) * B + torch.arange(B, device=dev)
+        rows = block_rows(batch, req.view(C, 1, 1, 1), keys, caches)
+    # Advanced indices on dims 0 and 2 around a slice (pages; token slots: around row 0 of a one-token
+    # page): result [C, Hkv, K, B, D], whose strides depend on the device's index kernel (hence reshape).
 
-    def slots() -> tuple[torch.Tensor, torch.Tensor]:   # per-slot scales: slot = page * B + offset
+    def slots() -> tuple[torch.Tensor, torch.Tensor]:   # per-slot scales: slot = page * B + offset, or the row
+        if batch.slots is not None:
+            return head, rows.reshape(C, Hkv, K * B)
         return head, (pages.unsqueeze(-1) * B + torch.arange(B, device=dev)).reshape(C, Hkv, K * B)
 
     def pick(t: torch.Tensor) -> torch.Tensor:
-        return t[pages, :, head]
+        return t[pages, :, head] if batch.slots is None else t[rows, 0, head.unsqueeze(-1)]
 
     kb = _dequantized(widened(caches.k, caches.k_block_scale, pick).reshape(C, Hkv, K * B, D), caches.k_scale,
                       (1, Hkv, 1, 1), slots)
@@ -217,23 +223,23 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         for s in range(a, b, chunk):
             e = min(b, s + chunk)
             ids = sel[:, s:e].permute(1, 0, 2).to(torch.long)
-            o = _gather_chunk(q[s:e], positions[s:e], requests[s:e], ids, caches, batch.block_table, params)
+            o = _gather_chunk(q[s:e], positions[s:e], requests[s:e], ids, caches, batch, params)
             out[s:e] = o.to(out.dtype)
 
     def run_dense(r: int) -> None:
         a, b = starts[r], starts[r + 1]
         seq = batch.seq_lens_host[r]
         nblk = -(-seq // B)
-        def pages(t: torch.Tensor) -> torch.Tensor:
-            return gather_pages(t, batch.block_table[r:r + 1], nblk)[0]
+        req = torch.tensor([r], device=q.device)
 
-        kr = widened(caches.k, caches.k_block_scale, pages)   # [nblk, B, Hkv, D] fp32
+        def pages(t: torch.Tensor) -> torch.Tensor:
+            return first_blocks(t, batch, req, nblk, caches)[0]
+
+        kr = widened(caches.k, caches.k_block_scale, pages)   # [nblk * B, Hkv, D] fp32
         vr = widened(caches.v, caches.v_block_scale, pages)
 
-        def slots() -> tuple[torch.Tensor, torch.Tensor]:   # the slots of the pages gather_pages read
-            pages = page_ids(batch.block_table[r:r + 1], nblk, caches.num_pages)[0]
-            return (torch.arange(Hkv, device=q.device)[:, None],
-                    (pages[:, None] * B + torch.arange(B, device=q.device)).flatten()[None, :])
+        def slots() -> tuple[torch.Tensor, torch.Tensor]:   # the rows the gather read
+            return torch.arange(Hkv, device=q.device)[:, None], first_block_rows(batch, req, nblk, caches)
 
         kr = _dequantized(kr.reshape(nblk * B, Hkv, D).permute(1, 0, 2), caches.k_scale, (Hkv, 1, 1), slots)
         vr = _dequantized(vr.reshape(nblk * B, Hkv, D).permute(1, 0, 2), caches.v_scale, (Hkv, 1, 1), slots)

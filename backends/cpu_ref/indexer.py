@@ -42,7 +42,7 @@ from mm3.plugin import BatchMetadata
 from mm3.plugin import PagedKVCache, TopkBuffer
 from mm3.plugin import SparseAttentionParams
 
-from ._common import DEFAULT_MAX_ELEMENTS, gather_pages, widened
+from ._common import DEFAULT_MAX_ELEMENTS, first_blocks, widened
 
 __all__ = ["index_topk", "index_scores", "FORCED_INIT", "FORCED_LOCAL", "NAN_SCORE"]
 
@@ -172,7 +172,7 @@ def _scored(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata, p
         rows = torch.tensor(item.requests, device=dev)
         pos = torch.tensor(item.first_positions, device=dev).view(-1, 1) + ar
         keys = widened(caches.index, caches.index_block_scale,
-                       lambda t: gather_pages(t, batch.block_table[rows], item.num_blocks))   # NVFP4: unpacked
+                       lambda t: first_blocks(t, batch, rows, item.num_blocks, caches))   # NVFP4: unpacked
         keys = keys.reshape(len(item.requests), item.num_blocks * B, Di)
         G = len(item.requests)
         if G == 1:

@@ -43,6 +43,7 @@ CAPABILITIES = BackendCapabilities(
                                "float8_e4m3fn_unscaled", "nvfp4"}),
     query_dtypes=frozenset({"float8_e4m3fn"}),
     kv_slot_scales=True,
+    addressings=frozenset({"pages", "slots"}),
     max_decode_query_len=16,
     cuda_graph_safe=False,
 )

@@ -22,8 +22,9 @@ import torch
 
 from mm3.contract.errors import InputError
 from mm3.contract.facts import ArgNames, BatchShape, batch_kind, batch_shape
-from mm3.contract.lengths import INT32_MAX, INT32_MIN, IntSeq, check_lengths, to_int_list
+from mm3.contract.lengths import IntSeq, check_lengths, check_table, to_int_list
 from mm3.contract.contents import check_on_host, derive_context, derive_tokens
+from mm3.contract.slots import TokenSlots
 
 __all__ = ["BatchMetadata"]
 
@@ -69,6 +70,9 @@ class BatchMetadata:
     token_positions: torch.Tensor   # [T]; -1 marks a padding token
     #: the per-request lengths :meth:`build` validated; ``None`` when built from device tensors
     host_lens: Optional[tuple[tuple[int, ...], tuple[int, ...]]] = field(default=None, repr=False)
+    #: token slots (:mod:`mm3.contract.slots`): each token's cache row through a slot table; the block
+    #: table then has no columns. ``None``: pages, through the block table
+    slots: Optional[TokenSlots] = field(default=None, repr=False)
 
     # -- derived facts ---------------------------------------------------------
     # Host facts are cached: every layer, backend and check of a step asks for
@@ -138,7 +142,7 @@ class BatchMetadata:
             >>> b.prefill_seq_len_bound()
             40
         """
-        cap = self.block_table.shape[1] * self.block_size
+        cap = self.facts.width * (self.block_size if self.slots is None else 1)
         # set by build() from its lengths (read here only if there: computing it reads the device)
         context = self.__dict__.get("max_prefill_context_len")
         return cap if context is None else min(cap, context + self.max_prefill_query_len)
@@ -154,7 +158,8 @@ class BatchMetadata:
         d = self.__dict__      # context lengths not given are derived from the lengths: right by construction
         return batch_shape(d["query_start_loc"], d["seq_lens"], d["block_table"], d["token_to_request"],
                            d["token_positions"], d.get("context_lens"), self.num_decodes, self.decode_query_len,
-                           self.num_decode_tokens, self.block_size, self.max_prefill_query_len)
+                           self.num_decode_tokens, self.block_size, self.max_prefill_query_len,
+                           *(d.get("slots") or (None, None)))
 
     @property
     def kind(self) -> str:
@@ -175,14 +180,16 @@ class BatchMetadata:
               block_size: int, num_decodes: Optional[int] = None,
               is_decode: Optional[Sequence[bool]] = None,
               decode_query_len: Optional[int] = None,
-              num_pages: Optional[int] = None,
-              device: Union[str, torch.device, None] = None) -> "BatchMetadata":
+              num_pages: Optional[int] = None, device: Union[str, torch.device, None] = None,
+              slots: Optional[TokenSlots] = None) -> "BatchMetadata":
         """Validate per-request lengths and build the step's metadata.
 
         Give either ``num_decodes`` (decodes are the first requests) or
         ``is_decode`` (one flag per request; must be decodes-first). When
         ``num_pages`` is given, every block-table entry a request uses is
-        checked to lie in ``[0, num_pages)``.
+        checked to lie in ``[0, num_pages)``. ``slots``: a batch of token slots
+        (:mod:`mm3.contract.slots`; pass an empty ``[R, 0]`` block table), whose
+        used slots are checked against ``num_pages`` one-token pages.
         """
         ql = to_int_list("query_lens", query_lens)
         sl = to_int_list("seq_lens", seq_lens)
@@ -205,24 +212,7 @@ class BatchMetadata:
             num_decodes = nd
         if num_decodes is None:
             num_decodes = 0
-        if not isinstance(block_table, torch.Tensor):
-            try:  # no dtype here: a float list must be rejected below, not truncated
-                block_table = torch.as_tensor(block_table)
-            except (TypeError, ValueError, RuntimeError) as e:
-                raise InputError(f"block_table must be a 2-D integer tensor or a rectangular nested list "
-                                 f"of ints: {e}") from None
-            if block_table.numel() == 0:
-                block_table = block_table.to(torch.int32)  # [] / [[]] carry no dtype information
-        if block_table.dim() != 2 or block_table.shape[0] != n:
-            raise InputError(f"block_table must be [num_requests={n}, max_blocks], got {tuple(block_table.shape)}")
-        if block_table.is_floating_point() or block_table.is_complex():
-            raise InputError(f"block_table must hold integer page ids, got {block_table.dtype}")
-        if block_table.dtype != torch.int32 and block_table.numel():
-            # Stored as int32: a wider id would wrap around silently (one host sync, only here).
-            lo, hi = int(block_table.min()), int(block_table.max())
-            if lo < INT32_MIN or hi > INT32_MAX:
-                raise InputError(f"block_table holds {hi if hi > INT32_MAX else lo}, which does not fit "
-                                 f"the int32 page ids mm3 uses")
+        block_table = check_table(block_table, n)
         dev = torch.device(device) if device is not None else block_table.device
         decode_query_len = check_lengths(ql, sl, num_decodes, decode_query_len, block_size)
 
@@ -250,6 +240,7 @@ class BatchMetadata:
             block_table=block_table.to(**i32).contiguous(),
             token_to_request=torch.tensor(tok_req, **i32),
             token_positions=torch.tensor(tok_pos, **i32),
+            slots=None if slots is None else slots.to(dev),
         )
         check_on_host(batch, num_pages, entry="BatchMetadata.build", names=BUILD_NAMES)
         for name in (*_HOST_INTS, "facts"):  # cached now: a compiled caller reads them without running Python
@@ -261,7 +252,7 @@ class BatchMetadata:
                  block_table: torch.Tensor, token_to_request: torch.Tensor, token_positions: torch.Tensor, *,
                  num_decodes: int, decode_query_len: int, num_decode_tokens: int, max_prefill_query_len: int,
                  block_size: int, max_query_len: Optional[int] = None,
-                 max_seq_len: Optional[int] = None) -> "BatchMetadata":
+                 max_seq_len: Optional[int] = None, slots: Optional[TokenSlots] = None) -> "BatchMetadata":
         """A batch from its tensors, as they are, and the host ints that describe them; no checks, no copy.
 
         What :meth:`from_device` returns, and how mm3's custom ops rebuild a batch
@@ -282,13 +273,14 @@ class BatchMetadata:
             [39, 0]
         """
         facts = batch_shape(query_start_loc, seq_lens, block_table, token_to_request, token_positions, context_lens,
-                            num_decodes, decode_query_len, num_decode_tokens, block_size, max_prefill_query_len)
+                            num_decodes, decode_query_len, num_decode_tokens, block_size, max_prefill_query_len,
+                            *(slots or (None, None)))
         batch = cls.__new__(cls)  # the fields set directly: the custom ops assemble a batch per call
         batch.__dict__.update(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
                               query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                               token_to_request=token_to_request, host_lens=None, token_positions=token_positions,
                               num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len,
-                              facts=facts)
+                              slots=slots, facts=facts)
         for k, v in (("context_lens", context_lens), ("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
             if v is not None:     # the cached properties
                 batch.__dict__[k] = v
@@ -307,8 +299,8 @@ class BatchMetadata:
     def from_device(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, *,
                     num_decodes: int, num_tokens: int, max_query_len: int, block_size: int,
                     decode_query_len: int = 1, num_decode_tokens: Optional[int] = None,
-                    max_seq_len: Optional[int] = None,
-                    context_lens: Optional[torch.Tensor] = None) -> "BatchMetadata":
+                    max_seq_len: Optional[int] = None, context_lens: Optional[torch.Tensor] = None,
+                    slots: Optional[TokenSlots] = None) -> "BatchMetadata":
         """The step's metadata from tensors an engine already holds, with no device-to-host copy.
 
         ``query_start_loc`` ``[R + 1]``, ``seq_lens`` ``[R]`` and ``block_table``
@@ -319,6 +311,7 @@ class BatchMetadata:
         ``decode_query_len`` (1 + draft tokens) and ``num_decode_tokens``
         (default ``num_decodes * decode_query_len``). ``context_lens``: the
         engine's own ``[R]`` context lengths, if it keeps them (used as they are).
+        ``slots``: token slots (:mod:`mm3.contract.slots`) with an empty ``[R, 0]`` block table.
 
         What the tensors hold is checked where the step runs, never here (that
         needs the data on the host): on the host at the first step of each shape
@@ -369,7 +362,7 @@ class BatchMetadata:
             query_start_loc, seq_lens, context_lens, block_table, req, pos, num_decodes=num_decodes,
             decode_query_len=decode_query_len, num_decode_tokens=num_decode_tokens,  # type: ignore[arg-type]
             max_prefill_query_len=max_query_len if num_decodes < R else 0, block_size=block_size,
-            max_query_len=max_query_len, max_seq_len=max_seq_len)
+            max_query_len=max_query_len, max_seq_len=max_seq_len, slots=slots)
 
     def _derive_tokens(self) -> None:
         """Refill the per-token tensors (and derived ``context_lens``) in place, on the device, from the lengths."""
@@ -420,7 +413,8 @@ class BatchMetadata:
         """The same batch with its tensors on ``device``."""
         fields = {f: getattr(self, f).to(device) for f in _TENSORS}
         moved = BatchMetadata(num_decodes=self.num_decodes, decode_query_len=self.decode_query_len,
-                              host_lens=self.host_lens, block_size=self.block_size, **fields)
+                              host_lens=self.host_lens, block_size=self.block_size, **fields,
+                              slots=None if self.slots is None else self.slots.to(device))
         moved.__dict__.update({k: v for k, v in self.__dict__.items() if k in _HOST_INTS})
         return moved
 

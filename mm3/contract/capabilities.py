@@ -35,6 +35,7 @@ __all__ = [
     "IndexDType",
     "KVDType",
     "QueryDType",
+    "Addressing",
     "BackendCapabilities",
     "Requirements",
     "Probe",
@@ -56,6 +57,11 @@ KVDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m
 """A K/V cache format: the attention dtype, fp8 (``float8_e4m3fn``, ``float8_e5m2``) with scales, e4m3
 without a scale (``float8_e4m3fn_unscaled``) or ``nvfp4`` (docs/spec.md §1, :mod:`mm3.contract.quant`).
 A backend lists each quantized format it reads: one it does not list is passed over."""
+Addressing = Literal["pages", "slots"]
+"""How a batch finds the cache row of a request's token (docs/spec.md §2): ``pages`` = through its block
+table, ``block_table[r, pos // block_size]`` is the page holding ``block_size`` consecutive positions;
+``slots`` = through a slot table, ``slot_table[slot_rows[r], pos]`` is the token's own row of a cache of
+one-token pages (SGLang's ``req_to_token`` with ``--page-size 1``)."""
 QueryDType = Literal["float8_e4m3fn"]
 """A query dtype besides the attention dtypes: fp8 e4m3 queries, no scale (the output is ``out``'s dtype)."""
 
@@ -131,6 +137,10 @@ class BackendCapabilities(_Frozen):
     kv_slot_scales: bool = Field(
         False, description="the attention reads fp8 K/V scales per KV head and token slot ([Hkv, num_pages * "
                            "block_size], vLLM's per-token layout) besides per-tensor and per-head [Hkv] ones")
+    addressings: frozenset[Addressing] = Field(
+        frozenset({"pages"}), description="how its hooks find a token's cache row: pages = through the block "
+                                          "table (every backend), slots = through a slot table per token "
+                                          "(BatchMetadata.slot_table / slot_rows, one-token cache pages)")
     reports_bad_page_ids: bool = Field(
         False, description="index_topk clamps every block-table entry it loads into the cache and lowers its "
                            "page_faults word to a bad one it meets (mm3.contract.page_ids), so the layer "
@@ -173,6 +183,10 @@ class BackendCapabilities(_Frozen):
         if Op.ATTENTION in req.ops and req.kv_slot_scales and not self.kv_slot_scales:
             reasons.append("cannot read K/V scales per token slot (k_scale/v_scale [Hkv, num_slots]): it "
                            "does not declare kv_slot_scales")
+        if req.addressing not in self.addressings:
+            reasons.append(f"cannot find tokens through {req.addressing} (it declares addressings "
+                           f"{sorted(self.addressings)}): token slots, a slot table row per request with one "
+                           f"cache row per token, need 'slots'")
         index = bool(INDEX_OPS & req.ops)
         if index and req.index_cache_dtype not in self.index_cache_dtypes:
             reasons.append(
@@ -231,6 +245,8 @@ class Requirements(_Frozen):
                                                                 "output is in the attention dtype)")
     kv_slot_scales: bool = Field(False, description="fp8 K/V scaled per KV head and token slot (not per tensor "
                                                     "or per head)")
+    addressing: Addressing = Field("pages", description="how the batch finds a token's cache row: pages (a "
+                                                         "block table) or slots (a slot table)")
     head_dim: int = 128
     index_head_dim: int = 128
     block_size: int = 128

@@ -52,6 +52,7 @@ from mm3.contract.facts import StepFacts, TensorFacts
 from mm3.contract.hookspecs import INDEX_OPS, Op
 from mm3.contract.kv_scales import FP8_KV_DTYPES
 from mm3.contract.quant import NVFP4, cache_fault, logical_dim
+from mm3.contract.slots import slots_fault
 
 __all__ = ["check", "Plan", "UNLIMITED", "check_layer_args", "overlaps_itself"]
 
@@ -168,6 +169,9 @@ class _Rules:
             if t is not None and tuple(t.shape) != shape:
                 raise self.fail(f"{getattr(n, field)} has shape {tuple(t.shape)}, expected {shape} for "
                                 f"{R} requests ({n.seq_lens}) and {T} tokens")
+        fault = None if b.slot_table is None else slots_fault(b.slot_table, b.slot_rows, R, n)
+        if fault:
+            raise self.fail(fault)
         if not 0 <= b.num_decodes <= R:
             raise self.fail(f"num_decodes={b.num_decodes} must be in [0, {R}] (the number of requests)")
         if b.num_decodes and b.decode_query_len < 1:
@@ -265,7 +269,10 @@ class _Rules:
         f, n, p, T = self.f, self.n, self.p, self.T
         c, b = f.caches, f.batch
         B, H = c.k.shape[1], c.k.shape[2]
-        if not B == b.block_size == p.block_size:
+        if b.slot_table is not None and not (B == 1 and b.block_size == p.block_size):
+            raise self.fail(f"token slots need caches of one-token pages ([num_slots, 1, Hkv, D]; {n.k} has pages "
+                            f"of {B}) and the batch's block_size ({b.block_size}) = params.block_size ({p.block_size})")
+        if b.slot_table is None and not B == b.block_size == p.block_size:
             raise self.fail(f"block sizes disagree: cache pages hold {B} tokens, the batch's block_size is "
                             f"{b.block_size}, params.block_size is {p.block_size}; the sparse block is the KV "
                             f"page, make them equal")
@@ -318,6 +325,7 @@ class _Rules:
             (n.block_table, b.block_table.device), (n.query_start_loc, b.query_start_loc.device),
             (n.seq_lens, b.seq_lens.device), (n.token_positions, b.token_positions.device),
             (n.token_to_request, b.token_to_request.device)]
+        placed += [] if b.slot_table is None else [(n.slot_table, b.slot_table.device), (n.slot_rows, b.slot_rows.device)]  # type: ignore[union-attr]
         placed += [(n.topk, f.topk.device)] if f.topk is not None else [(n.out, f.out.device)]  # type: ignore[union-attr]
         for name, d in placed:
             if d != dev:
@@ -410,6 +418,7 @@ class _Rules:
                 index_cache_dtype=f.caches.index_format, kv_cache_dtype=f.caches.kv_format,
                 head_dim=p.head_dim, index_head_dim=p.index_head_dim, block_size=p.block_size, topk=p.topk,
                 gqa_group=p.gqa_group, decode_query_len=dql,
+                addressing="pages" if b.slot_table is None else "slots",
                 kv_slot_scales=f.caches.k_scale is not None and len(f.caches.k_scale.shape) == 2)
             reasons = caps.unmet(req)
             if op in INDEX_OPS and dtype_name(x.dtype) not in caps.dtypes:

@@ -15,7 +15,10 @@ The rules (docs/errors.md §2.6), written once, as torch operations
 * every token's position and request (and each request's context length, when
   given) are the ones those lengths give;
 * every block-table entry a request uses is a page of the cache (an id past the
-  cache, read as an address, could fault the whole device);
+  cache, read as an address, could fault the whole device); for token slots
+  (:mod:`mm3.contract.slots`), each request with a ``seq_len`` has a slot row of
+  the slot table, and every slot a position below its ``seq_len`` names is a row of the
+  cache (:func:`slots_word`: every used entry, where pages read one per block);
 * per-tensor and per-head fp8 K/V scales are finite and positive.
 
 Where they run (the boundary picks, :mod:`mm3.runtime.step`); only the first
@@ -66,9 +69,10 @@ from mm3.contract.facts import LAYER_NAMES, ArgNames, BatchShape
 
 if TYPE_CHECKING:  # batch.py imports this module to check num_pages when a batch is built
     from mm3.contract.batch import BatchMetadata
+    from mm3.contract.slots import TokenSlots
 
 __all__ = ["check_on_host", "FaultFlag", "NO_FAULT", "LENGTHS", "fault_word", "derive_tokens", "derive_context",
-           "lengths_word", "pages_word"]
+           "lengths_word", "pages_word", "slots_word"]
 
 #: the flag word's value while no fault was met
 NO_FAULT = 2 ** 63 - 1
@@ -91,7 +95,12 @@ _RULES = {
     9: "has seq_len {v}, which needs {need} blocks of {B} but the block table has only {M} columns",
     10: "has a position or request that the lengths do not give ({v})",
     11: "has {context_lens} {v} cached tokens",
+    12: "has slot row {v} ({slot_rows}), which is not a row of {slot_table}; pass each request's own row",
 }
+#: rule 9 of token slots: a position per column of the slot table
+_SLOTS_RULE_9 = "has seq_len {v}, but {slot_table} has only {M} columns (one per position)"
+#: columns of the slot table judged at once by the torch form of :func:`slots_word` (bounds its memory)
+_SLOT_COLUMNS = 1 << 16
 
 
 def fault_word(request: int, block: int) -> int:
@@ -106,6 +115,12 @@ def _where(rule: int, index: int) -> str:
 
 def _message(word: int, shape: Optional[BatchShape], num_pages: int, names: ArgNames,
              value: object = "?", page: Optional[int] = None, q: object = "?") -> str:
+    slots = shape is not None and shape.addressing == "slots"
+    if word < LENGTHS and slots:
+        r, p = word >> 32, word & 0xFFFFFFFF
+        entry = f"{names.slot_table}[{names.slot_rows}[{r}], {p}]" + ("" if page is None else f" = {page}")
+        return (f"request {r}, position {p}: {entry} is not a slot of the cache, in [0, {num_pages}); every "
+                f"position below a request's seq_len must name a slot of the K/V and index caches")
     if word < LENGTHS:
         r, b = word >> 32, word & 0xFFFFFFFF
         entry = f"{names.block_table}[{r}, {b}]" + ("" if page is None else f" = {page}")
@@ -113,24 +128,30 @@ def _message(word: int, shape: Optional[BatchShape], num_pages: int, names: ArgN
                 f"pages); every entry a request's seq_len uses must name a page of the cache")
     rule, index = (word - LENGTHS) >> 40, word & ((1 << 40) - 1)
     # values a device-side report does not carry show as "?"
-    facts: dict[str, object] = dict(v=value, q=q, qsl=names.query_start_loc, context_lens=names.context_lens)
+    facts: dict[str, object] = dict(v=value, q=q, qsl=names.query_start_loc, context_lens=names.context_lens,
+                                    slot_table=names.slot_table, slot_rows=names.slot_rows)
     facts.update(dict.fromkeys(("T", "nd", "dql", "ndt", "mpq", "M", "B", "need"), "?"))
     if shape is not None:
         B = shape.block_size
         facts.update(T=shape.num_tokens, nd=shape.num_decodes, dql=shape.decode_query_len, B=B,
                      ndt=shape.num_decode_tokens, mpq=shape.max_prefill_query_len, M=shape.width,
                      need=-(-value // B) if isinstance(value, int) and B else "?")
-    return (f"{_where(rule, index)} {_RULES[rule].format(**facts)}; fix {names.query_start_loc}, {names.seq_lens} "
+    text = _SLOTS_RULE_9 if slots and rule == 9 else _RULES[rule]
+    return (f"{_where(rule, index)} {text.format(**facts)}; fix {names.query_start_loc}, {names.seq_lens} "
             f"and {names.block_table} where they are made ({names.where_made})")
 
 
 def _value(word: int, qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torch.Tensor,
-           pos: torch.Tensor, ctx: Optional[torch.Tensor], nd: int) -> tuple[object, object, Optional[int]]:
+           pos: torch.Tensor, ctx: Optional[torch.Tensor], nd: int,
+           slots: Optional["TokenSlots"] = None) -> tuple[object, object, Optional[int]]:
     """``(value, query length, page)`` a message names for the fault ``word`` of host tensors."""
     if word < LENGTHS:
-        page = int(bt[word >> 32, word & 0xFFFFFFFF])
+        r, b = word >> 32, word & 0xFFFFFFFF
+        page = int(bt[r, b] if slots is None else slots.table[slots.rows[r], b])
         return page, "?", page
     rule, i = (word - LENGTHS) >> 40, word & ((1 << 40) - 1)
+    if rule == 12:
+        return int(slots.rows[i]), "?", None  # type: ignore[union-attr]
     if rule == 10:
         want_pos, want_req = derive_tokens(qsl, sl, nd, pos.shape[0])
         return (f"position {int(pos[i])} of request {int(t2r[i])}, expected {int(want_pos[i])} of request "
@@ -156,15 +177,18 @@ def check_on_host(batch: "BatchMetadata", num_pages: Optional[int], *, entry: st
         if s is not None and s.dim() == 1 and not bool((torch.isfinite(s) & (s > 0)).all()):
             raise InputError(f"{entry}: {name} must be finite and > 0 for every KV head (value = stored * scale), "
                              f"got {s.tolist()}")
-    host = batch if batch.block_table.device.type == "cpu" else batch.to("cpu")
-    word = int(lengths_word(host))
+    on_cpu = batch.block_table.device.type == "cpu"
+    # a slot table is judged where it lives (it is the engine's whole pool: no host copy of it unless a fault)
+    judged = batch if on_cpu or batch.slots is not None else batch.to("cpu")
+    word = int(lengths_word(judged))
     if word == NO_FAULT and num_pages is not None:
-        word = int(pages_word(host, num_pages))
+        word = int(pages_word(judged, num_pages))
     if word == NO_FAULT:
         return
+    host = batch if on_cpu else batch.to("cpu")
     ctx = host.__dict__.get("context_lens")
     value, q, page = _value(word, host.query_start_loc.long(), host.seq_lens.long(), host.block_table,
-                            host.token_to_request, host.token_positions, ctx, host.num_decodes)
+                            host.token_to_request, host.token_positions, ctx, host.num_decodes, host.slots)
     raise InputError(f"{entry}: " + _message(word, batch.facts, num_pages or 0, names, value, page=page, q=q))
 
 
@@ -198,6 +222,8 @@ def lengths_word(batch: "BatchMetadata") -> torch.Tensor:
     qsl, sl = batch.query_start_loc.to(torch.int64), batch.seq_lens.to(torch.int64)
     R, M = batch.block_table.shape
     T, nd, B = batch.num_tokens, batch.num_decodes, batch.block_size
+    if batch.slots is not None:   # a column per position: seq_len fits the slot table's width
+        M, B = batch.slots.width, 1
     dev = sl.device
     if not R:
         bad = LENGTHS | 3 << 40 if T else NO_FAULT
@@ -226,7 +252,10 @@ def lengths_word(batch: "BatchMetadata") -> torch.Tensor:
 
 def pages_word(batch: "BatchMetadata", num_pages: int) -> torch.Tensor:
     """The smallest fault word of a block-table entry a request uses that is not a page id in
-    ``[0, num_pages)`` (``[1]`` int64), as torch ops on the batch's device: no synchronisation."""
+    ``[0, num_pages)`` (``[1]`` int64), as torch ops on the batch's device: no synchronisation.
+    Token slots: :func:`slots_word` (``num_pages``: the cache's one-token pages)."""
+    if batch.slots is not None:
+        return slots_word(batch, num_pages)
     bt, sl = batch.block_table, batch.seq_lens.to(torch.int64)
     R, M = bt.shape
     if not (R and M):
@@ -236,6 +265,30 @@ def pages_word(batch: "BatchMetadata", num_pages: int) -> torch.Tensor:
     req = torch.arange(R, device=bt.device)
     bad = used & ((bt < 0) | (bt >= num_pages))
     return torch.where(bad, req[:, None] << 32 | cols[None, :], NO_FAULT).amin().view(1)
+
+
+def slots_word(batch: "BatchMetadata", num_slots: int) -> torch.Tensor:
+    """The smallest fault word of a batch of token slots (``[1]`` int64): a slot row outside the slot
+    table (rule 12), else ``request << 32 | position`` of the first position below a request's
+    ``seq_len`` whose slot is not a row of the cache, in ``[0, num_slots)``. Torch ops on the batch's
+    device, no synchronisation; the table's columns in chunks (each used entry is read, one per token)."""
+    table, rows = batch.slots.table, batch.slots.rows.to(torch.int64)  # type: ignore[union-attr]
+    N, W = table.shape
+    dev, R = rows.device, rows.shape[0]
+    req = torch.arange(R, device=dev)
+    sl = batch.seq_lens.to(torch.int64)
+    row_ok = (rows >= 0) & (rows < N)     # a request with no tokens to read (padding) needs no row
+    words = [torch.where(row_ok | (sl <= 0), NO_FAULT, LENGTHS | 12 << 40 | req).amin()] if R else []
+    safe = rows.clamp(0, max(N - 1, 0))[:, None]
+    sl = torch.where(row_ok, sl, 0)[:, None]
+    for c0 in range(0, W if R and N else 0, _SLOT_COLUMNS):
+        cols = torch.arange(c0, min(W, c0 + _SLOT_COLUMNS), device=dev)[None, :]
+        ids = table[safe, cols]
+        bad = (cols < sl) & ((ids < 0) | (ids >= num_slots))
+        words.append(torch.where(bad, req[:, None] << 32 | cols, NO_FAULT).amin())
+    if not words:
+        return torch.full((1,), NO_FAULT, dtype=torch.int64, device=dev)
+    return torch.stack(words).amin().view(1)
 
 
 class _MappedInterface:

@@ -153,6 +153,9 @@ class BatchFacts(NamedTuple):
     token_to_request: TensorFacts
     token_positions: TensorFacts
     context_lens: Optional[TensorFacts]
+    #: token slots (docs/spec.md §2): the slot table and each request's row of it; ``None`` for pages
+    slot_table: Optional[TensorFacts] = None
+    slot_rows: Optional[TensorFacts] = None
 
     @property
     def num_tokens(self) -> int:
@@ -171,9 +174,10 @@ class BatchShape(NamedTuple):
     target's plans. The counts a step compares with its plan: ``num_tokens`` (``T``),
     ``num_requests`` (``R``), ``num_decodes``, ``decode_query_len``. ``consistent``: the batch's own
     shape rules hold (``query_start_loc`` ``[R + 1]``, ``block_table`` ``[R, M]``, the per-token
-    tensors ``[T]``, decodes and decode tokens that fit); when not, a step runs every rule, which names
-    the broken one. ``host``: the block table lives in host memory. ``kind``: :func:`batch_kind`.
-    ``width``: the block table's columns.
+    tensors ``[T]``, decodes and decode tokens that fit, a slot row per request); when not, a step runs
+    every rule, which names the broken one. ``host``: the block table lives in host memory. ``kind``:
+    :func:`batch_kind`. ``width``: the block table's columns (token slots: the slot table's).
+    ``addressing``: ``"pages"`` or ``"slots"`` (:data:`~mm3.contract.capabilities.Addressing`).
     """
 
     key: tuple[Any, ...]
@@ -190,6 +194,7 @@ class BatchShape(NamedTuple):
     width: int = 0
     num_decode_tokens: int = 0
     max_prefill_query_len: int = 0
+    addressing: str = "pages"
 
 
 _KEYS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -197,9 +202,11 @@ _KEYS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
 def batch_shape(qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torch.Tensor, pos: torch.Tensor,
                 ctx: Optional[torch.Tensor], num_decodes: int, decode_query_len: int, num_decode_tokens: int,
-                block_size: int, max_prefill_query_len: int) -> BatchShape:
-    """A batch's :class:`BatchShape` from its tensors and host ints (``ctx``: ``None`` when derived); spelled
-    out, not looped: the custom ops assemble a batch per call."""
+                block_size: int, max_prefill_query_len: int, slot_table: Optional[torch.Tensor] = None,
+                slot_rows: Optional[torch.Tensor] = None) -> BatchShape:
+    """A batch's :class:`BatchShape` from its tensors and host ints (``ctx``: ``None`` when derived;
+    ``slot_table``/``slot_rows``: a batch of token slots); spelled out, not looped: the custom ops assemble
+    a batch per call."""
     sq, ss, sb, st, sp = qsl.shape, sl.shape, bt.shape, t2r.shape, pos.shape
     T = sp[0] if len(sp) == 1 else -1
     R = ss[0] if len(ss) == 1 else -1
@@ -207,6 +214,10 @@ def batch_shape(qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torc
     key = (block_size, qsl.dtype, qsl.device, len(sq), sl.dtype, sl.device, len(ss), bt.dtype, bt.device, len(sb),
            t2r.dtype, t2r.device, len(st), pos.dtype, pos.device, len(sp),
            None if ctx is None else (ctx.dtype, ctx.device, ctx.dim()))
+    slots = slot_table is not None
+    if slots:
+        key += (slot_table.dtype, slot_table.device, slot_table.dim(), slot_rows.dtype,  # type: ignore[union-attr]
+                slot_rows.device, slot_rows.dim())  # type: ignore[union-attr]
     got = _KEYS.get(key)       # one object per value: a step compares it by identity
     if got is None:
         if len(_KEYS) >= 1024:
@@ -215,8 +226,13 @@ def batch_shape(qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torc
     consistent = (T >= 0 and R >= 0 and sq[0] == R + 1 and sb[0] == R and st[0] == T
                   and (ctx is None or ctx.shape[0] == R) and 0 <= nd <= R and (not nd or dql >= 1)
                   and 0 <= ndt <= min(T, nd * dql))
+    width = sb[1] if len(sb) == 2 else 0
+    if slots:
+        st_shape = slot_table.shape  # type: ignore[union-attr]
+        consistent = consistent and slot_rows.shape == (R,) and len(st_shape) == 2  # type: ignore[union-attr]
+        width = st_shape[1] if len(st_shape) == 2 else 0
     return BatchShape(got, T, R, nd, dql, batch_kind(R, nd, dql), consistent, bt.is_cpu, block_size,
-                      sb[1] if len(sb) == 2 else 0, ndt, max_prefill_query_len)
+                      width, ndt, max_prefill_query_len, "slots" if slots else "pages")
 
 
 class LayerFacts(NamedTuple):
@@ -258,13 +274,16 @@ class ArgNames(NamedTuple):
     token_to_request: str = "batch.token_to_request"
     token_positions: str = "batch.token_positions"
     where_made: str = "BatchMetadata.build(...), which checks them where they are made"
+    slot_table: str = "batch.slot_table"
+    slot_rows: str = "batch.slot_rows"
 
 
 LAYER_NAMES = ArgNames()
 """The layer's and a bound backend's spelling (``SparseAttention.forward``, ``Backend.index_topk``)."""
 OPS_NAMES = ArgNames(topk="topk", k="k", v="v", index="index", k_scale="k_scale", v_scale="v_scale",
                      query_start_loc="query_start_loc", seq_lens="seq_lens", context_lens="context_lens",
-                     block_table="block_table", token_to_request="token_to_request",
+                     block_table="block_table", slot_table="slot_table", slot_rows="slot_rows",
+                     token_to_request="token_to_request",
                      token_positions="token_positions",
                      where_made="mm3.runtime.ops.batch_args(batch) of a BatchMetadata")
 """``torch.ops.mm3.*``'s spelling: their schema's argument names."""

@@ -197,7 +197,9 @@ def check_contents(batch: "BatchMetadata", num_pages: int, word: "torch.Tensor")
     (``fault_word(request, block)`` for a page id, ``LENGTHS | rule << 40 | index`` for the others),
     the smallest one a program meets. mm3 calls it at every eager call that reads a device batch (an
     engine edits a batch's tensors in place between steps), instead of its own check of about forty
-    torch operations; ``mm3.contract.contents.lengths_word`` and ``pages_word`` are the reference.
+    torch operations; ``mm3.contract.contents.lengths_word`` and ``pages_word`` are the reference. A
+    backend that declares ``addressings`` "slots" judges a batch of token slots here too (``batch.slots``:
+    every slot a used position names, ``slots_word`` the reference).
     Implement it as one launch, and only on devices your probe accepts.
     """
 

@@ -19,7 +19,7 @@ import torch
 
 from mm3.contract.errors import InputError
 
-__all__ = ["IntSeq", "to_int_list", "check_lengths", "INT32_MIN", "INT32_MAX"]
+__all__ = ["IntSeq", "to_int_list", "check_lengths", "check_table", "INT32_MIN", "INT32_MAX"]
 
 IntSeq = Union[Sequence[int], torch.Tensor]
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -93,3 +93,26 @@ def check_lengths(ql: list[int], sl: list[int], num_decodes: int, decode_query_l
     if decode_query_len < 1:
         raise InputError(f"decode_query_len must be >= 1, got {decode_query_len}")
     return decode_query_len
+
+
+def check_table(block_table: object, n: int) -> torch.Tensor:
+    """:meth:`~mm3.contract.batch.BatchMetadata.build`'s ``block_table`` as a 2-D integer tensor of ``n``
+    rows whose ids fit int32 (one host read of a wider table's range, only here)."""
+    if not isinstance(block_table, torch.Tensor):
+        try:  # no dtype here: a float list must be rejected below, not truncated
+            block_table = torch.as_tensor(block_table)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InputError(f"block_table must be a 2-D integer tensor or a rectangular nested list "
+                             f"of ints: {e}") from None
+        if block_table.numel() == 0:
+            block_table = block_table.to(torch.int32)  # [] / [[]] carry no dtype information
+    if block_table.dim() != 2 or block_table.shape[0] != n:
+        raise InputError(f"block_table must be [num_requests={n}, max_blocks], got {tuple(block_table.shape)}")
+    if block_table.is_floating_point() or block_table.is_complex():
+        raise InputError(f"block_table must hold integer page ids, got {block_table.dtype}")
+    if block_table.dtype != torch.int32 and block_table.numel():
+        lo, hi = int(block_table.min()), int(block_table.max())
+        if lo < INT32_MIN or hi > INT32_MAX:
+            raise InputError(f"block_table holds {hi if hi > INT32_MAX else lo}, which does not fit "
+                             f"the int32 page ids mm3 uses")
+    return block_table

@@ -7,6 +7,7 @@ import torch
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache
 from mm3.contract.params import SparseAttentionParams
+from mm3.contract.slots import key_rows
 
 __all__ = ["finite_inputs"]
 
@@ -38,14 +39,13 @@ def finite_inputs(q: torch.Tensor, caches: PagedKVCache, hm: torch.Tensor, batch
         r = batch.token_to_request[t].to(torch.int64)
         p = batch.token_positions[t].to(torch.int64)
         valid = ids >= 0
-        # (ids past the table are clamped: their positions lie past the token and are masked below)
-        cols = ids.clamp(0, batch.block_table.shape[1] - 1)
-        pages = batch.block_table.to(torch.int64)[r[:, None], cols]
-        pages = pages.clamp(0, caches.num_pages - 1)
-        # Advanced indices separated by a slice: result is [n, K, B, D].
-        kh = caches.k[pages, :, h[:, None]].float()
-        vh = caches.v[pages, :, h[:, None]].float()
         pos = ids[:, :, None] * B + torch.arange(B, device=ids.device)[None, None, :]
+        # each key's cache row through the batch's pages or token slots (ids past the table are clamped:
+        # their positions lie past the token and are masked below)
+        Bc = caches.block_size
+        rows = key_rows(batch, r[:, None, None], pos.clamp(min=0), caches.num_pages * Bc, Bc)   # [n, K, B]
+        kh = caches.k[rows // Bc, rows % Bc, h[:, None, None]].float()                       # [n, K, B, D]
+        vh = caches.v[rows // Bc, rows % Bc, h[:, None, None]].float()
         used = valid[:, :, None] & (pos <= p[:, None, None])        # [n, K, B]
         fin = torch.isfinite(kh).all(-1) & torch.isfinite(vh).all(-1)
         out.append(q_ok & (fin | ~used).all(-1).all(-1))

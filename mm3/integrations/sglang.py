@@ -28,20 +28,21 @@ are ``[num_kv_heads, rows, topk]`` int32, ascending, ``-1`` at the tail; fp8 K/V
 floats, and ``q_scale`` folds into ``sm_scale``; outputs are new tensors in q's
 dtype (bfloat16 for fp8 queries). The step's metadata is built on the device.
 
-What differs: pages. mm3 reads ``block_size_k``-token pages, so each block must
-be one aligned page of contiguous slots: SGLang's pool with ``--page-size 128``
-(MiniMax-M3's block) allocates exactly that, ``page_size`` must be a multiple of
-``block_size_k``, and every call checks on the device that ``req_to_token`` holds
-such pages (a fault is an :class:`~mm3.InputError` at the next eager call, or at
-once for a table in host memory). A batch-local ``page_table`` (keyword only,
-mm3's addition) replaces ``req_to_token``/``slot_ids``. Token-slot addressing
-(``page_size=1``) is not served yet. An attention reads the valid ids of a row
-as a set, wherever they sit (SGLang's reads the first ``count(ids >= 0)``).
+Both of SGLang's addressings are read without a copy. With a ``page_size`` that is a
+multiple of ``block_size_k`` (``--page-size 128``, MiniMax-M3's block) mm3 reads
+pages: each block must be one aligned page of contiguous slots, which every call
+checks on the device (a fault is an :class:`~mm3.InputError` at the next eager
+call, or at once for a table in host memory). With any other ``page_size`` (1,
+SGLang's default; 0) it reads token slots (docs/spec.md §2): each token's row
+through ``req_to_token[slot_ids[b], position]``, on backends that declare them.
+A batch-local ``page_table`` (keyword only, mm3's addition) replaces
+``req_to_token``/``slot_ids``. An attention reads the valid ids of a row as a set,
+wherever they sit (SGLang's reads the first ``count(ids >= 0)``).
 
 Refused by name (:class:`~mm3.InputError` naming the function and argument):
 ``score_type="lse"``, an attention ``sink`` or ``idx_sink``, the index value
 branch (``disable_index_value=False``), ``block_size_q > 1``, fnuz fp8 K/V,
-``page_size`` not a multiple of ``block_size_k``, more index heads than KV heads,
+a negative ``page_size``, more index heads than KV heads,
 and SGLang's hooks into other kernels (``dense_main_attn_fn``,
 ``hisparse_swap_in_fn``, ``hisparse_slots``, ``loc_mapping``, ``indexer_cp``,
 ``use_dense_main_attn``).
@@ -94,15 +95,17 @@ _REQUIREMENTS: dict[tuple[object, ...], tuple[Requirements, Made]] = {}
 
 
 def _target(fn: str, op: Optional[Op], params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
-            kv_dtype: torch.dtype, device: torch.device, graph: bool) -> OpTarget:
+            kv_dtype: torch.dtype, device: torch.device, graph: bool, batch: Any) -> OpTarget:
     """The bound backends of a call (one choice per requirements serves every function of this module); a
     captured call of a backend that is not CUDA-graph safe is refused with the reason."""
-    key = (params, dtype, index_dtype, kv_dtype, device)
+    addressing = batch.facts.addressing    # token slots: only a backend that declares them is chosen
+    key = (params, dtype, index_dtype, kv_dtype, device, addressing)
     got = _REQUIREMENTS.get(key)
     if got is None:
         if len(_REQUIREMENTS) >= MAX_CHOICES:
             _REQUIREMENTS.clear()
-        req = requirements_for(params, dtype, index_dtype, device, kv_dtype=kv_dtype).for_ops(*STEP_OPS)
+        req = requirements_for(params, dtype, index_dtype, device, kv_dtype=kv_dtype,
+                               addressing=addressing).for_ops(*STEP_OPS)
         got = _REQUIREMENTS[key] = (req, Made((params, req, str(device))))
     bound = bind(params, got[0], device, capturing=graph, made=got[1])
     sel = bound.selection
@@ -116,15 +119,6 @@ def _target(fn: str, op: Optional[Op], params: SparseAttentionParams, dtype: tor
     return bound.target
 
 
-def _addressing(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optional[torch.Tensor],
-                page_table: Optional[torch.Tensor], seq_lens: torch.Tensor, max_seqlen: Optional[int],
-                block_size: int, page_size: Optional[int], num_pages: int) -> tuple[torch.Tensor, Any]:
-    if max_seqlen is None:    # no bound given: every column of the table
-        max_seqlen = req_to_token.shape[1] if isinstance(req_to_token, torch.Tensor) else 0
-    return si.block_table(fn, req_to_token, slot_ids, page_table, block_size, page_size or block_size, max_seqlen,
-                          seq_lens, num_pages)
-
-
 def _run(fn: str, ops: tuple[Op, ...], target: OpTarget, caches: PagedKVCache, batch: Any, word: Any,
          names: Any, graph: bool, **call: Any) -> None:
     si.record_pages(target.flag, word, fn, names, batch, caches.num_pages, graph)
@@ -135,11 +129,11 @@ def _run(fn: str, ops: tuple[Op, ...], target: OpTarget, caches: PagedKVCache, b
 def _attention_step(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: object,
                     v_scale: object, sm_scale: Optional[float], q_scale: object, block_size: int, topk: int,
                     index: Optional[tuple[torch.Tensor, torch.Tensor]], init_local: tuple[int, int],
-                    graph: bool) -> tuple[torch.Tensor, PagedKVCache, SparseAttentionParams, torch.Tensor]:
+                    graph: bool, page: int) -> tuple[torch.Tensor, PagedKVCache, SparseAttentionParams, torch.Tensor]:
     """``(q, caches, params, out)`` of a call that attends (``index``: ``(idx_q, idx_k_cache)`` when it
-    also selects)."""
+    also selects; ``page``: the tokens of a cache page, :func:`_page_rows`)."""
     si.tensor_arg(fn, "q", q, 3, "[num_tokens, num_q_heads, head_dim]")
-    kv = si.kv_caches(fn, k_cache, v_cache, k_scale, v_scale, block_size, graph)
+    kv = si.kv_caches(fn, k_cache, v_cache, k_scale, v_scale, page, graph)
     q = si.widen(q)
     T, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -153,7 +147,7 @@ def _attention_step(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     else:
         idx_q, idx_k_cache = index
         si.one_index_head(fn, idx_q.shape[1], Hkv)
-        caches = si.index_caches(fn, idx_k_cache, Hkv, block_size, kv)  # type: ignore[arg-type]
+        caches = si.index_caches(fn, idx_k_cache, Hkv, page, kv)  # type: ignore[arg-type]
         params = _params(fn, Hq, Hkv, D, Hkv, idx_q.shape[2], block_size, topk, *init_local, scale)
     return q, caches, params, torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
 
@@ -168,12 +162,12 @@ def _index_query(fn: str, name: str, q: object, scales: tuple[tuple[str, object]
 
 
 def _index_step(fn: str, q: torch.Tensor, k_cache: torch.Tensor, block_size: int, topk: int, init_blocks: int,
-                local_blocks: int, scales: tuple[tuple[str, object], ...]) -> tuple[torch.Tensor, PagedKVCache,
-                                                                                     SparseAttentionParams]:
+                local_blocks: int, scales: tuple[tuple[str, object], ...],
+                page: int) -> tuple[torch.Tensor, PagedKVCache, SparseAttentionParams]:
     """``(idx_q, caches, params)`` of a kernel-level index call (each index head stands for a KV head)."""
     q = _index_query(fn, "q", q, scales)
     H, Di = q.shape[1], q.shape[2]
-    caches = si.index_caches(fn, k_cache, H, block_size, dtype=q.dtype)
+    caches = si.index_caches(fn, k_cache, H, page, dtype=q.dtype)
     return q, caches, _params(fn, H, H, Di, H, Di, block_size, topk, init_blocks, local_blocks, 1.0)
 
 
@@ -226,23 +220,24 @@ def minimax_sparse_decode(q: torch.Tensor, sink: Optional[torch.Tensor], k_cache
                                                ("idx_k_scale", idx_k_scale)))
     index = None if cached_topk_idx is not None else (idx_q, idx_k_cache)
     q, caches, params, o = _attention_step(fn, q, k_cache, v_cache, k_scale, v_scale, sm_scale, q_scale,
-                                           block_size_k, topk, index, (init_blocks, local_blocks), graph)
+                                           block_size_k, topk, index, (init_blocks, local_blocks), graph,
+                                           si.page_rows(page_size, block_size_k))
     sl = si.int_arg(fn, "seq_lens", seq_lens, 1, "[batch]")
     T, Hkv = q.shape[0], caches.num_kv_heads
     if sl.shape[0] != T:
         raise InputError(f"{fn}: seq_lens has {sl.shape[0]} rows, q {T}: one query token per row")
-    bt, word = _addressing(fn, req_to_token, slot_ids, page_table, sl, max_seqlen, block_size_k, page_size,
+    bt, word, slots = si.addressing(fn, req_to_token, slot_ids, page_table, sl, max_seqlen, block_size_k, page_size,
                            caches.num_pages)
-    batch = si.decode_batch(sl, bt, block_size_k)
+    batch = si.decode_batch(sl, bt, block_size_k, slots)
     names = si.names(block_size_k, page_table is not None, prefill=False)
     if cached_topk_idx is not None:
         ids = si.topk_arg(fn, "cached_topk_idx", cached_topk_idx, Hkv, T)
-        target = _target(fn, Op.ATTENTION, params, q.dtype, caches.index_dtype, caches.dtype, q.device, graph)
+        target = _target(fn, Op.ATTENTION, params, q.dtype, caches.index_dtype, caches.dtype, q.device, graph, batch)
         if T:
             _run(fn, (Op.ATTENTION,), target, caches, batch, word, names, graph, topk=ids, q=q, out=o)
         return None, o
     ids_t = _topk_out(fn, "topk_out", topk_out, (Hkv, T, topk), q.device)
-    target = _target(fn, None, params, q.dtype, caches.index_dtype, caches.dtype, q.device, graph)
+    target = _target(fn, None, params, q.dtype, caches.index_dtype, caches.dtype, q.device, graph, batch)
     if T:
         _run(fn, BOTH, target, caches, batch, word, names, graph, topk=TopkBuffer(ids_t), index_q=idx_q, q=q, out=o)
     return None, o
@@ -285,22 +280,23 @@ def minimax_sparse_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                ("idx_k_scale", idx_k_scale)))
     index = None if cached_topk_idx is not None else (idx_q, idx_k_cache)
     q, caches, params, o = _attention_step(fn, q, k_cache, v_cache, k_scale, v_scale, sm_scale, q_scale,
-                                           block_size_k, topk, index, (init_blocks, local_blocks), graph)
+                                           block_size_k, topk, index, (init_blocks, local_blocks), graph,
+                                           si.page_rows(page_size, block_size_k))
     T, Hkv = q.shape[0], caches.num_kv_heads
     sl = si.int_arg(fn, "seq_lens", seq_lens, 1, "[batch]")
     pl = si.int_arg(fn, "prefix_lens", prefix_lens, 1, "[batch]")
-    bt, word = _addressing(fn, req_to_token, slot_ids, page_table, sl, max_seqlen_k, block_size_k, page_size,
+    bt, word, slots = si.addressing(fn, req_to_token, slot_ids, page_table, sl, max_seqlen_k, block_size_k, page_size,
                            caches.num_pages)
-    batch = si.prefill_batch(fn, cu_seqlens, sl, bt, T, max_seqlen_q, block_size_k, pl)
+    batch = si.prefill_batch(fn, cu_seqlens, sl, bt, T, max_seqlen_q, block_size_k, pl, slots)
     names = si.names(block_size_k, page_table is not None, prefill=True)
     if cached_topk_idx is not None:
         ids = si.topk_arg(fn, "cached_topk_idx", cached_topk_idx, Hkv, T)
-        target = _target(fn, Op.ATTENTION, params, q.dtype, caches.index_dtype, caches.dtype, q.device, graph)
+        target = _target(fn, Op.ATTENTION, params, q.dtype, caches.index_dtype, caches.dtype, q.device, graph, batch)
         if T:
             _run(fn, (Op.ATTENTION,), target, caches, batch, word, names, graph, topk=ids, q=q, out=o)
         return (None, o, cached_topk_idx) if return_topk_idx else (None, o)
     ids_t = torch.empty((Hkv, T, topk), dtype=torch.int32, device=q.device)
-    target = _target(fn, None, params, q.dtype, caches.index_dtype, caches.dtype, q.device, graph)
+    target = _target(fn, None, params, q.dtype, caches.index_dtype, caches.dtype, q.device, graph, batch)
     if T:
         _run(fn, BOTH, target, caches, batch, word, names, graph, topk=TopkBuffer(ids_t), index_q=idx_q, q=q, out=o)
     return (None, o, ids_t) if return_topk_idx else (None, o)
@@ -325,17 +321,18 @@ def flash_decode_with_topk_idx(q: torch.Tensor, sink: Optional[torch.Tensor], k_
     si.refusals(fn, score_type=score_type, sink=sink, disable_index_value=disable_index_value, page_size=page_size,
             block_size_k=block_size, hooks=(("use_dense_main_attn", use_dense_main_attn),))
     q, caches, params = _index_step(fn, q, k_cache, block_size, topk, init_blocks, local_blocks,
-                                    (("sm_scale", sm_scale), ("q_scale", q_scale), ("k_scale", k_scale)))
+                                    (("sm_scale", sm_scale), ("q_scale", q_scale), ("k_scale", k_scale)),
+                                    si.page_rows(page_size, block_size))
     graph = capturing(q)
     sl = si.int_arg(fn, "seq_lens", seq_lens, 1, "[batch]")
     T, H = q.shape[0], q.shape[1]
     if sl.shape[0] != T:
         raise InputError(f"{fn}: seq_lens has {sl.shape[0]} rows, q {T}: one query token per row")
-    bt, word = _addressing(fn, req_to_token, slot_ids, page_table, sl, max_seqlen, block_size, page_size,
+    bt, word, slots = si.addressing(fn, req_to_token, slot_ids, page_table, sl, max_seqlen, block_size, page_size,
                            caches.num_pages)
-    batch = si.decode_batch(sl, bt, block_size)
+    batch = si.decode_batch(sl, bt, block_size, slots)
     ids = torch.empty((H, T, topk), dtype=torch.int32, device=q.device)
-    target = _target(fn, Op.INDEX_TOPK, params, q.dtype, caches.index_dtype, q.dtype, q.device, graph)
+    target = _target(fn, Op.INDEX_TOPK, params, q.dtype, caches.index_dtype, q.dtype, q.device, graph, batch)
     if T:
         _run(fn, (Op.INDEX_TOPK,), target, caches, batch, word, si.names(block_size, page_table is not None, False)
              ._replace(index_q="q", index="k_cache"), graph, topk=TopkBuffer(ids), index_q=q)
@@ -360,16 +357,17 @@ def flash_prefill_with_topk_index(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     si.refusals(fn, score_type=score_type, sink=sink, disable_index_value=disable_index_value,
             block_size_q=block_size_q, page_size=page_size, block_size_k=block_size_k)
     q, caches, params = _index_step(fn, q, k_cache, block_size_k, topk, init_blocks, local_blocks,
-                                    (("sm_scale", sm_scale), ("q_scale", q_scale), ("k_scale", k_scale)))
+                                    (("sm_scale", sm_scale), ("q_scale", q_scale), ("k_scale", k_scale)),
+                                    si.page_rows(page_size, block_size_k))
     graph = capturing(q)
     T, H = q.shape[0], q.shape[1]
     sl = si.int_arg(fn, "seq_lens", seq_lens, 1, "[batch]")
     pl = si.int_arg(fn, "prefix_lens", prefix_lens, 1, "[batch]")
-    bt, word = _addressing(fn, req_to_token, slot_ids, page_table, sl, max_seqlen_k, block_size_k, page_size,
+    bt, word, slots = si.addressing(fn, req_to_token, slot_ids, page_table, sl, max_seqlen_k, block_size_k, page_size,
                            caches.num_pages)
-    batch = si.prefill_batch(fn, cu_seqlens, sl, bt, T, max_seqlen_q, block_size_k, pl)
+    batch = si.prefill_batch(fn, cu_seqlens, sl, bt, T, max_seqlen_q, block_size_k, pl, slots)
     ids = torch.empty((H, T, topk), dtype=torch.int32, device=q.device)
-    target = _target(fn, Op.INDEX_TOPK, params, q.dtype, caches.index_dtype, q.dtype, q.device, graph)
+    target = _target(fn, Op.INDEX_TOPK, params, q.dtype, caches.index_dtype, q.dtype, q.device, graph, batch)
     if T:
         _run(fn, (Op.INDEX_TOPK,), target, caches, batch, word, si.names(block_size_k, page_table is not None, True)
              ._replace(index_q="q", index="k_cache"), graph, topk=TopkBuffer(ids), index_q=q)
@@ -388,20 +386,21 @@ def flash_decode_with_gqa_share_sparse(q: torch.Tensor, sink: Optional[torch.Ten
     """Sparse attention of decode rows over ``topk_idx`` (``[num_kv_heads, rows, topk]``): ``o``
     ``[rows, num_q_heads, head_dim]``. The valid ids of a row are read as a set."""
     fn = "flash_decode_with_gqa_share_sparse"
-    si.refusals(fn, sink=sink, page_size=page_size, block_size_k=block_size, hooks=(("hisparse_slots", hisparse_slots),))
+    si.refusals(fn, sink=sink, page_size=page_size, block_size_k=block_size,
+                hooks=(("hisparse_slots", hisparse_slots),))
     graph = capturing(q)
     si.tensor_arg(fn, "topk_idx", topk_idx, 3, "[num_kv_heads, rows, topk]")
     q, caches, params, o = _attention_step(fn, q, k_cache, v_cache, k_scale, v_scale, sm_scale, q_scale, block_size,
-                                           topk_idx.shape[2], None, (0, 0), graph)
+                                           topk_idx.shape[2], None, (0, 0), graph, si.page_rows(page_size, block_size))
     T = q.shape[0]
     sl = si.int_arg(fn, "seq_lens", seq_lens, 1, "[batch]")
     if sl.shape[0] != T:
         raise InputError(f"{fn}: seq_lens has {sl.shape[0]} rows, q {T}: one query token per row")
     ids = si.topk_arg(fn, "topk_idx", topk_idx, caches.num_kv_heads, T)
-    bt, word = _addressing(fn, req_to_token, slot_ids, page_table, sl, None, block_size, page_size,
+    bt, word, slots = si.addressing(fn, req_to_token, slot_ids, page_table, sl, None, block_size, page_size,
                            caches.num_pages)
-    batch = si.decode_batch(sl, bt, block_size)
-    target = _target(fn, Op.ATTENTION, params, q.dtype, q.dtype, caches.dtype, q.device, graph)
+    batch = si.decode_batch(sl, bt, block_size, slots)
+    target = _target(fn, Op.ATTENTION, params, q.dtype, q.dtype, caches.dtype, q.device, graph, batch)
     if T:
         _run(fn, (Op.ATTENTION,), target, caches, batch, word, si.names(block_size, page_table is not None, False),
              graph, topk=ids, q=q, out=o)
@@ -418,24 +417,28 @@ def flash_prefill_with_gqa_share_sparse(q: torch.Tensor, k_cache: torch.Tensor, 
                                         max_seqblock_q: Optional[int] = None, q_scale: Optional[float] = None,
                                         k_scale: Optional[float] = None, v_scale: Optional[float] = None,
                                         loc_mapping: Optional[torch.Tensor] = None, *,
-                                        page_table: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                        page_table: Optional[torch.Tensor] = None,
+                                        page_size: Optional[int] = None) -> torch.Tensor:
     """Sparse attention of an extend batch over ``topk_idx`` (``[num_kv_heads, num_tokens, topk]``): ``o``
-    ``[num_tokens, num_q_heads, head_dim]``. SGLang's function takes no ``page_size``: the pages of
-    ``req_to_token`` are checked as in the others."""
+    ``[num_tokens, num_q_heads, head_dim]``. SGLang's function takes no ``page_size``: by default the pages
+    of ``req_to_token`` are checked as in the others; ``page_size=1`` (keyword only, mm3's addition) reads
+    it per token (token slots)."""
     fn = "flash_prefill_with_gqa_share_sparse"
-    si.refusals(fn, sink=sink, block_size_q=block_size_q, block_size_k=block_size_k,
+    si.refusals(fn, sink=sink, block_size_q=block_size_q, block_size_k=block_size_k, page_size=page_size,
             hooks=(("loc_mapping", loc_mapping),))
     graph = capturing(q)
     si.tensor_arg(fn, "topk_idx", topk_idx, 3, "[num_kv_heads, num_tokens, topk]")
     q, caches, params, o = _attention_step(fn, q, k_cache, v_cache, k_scale, v_scale, sm_scale, q_scale,
-                                           block_size_k, topk_idx.shape[2], None, (0, 0), graph)
+                                           block_size_k, topk_idx.shape[2], None, (0, 0), graph,
+                                           si.page_rows(page_size, block_size_k))
     T = q.shape[0]
     ids = si.topk_arg(fn, "topk_idx", topk_idx, caches.num_kv_heads, T)
     sl = si.int_arg(fn, "seq_lens", seq_lens, 1, "[batch]")
     pl = si.int_arg(fn, "prefix_lens", prefix_lens, 1, "[batch]")
-    bt, word = _addressing(fn, req_to_token, slot_ids, page_table, sl, None, block_size_k, None, caches.num_pages)
-    batch = si.prefill_batch(fn, cu_seqlens, sl, bt, T, max_seqlen_q, block_size_k, pl)
-    target = _target(fn, Op.ATTENTION, params, q.dtype, q.dtype, caches.dtype, q.device, graph)
+    bt, word, slots = si.addressing(fn, req_to_token, slot_ids, page_table, sl, None, block_size_k, page_size,
+                                  caches.num_pages)
+    batch = si.prefill_batch(fn, cu_seqlens, sl, bt, T, max_seqlen_q, block_size_k, pl, slots)
+    target = _target(fn, Op.ATTENTION, params, q.dtype, q.dtype, caches.dtype, q.device, graph, batch)
     if T:
         _run(fn, (Op.ATTENTION,), target, caches, batch, word, si.names(block_size_k, page_table is not None, True),
              graph, topk=ids, q=q, out=o)

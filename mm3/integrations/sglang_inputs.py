@@ -4,7 +4,8 @@ What :mod:`mm3.integrations.sglang` builds from the tensors SGLang passes, on
 their device and without a device-to-host copy: the block table of 128-token
 pages (``req_to_token[slot_ids[b], 128 * j] // 128``, or a batch-local
 ``page_table``) with a device-side check that every block is one aligned page
-of contiguous slots, the paged views of SGLang's token-major
+of contiguous slots, or, for any other ``page_size``, the token slots
+``req_to_token``/``slot_ids`` as they are (:mod:`mm3.contract.slots`), the paged views of SGLang's token-major
 ``[slots, num_kv_heads, head_dim]`` K/V and ``[slots, 1, idx_head_dim]`` index
 caches (no copy), their per-tensor scales, decode and prefill batches, and the
 ascending top-k order of SGLang's rows (:data:`ORDER`, which the core
@@ -32,10 +33,12 @@ from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.contents import NO_FAULT, FaultFlag
 from mm3.contract.errors import InputError
 from mm3.contract.facts import ArgNames
+from mm3.contract.slots import TokenSlots
 from mm3.debug.guard import capturing
 from mm3.integrations.vllm_inputs import MAX_KEPT, kept, tensor_arg
 
-__all__ = ["RELEASE", "names", "refuse", "refusals", "one_index_head", "int_arg", "tensor_arg", "positive", "block_table", "record_pages",
+__all__ = ["RELEASE", "names", "refuse", "refusals", "one_index_head", "int_arg", "tensor_arg", "positive", "block_table",
+           "uses_slots", "page_rows", "token_slots", "addressing", "record_pages",
            "on_host", "kv_caches", "index_caches", "decode_batch", "prefill_batch", "topk_arg", "ORDER",
            "widen"]
 
@@ -53,7 +56,8 @@ _FNUZ = tuple(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fnuz", "
 
 @functools.lru_cache(maxsize=None)
 def names(block_size: int, page_table: bool, prefill: bool) -> ArgNames:
-    """SGLang's spelling of a call's arguments (errors name these); made once per kind of call."""
+    """SGLang's spelling of a call's arguments (errors name these; token slots: ``req_to_token`` and
+    ``slot_ids``, or ``page_table`` and its rows); made once per kind of call."""
     pages = "page_table" if page_table else (
         f"the page ids of req_to_token[slot_ids] (each {block_size}-token block must be {block_size} "
         f"contiguous slots of one aligned page: serve SGLang with --page-size {block_size})")
@@ -63,7 +67,9 @@ def names(block_size: int, page_table: bool, prefill: bool) -> ArgNames:
                     query_start_loc="cu_seqlens" if prefill else "the rows of q (one query token each)",
                     seq_lens="seq_lens", context_lens="prefix_lens", block_table=pages,
                     token_to_request="the tokens' requests (from cu_seqlens)",
-                    token_positions="the tokens' positions (from seq_lens)", where_made=made)
+                    token_positions="the tokens' positions (from seq_lens)", where_made=made,
+                    slot_table="page_table" if page_table else "req_to_token",
+                    slot_rows="the rows of page_table" if page_table else "slot_ids")
 
 
 def refuse(fn: str, arg: str, value: object, why: str, advice: str) -> InputError:
@@ -126,12 +132,9 @@ def refusals(fn: str, *, score_type: object = "max", sink: object = None, idx_si
                      "block_size_q=1, SGLang's value on the GPU path")
     if not isinstance(block_size_k, int) or block_size_k < 1:
         raise InputError(f"{fn}: block_size_k must be a positive int, got {block_size_k!r}")
-    if page_size is not None and (not isinstance(page_size, int) or page_size < block_size_k or
-                                  page_size % block_size_k):
-        raise refuse(fn, "page_size", page_size, f"mm3 reads the K/V, index keys and top-k blocks as pages of "
-                     f"block_size_k={block_size_k} contiguous, aligned slots; token-slot addressing "
-                     f"(page_size=1) is not served yet", f"serve SGLang with --page-size {block_size_k} "
-                     f"and pass page_size={block_size_k}")
+    if page_size is not None and (not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 0):
+        raise refuse(fn, "page_size", page_size, "a page holds a whole number of tokens", f"pass SGLang's "
+                     f"--page-size: a multiple of block_size_k={block_size_k} (pages), or 1 (token slots)")
     for name, value in hooks:
         if value is not None and value is not False:
             raise refuse(fn, name, value if isinstance(value, bool) else "<given>", "it hands the work to "
@@ -148,6 +151,60 @@ def one_index_head(fn: str, idx_heads: int, kv_heads: int) -> None:
 
 
 # -- pages ---------------------------------------------------------------------------------------
+
+def uses_slots(page_size: Optional[int], block_size: int) -> bool:
+    """Whether a call reads its tokens through token slots: a ``page_size`` that does not hold whole
+    ``block_size``-token blocks (1, SGLang's default; 0, the kernel-level attention's "unknown"; any
+    other), so a block is not one page. ``None`` (a function without the argument) reads pages."""
+    return page_size is not None and (page_size == 0 or page_size % block_size != 0)
+
+
+def page_rows(page_size: Optional[int], block_size: int) -> int:
+    """The tokens of a cache page mm3 reads: a block (pages), or one (token slots)."""
+    return 1 if uses_slots(page_size, block_size) else block_size
+
+
+def token_slots(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optional[torch.Tensor],
+                page_table: Optional[torch.Tensor], page_size: int, max_seqlen: Optional[int],
+                seq_lens: torch.Tensor) -> TokenSlots:
+    """The token slots of a call (docs/spec.md §2), used as they are: ``req_to_token`` (its first
+    ``max_seqlen`` columns, a view) with each row's ``slot_ids``, or a ``page_table`` of one-token pages
+    (``page_size=1``), row ``b`` for row ``b``. Nothing is copied or read on the host."""
+    R = seq_lens.shape[0]
+    if page_table is not None:
+        if page_size != 1:
+            raise refuse(fn, "page_size", page_size, "mm3 reads a page_table of whole sparse blocks (pages) or of "
+                         "one-token pages (token slots), not of pages in between", "pass req_to_token and "
+                         "slot_ids instead, or serve with --page-size 1 or 128")
+        pt = tensor_arg(fn, "page_table", page_table, 2, "[batch, max_context_len]")
+        if pt.shape[0] != R:
+            raise InputError(f"{fn}: page_table has {pt.shape[0]} rows for {R} requests (seq_lens)")
+        rows = torch.arange(R, device=pt.device)
+        return TokenSlots.of(pt, rows, "page_table", "the rows of page_table")
+    r2t = tensor_arg(fn, "req_to_token", req_to_token, 2, "[max_reqs, max_context_len]")
+    sid = tensor_arg(fn, "slot_ids", slot_ids, 1, "[batch]")
+    if sid.shape[0] != R:
+        raise InputError(f"{fn}: slot_ids has {sid.shape[0]} rows for {R} requests (seq_lens)")
+    if max_seqlen is not None and 0 <= int(max_seqlen) < r2t.shape[1]:
+        r2t = r2t[:, :int(max_seqlen)]     # a view: the columns a request of this call may use
+    return TokenSlots.of(r2t, sid, "req_to_token", "slot_ids")
+
+
+def addressing(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optional[torch.Tensor],
+               page_table: Optional[torch.Tensor], seq_lens: torch.Tensor, max_seqlen: Optional[int],
+               block_size: int, page_size: Optional[int],
+               num_pages: int) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[TokenSlots]]:
+    """``(block table, fault word, token slots)``: pages (a table of ``block_size``-token pages derived on the
+    device, with the word of its contiguity check), or token slots (an empty block table, no word)."""
+    if uses_slots(page_size, block_size):
+        slots = token_slots(fn, req_to_token, slot_ids, page_table, page_size, max_seqlen, seq_lens)  # type: ignore[arg-type]
+        return seq_lens.new_empty((seq_lens.shape[0], 0), dtype=torch.int32), None, slots
+    if max_seqlen is None:    # no bound given: every column of the table
+        max_seqlen = req_to_token.shape[1] if isinstance(req_to_token, torch.Tensor) else 0
+    bt, word = block_table(fn, req_to_token, slot_ids, page_table, block_size, page_size or block_size, max_seqlen,
+                           seq_lens, num_pages)
+    return bt, word, None
+
 
 def on_host(t: torch.Tensor) -> bool:
     """Whether the addressing lives in host memory (its pages are then checked there, at once)."""
@@ -205,7 +262,7 @@ def block_table(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optiona
                 f"{fn}: req_to_token[{s}, {B * j}:{B * (j + 1)}] (request {r}'s block {j}) is not one aligned "
                 f"{B}-slot page: req_to_token[{s}, {B * j + i}] = {int(rows[r, B * j + i])}, expected "
                 f"{B * (int(first[r, j]) // B) + i}; mm3 reads {B}-token pages: serve SGLang with "
-                f"--page-size {B} (token-slot addressing, --page-size 1, is not served yet)")
+                f"--page-size {B}, or pass page_size=1 so mm3 reads req_to_token per token (token slots)")
         return bt, None
     if not (R and cols):
         return bt, None
@@ -308,14 +365,15 @@ def kv_caches(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: ob
 
 # -- the step's metadata -----------------------------------------------------------------------
 
-def decode_batch(seq_lens: torch.Tensor, bt: torch.Tensor, block_size: int) -> BatchMetadata:
+def decode_batch(seq_lens: torch.Tensor, bt: torch.Tensor, block_size: int,
+                 slots: Optional[TokenSlots] = None) -> BatchMetadata:
     """SGLang's decode rows as ``R`` one-token decodes at ``seq_len - 1`` (rows of one request share its
     pages: speculative verify rows each carry their own ``seq_len``); ``seq_len == 0`` is padding."""
     R, dev = seq_lens.shape[0], seq_lens.device
     qsl, req = kept(("sglang decode", R, dev), capturing(seq_lens), _decode_constants, R, dev)
     return BatchMetadata.assemble(qsl, seq_lens, None, bt, req, seq_lens - 1, num_decodes=R, decode_query_len=1,
                                   num_decode_tokens=R, max_prefill_query_len=0, block_size=block_size,
-                                  max_query_len=1 if R else 0)
+                                  max_query_len=1 if R else 0, slots=slots)
 
 
 def _decode_constants(R: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -324,12 +382,14 @@ def _decode_constants(R: int, device: torch.device) -> tuple[torch.Tensor, ...]:
 
 
 def prefill_batch(fn: str, cu_seqlens: object, seq_lens: torch.Tensor, bt: torch.Tensor, num_tokens: int,
-                  max_seqlen_q: int, block_size: int, prefix_lens: torch.Tensor) -> BatchMetadata:
+                  max_seqlen_q: int, block_size: int, prefix_lens: torch.Tensor,
+                  slots: Optional[TokenSlots] = None) -> BatchMetadata:
     """An extend batch (chunked prefills; SGLang's mixed chunks and verify steps are extends too)."""
     cu = int_arg(fn, "cu_seqlens", cu_seqlens, 1, "[batch + 1]")
     try:
         return BatchMetadata.from_device(cu, seq_lens, bt, num_decodes=0, num_tokens=num_tokens,
-                                         max_query_len=max_seqlen_q, block_size=block_size, context_lens=prefix_lens)
+                                         max_query_len=max_seqlen_q, block_size=block_size, context_lens=prefix_lens,
+                                         slots=slots)
     except InputError as e:
         raise InputError(f"{fn}: {e} (query_start_loc is cu_seqlens, context_lens is prefix_lens)") from None
 

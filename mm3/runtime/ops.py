@@ -87,7 +87,12 @@ def batch_args(batch: BatchMetadata) -> BatchArgs:
     The ints are the ones that stay fixed from one decode step to the next
     (decodes, decode query length, decode tokens, block size, longest prefill
     query), so a compiled graph is not specialised on sequence lengths.
+    Token slots are not among them: such a batch is refused here, by name.
     """
+    if batch.slots is not None:
+        raise InputError("a batch of token slots (BatchMetadata.slots) cannot pass through torch.ops.mm3.*, whose "
+                         "schema carries a block table only: run the layer eagerly (outside torch.compile), or "
+                         "give it a batch of pages")
     return (batch.query_start_loc, batch.seq_lens, batch.context_lens, batch.block_table,
             batch.token_to_request, batch.token_positions, batch.num_decodes, batch.decode_query_len,
             batch.num_decode_tokens, batch.max_prefill_query_len, batch.block_size)

@@ -198,14 +198,16 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
                      index_dtype: Union["torch.dtype", str], device: DeviceLike,
                      decode_query_len: int = 1, cuda_graph: bool = False,
                      kv_dtype: Union["torch.dtype", str, None] = None,
-                     kv_slot_scales: bool = False, query_dtype: Optional[str] = None) -> Requirements:
+                     kv_slot_scales: bool = False, query_dtype: Optional[str] = None,
+                     addressing: str = "pages") -> Requirements:
     """The :class:`Requirements` of running ``params`` with these dtypes on ``device``.
 
     ``kv_dtype``: the K/V cache dtype when it is not ``q_dtype`` (``float8_e4m3fn`` or
     ``float8_e5m2``, scaled);
     ``kv_slot_scales``: its scales are per KV head and token slot (docs/spec.md §1);
     ``kv_dtype`` / ``index_dtype`` may name a quantized format (``"float8_e4m3fn_unscaled"``, ``"nvfp4"``)
-    and ``query_dtype="float8_e4m3fn"`` asks for fp8 queries (``q_dtype`` is then the output's dtype).
+    and ``query_dtype="float8_e4m3fn"`` asks for fp8 queries (``q_dtype`` is then the output's dtype);
+    ``addressing="slots"``: batches of token slots (docs/spec.md §2), which only a backend declaring them reads.
 
     Example:
         >>> import torch
@@ -227,7 +229,8 @@ def requirements_for(params: "SparseAttentionParams", q_dtype: Union["torch.dtyp
                             head_dim=params.head_dim, index_head_dim=params.index_head_dim,
                             block_size=params.block_size, topk=params.topk,
                             gqa_group=params.gqa_group, decode_query_len=decode_query_len,
-                            cuda_graph=cuda_graph, kv_slot_scales=kv_slot_scales, query_dtype=query_dtype)
+                            cuda_graph=cuda_graph, kv_slot_scales=kv_slot_scales, query_dtype=query_dtype,
+                            addressing=addressing)
     except ValidationError as e:
         raise InputError(f"unsupported request: {describe_validation_error(e)}; attention runs in bfloat16/float16/float32 "
                          f"(queries also float8_e4m3fn), the K/V cache in that dtype, float8_e4m3fn/float8_e5m2, "

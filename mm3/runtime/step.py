@@ -126,7 +126,8 @@ def describe(entry: str, ops: tuple[str, ...], params: "SparseAttentionParams", 
                         batch.max_prefill_query_len,
                         *(tensor_facts(d.get(f)) for f in ("query_start_loc", "seq_lens", "block_table",
                                                              "token_to_request", "token_positions",
-                                                             "context_lens")))
+                                                             "context_lens")),
+                        *(tensor_facts(t) for t in (d.get("slots") or (None, None))))
         if topk is None and _SCORES in ops:     # block scores: a call without a top-k buffer
             layout, tk = None, None
         else:
@@ -302,7 +303,8 @@ class OpTarget:
             except Exception as e:     # named as any hook's failure is
                 be.reraise(e, "check_contents")
         else:
-            flag.record(batch, num_pages, graph=graph, pages=not reports)
+            # a backend's reporting covers the page ids its kernels load; token slots are judged here
+            flag.record(batch, num_pages, graph=graph, pages=not reports or batch.slots is not None)
         return flag.word if reports and reader is not _ATTENTION else None
 
     def admit_call(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,

@@ -23,8 +23,9 @@ from mm3.contract.errors import InputError
 from mm3.contract.kv_scales import FP8_KV_DTYPES
 from mm3.contract.params import SparseAttentionParams
 from mm3.contract.quant import FP8_UNSCALED, NVFP4, quantize_nvfp4
+from mm3.contract.slots import TokenSlots
 
-__all__ = ["Case", "make_case", "random_caches", "full_range_fp8", "quantize_caches", "PAGE_ORDERS"]
+__all__ = ["Case", "make_case", "as_token_slots", "random_caches", "full_range_fp8", "quantize_caches", "PAGE_ORDERS"]
 
 PAGE_ORDERS = ("permuted", "disjoint", "shared_prefix")
 """How a step's requests map to cache pages: a random permutation (the default), each request on its own
@@ -230,6 +231,66 @@ def make_case(params: SparseAttentionParams, *, decodes: Sequence[int] = (),
     index_q = torch.randn(T, params.num_index_heads, params.index_head_dim, generator=g)
     index_q = index_q.to(dtype).to(device)
     return Case(params, q, index_q, caches, batch)
+
+
+def as_token_slots(case: Case, generator: torch.Generator, spare_slots: int = 37, spare_rows: int = 3) -> Case:
+    """``case`` again through token slots (docs/spec.md §2): the same keys, values and lengths, each
+    token's cache row a random slot of one-token pages, found through a slot table.
+
+    The slots are a random permutation of the cache's (a shared prefix stays shared: its pages' slots
+    are the same); the slot table has ``spare_rows`` rows no request uses, its requests sit on random
+    rows, and its unused entries hold ``-1``; the ``spare_slots`` slots no token owns hold random
+    values, so a reader that finds a wrong slot is caught.
+
+    Example:
+        >>> p = SparseAttentionParams(num_heads=2, num_kv_heads=1, head_dim=16, num_index_heads=1,
+        ...                           index_head_dim=16, block_size=16, topk=2)
+        >>> s = as_token_slots(make_case(p, decodes=[40], dtype="float32"), torch.Generator().manual_seed(0))
+        >>> s.caches.k.shape[1], s.batch.facts.addressing
+        (1, 'slots')
+    """
+    c, b, B = case.caches, case.batch, case.batch.block_size
+    paged_rows = c.num_pages * c.block_size
+    N = paged_rows + spare_slots
+    perm = torch.randperm(N, generator=generator)[:paged_rows].to(c.device)   # slot of each paged row
+
+    def slotted(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        shape = (N, 1, *t.shape[2:])
+        if t.dtype == torch.uint8:      # packed NVFP4 codes
+            out = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+        else:
+            out = (torch.randn(shape, generator=generator) * 64).to(t.dtype)
+        out = out.to(t.device)
+        out[perm] = t.reshape(paged_rows, 1, *t.shape[2:])
+        return out
+
+    scales = []
+    for s in (c.k_scale, c.v_scale):
+        if isinstance(s, torch.Tensor) and s.dim() == 2:   # per (KV head, slot): the slots move with their keys
+            moved = torch.ones(s.shape[0], N, dtype=s.dtype, device=s.device)
+            moved[:, perm] = s[:, :paged_rows]
+            s = moved
+        scales.append(s)
+    index = slotted(c.index.unsqueeze(2)).squeeze(2)  # type: ignore[union-attr]
+    iscale = c.index_block_scale
+    index_scale = None if iscale is None else slotted(iscale.unsqueeze(2)).squeeze(2)  # type: ignore[union-attr]
+    caches = PagedKVCache(slotted(c.k), slotted(c.v), index, *scales,  # type: ignore[arg-type]
+                          kv_format=c.kv_format, k_block_scale=slotted(c.k_block_scale),
+                          v_block_scale=slotted(c.v_block_scale), index_block_scale=index_scale)
+    R, sl = b.num_requests, b.seq_lens_host
+    width = max(sl, default=0) + B
+    table = torch.full((R + spare_rows, width), -1, dtype=torch.int32)
+    rows = torch.randperm(R + spare_rows, generator=generator)[:R]
+    bt = b.block_table.to("cpu").long()
+    for r in range(R):
+        pos = torch.arange(sl[r])
+        table[rows[r], :sl[r]] = perm.cpu()[bt[r, pos // B] * c.block_size + pos % B].to(torch.int32)
+    batch = BatchMetadata.build(b.query_lens, sl, torch.zeros(R, 0, dtype=torch.int32), block_size=B,
+                                num_decodes=b.num_decodes, decode_query_len=b.decode_query_len, num_pages=N,
+                                device=b.device, slots=TokenSlots.of(table, rows))
+    return Case(case.params, case.q, case.index_q, caches, batch)
 
 
 def full_range_fp8(caches: PagedKVCache, generator: torch.Generator) -> PagedKVCache:

@@ -75,6 +75,7 @@ _DEFAULT_CAPABILITIES: dict[str, Any] = dict(
     index_cache_dtypes=frozenset({"bfloat16", "float8_e4m3fn", "nvfp4"}),
     query_dtypes=frozenset({"float8_e4m3fn"}),
     kv_slot_scales=True,
+    addressings=frozenset({"pages", "slots"}),    # as cpu_ref, its default delegate
     description="mm3.testing.MockBackend",
 )
 

@@ -63,16 +63,22 @@ class _Request:
 
 
 def _requests(batch: BatchMetadata, block_size: int) -> Iterator[_Request]:
-    """Every request with at least one real token (padding tokens have position -1)."""
+    """Every request with at least one real token (padding tokens have position -1), its positions found
+    through the batch's block table or, for token slots, its slot table (docs/spec.md §2; written out
+    here, apart from the backends' :func:`mm3.contract.slots.key_rows`, so a wrong address there shows)."""
     pos = batch.token_positions.to("cpu").long()
     req = batch.token_to_request.to("cpu").long()
-    table = batch.block_table.to("cpu").long()
+    slots = None if batch.slots is None else batch.slots.to("cpu")
+    table = batch.block_table.to("cpu").long() if slots is None else slots.table.long()
     real = pos >= 0
     for r in torch.unique(req[real]).tolist():
         tokens = torch.nonzero(real & (req == r)).flatten()
         p = pos[tokens]
         j = torch.arange(int(p.max()) + 1)
-        yield _Request(tokens, p, table[r, j // block_size], j % block_size)
+        if slots is None:
+            yield _Request(tokens, p, table[r, j // block_size], j % block_size)
+        else:   # one-token pages: a position's slot is its page
+            yield _Request(tokens, p, table[int(slots.rows[r]), j], torch.zeros_like(j))
 
 
 def _chunks(n: int, elements_per_token: int) -> Iterator[slice]:

@@ -50,7 +50,7 @@ from mm3.testing.conformance.verdicts import (
     OUT_POISON, SENTINEL, TOLERANCES, CaseFailure, check_attention, check_exact_selection, check_selection,
     check_spare_rows, poisoned_out,
 )
-from mm3.testing.factories import Case, make_case
+from mm3.testing.factories import Case, as_token_slots, make_case
 
 if TYPE_CHECKING:
     from mm3.runtime.backend import Backend
@@ -88,6 +88,9 @@ class Step:
     kv_quant: str = ""
     index_format: str = ""
     pages: str = "permuted"
+    # "slots": the same step through token slots (mm3.testing.factories.as_token_slots): a slot table row per
+    # request, a random permutation of one-token cache pages; a backend must declare addressings "slots"
+    addressing: str = "pages"
 
     @property
     def kv_dtype(self) -> Optional[str]:
@@ -109,6 +112,8 @@ class Step:
             case.index_q[t, 0, 1] = float("nan")
         if self.ties:
             TIES[self.ties](case.caches.index)
+        if self.addressing == "slots":
+            case = as_token_slots(case, torch.Generator().manual_seed(seed + 1))
         return case
 
     @property
@@ -363,6 +368,12 @@ INDEXER_STEPS: dict[str, Step] = {
     **{f"exact_ties_{name}": Step(H=2, decodes=(150, 70, 20), prefills=((6, 120),), ties=name)
        for name in TIES if name != "same_pages"},
     "hnd_kv_cache": replace(MIXED_H2, kv_layout="HND"),
+    # token slots (docs/spec.md §2): every key through a slot table; a backend must declare addressings "slots"
+    "token_slots_mixed": replace(MIXED_H2, addressing="slots"),
+    "token_slots_spec_decode_q3": Step(H=2, G=2, dq=3, decodes=(64, 200), padding=1, prefills=((11, 11), (7, 100)),
+                                       addressing="slots"),
+    "token_slots_shared_prefix": Step(H=2, decodes=(150, 70, 40), prefills=((6, 120),), pages="shared_prefix",
+                                      addressing="slots"),
 }
 
 ATTENTION_STEPS: dict[str, Step] = {
@@ -389,6 +400,14 @@ ATTENTION_STEPS: dict[str, Step] = {
                                     kv_layout="HND", kv_fp8="tensor", kv_format="float8_e5m2"),
     "kv_e5m2_slot_mixed": Step(H=2, G=4, K=16, decodes=(420, 300), padding=1, prefills=((6, 380),), kv_fp8="slot",
                                kv_format="float8_e5m2"),
+    "token_slots_mixed": Step(H=2, G=2, K=16, decodes=(500, 280), padding=1, prefills=((4, 4), (33, 460)),
+                              addressing="slots"),
+    "token_slots_spec_decode_q4": Step(H=2, G=4, K=16, dq=4, decodes=(440, 360, 9), padding=1,
+                                       prefills=((30, 600),), addressing="slots"),
+    "token_slots_chunked_prefill": Step(H=1, G=4, D=64, K=16, decodes=(520,), prefills=((64, 640), (48, 400)),
+                                        pages="shared_prefix", addressing="slots"),
+    "token_slots_fp8_slot_scales": Step(H=2, G=4, K=16, decodes=(420, 300), padding=1, prefills=((6, 380),),
+                                    kv_fp8="slot", addressing="slots"),
     "kv_e5m2_unscaled_spec_decode": Step(H=1, G=8, D=64, K=16, dq=2, decodes=(330, 170), prefills=((7, 290),),
                                          kv_fp8="unit", kv_format="float8_e5m2"),
 }
@@ -397,6 +416,8 @@ COMPOSED_STEPS: dict[str, Step] = {
     "mixed": Step(H=2, G=4, K=16, decodes=(460, 260, 80), padding=1, prefills=((3, 3), (40, 520))),
     "spec_decode_hnd": Step(H=1, G=8, D=64, Di=64, K=16, dq=3, decodes=(600, 240), prefills=((28, 400),),
                             kv_layout="HND"),
+    "token_slots_mixed": Step(H=2, G=4, K=16, dq=2, decodes=(460, 260), padding=1, prefills=((3, 3), (40, 520)),
+                              pages="shared_prefix", addressing="slots"),
 }
 
 LARGE_STEPS: dict[str, Step] = {

@@ -177,7 +177,8 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
             req = requirements_for(spec.step.params(), spec.dtype, spec.index_dtype, dev,
                                    decode_query_len=spec.step.dq, kv_dtype=spec.step.kv_dtype,
                                    kv_slot_scales=spec.step.kv_fp8 == "slot",
-                                   query_dtype="float8_e4m3fn" if spec.step.q8 else None).for_ops(*spec.ops)
+                                   query_dtype="float8_e4m3fn" if spec.step.q8 else None,
+                                   addressing=spec.step.addressing).for_ops(*spec.ops)
             reasons += caps.unmet(req)
             other = "token_major" if caps.topk_layout == "head_major" else "head_major"
             if spec.needs_any_layout and not caps.accepts_topk(other, dense=True):
