@@ -60,12 +60,13 @@ from .arrivals import arrival_counters, claim_ready_flags
 from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .merge import _merge_kernel, _merge_row_kernel, merge_splits
+from .addressing import block_at, block_keys, key_offsets, slot_args
 from .nvfp4 import kv_block_scale_args, load_nvfp4_rows
 from .plans import decode_attention_plan
 from .prefill_attention import prefill_attention_forward
 from .scratch import scratch_parts
 from .tiles import load_query_rows, load_rows, score_scale, softmax_weights, store_item, store_rows, token_rows
-from .tl_utils import (arrive_last, dot_config, grid_wait, kv_scale, kv_scale_args, launch_options, load_page,
+from .tl_utils import (arrive_last, dot_config, grid_wait, kv_scale, kv_scale_args, launch_options,
                        pdl_prologue, slot_scales, step_kernel)
 
 __all__ = ["attention_forward"]
@@ -106,26 +107,32 @@ def _attend_block(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_vd, row_
                   qk_scale, ks_row, vs_row, kb_page, vb_page, s_kbb, s_kbd, s_vbb, s_vbd,
                   B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SLOT_SCALED: tl.constexpr,
-                  KV_NVFP4: tl.constexpr = False):
+                  KV_NVFP4: tl.constexpr = False, slot_blk=None, s_col=0, cols_left=0, num_slots=1,
+                  s_kp=0, s_vp=0, s_kbp=0, s_vbp=0, SLOTS: tl.constexpr = False):
     """Online-softmax steps over block ``b`` (its page's K/V head slices) for the masked rows
     (``ks_row``, ``vs_row``: the page's per-slot scales of this KV head, read with ``SLOT_SCALED``;
     ``kb_page``, ``vb_page``: its NVFP4 block scales of this KV head, read with ``KV_NVFP4``).
 
     The block is taken ``BN`` keys at a time: a whole 128 x 128 K tile plus its V
-    tile would not fit in registers next to the accumulator.
+    tile would not fit in registers next to the accumulator. With ``SLOTS`` the pointers are the
+    caches' bases (page 0) and each key's row is its position's slot (:mod:`.addressing`; ``s_kp``
+    .. ``s_vbp``: the one-token pages' strides).
     """
     offs_d = tl.arange(0, D)
     for c in tl.static_range(0, B, BN):
         offs_j = c + tl.arange(0, BN)
+        at = block_keys(offs_j, slot_blk, s_col, cols_left, num_slots, SLOTS)
         if KV_NVFP4:
-            keys = load_nvfp4_rows(k_page + offs_j * s_kb, kb_page + offs_j * s_kbb, s_kd, s_kbd, D, DOT_DTYPE)
-            vals = load_nvfp4_rows(v_page + offs_j * s_vb, vb_page + offs_j * s_vbb, s_vd, s_vbd, D, DOT_DTYPE)
+            keys = load_nvfp4_rows(k_page + key_offsets(at, s_kp, s_kb, SLOTS),
+                                   kb_page + key_offsets(at, s_kbp, s_kbb, SLOTS), s_kd, s_kbd, D, DOT_DTYPE)
+            vals = load_nvfp4_rows(v_page + key_offsets(at, s_vp, s_vb, SLOTS),
+                                   vb_page + key_offsets(at, s_vbp, s_vbb, SLOTS), s_vd, s_vbd, D, DOT_DTYPE)
         else:
-            keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd).to(DOT_DTYPE)
-            vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd).to(DOT_DTYPE)
+            keys = tl.load(k_page + key_offsets(at, s_kp, s_kb, SLOTS)[:, None] + offs_d[None, :] * s_kd).to(DOT_DTYPE)
+            vals = tl.load(v_page + key_offsets(at, s_vp, s_vb, SLOTS)[:, None] + offs_d[None, :] * s_vd).to(DOT_DTYPE)
         m_i, l_i, acc = _softmax_update(q, keys, vals, row_mask, b * B + offs_j, pos, m_i, l_i, acc,
-                                        qk_scale, slot_scales(ks_row, offs_j, SLOT_SCALED),
-                                        slot_scales(vs_row, offs_j, SLOT_SCALED), DOT_DTYPE, DOT_PREC, SLOT_SCALED)
+                                        qk_scale, slot_scales(ks_row, at, SLOT_SCALED),
+                                        slot_scales(vs_row, at, SLOT_SCALED), DOT_DTYPE, DOT_PREC, SLOT_SCALED)
     return m_i, l_i, acc
 
 
@@ -134,23 +141,29 @@ def _attend_block_masked(q, m_i, l_i, acc, k_page, v_page, s_kb, s_kd, s_vb, s_v
                          qk_scale, ks_row, vs_row, kb_page, vb_page, s_kbb, s_kbd, s_vbb, s_vbd,
                          B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                          DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SLOT_SCALED: tl.constexpr,
-                         KV_NVFP4: tl.constexpr = False):
+                         KV_NVFP4: tl.constexpr = False, slot_blk=None, s_col=0, cols_left=0, num_slots=1,
+                         s_kp=0, s_vp=0, s_kbp=0, s_vbp=0, SLOTS: tl.constexpr = False):
     """:func:`_attend_block` with the K/V loads predicated on ``use`` (scalar): no traffic when False."""
     offs_d = tl.arange(0, D)
     for c in tl.static_range(0, B, BN):
         offs_j = c + tl.arange(0, BN)
         ldj = (tl.zeros([BN], tl.int32) + use.to(tl.int32)) > 0
+        at = block_keys(offs_j, slot_blk, s_col, cols_left, num_slots, SLOTS, ldj)
         if KV_NVFP4:   # masked rows: zero bytes and zero scales, so zeros as below
-            keys = load_nvfp4_rows(k_page + offs_j * s_kb, kb_page + offs_j * s_kbb, s_kd, s_kbd, D, DOT_DTYPE, ldj)
-            vals = load_nvfp4_rows(v_page + offs_j * s_vb, vb_page + offs_j * s_vbb, s_vd, s_vbd, D, DOT_DTYPE, ldj)
+            keys = load_nvfp4_rows(k_page + key_offsets(at, s_kp, s_kb, SLOTS),
+                                   kb_page + key_offsets(at, s_kbp, s_kbb, SLOTS), s_kd, s_kbd, D, DOT_DTYPE, ldj)
+            vals = load_nvfp4_rows(v_page + key_offsets(at, s_vp, s_vb, SLOTS),
+                                   vb_page + key_offsets(at, s_vbp, s_vbb, SLOTS), s_vd, s_vbd, D, DOT_DTYPE, ldj)
         else:
             # a full-shape mask (the interpreter cannot broadcast a scalar boolean mask)
             ld = (tl.zeros([BN, D], tl.int32) + use.to(tl.int32)) > 0
-            keys = tl.load(k_page + offs_j[:, None] * s_kb + offs_d[None, :] * s_kd, mask=ld, other=0.0)
-            vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd, mask=ld, other=0.0)
+            keys = tl.load(k_page + key_offsets(at, s_kp, s_kb, SLOTS)[:, None] + offs_d[None, :] * s_kd, mask=ld,
+                           other=0.0)
+            vals = tl.load(v_page + key_offsets(at, s_vp, s_vb, SLOTS)[:, None] + offs_d[None, :] * s_vd, mask=ld,
+                           other=0.0)
         m_i, l_i, acc = _softmax_update(q, keys.to(DOT_DTYPE), vals.to(DOT_DTYPE), row_mask, b * B + offs_j,
-                                        pos, m_i, l_i, acc, qk_scale, slot_scales(ks_row, offs_j, SLOT_SCALED, ldj),
-                                        slot_scales(vs_row, offs_j, SLOT_SCALED, ldj), DOT_DTYPE, DOT_PREC,
+                                        pos, m_i, l_i, acc, qk_scale, slot_scales(ks_row, at, SLOT_SCALED, ldj),
+                                        slot_scales(vs_row, at, SLOT_SCALED, ldj), DOT_DTYPE, DOT_PREC,
                                         SLOT_SCALED)
     return m_i, l_i, acc
 
@@ -161,12 +174,15 @@ def _decode_attention_kernel(
     bt_ptr, s_bt_r, s_bt_b, num_pages, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     kb_ptr, s_kbp, s_kbb, s_kbh, s_kbd, vb_ptr, s_vbp, s_vbb, s_vbh, s_vbd,
+    st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 2, PDL: tl.constexpr = False,
     KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False, SLOT_SCALED: tl.constexpr = False,
-    KV_NVFP4: tl.constexpr = False,
+    KV_NVFP4: tl.constexpr = False, SLOTS: tl.constexpr = False,
 ):
+    """``SLOTS``: token slots (:mod:`.addressing`; ``st_ptr`` .. ``sr_ptr``: the slot table, its strides,
+    rows and columns, each request's row of it), else dummies never read."""
     pdl_prologue(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -198,12 +214,14 @@ def _decode_attention_kernel(
             blk = tl.load(sel_row + i * s_sel_k, mask=i < K, other=-1)
             repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
             use = (blk >= 0) & (blk < nb) & (repeated == 0)
-            page = load_page(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b, num_pages)
+            page, slot_blk, cols_left = block_at(bt_ptr, s_bt_r, s_bt_b, num_pages, r, tl.where(use, blk, 0), st_ptr,
+                                                 s_st_r, s_st_c, st_rows, st_width, sr_ptr, B, SLOTS)
             m_i, l_i, acc = _attend_block_masked(
                 q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                 s_kb, s_kd, s_vb, s_vd, row_ok & use, pos_rows, blk, use, qk, ks_ptr + h * s_ks + page * B,
                 vs_ptr + h * s_vs + page * B, kb_ptr + page * s_kbp + h * s_kbh, vb_ptr + page * s_vbp + h * s_vbh,
-                s_kbb, s_kbd, s_vbb, s_vbd, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED, KV_NVFP4)
+                s_kbb, s_kbd, s_vbb, s_vbd, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED, KV_NVFP4, slot_blk, s_st_c,
+                cols_left, num_pages, s_kp, s_vp, s_kbp, s_vbp, SLOTS)
     acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
     if SPLITS == 1:
         store_rows(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, acc, l_i, row_ok, D)
@@ -221,12 +239,13 @@ def _decode_attention_flat_kernel(
     out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h, num_items, IPP, qk_scale,
     ks_ptr, s_ks, vs_ptr, s_vs, cnt_ptr, ready_ptr, num_decodes,
     kb_ptr, s_kbp, s_kbb, s_kbh, s_kbd, vb_ptr, s_vbp, s_vbb, s_vbh, s_vbd,
+    st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr, KPS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 3, PDL: tl.constexpr = False,
     KV_SCALED: tl.constexpr = False, SCALE_Q: tl.constexpr = False, MERGE_LAST: tl.constexpr = False,
     S_PAD: tl.constexpr = 1, SLOT_SCALED: tl.constexpr = False, STREAM: tl.constexpr = False,
-    TRIGGER: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False, KV_NVFP4: tl.constexpr = False, SLOTS: tl.constexpr = False,
 ):
     """:func:`_decode_attention_kernel`'s work, persistent: grid ``(programs,)``.
 
@@ -248,6 +267,8 @@ def _decode_attention_flat_kernel(
     up (the request's top-k is stored), then reads the top-k past L1 (an earlier program on this
     multiprocessor may have cached a line of it before it was written). With ``TRIGGER`` it ends
     by waiting for the score kernel to finish, so the stream's next kernel follows both.
+
+    ``SLOTS``: as :func:`_decode_attention_kernel`'s.
     """
     p = tl.program_id(0)
     if STREAM:
@@ -287,7 +308,8 @@ def _decode_attention_flat_kernel(
         repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
         # pos < 0 is a padding token: nothing is attended (and pos // B would truncate towards 0)
         use = (pos >= 0) & (blk >= 0) & (blk <= pos // B) & (repeated == 0)
-        page = load_page(bt_ptr + r * s_bt_r + tl.where(use, blk, 0) * s_bt_b, num_pages, mask=use)
+        page, slot_blk, cols_left = block_at(bt_ptr, s_bt_r, s_bt_b, num_pages, r, tl.where(use, blk, 0), st_ptr,
+                                             s_st_r, s_st_c, st_rows, st_width, sr_ptr, B, SLOTS, mask=use)
         q, undo = load_query_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
         # an unusable slot's K/V loads are masked off: zeros, never a stale page's NaNs (0 * NaN
         # would poison the accumulator even though its rows are masked out of the softmax)
@@ -297,7 +319,7 @@ def _decode_attention_flat_kernel(
             score_scale(qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED), undo, SCALE_Q),
             ks_ptr + h * s_ks + page * B, vs_ptr + h * s_vs + page * B, kb_ptr + page * s_kbp + h * s_kbh,
             vb_ptr + page * s_vbp + h * s_vbh, s_kbb, s_kbd, s_vbb, s_vbd, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED,
-            KV_NVFP4)
+            KV_NVFP4, slot_blk, s_st_c, cols_left, num_pages, s_kp, s_vp, s_kbp, s_vbp, SLOTS)
         last = row_ok & ((zero_rows + j) == KPS - 1)
         store_item(out_ptr, toks, h * G + rows, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
                    (t * num_h + h) * SPLITS + sp, acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED), m_i, l_i, last,
@@ -318,10 +340,13 @@ def _prefill_attention_kernel(
     bt_ptr, s_bt_r, s_bt_b, num_pages, qsl_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
     out_ptr, s_ot, s_oh, s_od, G, first_request, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     kb_ptr, s_kbp, s_kbb, s_kbh, s_kbd, vb_ptr, s_vbp, s_vbb, s_vbh, s_vbd,
+    st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_SCALED: tl.constexpr = False, SLOT_SCALED: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
+    SLOTS: tl.constexpr = False,
 ):
+    """``SLOTS``: as :func:`_decode_attention_kernel`'s."""
     r = first_request + tl.program_id(0)
     h = tl.program_id(2)
     qk_scale = qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED)
@@ -342,12 +367,14 @@ def _prefill_attention_kernel(
         for b in tl.range(0, nb_max):
             member = tl.max((sel == b).to(tl.int32), axis=1) > 0
             if tl.max(member.to(tl.int32), axis=0) > 0:
-                page = load_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages)
+                page, slot_blk, cols_left = block_at(bt_ptr, s_bt_r, s_bt_b, num_pages, r, b, st_ptr, s_st_r, s_st_c,
+                                                     st_rows, st_width, sr_ptr, B, SLOTS)
                 m_i, l_i, acc = _attend_block(
                     q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                     s_kb, s_kd, s_vb, s_vd, member, pos, b, qk_scale, ks_ptr + h * s_ks + page * B,
                     vs_ptr + h * s_vs + page * B, kb_ptr + page * s_kbp + h * s_kbh, vb_ptr + page * s_vbp + h * s_vbh,
-                    s_kbb, s_kbd, s_vbb, s_vbd, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED, KV_NVFP4)
+                    s_kbb, s_kbd, s_vbb, s_vbd, B, BN, D, DOT_DTYPE, DOT_PREC, SLOT_SCALED, KV_NVFP4, slot_blk, s_st_c,
+                    cols_left, num_pages, s_kp, s_vp, s_kbp, s_vbp, SLOTS)
         acc = acc * kv_scale(vs_ptr, h, s_vs, KV_SCALED)
         store_rows(out_ptr, tok, qh, s_ot, s_oh, s_od, acc, l_i, row_in, D)
 
@@ -364,6 +391,8 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     qk_scale = params.softmax_scale * LOG2E
     scales, kv_scaled, slot_scaled = kv_scale_args(caches, q)
     blocks, kv_nvfp4 = kv_block_scale_args(caches, q)
+    slots, on_slots = slot_args(batch, bt)
+    blocks = (*blocks, *slots)    # the kernels take the slot arguments right after the block scales
     sh, st, sk = topk.strides()
     # the page count bounds every page id the kernels read (tl_utils.load_page)
     tensors = (*(q, *q.stride()), *(k, *k.stride()), *(v, *v.stride()), *(bt, *bt.stride()), caches.num_pages)
@@ -398,10 +427,10 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
             launch(_decode_attention_flat_kernel, plan.grid,
                    (*head, Hkv, *plan.flat_ints, qk_scale, *scales, ws_m if counters is None else counters,
                     ws_m if ready is None else ready, batch.num_decodes, *blocks),
-                   constexprs, options, fast)
+                   {**constexprs, "SLOTS": True} if on_slots else constexprs, options, fast)
         else:
-            launch(_decode_attention_kernel, plan.grid, (*head, qk_scale, *scales, *blocks), constexprs, plan.options,
-                   fast)
+            launch(_decode_attention_kernel, plan.grid, (*head, qk_scale, *scales, *blocks),
+                   {**constexprs, "SLOTS": True} if on_slots else constexprs, plan.options, fast)
         if merge and plan.merge_per_row:
             launch(_merge_row_kernel, plan.merge_grid, (out, *so, ws_m, ws_l, ws_acc, G, Hkv),
                    plan.merge_constexprs, plan.merge_options, fast)
@@ -428,5 +457,5 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
                 topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale, *scales, *blocks),
                dict(ROWS=rows, M=m, B=B, BN=min(B, tiles.block_n), D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype,
                     DOT_PREC=dot_prec, KV_SCALED=kv_scaled, **({"SLOT_SCALED": True} if slot_scaled else {}),
-                    **({"KV_NVFP4": True} if kv_nvfp4 else {})),
+                    **({"KV_NVFP4": True} if kv_nvfp4 else {}), **({"SLOTS": True} if on_slots else {})),
                dict(num_warps=tiles.warps, num_stages=tiles.num_stages, **opts), cfg.algorithms.fast_launch)

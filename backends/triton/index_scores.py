@@ -27,12 +27,13 @@ import triton.language as tl
 from mm3.plugin import BatchMetadata, PagedKVCache, SparseAttentionParams
 
 from .fast_launch import launch
-from .indexer import _block_max_scores, _forced
+from .addressing import slot_args
+from .indexer import _block_max_scores, _block_page, _forced
 from .launch import LaunchConfig, next_pow2
 from .nvfp4 import index_block_scale_args
 from .scratch import scratch
 from .tiles import load_query_rows, token_rows
-from .tl_utils import dot_config, launch_options, load_reported_page, step_kernel
+from .tl_utils import dot_config, launch_options, step_kernel
 
 __all__ = ["index_scores", "COLUMNS"]
 
@@ -44,13 +45,15 @@ COLUMNS = 16
 def _index_scores_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
     qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_b, H, first_request, N, index_scale,
-    is_ptr, s_is_p, s_is_b, s_is_d,
+    is_ptr, s_is_p, s_is_b, s_is_d, st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     CH: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, INDEX_NVFP4: tl.constexpr = False,
+    SLOTS: tl.constexpr = False,
 ):
     """Scores of tokens ``program_id(1) * M ..`` of request ``first_request + program_id(0)``, columns
-    ``program_id(2) * CH ..``: S after docs/spec.md §3.4 where a row sees the block, else ``-inf``."""
+    ``program_id(2) * CH ..``: S after docs/spec.md §3.4 where a row sees the block, else ``-inf``.
+    ``SLOTS``: token slots (:mod:`.addressing`; ``st_ptr`` .. ``sr_ptr`` as the indexer's)."""
     r = first_request + tl.program_id(0)
     tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H, ROWS, M, B)
     if tl.max(row_in.to(tl.int32), axis=0) > 0:
@@ -61,10 +64,12 @@ def _index_scores_kernel(
         if c0 < hi:
             q, row_scale = load_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
             for b in tl.range(c0, hi):
-                page = load_reported_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages, faults_ptr, r, b)
+                page, slot_blk, cols_left = _block_page(bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr, r, b, st_ptr,
+                                                        s_st_r, s_st_c, st_rows, st_width, sr_ptr, B, SLOTS)
                 sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale * index_scale,
                                        ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, NAN_IN_MAX, 0, True,
-                                       is_ptr + page * s_is_p, s_is_b, s_is_d, INDEX_NVFP4)
+                                       is_ptr + page * s_is_p, s_is_b, s_is_d, INDEX_NVFP4, slot_blk, s_st_c,
+                                       cols_left, num_pages, s_ik_p, s_is_p, SLOTS)
                 chunk = tl.where(cols == b, sb[:, None], chunk)
             chunk = _forced(chunk, cols, nb_row[:, None], INIT, LOCAL)
             chunk = tl.where(cols < nb_row[:, None], chunk, float("-inf"))
@@ -86,6 +91,7 @@ def index_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetada
     faults = page_faults if page_faults is not None else scratch(ik.device, "page-faults", (1,), torch.int64)
     dot_dtype, dot_prec, scale_q = dot_config(index_q.dtype, ik.dtype, cfg.numerics.fp8_as_f16)
     iscale, index_nvfp4 = index_block_scale_args(caches, ik)
+    slots, on_slots = slot_args(batch, bt)
     pic = cfg.prefill_index
     rows = max(pic.rows, next_pow2(H), 16)
     m = rows // H
@@ -100,8 +106,9 @@ def index_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetada
         launch(_index_scores_kernel, (count, triton.cdiv(longest, m), triton.cdiv(N, COLUMNS)),
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults,
                 batch.query_start_loc, batch.token_positions, out, *out.stride(), H, first, N,
-                float(params.index_scale), *iscale),
+                float(params.index_scale), *iscale, *slots),
                dict(B=B, BN=min(B, bn), DI=Di, ROWS=rows, M=m, CH=COLUMNS, INIT=params.init_blocks,
                     LOCAL=params.local_blocks, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, SCALE_Q=scale_q,
-                    NAN_IN_MAX=cfg.numerics.nan_in_max, **({"INDEX_NVFP4": True} if index_nvfp4 else {})),
+                    NAN_IN_MAX=cfg.numerics.nan_in_max, **({"INDEX_NVFP4": True} if index_nvfp4 else {}),
+                    **({"SLOTS": True} if on_slots else {})),
                dict(num_warps=pic.warps, num_stages=pic.num_stages, **launch_options(cfg)), fast)

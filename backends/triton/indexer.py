@@ -48,6 +48,7 @@ from mm3.plugin import SparseAttentionParams
 
 from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
+from .addressing import block_columns, block_keys, key_offsets, slot_args, slot_block
 from .nvfp4 import index_block_scale_args, load_nvfp4_rows
 from .plans import decode_index_plan
 from .tiles import load_query_rows, token_rows
@@ -80,7 +81,8 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
                       ROWS: tl.constexpr, B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, NAN_IN_MAX: tl.constexpr = False,
                       pos_min=0, MASK_ALL: tl.constexpr = True, scale_page=None, s_is_b=0, s_is_d=0,
-                      INDEX_NVFP4: tl.constexpr = False):
+                      INDEX_NVFP4: tl.constexpr = False, slot_blk=None, s_col=0, cols_left=0, num_slots=1,
+                      s_ik_p=0, s_is_p=0, SLOTS: tl.constexpr = False):
     """Max over block ``b``'s visible keys (``j <= pos``) of ``<q_row, key_j>``, per row; NaN -> -1e30.
 
     Keys are read ``BN`` at a time to bound register use. ``row_scale``
@@ -93,18 +95,22 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
     prefill tile only the diagonal blocks need it, and the mask's compare and
     select per score were a quarter of the instructions of the loop. With
     ``INDEX_NVFP4`` the keys are packed e2m1 with their block scales at
-    ``scale_page`` (``s_is_b``, ``s_is_d``: that page's strides), unpacked exactly.
+    ``scale_page`` (``s_is_b``, ``s_is_d``: that page's strides), unpacked exactly. With ``SLOTS``
+    ``page_ptr`` and ``scale_page`` are the caches' bases and each key's row is its position's slot
+    (:func:`.addressing.block_keys` at ``slot_blk``; ``s_ik_p``, ``s_is_p``: the one-token pages' strides).
     """
     offs_d = tl.arange(0, DI)
     smax = tl.full([ROWS], float("-inf"), tl.float32)
     nans = tl.zeros([ROWS], tl.int32)
     for c in tl.static_range(0, B, BN):
         offs_j = c + tl.arange(0, BN)
+        at = block_keys(offs_j, slot_blk, s_col, cols_left, num_slots, SLOTS)
         if INDEX_NVFP4:
-            keys = load_nvfp4_rows(page_ptr + offs_j * s_ik_b, scale_page + offs_j * s_is_b, s_ik_d, s_is_d, DI,
-                                   DOT_DTYPE)
+            keys = load_nvfp4_rows(page_ptr + key_offsets(at, s_ik_p, s_ik_b, SLOTS),
+                                   scale_page + key_offsets(at, s_is_p, s_is_b, SLOTS), s_ik_d, s_is_d, DI, DOT_DTYPE)
         else:
-            keys = tl.load(page_ptr + offs_j[:, None] * s_ik_b + offs_d[None, :] * s_ik_d).to(DOT_DTYPE)
+            keys = tl.load(page_ptr + key_offsets(at, s_ik_p, s_ik_b, SLOTS)[:, None] + offs_d[None, :] * s_ik_d
+                           ).to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(keys), input_precision=DOT_PREC)  # [ROWS, BN] fp32
         if MASK_ALL:
             s = _causal_mask(s, b * B + offs_j, pos)
@@ -121,16 +127,30 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
 
 
 @triton.jit
+def _block_page(bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr, r, b, st_ptr, s_st_r, s_st_c, st_rows, st_width,
+                sr_ptr, B: tl.constexpr, SLOTS: tl.constexpr):
+    """``(page, slot_blk, cols_left)`` of block ``b`` of request ``r``: its page (read and reported,
+    :func:`.tl_utils.load_reported_page`) for pages; page 0 and where its slots are
+    (:func:`.addressing.slot_block`) for token slots, whose entries ``check_contents`` reports."""
+    if SLOTS:
+        slot_blk, cols_left = slot_block(st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr, r, b, B)
+        return 0, slot_blk, cols_left
+    else:
+        return load_reported_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages, faults_ptr, r, b), st_ptr, 0
+
+
+@triton.jit
 def _decode_score_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
     qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H, out_ptr, s_out_h, s_out_t, s_out_k, cnt_ptr, ready_ptr,
-    is_ptr, s_is_p, s_is_b, s_is_d,
+    is_ptr, s_is_p, s_is_b, s_is_d, st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
     BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, PDL: tl.constexpr = False,
     TOPK_LAST: tl.constexpr = False, K: tl.constexpr = 1, K_PAD: tl.constexpr = 1, NB_PAD: tl.constexpr = 1,
     INIT: tl.constexpr = 0, LOCAL: tl.constexpr = 0, R_TK: tl.constexpr = 1, TK_ROWS: tl.constexpr = 1,
     STREAM: tl.constexpr = False, TRIGGER: tl.constexpr = False, INDEX_NVFP4: tl.constexpr = False,
+    SLOTS: tl.constexpr = False,
 ):
     """Scores of ``BPS`` blocks of one request for all its rows: request ``program_id(0)``, split
     ``program_id(1)``. With ``TOPK_LAST`` the request's last score program to finish (:mod:`.arrivals`,
@@ -143,7 +163,10 @@ def _decode_score_kernel(
     ready flag ``ready_ptr[r]``, then every program lets the next kernel launch (``TRIGGER``); the
     request's last program raises the flag after its top-k is stored. The next kernel launches
     only once every program has started, so after every lowering, and a flag is raised only after
-    its request's split 0 arrived: a waiting attention program never sees an earlier step's flag."""
+    its request's split 0 arrived: a waiting attention program never sees an earlier step's flag.
+
+    ``SLOTS``: token slots (:mod:`.addressing`; ``st_ptr`` .. ``sr_ptr``: the slot table, its strides,
+    rows and columns, and each request's row of it), else dummies never read."""
     if STREAM:
         r = tl.program_id(1)
         sp = tl.program_id(0)
@@ -165,10 +188,12 @@ def _decode_score_kernel(
         q, row_scale = load_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
         rows = tl.arange(0, ROWS)
         for b in tl.range(b0, tl.minimum(b0 + BPS, nb_req)):
-            page = load_reported_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages, faults_ptr, r, b)
+            page, slot_blk, cols_left = _block_page(bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr, r, b, st_ptr,
+                                                    s_st_r, s_st_c, st_rows, st_width, sr_ptr, B, SLOTS)
             smax = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
                                      ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, NAN_IN_MAX, 0, True,
-                                     is_ptr + page * s_is_p, s_is_b, s_is_d, INDEX_NVFP4)
+                                     is_ptr + page * s_is_p, s_is_b, s_is_d, INDEX_NVFP4, slot_blk, s_st_c, cols_left,
+                                     num_pages, s_ik_p, s_is_p, SLOTS)
             tl.store(ws_ptr + r * s_ws_r + rows * s_ws_row + b, smax, mask=row_ok)
     if TOPK_LAST:
         if arrive_last(cnt_ptr, r, splits):
@@ -252,12 +277,13 @@ def _prefill_index_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
     qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
     ws_ptr, s_ws_s, s_ws_t, first_token, is_ptr, s_is_p, s_is_b, s_is_d,
+    st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, CH: tl.constexpr,
     SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, SPLITS: tl.constexpr = 1,
     MASK_ALL: tl.constexpr = True, SORTED_MERGE: tl.constexpr = False, KEY_ROW: tl.constexpr = 0,
-    INDEX_NVFP4: tl.constexpr = False,
+    INDEX_NVFP4: tl.constexpr = False, SLOTS: tl.constexpr = False,
 ):
     """Top-k of a tile of ``M`` tokens of prefill request ``first_request + program_id(0)`` for all index
     heads (rows ``(token, head)``); the running top-K is kept as packed keys and updated once per
@@ -278,7 +304,7 @@ def _prefill_index_kernel(
     tile's visible blocks and writes its top-``K_PAD`` packed keys to ``ws[split, token -
     first_token, head, :]`` (an empty range writes "unavailable" keys) for
     :func:`_prefill_index_merge_kernel`; packed keys make the merged result exactly the
-    single-pass one, ties included."""
+    single-pass one, ties included. ``SLOTS``: as :func:`_decode_score_kernel`'s."""
     r = first_request + tl.program_id(0)
     tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H,
                                                       ROWS, M, B)
@@ -300,10 +326,12 @@ def _prefill_index_kernel(
                 chunk = tl.full([ROWS, CH], -9223372036854775807 - 1, tl.int64)
             for j in tl.range(0, tl.minimum(CH, hi - c0)):
                 b = c0 + j
-                page = load_reported_page(bt_ptr + r * s_bt_r + b * s_bt_b, num_pages, faults_ptr, r, b)
+                page, slot_blk, cols_left = _block_page(bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr, r, b, st_ptr,
+                                                        s_st_r, s_st_c, st_rows, st_width, sr_ptr, B, SLOTS)
                 sb = _block_max_scores(q, ik_ptr + page * s_ik_p, s_ik_b, s_ik_d, b, pos, row_scale,
                                        ROWS, B, BN, DI, DOT_DTYPE, DOT_PREC, NAN_IN_MAX, pos_min, MASK_ALL,
-                                       is_ptr + page * s_is_p, s_is_b, s_is_d, INDEX_NVFP4)
+                                       is_ptr + page * s_is_p, s_is_b, s_is_d, INDEX_NVFP4, slot_blk, s_st_c,
+                                       cols_left, num_pages, s_ik_p, s_is_p, SLOTS)
                 if SORTED_MERGE:
                     chunk = tl.where(cols == j, sb[:, None], chunk)
                 else:
@@ -378,10 +406,11 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     sh, st, sk = out.strides()
     faults = page_faults if page_faults is not None else scratch(ik.device, "page-faults", (1,), torch.int64)
     iscale, index_nvfp4 = index_block_scale_args(caches, ik)
+    slots, on_slots = slot_args(batch, bt)
 
     nd = batch.num_decodes
     if nd > 0 and batch.num_decode_tokens > 0:
-        width = bt.shape[1]
+        width = block_columns(batch)
         dev, td = ik.device, batch.num_decode_tokens
         counters = ready = None
         streamed = streamed_enabled(cfg, nd, batch.decode_query_len * H)
@@ -400,8 +429,8 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         launch(_decode_score_kernel, plan.score_grid,
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults, qsl, pos, ws,
                 ws.stride(0), ws.stride(1), H, out.storage, sh, st, sk, ws if counters is None else counters,
-                ws if ready is None else ready, *iscale),
-               score_constexprs, plan.score_options, fast)
+                ws if ready is None else ready, *iscale, *slots),
+               {**score_constexprs, "SLOTS": True} if on_slots else score_constexprs, plan.score_options, fast)
         offer_ready_flags(dev, out.storage, nd, ready if streamed else None)
         if counters is None:   # no top-k in the score kernel: a launch of its own
             launch(_decode_topk_kernel, plan.topk_grid,
@@ -419,7 +448,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         m = rows // H
         k_pad = sort_width(K)
         tiles = triton.cdiv(batch.max_prefill_query_len, m)
-        splits = cfg.prefill_index_splits(npf * tiles, bt.shape[1])
+        splits = cfg.prefill_index_splits(npf * tiles, block_columns(batch))
         t0, n_rows = batch.num_decode_tokens, batch.num_prefill_tokens * H
         ws = out.storage if splits == 1 else \
             torch.empty((splits, n_rows, k_pad), dtype=torch.int64, device=ik.device)
@@ -427,12 +456,12 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         launch(_prefill_index_kernel, (npf, tiles, splits),
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults,
                 batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd,
-                ws, ws.stride(0), ws.stride(1) if splits > 1 else 0, t0, *iscale),
+                ws, ws.stride(0), ws.stride(1) if splits > 1 else 0, t0, *iscale, *slots),
                dict(ROWS=rows, M=m, K=K, K_PAD=k_pad, INIT=params.init_blocks, LOCAL=params.local_blocks,
                     BN=min(B, pic.block_n), **common, CH=max(pic.chunk, k_pad), SPLITS=splits,
                     MASK_ALL=not pic.unmasked_full, SORTED_MERGE=pic.sorted_merge,
                     KEY_ROW=ik.stride(1) if pic.static_key_stride else 0,
-                    **({"INDEX_NVFP4": True} if index_nvfp4 else {})),
+                    **({"INDEX_NVFP4": True} if index_nvfp4 else {}), **({"SLOTS": True} if on_slots else {})),
                dict(num_warps=pic.warps, num_stages=pic.num_stages, **opts), fast)
         if splits > 1:
             r_merge = 16

@@ -151,7 +151,7 @@ class TritonPlatform:
             head_dims=SUPPORTED_TILE_SIZES, index_head_dims=SUPPORTED_TILE_SIZES,
             block_sizes=SUPPORTED_TILE_SIZES, max_topk=64, max_gqa_group=64,
             max_decode_query_len=self.max_decode_query_len, cuda_graph_safe=True, reports_bad_page_ids=True,
-            kv_slot_scales=True)
+            kv_slot_scales=True, addressings={"pages", "slots"})
 
     def launch_config(self, device: torch.device) -> LaunchConfig:
         """The launch config for ``device``: sized for its multiprocessor count, or the interpreter's

@@ -45,6 +45,7 @@ from mm3.plugin import SparseAttentionParams
 
 from .fast_launch import launch
 from .launch import next_pow2
+from .addressing import block_keys, key_offsets, slot_args, slot_block
 from .nvfp4 import kv_block_scale_args, load_nvfp4_rows
 from .prefill_config import PrefillAttentionConfig
 from .prefill_plan import plan_pairs
@@ -86,17 +87,21 @@ def _store_partials(ws_o_ptr, ws_lse_ptr, place, G, o, lse, row_ok, D: tl.conste
 
 @triton.jit
 def _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, kb_page, vb_page, s_kbb, s_kbd, s_vbb, s_vbd,
-              B: tl.constexpr, D: tl.constexpr, DOT_DTYPE: tl.constexpr, KV_NVFP4: tl.constexpr = False):
+              B: tl.constexpr, D: tl.constexpr, DOT_DTYPE: tl.constexpr, KV_NVFP4: tl.constexpr = False,
+              at=None, s_kp=0, s_vp=0, s_kbp=0, s_vbp=0, SLOTS: tl.constexpr = False):
     """A block's K^T (the dot's B operand as loaded, so the compiler keeps it in shared memory
-    across a run) and V (``KV_NVFP4``: unpacked with the block scales at ``kb_page``, ``vb_page``)."""
+    across a run) and V (``KV_NVFP4``: unpacked with the block scales at ``kb_page``, ``vb_page``).
+    ``at``: the block's keys (:func:`.addressing.block_keys`: its slots with ``SLOTS``, where the
+    pointers are the caches' bases and ``s_kp`` .. ``s_vbp`` the one-token pages' strides)."""
     offs_d = tl.arange(0, D)
-    offs_j = tl.arange(0, B)
     if KV_NVFP4:
-        keys_t = tl.trans(load_nvfp4_rows(k_page + offs_j * s_kb, kb_page + offs_j * s_kbb, s_kd, s_kbd, D, DOT_DTYPE))
-        vals = load_nvfp4_rows(v_page + offs_j * s_vb, vb_page + offs_j * s_vbb, s_vd, s_vbd, D, DOT_DTYPE)
+        keys_t = tl.trans(load_nvfp4_rows(k_page + key_offsets(at, s_kp, s_kb, SLOTS),
+                                          kb_page + key_offsets(at, s_kbp, s_kbb, SLOTS), s_kd, s_kbd, D, DOT_DTYPE))
+        vals = load_nvfp4_rows(v_page + key_offsets(at, s_vp, s_vb, SLOTS),
+                               vb_page + key_offsets(at, s_vbp, s_vbb, SLOTS), s_vd, s_vbd, D, DOT_DTYPE)
     else:
-        keys_t = tl.load(k_page + offs_d[:, None] * s_kd + offs_j[None, :] * s_kb).to(DOT_DTYPE)
-        vals = tl.load(v_page + offs_j[:, None] * s_vb + offs_d[None, :] * s_vd).to(DOT_DTYPE)
+        keys_t = tl.load(k_page + offs_d[:, None] * s_kd + key_offsets(at, s_kp, s_kb, SLOTS)[None, :]).to(DOT_DTYPE)
+        vals = tl.load(v_page + key_offsets(at, s_vp, s_vb, SLOTS)[:, None] + offs_d[None, :] * s_vd).to(DOT_DTYPE)
     return keys_t, vals
 
 
@@ -131,9 +136,10 @@ def _block_run_kernel(
     ws_lse_ptr, nb_max, num_req, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     kb_ptr, s_kbp, s_kbb: tl.constexpr, s_kbh, s_kbd: tl.constexpr,
     vb_ptr, s_vbp, s_vbb: tl.constexpr, s_vbh, s_vbd: tl.constexpr,
+    st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr, num_pages,
     B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr, RUN: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr = 4, KV_SCALED: tl.constexpr = False,
-    SLOT_SCALED: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
+    SLOT_SCALED: tl.constexpr = False, KV_NVFP4: tl.constexpr = False, SLOTS: tl.constexpr = False,
 ):
     """Runs ``program_id, program_id + programs, ...``; a run is up to ``RUN`` tiles of one segment.
 
@@ -145,26 +151,37 @@ def _block_run_kernel(
     The strides inside a page are compile-time constants (one layout per cache): the K/V tiles'
     addresses are then a base plus immediates, where runtime strides kept ~45 per-thread offsets
     live across the run loop, which Triton 3.6 spilled (sm_90).
+
+    ``SLOTS``: token slots: a run's plan entry is its request, not a page, and the block's keys are
+    gathered through the slot table (:mod:`.addressing`; ``st_ptr`` .. ``sr_ptr`` its arguments,
+    ``num_pages`` the cache's one-token pages).
     """
     gi = tl.arange(0, ROWS) % G
     for i in tl.range(tl.program_id(0), tl.load(num_runs_ptr), tl.num_programs(0), num_stages=1):
         seg = tl.load(run_seg_ptr + i)
-        page = tl.load(run_page_ptr + i).to(tl.int64)
         n = tl.load(run_pairs_ptr + i)
         place = tl.load(run_place_ptr + i)
         b = seg % nb_max
         h = seg // nb_max // num_req
+        if SLOTS:
+            slot_blk, cols_left = slot_block(st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
+                                             tl.load(run_page_ptr + i), b, B)
+            at = block_keys(tl.arange(0, B), slot_blk, s_st_c, cols_left, num_pages, SLOTS)
+            page = 0
+        else:
+            page = tl.load(run_page_ptr + i).to(tl.int64)
+            at = tl.arange(0, B)
         k_page = k_ptr + page * s_kp + h * s_kh
         v_page = v_ptr + page * s_vp + h * s_vh
         keys_t, vals = _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, kb_ptr + page * s_kbp + h * s_kbh,
                                  vb_ptr + page * s_vbp + h * s_vbh, s_kbb, s_kbd, s_vbb, s_vbd, B, D, DOT_DTYPE,
-                                 KV_NVFP4)
+                                 KV_NVFP4, at, s_kp, s_vp, s_kbp, s_vbp, SLOTS)
         # fp8 K/V: the K scale joins the logits' factor, the V scale multiplies the result once
         run_qk_scale = qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED)
         v_scale = kv_scale(vs_ptr, h, s_vs, KV_SCALED)
         key_pos = b * B + tl.arange(0, B)
-        k_f = slot_scales(ks_ptr + h * s_ks + page * B, tl.arange(0, B), SLOT_SCALED)
-        v_f = slot_scales(vs_ptr + h * s_vs + page * B, tl.arange(0, B), SLOT_SCALED)
+        k_f = slot_scales(ks_ptr + h * s_ks + page * B, at, SLOT_SCALED)
+        v_f = slot_scales(vs_ptr + h * s_vs + page * B, at, SLOT_SCALED)
         for r in tl.range(0, tl.cdiv(n, M), num_stages=STAGES):
             row_ok, tok, pos = _tile_rows(run_tok_ptr + i * (M * RUN) + r * M, pos_ptr, n - r * M, G, ROWS, M)
             q = load_rows(q_ptr, tok, h * G + gi, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE)
@@ -237,6 +254,7 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
     k, v = caches.k, caches.v
     scales, kv_scaled, slot_scaled = kv_scale_args(caches, q)
     blocks, kv_nvfp4 = kv_block_scale_args(caches, q)
+    slots, on_slots = slot_args(batch, k)
     sel = topk.head_major()
     run_options = dict(num_warps=cfg.warps, **platform_options)
     merge_options = dict(num_warps=cfg.merge_warps, **platform_options)
@@ -254,10 +272,10 @@ def prefill_attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkB
         launch(_block_run_kernel, (programs,),
                (q, *q.stride(), k, *k.stride(), v, *v.stride(), batch.token_positions,
                 plan.tile_seg, plan.tile_page, plan.tile_tok, plan.tile_pairs, plan.tile_place, plan.num_tiles,
-                ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales, *blocks),
+                ws_o, ws_lse, nb_max, batch.num_prefills, G, qk_scale, *scales, *blocks, *slots, caches.num_pages),
                dict(ROWS=rows, M=m, RUN=cfg.run_tiles, STAGES=cfg.stages, KV_SCALED=kv_scaled, B=B, D=D,
                     DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, **({"SLOT_SCALED": True} if slot_scaled else {}),
-                    **({"KV_NVFP4": True} if kv_nvfp4 else {})),
+                    **({"KV_NVFP4": True} if kv_nvfp4 else {}), **({"SLOTS": True} if on_slots else {})),
                run_options, fast)
         launch(_merge_slots_kernel, (c, Hkv), (out, *out.stride(), plan.place, ws_o, ws_lse, a, c, G),
                dict(K=K, **_merge_sizes(G, D)), merge_options, fast)

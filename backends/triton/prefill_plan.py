@@ -33,7 +33,7 @@ class PairPlan:
     ``place`` ``[H, Tc, K]``: each valid pair's place in plan order (segment after segment, a
     tile's pairs consecutive; the row of its partial in the workspace), ``-1`` elsewhere;
     ``tile_seg`` ``[max_tiles]``: each tile's segment id;
-    ``tile_page`` ``[max_tiles]``: the page of each tile's block;
+    ``tile_page`` ``[max_tiles]``: the page of each tile's block (token slots: each tile's request);
     ``tile_tok`` ``[max_tiles * M]``: per tile, the token (index into the step) of each of its ``M``
     pairs, filled from the front (slots past ``tile_pairs`` are not written);
     ``tile_pairs`` ``[max_tiles]``: how many of a tile's ``M`` slots hold a pair;
@@ -100,10 +100,12 @@ def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, w
 def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, within_ptr, count_ptr, tile_base_ptr,
                        pair_base_ptr, place_ptr, tile_seg_ptr, tile_page_ptr, tile_tok_ptr, tile_pairs_ptr,
                        tile_place_ptr, tok0, Tc, first_request, num_req, nb_max, K: tl.constexpr,
-                       K_PAD: tl.constexpr, M: tl.constexpr, R: tl.constexpr):
+                       K_PAD: tl.constexpr, M: tl.constexpr, R: tl.constexpr, SLOTS: tl.constexpr = False):
     """Rows ``(h, t)`` of ``R`` tokens: each valid pair's place (segment's first place + its index
     within) and its token into its tile (segment's first tile + within // M); the pair that opens a
-    tile also writes the tile's segment, the page of its block, its pair count and its first place."""
+    tile also writes the tile's segment, the page of its block, its pair count and its first place.
+    ``SLOTS`` (token slots: a block is no page): the tile's request instead of a page, whose block's
+    slots the tile kernels gather (:mod:`.addressing`)."""
     h = tl.program_id(1)
     tc, slots, in_row = _plan_rows(tl.program_id(0) * R, Tc, K, K_PAD, R)
     row = (h * Tc + tc[:, None]) * K + slots[None, :]
@@ -120,9 +122,12 @@ def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, wi
     tl.store(tile_seg_ptr + tile, seg, mask=opens)
     tl.store(tile_place_ptr + tile, place, mask=opens)
     tl.store(tile_pairs_ptr + tile, tl.minimum(tl.load(count_ptr + seg, mask=opens, other=0) - within, M), mask=opens)
-    # clamped here, so the tile/run kernels' pages (read from the plan) are pages of the cache
-    page = load_page(bt_ptr + (first_request + r) * s_bt_r + ids * s_bt_b, num_pages, mask=opens)
-    tl.store(tile_page_ptr + tile, page, mask=opens)
+    if SLOTS:
+        tl.store(tile_page_ptr + tile, first_request + r, mask=opens)
+    else:
+        # clamped here, so the tile/run kernels' pages (read from the plan) are pages of the cache
+        page = load_page(bt_ptr + (first_request + r) * s_bt_r + ids * s_bt_b, num_pages, mask=opens)
+        tl.store(tile_page_ptr + tile, page, mask=opens)
 
 
 @step_kernel("S")
@@ -209,5 +214,6 @@ def plan_pairs(sel_hm: torch.Tensor, batch: BatchMetadata, tok0: int, num_tokens
     launch(_pair_place_kernel, rows,
            (bt, *bt.stride(), num_pages, batch.token_to_request, clean, within, count, tile_base,
             pair_base, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place, tok0, Tc, nd, R, nb_max),
-           dict(K=K, K_PAD=next_pow2(K), M=M, R=PLAN_ROWS), _ONE_WARP, fast)
+           dict(K=K, K_PAD=next_pow2(K), M=M, R=PLAN_ROWS, **({"SLOTS": True} if batch.slots is not None else {})),
+           _ONE_WARP, fast)
     return PairPlan(clean, place, tile_seg, tile_page, tile_tok, tile_pairs, tile_place, num_tiles)

@@ -254,14 +254,15 @@ def as_token_slots(case: Case, generator: torch.Generator, spare_slots: int = 37
     N = paged_rows + spare_slots
     perm = torch.randperm(N, generator=generator)[:paged_rows].to(c.device)   # slot of each paged row
 
-    def slotted(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def slotted(t: Optional[torch.Tensor], scales: bool = False) -> Optional[torch.Tensor]:
         if t is None:
             return None
         shape = (N, 1, *t.shape[2:])
         if t.dtype == torch.uint8:      # packed NVFP4 codes
             out = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
-        else:
-            out = (torch.randn(shape, generator=generator) * 64).to(t.dtype)
+        else:   # NVFP4 block scales: random but valid (a cache's scales are finite and >= 0)
+            out = (torch.randn(shape, generator=generator) * 64).abs_().to(t.dtype) if scales else \
+                (torch.randn(shape, generator=generator) * 64).to(t.dtype)
         out = out.to(t.device)
         out[perm] = t.reshape(paged_rows, 1, *t.shape[2:])
         return out
@@ -275,10 +276,11 @@ def as_token_slots(case: Case, generator: torch.Generator, spare_slots: int = 37
         scales.append(s)
     index = slotted(c.index.unsqueeze(2)).squeeze(2)  # type: ignore[union-attr]
     iscale = c.index_block_scale
-    index_scale = None if iscale is None else slotted(iscale.unsqueeze(2)).squeeze(2)  # type: ignore[union-attr]
+    index_scale = None if iscale is None else \
+        slotted(iscale.unsqueeze(2), True).squeeze(2)  # type: ignore[union-attr]
     caches = PagedKVCache(slotted(c.k), slotted(c.v), index, *scales,  # type: ignore[arg-type]
-                          kv_format=c.kv_format, k_block_scale=slotted(c.k_block_scale),
-                          v_block_scale=slotted(c.v_block_scale), index_block_scale=index_scale)
+                          kv_format=c.kv_format, k_block_scale=slotted(c.k_block_scale, True),
+                          v_block_scale=slotted(c.v_block_scale, True), index_block_scale=index_scale)
     R, sl = b.num_requests, b.seq_lens_host
     width = max(sl, default=0) + B
     table = torch.full((R + spare_rows, width), -1, dtype=torch.int32)
