@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import mm3
+from mm3 import InputError
 from mm3.contract.params import SparseAttentionParams
 from mm3.testing.conformance.scores import check_scores
 from mm3.testing.factories import as_token_slots, make_case
@@ -157,3 +158,59 @@ def test_a_slot_table_edited_in_place_is_read_at_the_next_step() -> None:
     assert torch.equal(_attend(slotted, sel, cfg), before)
     got = _topk(slotted, cfg, "token_major")
     assert not check_topk(got, slotted.index_q, slotted.caches, slotted.batch, P)
+
+
+# -- the plugins' check_contents hook judges a slot table on the device ---------------------------------------
+NUM_SLOTS = 64
+SLOT_GOOD = [[-1] * 6, [10, 11, 3, 40, 63, -1], [7, 8, 9, -1, -1, -1]]
+SLOT_BAD = [
+    ("a slot row outside the table", dict(rows=[1, 3]), r"request 1 has slot row \?"),
+    ("a negative slot row", dict(rows=[-1, 2]), r"request 0 has slot row \?"),
+    ("a used position without a slot", dict(table=[[-1] * 6, [10, 11, 3, -1, 63, -1], SLOT_GOOD[2]]),
+     r"request 0, position 3: \S*slot_table\[\S*slot_rows\[0\], 3\] is not a slot of the cache, in \[0, 64\)"),
+    ("a slot past the cache", dict(table=[[-1] * 6, SLOT_GOOD[1], [7, 64, 9, -1, -1, -1]]),
+     r"request 1, position 1: .* is not a slot of the cache"),
+    ("a seq_len past the table", dict(table=[[-1] * 6, SLOT_GOOD[1], [7, 8, 9, 12, 13, 14]], sl=(5, 7)),
+     r"request 1 has seq_len \S+, but \S*slot_table has only \S+ columns"),
+]
+
+
+def _slot_batch(table: list[list[int]], rows: list[int], sl: tuple[int, int]) -> object:
+    """One decode and one prefill of 3 tokens, built as an engine builds them: contents unchecked."""
+    from mm3 import BatchMetadata
+    from mm3.contract.slots import TokenSlots
+
+    qsl = torch.tensor([0, 1, 4], dtype=torch.int32)
+    slots = TokenSlots.of(torch.tensor(table, dtype=torch.int32), torch.tensor(rows))
+    return BatchMetadata.from_device(qsl, torch.tensor(sl, dtype=torch.int32), torch.zeros(2, 0, dtype=torch.int32),
+                                     num_decodes=1, num_tokens=4, max_query_len=3, block_size=16, slots=slots)
+
+
+def _judge(batch: object, plugin: str) -> object:
+    from mm3.contract.contents import FaultFlag
+    from mm3.contract.facts import LAYER_NAMES
+    from mm3.runtime.registry import default_registry
+
+    flag = FaultFlag("cpu")
+    flag.about("t", LAYER_NAMES, NUM_SLOTS, batch)     # what the boundary names before it calls the hook
+    default_registry().get(plugin).check_contents(batch, NUM_SLOTS, flag.word)
+    return flag
+
+
+@pytest.mark.parametrize("plugin", ["cuda", "rocm"])
+@pytest.mark.parametrize("what, change, message", SLOT_BAD, ids=[b[0] for b in SLOT_BAD])
+def test_the_contents_hook_names_each_slot_fault(plugin: str, what: str, change: dict, message: str) -> None:
+    """The one-launch check (backends/triton/contents.py) finds what mm3's torch rules find (slots_word), named
+    the same way: a slot row outside the table, a used position without a slot or past the cache, a seq_len
+    past the table."""
+    args = {"table": SLOT_GOOD, "rows": [1, 2], "sl": (5, 3), **change}
+    flag = _judge(_slot_batch(args["table"], args["rows"], args["sl"]), plugin)
+    with pytest.raises(InputError, match=f"{message}.*found on the device"):
+        flag.raise_pending()
+
+
+@pytest.mark.parametrize("plugin", ["cuda", "rocm"])
+@pytest.mark.parametrize("rows, sl", [([1, 2], (5, 3)), ([-1, 2], (0, 3)), ([2, 1], (3, 6))],
+                         ids=["good", "padding_needs_no_row", "rows_swapped"])
+def test_the_contents_hook_passes_a_good_slot_batch(plugin: str, rows: list[int], sl: tuple[int, int]) -> None:
+    _judge(_slot_batch([[-1] * 6, [10, 11, 3, 40, 63, 0], [7, 8, 9, -1, -1, -1]], rows, sl), plugin).raise_pending()

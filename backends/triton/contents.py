@@ -5,7 +5,9 @@
     step's counts (rules 1-9 of :mod:`mm3.contract.contents`), its context
     length when the batch has its own (rule 11), the position and request of
     each of its tokens (rule 10), and each block-table entry its ``seq_len``
-    uses (a page id in ``[0, num_pages)``). It lowers the flag word to the
+    uses (a page id in ``[0, num_pages)``); for token slots instead its slot row
+    (rule 12) and the slot of each position below its ``seq_len`` (a row of the
+    cache, :func:`mm3.contract.contents.slots_word`). It lowers the flag word to the
     smallest fault word it met (a plain load and store: of programs that find
     faults at once any one may win), the word
     :func:`mm3.contract.contents.lengths_word` and ``pages_word`` compute with
@@ -23,6 +25,7 @@ import triton.language as tl
 
 from mm3.plugin import BatchMetadata
 
+from .addressing import slot_args
 from .fast_launch import launch
 from .launch import LaunchConfig
 from .tl_utils import launch_options, step_kernel
@@ -49,9 +52,11 @@ def _rule(word, bad, rule: tl.constexpr, index):
 
 @step_kernel("R", "T", "nd", "dql", "ndt", "mpq", "M", "num_pages")
 def _contents_kernel(qsl_ptr, sl_ptr, ctx_ptr, bt_ptr, s_bt_r, s_bt_b, t2r_ptr, pos_ptr, word_ptr,
-                     R, T, nd, dql, ndt, mpq, M, num_pages,
-                     B: tl.constexpr, HAS_CTX: tl.constexpr, TILE: tl.constexpr):
-    """Lower ``word`` to the smallest fault word of request ``program_id(0)``."""
+                     R, T, nd, dql, ndt, mpq, M, num_pages, st_ptr, s_st_r, s_st_c, st_rows, sr_ptr,
+                     B: tl.constexpr, HAS_CTX: tl.constexpr, TILE: tl.constexpr, SLOTS: tl.constexpr = False):
+    """Lower ``word`` to the smallest fault word of request ``program_id(0)``. ``SLOTS``: token slots
+    (``st_ptr`` .. ``sr_ptr``: the slot table, its strides and rows, each request's row; ``M`` its
+    columns, ``B`` 1), else dummies never read."""
     r = tl.program_id(0).to(tl.int64)
     start = tl.load(qsl_ptr + r).to(tl.int64)
     end = tl.load(qsl_ptr + r + 1).to(tl.int64)
@@ -81,14 +86,28 @@ def _contents_kernel(qsl_ptr, sl_ptr, ctx_ptr, bt_ptr, s_bt_r, s_bt_b, t2r_ptr, 
         want = tl.maximum(sl - (end - t), -1)
         bad = inside & ((p != want) | (q != r))
         w = tl.minimum(w, tl.min(tl.where(bad, _code(_LENGTHS + (10 << 40)) + t, _code(_NO_FAULT)), axis=0))
-    # the block-table entries the request's seq_len uses
-    used = tl.minimum((sl + B - 1) // B, M)
-    for c0 in tl.range(0, used, TILE):
-        c = c0 + tl.arange(0, TILE)
-        inside = c < used
-        page = tl.load(bt_ptr + r * s_bt_r + c * s_bt_b, mask=inside, other=0).to(tl.int64)
-        bad = inside & ((page < 0) | (page >= num_pages))
-        w = tl.minimum(w, tl.min(tl.where(bad, (r << 32) + c, _code(_NO_FAULT)), axis=0))
+    if SLOTS:
+        # its slot row (padding, with no position to read, needs none), then the slot of every used position
+        row = tl.load(sr_ptr + r).to(tl.int64)
+        row_ok = (row >= 0) & (row < st_rows)
+        w = _rule(w, (row_ok == 0) & (sl > 0), 12, r)
+        used = tl.where(row_ok, tl.minimum(sl, M), 0)
+        slot_row = st_ptr + tl.where(row_ok, row, 0) * s_st_r
+        for c0 in tl.range(0, used, TILE):
+            c = c0 + tl.arange(0, TILE)
+            inside = c < used
+            slot = tl.load(slot_row + c * s_st_c, mask=inside, other=0).to(tl.int64)
+            bad = inside & ((slot < 0) | (slot >= num_pages))
+            w = tl.minimum(w, tl.min(tl.where(bad, (r << 32) + c, _code(_NO_FAULT)), axis=0))
+    else:
+        # the block-table entries the request's seq_len uses
+        used = tl.minimum((sl + B - 1) // B, M)
+        for c0 in tl.range(0, used, TILE):
+            c = c0 + tl.arange(0, TILE)
+            inside = c < used
+            page = tl.load(bt_ptr + r * s_bt_r + c * s_bt_b, mask=inside, other=0).to(tl.int64)
+            bad = inside & ((page < 0) | (page >= num_pages))
+            w = tl.minimum(w, tl.min(tl.where(bad, (r << 32) + c, _code(_NO_FAULT)), axis=0))
     # the word is host memory mapped into the device, where atomics are not portable: a plain load and
     # store (tl_utils.load_reported_page's), so of programs that find faults at once any one may win
     if w < tl.load(word_ptr, volatile=True):
@@ -99,6 +118,10 @@ def check_contents(batch: BatchMetadata, num_pages: int, word: torch.Tensor, cfg
     """Lower ``word`` to the smallest fault word of ``batch``'s contents (mm3's ``check_contents`` hook)."""
     R, M = batch.block_table.shape
     T = batch.num_tokens
+    slots, on_slots = slot_args(batch, batch.block_table)
+    B = batch.block_size
+    if on_slots:    # a column per position (docs/spec.md §2.1)
+        M, B = slots.width, 1
     if not R:
         if T:   # tokens but no request: query_start_loc cannot end at T (rule 3 of request 0)
             torch.minimum(word, torch.full_like(word, _LENGTHS.value + (3 << 40)), out=word)
@@ -108,6 +131,7 @@ def check_contents(batch: BatchMetadata, num_pages: int, word: torch.Tensor, cfg
     launch(_contents_kernel, (R,),
            (batch.query_start_loc, batch.seq_lens, batch.seq_lens if ctx is None else ctx, bt, *bt.stride(),
             batch.token_to_request, batch.token_positions, word, R, T, batch.num_decodes, batch.decode_query_len,
-            batch.num_decode_tokens, batch.max_prefill_query_len, M, num_pages),
-           dict(B=batch.block_size, HAS_CTX=ctx is not None, TILE=_TILE),
+            batch.num_decode_tokens, batch.max_prefill_query_len, M, num_pages, slots.table, slots.s_row, slots.s_col,
+            slots.num_rows, slots.rows),
+           dict(B=B, HAS_CTX=ctx is not None, TILE=_TILE, **({"SLOTS": True} if on_slots else {})),
            dict(num_warps=1, **launch_options(cfg)), cfg.algorithms.fast_launch)
