@@ -106,3 +106,70 @@ def test_prefill_kernel_level_pair_e5m2_on_the_triton_backends(backend: str) -> 
                                                    a["max_seqlen_q"], k_scale=s.k_scale, v_scale=s.v_scale)
     assert_topk_right(s, ids)
     assert_output_right(s, ids, o, torch.float16)
+
+
+# -- page_size=1: SGLang's token slots, read by the Triton kernels through the slot table -----------------------
+@pytest.mark.parametrize("backend", ["cuda", "rocm"])
+def test_page_size_1_decode_and_verify_rows_run_on_the_triton_backends(backend: str) -> None:
+    """``req_to_token`` rows of random slots (and a ``page_table`` of one-token pages): the backend named, not
+    cpu_ref, serves the call, checked against the oracle."""
+    from test_sglang_token_slots import P as SLOT_P, decode
+    from sglang_steps import sglang_slot_step
+
+    targets.configure()
+    with mm3.use_backend(backend):
+        for pages, kw in (("req_to_token", dict(decodes=(70, 33, 100), padding=1, seed=31)),
+                          ("page_table", dict(decodes=(90, 40), dql=3, pages="shared_prefix", seed=32))):
+            s = sglang_slot_step(SLOT_P, **kw)
+            ids, o = decode(s, pages, **({"packed_queries": 3} if "dql" in kw else {}))
+            assert_topk_right(s, ids)
+            assert_output_right(s, ids, o)
+    used = {(x.indexer.name, x.attention.name) for x in targets.selections()}
+    assert used == {(backend, backend)}, used
+
+
+@pytest.mark.parametrize("backend", ["cuda", "rocm"])
+def test_page_size_1_chunked_and_mixed_extend_with_fp8_kv_on_the_triton_backends(backend: str) -> None:
+    from test_sglang_token_slots import P as SLOT_P, extend
+    from sglang_steps import sglang_slot_step
+
+    targets.configure()
+    with mm3.use_backend(backend):
+        s = sglang_slot_step(SLOT_P, decodes=(70, 100), prefills=((9, 40), (1, 70), (12, 75)),
+                             kv_dtype="float8_e4m3fn", seed=33)
+        ids, o = extend(s)
+    assert_topk_right(s, ids)
+    assert_output_right(s, ids, o)
+    used = {(x.indexer.name, x.attention.name) for x in targets.selections()}
+    assert used == {(backend, backend)}, used
+
+
+def test_page_size_1_req_to_token_edited_in_place_on_the_triton_backends() -> None:
+    """The Triton kernels read ``req_to_token`` as it is at each call; a slot past the pool is named in SGLang's
+    terms (CPU tensors are judged on the host; the plugins' one-launch device check of slot tables is
+    tests/test_token_slots_triton.py's)."""
+    from test_sglang_token_slots import decode
+    from test_sglang_token_slots import P as SLOT_P
+    from sglang_steps import sglang_slot_step
+
+    targets.configure()
+    with mm3.use_backend("cuda"):
+        s = sglang_slot_step(SLOT_P, decodes=(70, 100), seed=34)
+        ids, o = decode(s)
+        row = int(s.req_slots[1])
+        old = s.req_to_token[row, :100].long().clone()
+        used = set(s.req_to_token[s.req_slots].flatten().tolist())
+        spare = torch.tensor(sorted(set(range(s.k_cache.shape[0])) - used))
+        new = old.clone()
+        new[:len(spare)] = spare[:len(new)]
+        for t in (s.k_cache, s.v_cache, s.idx_k_cache):
+            t[new] = t[old].clone()
+            t[old[:len(spare)]] = 1e3             # the old slots now hold another request's tokens
+        s.req_to_token[row, :100] = new.to(torch.int32)
+        ids2, o2 = decode(s)
+        assert torch.equal(ids2, ids) and torch.equal(o2, o)
+        s.req_to_token[row, 7] = s.k_cache.shape[0] + 5
+        with pytest.raises(mm3.InputError, match=r"minimax_sparse_decode: request 1, position 7: "
+                                                 r"req_to_token\[slot_ids\[1\], 7\].* is not a slot of the cache"):
+            decode(s)
+    assert {(x.indexer.name, x.attention.name) for x in targets.selections()} == {("cuda", "cuda")}
