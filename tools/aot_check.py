@@ -93,8 +93,9 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
     """Every launch the plugin's hooks make on a mixed M3 step per shape variant (nothing runs: the
     launch layer records them, ``fast_launch.recording``)."""
     from mm3.contract import BatchMetadata, SparseAttentionParams, TopkBuffer
-    from mm3.testing.factories import make_case
+    from mm3.testing.factories import as_token_slots, make_case
     from mm3_backends.triton import attention, contents, index_scores, indexer
+    from mm3_backends.triton.addressing import block_columns
     from mm3_backends.triton.fast_launch import recording
     from mm3_backends.triton.launch import override
 
@@ -102,7 +103,7 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
         # PDL off, as the compile check always ran: its launches are proven on the GPU (tests/gpu)
         cfg = override(plugin_spec.launch.for_device_sms(132), algorithms=dict(pdl=False))
         # (tp, dtype, index dtype, decode query len, decodes, prefills[, K/V dtype, K/V scale, query dtype,
-        # page layout]); fp32 (tests only) is left out:
+        # page layout, addressing]); fp32 (tests only) is left out:
         # its ieee dots take ten times longer to compile
         m3 = SparseAttentionParams.minimax_m3
         # the smallest shapes the fuzzer draws: top-1 (a one-wide sort), 16-token blocks,
@@ -132,17 +133,28 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
             (m3(tp_size=1), torch.bfloat16, torch.bfloat16, 1, [300] * 64, [(5, 260)], "nvfp4", "head", None, "HND"),
             # head dim 16: one scale per row
             (tiny, torch.bfloat16, "nvfp4", 1, [1], [(1, 1)], "nvfp4"),
+            # token slots (SGLang's page_size=1): every kernel gathers its keys through the slot table, in 16-bit,
+            # fp8 scaled per slot with e4m3 index keys, and the authors' q8kv4 with NVFP4 index keys
+            (m3(tp_size=1), torch.bfloat16, torch.bfloat16, 1, [300] * 64, [(5, 260)], None, "head", None, "NHD",
+             "slots"),
+            (m3(tp_size=8), torch.bfloat16, torch.float8_e4m3fn, 2, [300] * 64, [(5, 260)], "float8_e4m3fn", "slot",
+             None, "NHD", "slots"),
+            (m3(tp_size=8), torch.bfloat16, "nvfp4", 2, [300] * 64, [(5, 260)], "nvfp4", "head", torch.float8_e4m3fn,
+             "NHD", "slots"),
+            (tiny, torch.bfloat16, torch.bfloat16, 1, [1], [(1, 1)], None, "head", None, "NHD", "slots"),
         ]
         for p, dtype, idt, dq, decodes, prefills, *kv in variants:
             case = make_case(p, decodes=decodes, prefills=prefills, decode_query_len=dq,
                              dtype=dtype, index_dtype=idt, seed=0, kv_dtype=kv[0] if kv else None,
                              kv_scale=kv[1] if len(kv) > 1 else "head", q_dtype=kv[2] if len(kv) > 2 else None,
                              kv_layout=kv[3] if len(kv) > 3 else "NHD")
+            if len(kv) > 4 and kv[4] == "slots":
+                case = as_token_slots(case, torch.Generator().manual_seed(0))
             T = case.batch.num_tokens
             b = case.batch      # the contents check of a batch with its own context lengths, and of one without
             derived = BatchMetadata.from_device(b.query_start_loc, b.seq_lens, b.block_table, num_decodes=b.num_decodes,
                                                 num_tokens=T, max_query_len=max(dq, 5), block_size=p.block_size,
-                                                decode_query_len=dq)
+                                                decode_query_len=dq, slots=b.slots)
             for batch in (b, derived):
                 contents.check_contents(batch, case.caches.num_pages, torch.zeros(1, dtype=torch.int64), cfg)
             topk = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, plugin_spec.topk_layout)
@@ -150,7 +162,7 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
             attention.attention_forward(case.q, case.caches, topk, case.batch, p,
                                         torch.empty_like(case.q, dtype=case.out_dtype), cfg)
             # the block scores, as vLLM's drop-in asks for them: a row of 16-aligned columns
-            width = -(-case.batch.block_table.shape[1] // 16) * 16
+            width = -(-block_columns(case.batch) // 16) * 16
             scores = torch.empty(p.num_index_heads, T, width, dtype=torch.float32)
             index_scores.index_scores(case.index_q, case.caches, case.batch, p, scores, cfg)
     return [Launch(f"{label}:{x.name}", x.kernel, x.args, {**x.constexprs, **x.options}, x.options) for x in launches]
