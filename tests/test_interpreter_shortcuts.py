@@ -24,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     import triton.language as tl
     from triton.runtime import interpreter
 
-    from mm3_backends.triton.indexer import _max_keep_nan
+    from mm3_backends.triton.block_max import _max_keep_nan
     from mm3_backends.triton.interpreter_speed import _originals, bypassed, is_elementwise, missing
 
     @triton.jit

@@ -45,8 +45,7 @@ def slot_args(batch: Any, dummy: torch.Tensor) -> tuple[SlotArgs, bool]:
 
     Example:
         >>> import torch
-        >>> from mm3.plugin import BatchMetadata
-        >>> from mm3.contract.slots import TokenSlots
+        >>> from mm3.plugin import BatchMetadata, TokenSlots
         >>> table = torch.arange(8, dtype=torch.int32).view(2, 4)
         >>> b = BatchMetadata.build([1], [3], torch.zeros(1, 0, dtype=torch.int32), block_size=2,
         ...                         slots=TokenSlots.of(table, torch.tensor([1])), num_pages=8)

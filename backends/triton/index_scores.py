@@ -5,7 +5,7 @@
     index heads (rows ``(token, head)``, as the prefill indexer's tiles) and
     ``CH`` consecutive columns of the score tensor. It scores each block of its
     columns that a row of the tile sees with the indexers' own block maximum
-    (:func:`.indexer._block_max_scores`: same dots, same NaN rule), sets the
+    (:func:`.block_max._block_max_scores`: same dots, same NaN rule), sets the
     forced blocks (:func:`.indexer._forced`) and stores the ``[ROWS, CH]`` tile
     through the output's strides, ``-inf`` in every column a row does not see.
     Every element of the output is written once: columns past a request's
@@ -28,7 +28,8 @@ from mm3.plugin import BatchMetadata, PagedKVCache, SparseAttentionParams
 
 from .fast_launch import launch
 from .addressing import slot_args
-from .indexer import _block_max_scores, _block_page, _forced
+from .block_max import _block_max_scores, _block_page
+from .indexer import _forced
 from .launch import LaunchConfig, next_pow2
 from .nvfp4 import index_block_scale_args
 from .scratch import scratch
