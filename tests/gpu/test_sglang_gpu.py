@@ -124,6 +124,12 @@ def test_decode_captured_and_replayed_after_pages_move_in_place() -> None:
     moved.case.caches.index.copy_(ix)
     moved.case.batch.block_table.copy_(table)
     fill_req_to_token(moved.req_to_token, moved.req_slots, table, list(moved.case.batch.seq_lens_host), B)
+    _replay_and_check(run, graph, moved)
+
+
+def _replay_and_check(run: DeviceDecode, graph: Any, moved: SglangStep) -> None:
+    """Load ``moved`` into the captured call's inputs (its caches copied into the captured ones), replay, and
+    hold the replay to the oracle."""
     run.load(moved)
     for dst, src in ((run.k, moved.k_cache), (run.v, moved.v_cache), (run.idx_k, moved.idx_k_cache)):
         dst.copy_(src)
@@ -160,11 +166,4 @@ def test_page_size_1_decode_eager_then_captured_and_replayed_after_every_token_m
         cache.copy_(shuffled)
     table = moved.req_to_token
     table.copy_(torch.where(table >= 0, perm[table.long().clamp(min=0)].to(table.dtype), table))
-    run.load(moved)
-    for dst, src in ((run.k, moved.k_cache), (run.v, moved.v_cache), (run.idx_k, moved.idx_k_cache)):
-        dst.copy_(src)
-    graph.replay()
-    torch.cuda.synchronize()
-    targets.check_page_ids()
-    assert_topk_right(moved, run.ids.cpu())
-    assert_output_right(moved, run.ids.cpu(), run.out.float().cpu(), dtype=torch.bfloat16)
+    _replay_and_check(run, graph, moved)
