@@ -211,7 +211,8 @@ def _(index_q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block
     _meta_argument("torch.ops.mm3.index_topk", dict(
         index_q=index_q, k=k, v=v, index=index, topk=topk, query_start_loc=query_start_loc, seq_lens=seq_lens,
         context_lens=context_lens, block_table=block_table, token_to_request=token_to_request,
-        token_positions=token_positions, k_scale=k_scale, v_scale=v_scale))
+        token_positions=token_positions, k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
+        v_block_scale=v_block_scale, index_block_scale=index_block_scale))
     return None
 
 
@@ -223,5 +224,6 @@ def _(q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table
     _meta_argument("torch.ops.mm3.attention", dict(
         q=q, k=k, v=v, index=index, topk=topk, query_start_loc=query_start_loc, seq_lens=seq_lens,
         context_lens=context_lens, block_table=block_table, token_to_request=token_to_request,
-        token_positions=token_positions, out=out, k_scale=k_scale, v_scale=v_scale))
+        token_positions=token_positions, out=out, k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
+        v_block_scale=v_block_scale, index_block_scale=index_block_scale))
     return None
