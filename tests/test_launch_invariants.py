@@ -519,3 +519,20 @@ def test_recording_leaves_the_interpreter_setting_as_it_was() -> None:
     before = os.environ.get("TRITON_INTERPRET")
     record("cuda", _case("decode1"))
     assert os.environ.get("TRITON_INTERPRET") == before
+
+
+@pytest.mark.parametrize("fmt", [{}, dict(kv_dtype="nvfp4", index_dtype="nvfp4")], ids=["bf16", "nvfp4"])
+def test_decode_steps_of_token_slots_launch_their_plans_kept_constexprs(fmt: dict[str, Any]) -> None:
+    """The fast launcher knows a launch's constexprs by the dict's identity (fast_launch._Kernel.static_token):
+    two steps of one shape class through token slots must hand it the same dicts (their plan's), or every
+    launch hashes them again and keeps one more."""
+    from mm3.testing.factories import as_token_slots
+
+    cases = [as_token_slots(make_case(_params(1, 16, 128, 128, 64, 16), decodes=[700, 3000, 90], seed=s, **fmt),
+                            torch.Generator().manual_seed(s)) for s in (1, 2)]
+    assert all(c.batch.slots is not None for c in cases)
+    a, b = (record("cuda", c) for c in cases)
+    decode = [(x, y) for x, y in zip(a.launches, b.launches) if "decode" in x.kernel.fn.__name__]
+    assert {x.kernel.fn.__name__ for x, _ in decode} >= {"_decode_score_kernel", "_decode_attention_flat_kernel"}
+    for x, y in decode:
+        assert x.constexprs.get("SLOTS") is True and x.constexprs is y.constexprs, x.kernel.fn.__name__

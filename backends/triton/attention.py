@@ -307,7 +307,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
     npf = batch.num_prefills
     td = batch.num_decode_tokens
     if td > 0:
-        plan = decode_attention_plan(cfg, td, Hkv, G, K, B, D, q.dtype, k.dtype, kv_scaled, slot_scaled)
+        plan = decode_attention_plan(cfg, td, Hkv, G, K, B, D, q.dtype, k.dtype, kv_scaled, slot_scaled, on_slots)
         fast = cfg.algorithms.fast_launch
         splits, g_pad = plan.splits, plan.g_pad
         if splits > 1:   # [td, Hkv, splits, g_pad] maxima and sums, [..., D] accumulators: one buffer
@@ -334,10 +334,10 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
             launch(_decode_attention_flat_kernel, plan.grid,
                    (*head, Hkv, *plan.flat_ints, qk_scale, *scales, ws_m if counters is None else counters,
                     ws_m if ready is None else ready, batch.num_decodes, *blocks),
-                   {**constexprs, "SLOTS": True} if on_slots else constexprs, options, fast)
+                   constexprs, options, fast)
         else:
             launch(_decode_attention_kernel, plan.grid, (*head, qk_scale, *scales, *blocks),
-                   {**constexprs, "SLOTS": True} if on_slots else constexprs, plan.options, fast)
+                   constexprs, plan.options, fast)
         if merge and plan.merge_per_row:
             launch(_merge_row_kernel, plan.merge_grid, (out, *so, ws_m, ws_l, ws_acc, G, Hkv),
                    plan.merge_constexprs, plan.merge_options, fast)

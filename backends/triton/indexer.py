@@ -345,7 +345,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
             streamed = counters is not None and ready is not None
         plan = decode_index_plan(cfg, nd, batch.decode_query_len, H, params.num_kv_heads, td, width, K, B, Di,
                                  params.init_blocks, params.local_blocks, index_q.dtype, ik.dtype, sort_width,
-                                 streamed, capture_matters(cfg.algorithms.topk_in_last_program, dev))
+                                 streamed, capture_matters(cfg.algorithms.topk_in_last_program, dev), on_slots)
         fast = cfg.algorithms.fast_launch
         ws = scratch(dev, "decode-scores", (nd, plan.rows, width))
         qsl, pos = batch.query_start_loc, batch.token_positions
@@ -356,7 +356,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults, qsl, pos, ws,
                 ws.stride(0), ws.stride(1), H, out.storage, sh, st, sk, ws if counters is None else counters,
                 ws if ready is None else ready, *iscale, *slots),
-               {**score_constexprs, "SLOTS": True} if on_slots else score_constexprs, plan.score_options, fast)
+               score_constexprs, plan.score_options, fast)
         offer_ready_flags(dev, out.storage, nd, ready if streamed else None)
         if counters is None:   # no top-k in the score kernel: a launch of its own
             launch(_decode_topk_kernel, plan.topk_grid,

@@ -80,10 +80,11 @@ class DecodeAttentionPlan(NamedTuple):
 
 def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, B: int, D: int,
                           q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_scaled: bool,
-                          slot_scaled: bool = False) -> DecodeAttentionPlan:
+                          slot_scaled: bool = False, slots: bool = False) -> DecodeAttentionPlan:
     """The launches of ``td`` decode tokens' attention (see :func:`.attention.attention_forward`);
     shapes only, so an eager step and its CUDA-graph replay launch the same kernels.
-    ``kv_scaled`` / ``slot_scaled``: fp8 K/V scaled per KV head / per KV head and token slot."""
+    ``kv_scaled`` / ``slot_scaled``: fp8 K/V scaled per KV head / per KV head and token slot;
+    ``slots``: keys found through token slots (.addressing)."""
     def make() -> DecodeAttentionPlan:
         dot_dtype, dot_prec, scale_q = dot_config(q_dtype, kv_dtype, cfg.numerics.kv_fp8_as_f16)
         pdl = pdl_enabled(cfg, td, Hkv)
@@ -100,6 +101,8 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
             const["SLOT_SCALED"] = True
         if kv_dtype == torch.uint8:   # NVFP4 K/V (.nvfp4); every other format compiles as without it
             const["KV_NVFP4"] = True
+        if slots:     # a plan's dicts are kept: the fast launcher knows them by identity
+            const["SLOTS"] = True
         opts = dict(num_warps=dac.warps, num_stages=dac.num_stages, **dopts)
         flat = cfg.algorithms.decode_attention_flat
         if flat:
@@ -130,7 +133,7 @@ def decode_attention_plan(cfg: LaunchConfig, td: int, Hkv: int, G: int, K: int, 
                                    mconst, mopts, merge_last, launched, dict(const, **streamed),
                                    dict(launched, **streamed), sopts)
 
-    return _cached(cfg, ("attention", td, Hkv, G, K, B, D, q_dtype, kv_dtype, kv_scaled, slot_scaled), make)
+    return _cached(cfg, ("attention", td, Hkv, G, K, B, D, q_dtype, kv_dtype, kv_scaled, slot_scaled, slots), make)
 
 
 class DecodeIndexPlan(NamedTuple):
@@ -156,15 +159,18 @@ class DecodeIndexPlan(NamedTuple):
 def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_decode_tokens: int, width: int,
                       K: int, B: int, Di: int, init: int, local: int, q_dtype: torch.dtype,
                       index_dtype: torch.dtype, sort_width: Callable[[int], int], streamed: bool = False,
-                      capturing: bool = False) -> DecodeIndexPlan:
+                      capturing: bool = False, slots: bool = False) -> DecodeIndexPlan:
     """The launches of ``nd`` decode requests' indexer (see :func:`.indexer.index_topk`);
-    ``streamed``: for an attention that overlaps it; ``capturing``: for a CUDA graph being captured."""
+    ``streamed``: for an attention that overlaps it; ``capturing``: for a CUDA graph being captured;
+    ``slots``: index keys found through token slots (.addressing)."""
     def make() -> DecodeIndexPlan:
         dot_dtype, dot_prec, scale_q = dot_config(q_dtype, index_dtype, cfg.numerics.fp8_as_f16)
         common = dict(B=B, DI=Di, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
                       SCALE_Q=scale_q, NAN_IN_MAX=cfg.numerics.nan_in_max)
         if index_dtype == torch.uint8:   # NVFP4 index keys (.nvfp4)
             common["INDEX_NVFP4"] = True
+        if slots:
+            common["SLOTS"] = True
         rows = Q * H
         dic = cfg.decode_index
         bps = cfg.decode_index_blocks_per_split(nd, width, streamed)
@@ -191,4 +197,4 @@ def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_
             rows, topk_last, score, streamed)
 
     return _cached(cfg, ("index", nd, Q, H, Hkv, num_decode_tokens, width, K, B, Di, init, local, q_dtype,
-                         index_dtype, streamed, capturing), make)
+                         index_dtype, streamed, capturing, slots), make)
