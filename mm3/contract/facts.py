@@ -20,8 +20,6 @@ an error names the function and the argument the caller wrote
 
 Example:
     >>> import torch
-
-from mm3.contract.quant import index_format_of, kv_format_of
     >>> a, b = torch.zeros(4, 2, 8), torch.ones(4, 2, 8)
     >>> TensorFacts(a.shape, a.dtype, a.device) == TensorFacts(b.shape, b.dtype, b.device)  # contents are no fact
     True
