@@ -45,6 +45,9 @@ SGLANG_KV_CACHE_DTYPES: dict[str, str] = {
 }
 """SGLang's ``--kv-cache-dtype`` names mm3 reads, and the K/V format each is (fp8: scaled)."""
 
+#: each engine's name of the scaled e4m3 cache mm3 reads: the advice of a refusal
+_FP8_NAME = {"vllm": "fp8", "sglang": "fp8_e4m3"}
+
 _REFUSED: dict[tuple[str, str], str] = {
     ("vllm", "nvfp4"): "vLLM's nvfp4 cache keeps data and block scales in one [..., D/2 + D/16] tensor with a global "
                        "per-tensor scale (and SM100-interleaved V scales); mm3 reads the authors' NVFP4 (separate "
@@ -67,6 +70,7 @@ def kv_format(engine: str, kv_cache_dtype: str, model_dtype: str) -> str:
     if fmt is not None:
         return model_dtype if fmt == _MODEL else fmt
     why = _REFUSED.get((engine, kv_cache_dtype), f"mm3 reads {sorted(names)} from {engine}")
-    raise InputError(f"{engine} --kv-cache-dtype {kv_cache_dtype}: {why}: serve with --kv-cache-dtype fp8, or use "
+    raise InputError(f"{engine} --kv-cache-dtype {kv_cache_dtype}: {why}: serve with --kv-cache-dtype "
+                     f"{_FP8_NAME[engine]}, or use "
                      f"mm3's own layer on a cache from PagedKVCache.allocate(..., kv_format='nvfp4') "
                      f"(docs/engines.md)")
