@@ -65,6 +65,7 @@ from mm3.integrations import sglang_inputs as si
 from mm3.integrations.no_grad import without_grad
 from mm3.integrations.sglang_inputs import RELEASE
 from mm3.integrations.targets import MAX_CHOICES, Made, bind
+from mm3.integrations.vllm_inputs import kept, stand_in
 from mm3.runtime.selection import requirements_for
 from mm3.runtime.step import BOTH, OpTarget
 
@@ -140,14 +141,14 @@ def _attention_step(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     scale = (D ** -0.5 if sm_scale is None else si.positive(fn, "sm_scale", sm_scale)) * \
         si.positive(fn, "q_scale", q_scale)
     if index is None:   # no indexer: its shapes stand in (one index head per KV head, nothing forced)
-        P, B = kv[0].shape[:2]     # an attention never reads the index keys: a one-element stand-in
-        stand_in = torch.zeros(1, dtype=q.dtype, device=q.device).expand(P, B, D)
-        caches = PagedKVCache.rewrap(kv[0], kv[1], stand_in, *kv[2:])  # type: ignore[arg-type]
+        shape = (*kv[0].shape[:2], D)     # an attention never reads the index keys: a one-element stand-in
+        (index_keys,) = kept(("stand-in", q.dtype, q.device, shape), graph, stand_in, q.dtype, q.device, shape)
+        caches = PagedKVCache.rewrap(kv[0], kv[1], index_keys, *kv[2:])  # type: ignore[arg-type]
         params = _params(fn, Hq, Hkv, D, Hkv, D, block_size, topk, 0, 0, scale)
     else:
         idx_q, idx_k_cache = index
         si.one_index_head(fn, idx_q.shape[1], Hkv)
-        caches = si.index_caches(fn, idx_k_cache, Hkv, page, kv)  # type: ignore[arg-type]
+        caches = si.index_caches(fn, idx_k_cache, Hkv, page, graph, kv)  # type: ignore[arg-type]
         params = _params(fn, Hq, Hkv, D, Hkv, idx_q.shape[2], block_size, topk, *init_local, scale)
     return q, caches, params, torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
 
@@ -163,11 +164,11 @@ def _index_query(fn: str, name: str, q: object, scales: tuple[tuple[str, object]
 
 def _index_step(fn: str, q: torch.Tensor, k_cache: torch.Tensor, block_size: int, topk: int, init_blocks: int,
                 local_blocks: int, scales: tuple[tuple[str, object], ...],
-                page: int) -> tuple[torch.Tensor, PagedKVCache, SparseAttentionParams]:
+                page: int, graph: bool) -> tuple[torch.Tensor, PagedKVCache, SparseAttentionParams]:
     """``(idx_q, caches, params)`` of a kernel-level index call (each index head stands for a KV head)."""
     q = _index_query(fn, "q", q, scales)
     H, Di = q.shape[1], q.shape[2]
-    caches = si.index_caches(fn, k_cache, H, page, dtype=q.dtype)
+    caches = si.index_caches(fn, k_cache, H, page, graph, dtype=q.dtype)
     return q, caches, _params(fn, H, H, Di, H, Di, block_size, topk, init_blocks, local_blocks, 1.0)
 
 
@@ -320,10 +321,10 @@ def flash_decode_with_topk_idx(q: torch.Tensor, sink: Optional[torch.Tensor], k_
     fn = "flash_decode_with_topk_idx"
     si.refusals(fn, score_type=score_type, sink=sink, disable_index_value=disable_index_value, page_size=page_size,
             block_size_k=block_size, hooks=(("use_dense_main_attn", use_dense_main_attn),))
+    graph = capturing(q)
     q, caches, params = _index_step(fn, q, k_cache, block_size, topk, init_blocks, local_blocks,
                                     (("sm_scale", sm_scale), ("q_scale", q_scale), ("k_scale", k_scale)),
-                                    si.page_rows(page_size, block_size))
-    graph = capturing(q)
+                                    si.page_rows(page_size, block_size), graph)
     sl = si.int_arg(fn, "seq_lens", seq_lens, 1, "[batch]")
     T, H = q.shape[0], q.shape[1]
     if sl.shape[0] != T:
@@ -356,10 +357,10 @@ def flash_prefill_with_topk_index(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     fn = "flash_prefill_with_topk_index"
     si.refusals(fn, score_type=score_type, sink=sink, disable_index_value=disable_index_value,
             block_size_q=block_size_q, page_size=page_size, block_size_k=block_size_k)
+    graph = capturing(q)
     q, caches, params = _index_step(fn, q, k_cache, block_size_k, topk, init_blocks, local_blocks,
                                     (("sm_scale", sm_scale), ("q_scale", q_scale), ("k_scale", k_scale)),
-                                    si.page_rows(page_size, block_size_k))
-    graph = capturing(q)
+                                    si.page_rows(page_size, block_size_k), graph)
     T, H = q.shape[0], q.shape[1]
     sl = si.int_arg(fn, "seq_lens", seq_lens, 1, "[batch]")
     pl = si.int_arg(fn, "prefix_lens", prefix_lens, 1, "[batch]")

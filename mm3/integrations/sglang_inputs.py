@@ -35,7 +35,7 @@ from mm3.contract.errors import InputError
 from mm3.contract.facts import ArgNames
 from mm3.contract.slots import TokenSlots
 from mm3.debug.guard import capturing
-from mm3.integrations.vllm_inputs import MAX_KEPT, kept, tensor_arg
+from mm3.integrations.vllm_inputs import kept, stand_in, tensor_arg
 
 __all__ = ["RELEASE", "names", "refuse", "refusals", "one_index_head", "int_arg", "tensor_arg", "positive", "block_table",
            "uses_slots", "page_rows", "token_slots", "addressing", "record_pages",
@@ -297,20 +297,13 @@ def record_pages(flag: FaultFlag, word: Optional[torch.Tensor], fn: str, arg_nam
 
 
 # -- caches --------------------------------------------------------------------------------------
-_SCALES: dict[tuple[object, ...], torch.Tensor] = {}
-
-
 def _scale(value: float, heads: int, device: torch.device, graph: bool) -> torch.Tensor:
     """A per-tensor scale as the ``[Hkv]`` float32 view a cache keeps; kept when made outside capture."""
-    key = (value, heads, device)
-    got = _SCALES.get(key)
-    if got is None:
-        got = torch.full((1,), value, dtype=torch.float32, device=device).expand(heads)
-        if not graph:
-            if len(_SCALES) >= MAX_KEPT:
-                _SCALES.clear()
-            _SCALES[key] = got
-    return got
+    return kept(("scale", value, heads, device), graph, _make_scale, value, heads, device)[0]
+
+
+def _make_scale(value: float, heads: int, device: torch.device) -> tuple[torch.Tensor]:
+    return (torch.full((1,), value, dtype=torch.float32, device=device).expand(heads),)
 
 
 def _pages_of(fn: str, name: str, t: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -322,10 +315,10 @@ def _pages_of(fn: str, name: str, t: torch.Tensor, block_size: int) -> torch.Ten
     return t.unflatten(0, (t.shape[0] // block_size, block_size))
 
 
-def index_caches(fn: str, idx_k_cache: torch.Tensor, heads: int, block_size: int,
+def index_caches(fn: str, idx_k_cache: torch.Tensor, heads: int, block_size: int, graph: bool,
                  kv: Optional[tuple[torch.Tensor, ...]] = None, dtype: torch.dtype = torch.bfloat16) -> PagedKVCache:
     """SGLang's index key cache ``[slots, 1, idx_head_dim]`` as ``[pages, B, idx_head_dim]``; K/V are ``kv``,
-    else a one-element stand-in an index op never reads."""
+    else a one-element stand-in an index op never reads (``graph``: the call is being captured)."""
     tensor_arg(fn, "idx_k_cache", idx_k_cache, 3, "[max_slots, 1, idx_head_dim]")
     if idx_k_cache.shape[1] != 1:
         raise InputError(f"{fn}: idx_k_cache has {idx_k_cache.shape[1]} heads; MiniMax-M3's index keys have one "
@@ -333,7 +326,8 @@ def index_caches(fn: str, idx_k_cache: torch.Tensor, heads: int, block_size: int
     index = _pages_of(fn, "idx_k_cache", idx_k_cache[:, 0], block_size)
     if kv is None:
         P, B, Di = index.shape
-        one = torch.zeros(1, dtype=dtype, device=index.device).expand(P, B, heads, Di)
+        dev, shape = index.device, (P, B, heads, Di)
+        (one,) = kept(("stand-in", dtype, dev, shape), graph, stand_in, dtype, dev, shape)
         return PagedKVCache.rewrap(one, one, index)
     return PagedKVCache.rewrap(kv[0], kv[1], index, *kv[2:])  # type: ignore[arg-type]
 

@@ -29,7 +29,8 @@ from mm3.contract.facts import ArgNames
 from mm3.contract.kv_scales import check_kv_dtype, is_slot_scale, kv_scale_view
 
 __all__ = ["FP8_DTYPES", "VLLM_NAMES", "DECODE_NAMES", "cdiv", "tensor_arg", "int32_arg", "check_heads", "topk_view",
-           "out_rows", "decode_batch", "prefill_batch", "index_caches", "attention_caches", "kept", "MAX_KEPT"]
+           "out_rows", "decode_batch", "prefill_batch", "index_caches", "attention_caches", "kept", "MAX_KEPT",
+           "stand_in"]
 
 FP8_DTYPES = {d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
                                                              "float8_e5m2fnuz")) if d is not None}
@@ -121,8 +122,9 @@ def _decode_constants(R: int, dql: int, device: torch.device) -> tuple[torch.Ten
             torch.arange(dql, **i32) - dql)
 
 
-def _stand_in(dtype: torch.dtype, device: torch.device, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    # one element, never read, seen as ``shape``: the cache an op does not use (K/V of an index op...)
+def stand_in(dtype: torch.dtype, device: torch.device, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """One element, never read, seen as ``shape``: the cache an op does not use (K/V of an index op...); kept
+    with :func:`kept` by its dtype, device and shape."""
     return (torch.zeros(1, dtype=dtype, device=device).expand(shape),)
 
 
@@ -177,7 +179,7 @@ def index_caches(index_cache: torch.Tensor, heads: int, dtype: torch.dtype, grap
     P, B, Di = index_cache.shape
     dev, shape = index_cache.device, (P, B, heads, Di)
     # an indexer reads the index cache only
-    (kv,) = kept(("stand-in", dtype, dev, shape), graph, _stand_in, dtype, dev, shape)
+    (kv,) = kept(("stand-in", dtype, dev, shape), graph, stand_in, dtype, dev, shape)
     return PagedKVCache.rewrap(kv, kv, index_cache)
 
 
@@ -198,7 +200,7 @@ def attention_caches(fn: str, kv_cache: torch.Tensor, k_scale: object, v_scale: 
         raise InputError(f"{fn}: kv_cache's last axis ({D2}) must hold K then V: 2 * head_dim")
     k, v = kv_cache.transpose(1, 2).chunk(2, dim=-1)         # [N, B, H, D] views: HND pages
     dev, shape = kv_cache.device, (N, B, D2 // 2)
-    (index,) = kept(("stand-in", q.dtype, dev, shape), graph, _stand_in, q.dtype, dev, shape)  # no attention reads it
+    (index,) = kept(("stand-in", q.dtype, dev, shape), graph, stand_in, q.dtype, dev, shape)  # no attention reads it
     if kv_cache.dtype not in FP8_DTYPES:
         return PagedKVCache.rewrap(k, v, index)              # vLLM reads scales of fp8 caches only
     if (k_scale is None) != (v_scale is None):
