@@ -325,3 +325,23 @@ def test_a_scale_on_a_device_is_refused_and_a_host_one_read() -> None:
         decode(s, q_scale=torch.ones(1, device="meta"))
     ids, o = decode(s, q_scale=torch.ones(1))
     assert_output_right(s, ids, o)
+
+
+def test_the_page_check_keeps_constants_by_powers_of_two_of_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``max_seqlen`` follows the longest context, a new value almost every step: the device check's constants
+    must not be kept once per value (their sizes would add up with every one), and a fault past the
+    kept width's slice must still be found."""
+    from mm3.integrations import vllm_inputs
+
+    monkeypatch.setattr(si, "on_host", lambda t: False)
+    monkeypatch.setattr(vllm_inputs, "_KEPT", {})
+    B, R = 16, 2
+    r2t = torch.arange(R * 40 * B, dtype=torch.int32).view(R, 40 * B)
+    sid, sl = torch.tensor([1, 0]), torch.tensor([40 * B, 40 * B], dtype=torch.int32)
+    for cols in range(1, 41):
+        bt, word = si.block_table("f", r2t, sid, None, B, B, cols * B, sl, R * 40)
+        assert torch.equal(bt, r2t[[1, 0], :cols * B:B] // B) and int(word) == si.NO_FAULT, cols
+    assert len([k for k in vllm_inputs._KEPT if k[0] == "pages"]) == 7     # 1, 2, 4, ..., 64 blocks
+    r2t[0, 37 * B + 5] += 1                         # request 1's block 37 (slot_ids[1] is row 0)
+    _, word = si.block_table("f", r2t, sid, None, B, B, 38 * B, sl, R * 40)
+    assert int(word) == (1 << 32 | 37)

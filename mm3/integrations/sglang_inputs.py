@@ -246,7 +246,7 @@ def block_table(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optiona
     # Every call, so as few torch ops as the check allows (each is host time, and a launch on a GPU): the
     # arange-like constants are kept per shape, nothing is widened that compares as it is.
     dev, host, graph = rows.device, on_host(rows), capturing(rows)
-    offs, pos, col_word = kept(("pages", B, cols, rows.dtype, dev), graph, _page_constants, B, cols, rows.dtype, dev)
+    offs, pos, col_word = _page_constants(B, cols, rows.dtype, dev, graph)
     blocks = rows.view(R, cols, B)
     page = blocks[:, :, 0].div(B, rounding_mode="floor")
     bt = page if page.dtype == torch.int32 else page.to(torch.int32)
@@ -271,9 +271,18 @@ def block_table(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optiona
     return bt, torch.where(bad_block, req_word | col_word, NO_FAULT).amin()
 
 
-def _page_constants(B: int, cols: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _page_constants(B: int, cols: int, dtype: torch.dtype, device: torch.device,
+                    graph: bool) -> tuple[torch.Tensor, ...]:
     """What :func:`block_table`'s check compares with: each slot's offset in its page ``[B]``, its position in
-    the row ``[cols, B]``, and each block's part of a fault word ``[cols]``."""
+    the row ``[cols, B]``, and each block's part of a fault word ``[cols]``. Views of constants kept for a
+    power of two of blocks: ``cols`` follows the longest context, which changes every step, and a set kept
+    per value would grow with every new one (their sizes add up to twice the largest at most)."""
+    cap = 1 << max(cols - 1, 0).bit_length()
+    offs, pos, col_word = kept(("pages", B, cap, dtype, device), graph, _make_page_constants, B, cap, dtype, device)
+    return (offs, pos, col_word) if cols == cap else (offs, pos[:cols], col_word[:cols])
+
+
+def _make_page_constants(B: int, cols: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
     return (torch.arange(B, dtype=dtype, device=device),
             torch.arange(cols * B, dtype=torch.int32, device=device).view(cols, B),
             torch.arange(cols, dtype=torch.int64, device=device))
