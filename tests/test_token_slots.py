@@ -242,3 +242,25 @@ def test_slot_tensors_of_the_wrong_kind_are_refused_by_name() -> None:
                                          r"per request"):
         _run(default_registry().get("cpu_ref"), type(slotted)(P, slotted.q, slotted.index_q,  # type: ignore[call-arg]
                                                               slotted.caches, short))  # type: ignore[attr-defined]
+
+
+def test_slots_are_judged_on_the_device_path_even_where_a_backend_reports_page_ids(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend's ``reports_bad_page_ids`` covers the page ids its kernels load, not slots: without a
+    ``check_contents`` hook, mm3's own torch rules judge a slot batch on the device at every call (the CPU
+    tensors stand in for device ones), and a slot edited in place raises at the next step."""
+    from mm3.runtime import step
+
+    monkeypatch.setattr(step, "on_host", lambda batch: False)
+    mock = MockBackend("reports_pages", addressings={"pages", "slots"}, reports_bad_page_ids=True)
+    reg = Registry(plugins=[mock], entry_points=False)
+    _, slotted = _cases(17)
+    layer = mm3.SparseAttention(P, dtype=torch.float32, index_dtype=torch.bfloat16, max_decode_query_len=2,
+                                backend="reports_pages", registry=reg)
+    layer(slotted.q, slotted.index_q, slotted.caches, slotted.batch)  # type: ignore[attr-defined]   # host, once
+    layer(slotted.q, slotted.index_q, slotted.caches, slotted.batch)  # type: ignore[attr-defined]   # device
+    s = slotted.batch.slots  # type: ignore[attr-defined]
+    s.table[s.rows[0], 5] = -1                       # a used position without a slot (read as the last one)
+    layer(slotted.q, slotted.index_q, slotted.caches, slotted.batch)  # type: ignore[attr-defined]
+    with pytest.raises(InputError, match=r"request 0, position 5: .*slot_table.* is not a slot of the cache"):
+        layer(slotted.q, slotted.index_q, slotted.caches, slotted.batch)  # type: ignore[attr-defined]
