@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mm3
-from mm3.contract.quant import E2M1_VALUES, dequantize_nvfp4, quantize_nvfp4, round_e4m3, unpack_e2m1
+from mm3.contract.quant import dequantize_nvfp4, quantize_nvfp4, round_e4m3, unpack_e2m1
 from mm3.runtime.registry import default_registry
 from mm3.runtime.selection import requirements_for
 from mm3.testing.conformance.quant_cases import QUANT_CASES
@@ -33,7 +33,9 @@ def nvfp4_parts(pages: int = 3, D: int = 32) -> tuple[torch.Tensor, torch.Tensor
 def test_the_low_nibble_is_the_even_element_and_every_code_has_its_e2m1_value() -> None:
     packed = torch.arange(256, dtype=U8).view(16, 16)
     v = unpack_e2m1(packed)
-    table = list(E2M1_VALUES) + [-x for x in E2M1_VALUES]
+    # e2m1 (OCP microscaling spec): sign bit 3, two exponent bits, one mantissa bit, no inf or NaN; written out
+    # here, not read from mm3's table
+    table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
     assert v[..., 0::2].flatten().tolist() == [table[b & 15] for b in range(256)]
     assert v[..., 1::2].flatten().tolist() == [table[b >> 4] for b in range(256)]
 
@@ -270,3 +272,14 @@ def test_a_rank_shard_keeps_the_format_and_its_heads_block_scales(contiguous: bo
     mine = rank_shard(full, rank=1, world_size=2).slice_caches(c, contiguous=contiguous)
     assert (mine.kv_format, mine.num_kv_heads, mine.index_format) == ("nvfp4", 2, "nvfp4")
     assert torch.equal(mine.dequantized().k, c.dequantized().k[:, :, 2:4])
+
+
+def test_an_unknown_format_name_is_refused_with_the_names_the_layer_takes() -> None:
+    with pytest.raises(mm3.InputError, match=r"kv_dtype must be a torch.dtype .*or one of the format names "
+                                             r"\['float8_e4m3fn_unscaled', 'nvfp4'\], got str 'fp4'"):
+        mm3.SparseAttention(P, dtype=torch.bfloat16, kv_dtype="fp4", backend="cpu_ref")  # type: ignore[arg-type]
+    with pytest.raises(mm3.InputError, match=r"index_dtype .*or one of the format names \['nvfp4'\]"):
+        mm3.SparseAttention(P, dtype=torch.bfloat16, index_dtype="fp8", backend="cpu_ref")  # type: ignore[arg-type]
+    with pytest.raises(mm3.InputError, match=r"dtype must be a torch.dtype \(e.g. torch.half if 'half' is a dtype "
+                                             r"name\), got str"):
+        mm3.SparseAttention(P, dtype="half", backend="cpu_ref")  # type: ignore[arg-type]

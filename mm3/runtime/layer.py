@@ -102,8 +102,9 @@ class SparseAttention:
         for name, value in (("dtype", dtype), ("index_dtype", index_dtype), ("kv_dtype", kv_dtype),
                             ("q_dtype", q_dtype)):
             if value is not None and not isinstance(value, torch.dtype) and value not in formats.get(name, ()):
+                named = f", or one of the format names {list(formats[name])}" if name in formats else ""
                 raise InputError(f"{name} must be a torch.dtype (e.g. torch.{value} if {value!r} is a dtype "
-                                 f"name), got {type(value).__name__} {value!r}")
+                                 f"name){named}, got {type(value).__name__} {value!r}")
         self.params = params
         self.device = check_layer_args(device, max_decode_query_len)
         self.dtype = dtype
