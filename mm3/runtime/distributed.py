@@ -199,18 +199,8 @@ class RankShard:
         kb, vb = ((s[:, :, sl] if s is not None else None) for s in (caches.k_block_scale, caches.v_block_scale))
         quant = dict(kv_format=caches.kv_format, k_block_scale=kb, v_block_scale=vb,
                      index_block_scale=caches.index_block_scale)
-        if not contiguous:
-            return PagedKVCache(k, v, caches.index, ks, vs, **quant)
-        fmt = caches.kv_format if caches.kv_format in ("nvfp4", "float8_e4m3fn_unscaled") else None
-        out = PagedKVCache.allocate(caches.num_pages, caches.block_size, len(self.kv_heads), caches.head_dim,
-                                    caches.index_head_dim, caches.dtype, caches.index_dtype,
-                                    caches.kv_layout, caches.device, ks, vs, kv_format=fmt,
-                                    index_format="nvfp4" if caches.index_format == "nvfp4" else None)
-        for name, src in (("k", k), ("v", v), ("index", caches.index), ("k_block_scale", kb), ("v_block_scale", vb),
-                          ("index_block_scale", caches.index_block_scale)):
-            if src is not None:
-                getattr(out, name).copy_(src)
-        return out
+        shard = PagedKVCache(k, v, caches.index, ks, vs, **quant)
+        return shard.to_layout(caches.kv_layout) if contiguous else shard
 
     def slice_inputs(self, q: torch.Tensor, index_q: torch.Tensor, caches: PagedKVCache, *,
                      contiguous_caches: bool = False) -> tuple[torch.Tensor, torch.Tensor, PagedKVCache]:
