@@ -51,7 +51,7 @@ from mm3.contract.errors import InputError
 from mm3.contract.facts import StepFacts, TensorFacts
 from mm3.contract.hookspecs import INDEX_OPS, Op
 from mm3.contract.kv_scales import FP8_KV_DTYPES
-from mm3.contract.quant import NVFP4, cache_fault, logical_dim
+from mm3.contract.quant import FP8_UNSCALED, NVFP4, cache_fault, logical_dim
 from mm3.contract.slots import slots_fault
 
 __all__ = ["check", "Plan", "UNLIMITED", "check_layer_args", "overlaps_itself"]
@@ -198,7 +198,7 @@ class _Rules:
                             c.k_scale, (c.k_block_scale, c.v_block_scale, c.index_block_scale))
         if quant is not None:
             raise self.fail(quant)
-        scaled = c.k.dtype in FP8_KV_DTYPES and c.kv_format != "float8_e4m3fn_unscaled"
+        scaled = c.k.dtype in FP8_KV_DTYPES and c.kv_format != FP8_UNSCALED
         if (c.k_scale is None) != (c.v_scale is None) or scaled != (c.k_scale is not None):
             raise self.fail(f"{n.k_scale} and {n.v_scale} go with fp8 (float8_e4m3fn, float8_e5m2) K/V and only with it: got "
                             f"{c.k.dtype} K/V with {'no ' if c.k_scale is None else ''}scales")
@@ -298,7 +298,7 @@ class _Rules:
             if f.q.dtype == torch.float8_e4m3fn and att not in (torch.bfloat16, torch.float16, torch.float32):
                 raise self.fail(f"{n.q} is float8_e4m3fn, so {n.out}'s dtype is the attention dtype: it must be "
                                 f"bfloat16, float16 or float32, got {f.out.dtype}")
-            if c.k.dtype != att and c.k_scale is None and c.kv_format not in ("float8_e4m3fn_unscaled", NVFP4):
+            if c.k.dtype != att and c.k_scale is None and c.kv_format not in (FP8_UNSCALED, NVFP4):
                 raise self.fail(f"the KV cache dtype {c.k.dtype} differs from {n.q}'s {f.q.dtype}"
                                 f"{'' if att == f.q.dtype else f' (fp8 queries: from the output dtype {att})'}; cast one "
                                 f"of them, or store K/V in fp8 (float8_e4m3fn, float8_e5m2) with k_scale/v_scale, "

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import functools
 
-from typing import Optional
+from typing import Optional, get_args
 
 import torch
 
+from mm3.contract.capabilities import KVDType
 from mm3.contract.errors import InputError
 
-__all__ = ["NVFP4", "FP8_UNSCALED", "NVFP4_GROUP", "E2M1_VALUES", "KV_FORMATS", "INDEX_FORMATS", "QUERY_FORMATS",
+__all__ = ["NVFP4", "FP8_UNSCALED", "NVFP4_GROUP", "E2M1_VALUES", "KV_FORMATS",
            "kv_format_of", "index_format_of", "resolve_kv_format", "check_nvfp4", "logical_dim",
            "unpack_e2m1", "dequantize_nvfp4", "quantize_nvfp4", "round_e4m3", "cache_fault"]
 
@@ -49,14 +50,9 @@ NVFP4_GROUP = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """The magnitudes of the e2m1 codes 0-7; bit 3 of a nibble is the sign."""
 
-KV_FORMATS = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", FP8_UNSCALED, NVFP4)
-"""What a K/V cache can hold: the attention dtypes, scaled fp8 (two formats), unscaled e4m3, NVFP4."""
-
-INDEX_FORMATS = ("bfloat16", "float16", "float32", "float8_e4m3fn", NVFP4)
-"""What an index cache can hold (its fp8 has never had a scale)."""
-
-QUERY_FORMATS = ("float8_e4m3fn",)
-"""Query dtypes besides the attention dtypes (the output is then in ``out``'s dtype)."""
+KV_FORMATS: tuple[str, ...] = get_args(KVDType)
+"""What a K/V cache can hold (the capability model's names): the attention dtypes, scaled fp8 (two formats),
+unscaled e4m3, NVFP4."""
 
 _MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
