@@ -302,9 +302,13 @@ class Context:
 def _step_bytes_estimate(p: SparseAttentionParams, c: DecodeCfg) -> int:
     nb = -(-c.context // p.block_size)
     kv_tokens = c.batch * p.num_kv_heads * min(p.topk * c.qlen, nb) * p.block_size
-    elt = {FP8: 1, NVFP4: 9 / 16}.get(c.index_dtype, 2)
-    return counts.decode_bytes(p, batch=c.batch, context=c.context, qlen=c.qlen, index_elt=elt,
+    return counts.decode_bytes(p, batch=c.batch, context=c.context, qlen=c.qlen, index_elt=_index_elt(c),
                                kv_elt=_kv_elt(c), kv_tokens=kv_tokens, q_elt=2)["step"]
+
+
+def _index_elt(c: Any) -> float:
+    """Bytes of one index-key element in configuration ``c`` (NVFP4: as :func:`_kv_elt`'s)."""
+    return {FP8: 1, NVFP4: 9 / 16}.get(c.index_dtype, 2)
 
 
 def _kv_elt(c: Any) -> float:
@@ -441,8 +445,7 @@ def run_decode(ctx: Context, c: DecodeCfg) -> None:
         got.append(_check_against_reference(ctx, be, p, s0, b0, rows, sub))
     check = _merge_checks(got)
     kv_tokens = counts.distinct_kv_tokens(b0.head_major()[:, :T], s0.batch.seq_lens, c.qlen, p.block_size)
-    elt = {FP8: 1, NVFP4: 9 / 16}.get(c.index_dtype, 2)
-    nbytes = counts.decode_bytes(p, batch=c.batch, context=c.context, qlen=c.qlen, index_elt=elt,
+    nbytes = counts.decode_bytes(p, batch=c.batch, context=c.context, qlen=c.qlen, index_elt=_index_elt(c),
                                  kv_elt=_kv_elt(c), kv_tokens=kv_tokens, q_elt=2)
 
     tm = _time_parts(ctx, be, p, sets, bufs, ("indexer", "attention", "step"), graph=True)
