@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,6 +35,7 @@ from mm3.contract.hookspecs import Op
 from mm3.runtime.ops import batch_args
 
 from mm3_benchmarks import inputs
+from mm3_benchmarks.timing import median_event_us
 
 __all__ = ["parser", "measure", "main"]
 
@@ -76,21 +76,6 @@ def _capture(fns: list[Fn], pool: Any = None) -> torch.cuda.CUDAGraph:
             f()
     torch.cuda.synchronize()
     return g
-
-
-def _time_replay(g: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Median microseconds of one replay (each replay timed by its own events)."""
-    for _ in range(5):
-        g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0)
-    return statistics.median(times)
 
 
 def _kernels(g: torch.cuda.CUDAGraph) -> list[tuple[str, float]]:
@@ -155,7 +140,7 @@ def measure(tp: int = 1, batch: int = 1, context: int = 65536, index_dtype: str 
         gpool = torch.cuda.graph_pool_handle() if shared_pool else None
         for name, make in (("layer", layer_step), ("ops", ops_step), ("hooks", hooks_step)):
             g = _capture([make(s) for s in sets], gpool)
-            result[f"{name}_us"] = _time_replay(g, replays) / layers
+            result[f"{name}_us"] = median_event_us(g.replay, replays) / layers
             if profile:
                 one = _capture([make(sets[0])], gpool)
                 result[f"{name}_kernels"] = _kernels(one)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -41,7 +40,7 @@ import mm3
 from mm3.integrations import sglang as dropin
 from mm3.integrations import targets
 from mm3.runtime.config import Settings
-from mm3_benchmarks.timing import capture_graph
+from mm3_benchmarks.timing import capture_graph, median_event_us
 
 __all__ = ["parser", "build", "measure", "check", "main", "sglang_kernels"]
 
@@ -147,20 +146,7 @@ def _rows(step: Step, layer: mm3.SparseAttention, sglang: Optional[Any]) -> dict
 
 def _time(call: Fn, iters: int, graph: bool) -> float:
     """Median microseconds of one call (or one replay of its captured graph), each timed by its own events."""
-    if graph:
-        call = capture_graph(call, warmups=2).replay
-    for _ in range(5):
-        call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        call()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0)
-    return statistics.median(times)
+    return median_event_us(capture_graph(call, warmups=2).replay if graph else call, iters)
 
 
 def _layer(p: mm3.SparseAttentionParams, device: torch.device, tokens: int, backend: str,

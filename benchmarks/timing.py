@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["Timing", "Timer", "ceilings", "kernel_breakdown"]
+__all__ = ["Timing", "Timer", "ceilings", "kernel_breakdown", "median_event_us"]
 
 Fn = Callable[[], object]
 
@@ -217,3 +217,20 @@ def kernel_breakdown(fn: Fn, reps: int = 5, counts: bool = False) -> dict[str, A
         if dev_us and e.count:
             out[e.key[:60]] = (dev_us / reps, e.count / reps) if counts else dev_us / reps
     return dict(sorted(out.items(), key=lambda kv: -kv[1][0] if counts else -kv[1]))
+
+
+def median_event_us(call: Fn, iters: int, warmups: int = 5) -> float:
+    """Median microseconds of one ``call`` (a graph's ``replay``, or an eager step), each call timed by its own
+    pair of CUDA events after ``warmups`` untimed ones (unlike :class:`Timer`, which times calls back to back)."""
+    for _ in range(warmups):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        call()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0)
+    return statistics.median(times)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -40,6 +39,7 @@ from mm3.contract.hookspecs import Op
 from mm3.integrations import targets
 from mm3.integrations import vllm as ops
 from mm3.runtime.config import Settings
+from mm3_benchmarks.timing import median_event_us
 
 __all__ = ["parser", "build", "measure", "check", "main"]
 
@@ -153,21 +153,6 @@ def _capture(fns: list[Fn]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _time_replay(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Median microseconds of one replay (each replay timed by its own events)."""
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0)
-    return statistics.median(times)
-
-
 def _kernels(graph: torch.cuda.CUDAGraph) -> list[tuple[str, float]]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -198,7 +183,7 @@ def measure(tp: int = 1, batch: int = 1, context: int = 65536, layers: int = 8, 
         result: dict[str, Any] = dict(tp=tp, batch=batch, context=context, layers=layers, backend=backend)
         try:
             for name, make in rows.items():
-                result[f"{name}_us"] = _time_replay(_capture([make(s) for s in steps]), replays) / layers
+                result[f"{name}_us"] = median_event_us(_capture([make(s) for s in steps]).replay, replays) / layers
                 if profile:
                     result[f"{name}_kernels"] = _kernels(_capture([make(steps[0])]))
             result["dropin_backends"] = sorted({(x.indexer.name, x.attention.name) for x in targets.selections()})
