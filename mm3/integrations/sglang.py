@@ -56,7 +56,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
-from mm3.contract.capabilities import Requirements
 from mm3.contract.errors import BackendUnavailableError, InputError
 from mm3.contract.hookspecs import STEP_OPS, Op
 from mm3.contract.params import SparseAttentionParams
@@ -64,7 +63,7 @@ from mm3.debug.guard import capturing
 from mm3.integrations import sglang_inputs as si
 from mm3.integrations.no_grad import without_grad
 from mm3.integrations.sglang_inputs import RELEASE
-from mm3.integrations.targets import MAX_CHOICES, Made, bind
+from mm3.integrations.targets import bind_call
 from mm3.integrations.vllm_inputs import kept, stand_in
 from mm3.runtime.selection import requirements_for
 from mm3.runtime.step import BOTH, OpTarget
@@ -91,24 +90,14 @@ def _params(fn: str, *args: Any) -> SparseAttentionParams:
         raise InputError(f"{fn}: {e}") from None
 
 
-#: each call's requirements and its choice's key (:class:`~mm3.integrations.targets.Made`), by what they are made of
-_REQUIREMENTS: dict[tuple[object, ...], tuple[Requirements, Made]] = {}
-
-
 def _target(fn: str, op: Optional[Op], params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
             kv_dtype: torch.dtype, device: torch.device, graph: bool, batch: Any) -> OpTarget:
     """The bound backends of a call (one choice per requirements serves every function of this module); a
     captured call of a backend that is not CUDA-graph safe is refused with the reason."""
     addressing = batch.facts.addressing    # token slots: only a backend that declares them is chosen
-    key = (params, dtype, index_dtype, kv_dtype, device, addressing)
-    got = _REQUIREMENTS.get(key)
-    if got is None:
-        if len(_REQUIREMENTS) >= MAX_CHOICES:
-            _REQUIREMENTS.clear()
-        req = requirements_for(params, dtype, index_dtype, device, kv_dtype=kv_dtype,
-                               addressing=addressing).for_ops(*STEP_OPS)
-        got = _REQUIREMENTS[key] = (req, Made((params, req, str(device))))
-    bound = bind(params, got[0], device, capturing=graph, made=got[1])
+    bound = bind_call(("sglang", params, dtype, index_dtype, kv_dtype, device, addressing),
+                      lambda: requirements_for(params, dtype, index_dtype, device, kv_dtype=kv_dtype,
+                                               addressing=addressing).for_ops(*STEP_OPS), params, device, graph)
     sel = bound.selection
     for be in ((sel.indexer, sel.attention) if op is None else
                (sel.indexer if op == Op.INDEX_TOPK else sel.attention,)):

@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -39,7 +39,8 @@ from mm3.runtime.registry import Registry, default_registry
 from mm3.runtime.scope import current_scope
 from mm3.runtime.selection import Selection, describe_requirements
 
-__all__ = ["Binding", "bind", "configure", "settings", "selections", "check_page_ids", "MAX_CHOICES", "Made"]
+__all__ = ["Binding", "bind", "bind_call", "configure", "settings", "selections", "check_page_ids", "MAX_CHOICES",
+           "Made"]
 
 #: choices kept before the cache starts over (one per set of requirements: shapes, dtypes, device)
 MAX_CHOICES = 1024
@@ -94,6 +95,35 @@ class Made:
 
     def __eq__(self, other: object) -> bool:
         return self is other or (type(other) is Made and self.value == other.value)  # type: ignore[attr-defined]
+
+
+#: a drop-in call's requirements and its choice's key, by what the caller says they are made of
+_REQUIREMENTS: dict[tuple[object, ...], tuple[Requirements, Made]] = {}
+
+
+def bind_call(key: tuple[object, ...], make: Callable[[], Requirements], params: SparseAttentionParams,
+              device: torch.device, graph: bool) -> Binding:
+    """:func:`bind` for a drop-in function's call: its requirements made by ``make`` once per ``key`` (exactly
+    what they are made of, the drop-in's name first) and its choice's key hashed once (:class:`Made`), so a
+    call pays two dict lookups.
+
+    Example:
+        >>> from mm3.runtime.selection import requirements_for
+        >>> p = SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16, num_index_heads=2,
+        ...                           index_head_dim=16, block_size=16, topk=4)
+        >>> cpu = torch.device("cpu")
+        >>> b = bind_call(("doc", p, cpu), lambda: requirements_for(p, torch.float32, torch.float32, cpu), p,
+        ...               cpu, False)
+        >>> b is bind_call(("doc", p, cpu), lambda: None, p, cpu, False)   # made once: the second make unused
+        True
+    """
+    got = _REQUIREMENTS.get(key)
+    if got is None:
+        if len(_REQUIREMENTS) >= MAX_CHOICES:
+            _REQUIREMENTS.clear()
+        req = make()
+        got = _REQUIREMENTS[key] = (req, Made((params, req, str(device))))
+    return bind(params, got[0], device, capturing=graph, made=got[1])
 
 
 def bind(params: SparseAttentionParams, requirements: Requirements, device: torch.device,

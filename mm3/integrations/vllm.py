@@ -48,14 +48,13 @@ import torch
 
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache
-from mm3.contract.capabilities import Requirements
 from mm3.contract.hookspecs import ALL_OPS, Op
 from mm3.contract.errors import BackendUnavailableError, InputError
 from mm3.contract.params import SparseAttentionParams
 from mm3.debug.guard import capturing
 from mm3.integrations.block_scores import block_scores, score_width, select_topk
 from mm3.integrations.no_grad import without_grad
-from mm3.integrations.targets import MAX_CHOICES, Binding, Made, bind
+from mm3.integrations.targets import Binding, bind_call
 from mm3.integrations.vllm_inputs import (
     DECODE_NAMES, FP8_DTYPES, VLLM_NAMES, attention_caches, cdiv, check_heads, decode_batch, index_caches, int32_arg,
     out_rows, prefill_batch, tensor_arg, topk_view,
@@ -96,25 +95,16 @@ def _params(fn: str, build: Callable[..., SparseAttentionParams], *args: object)
 
 
 # -- the bound backends --------------------------------------------------------------------------
-#: each call's requirements and its choice's key (:class:`~mm3.integrations.targets.Made`), by what they are made of
-_REQUIREMENTS: dict[tuple[object, ...], tuple[Requirements, Made]] = {}
-
-
 def _bound(fn: str, op: Op, params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
            kv_dtype: torch.dtype, slot_scales: bool, device: torch.device, decode_query_len: int,
            graph: bool) -> Binding:
     """The backends of a call of ``op``; one choice serves its eager and captured calls (as a layer's
     does), so a captured call of a backend that is not CUDA-graph safe is refused here, with the reason.
     Every op is selected (block scores too), so one choice serves each of the six functions."""
-    key = (params, dtype, index_dtype, kv_dtype, slot_scales, device, decode_query_len)
-    got = _REQUIREMENTS.get(key)
-    if got is None:
-        if len(_REQUIREMENTS) >= MAX_CHOICES:
-            _REQUIREMENTS.clear()
-        req = requirements_for(params, dtype, index_dtype, device, decode_query_len=decode_query_len,
-                               kv_dtype=kv_dtype, kv_slot_scales=slot_scales).for_ops(*ALL_OPS)
-        got = _REQUIREMENTS[key] = (req, Made((params, req, str(device))))
-    bound = bind(params, got[0], device, capturing=graph, made=got[1])
+    bound = bind_call(("vllm", params, dtype, index_dtype, kv_dtype, slot_scales, device, decode_query_len),
+                      lambda: requirements_for(params, dtype, index_dtype, device, decode_query_len=decode_query_len,
+                                               kv_dtype=kv_dtype, kv_slot_scales=slot_scales).for_ops(*ALL_OPS),
+                      params, device, graph)
     sel = bound.selection
     be = sel.indexer if op is Op.INDEX_TOPK else sel.attention if op is Op.ATTENTION else sel.scorer
     if graph and be is not None and not be.capabilities.cuda_graph_safe:
