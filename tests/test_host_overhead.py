@@ -171,12 +171,12 @@ def test_a_layer_step_is_admitted_once_and_guards_both_hooks_of_a_new_kind(monke
     """One admission per layer step (both hooks), one per custom op; the guard checks the indexer and the
     attention of each kind's first step, through the same call the plain steps make."""
     admitted: list[tuple[str, ...]] = []
-    real = step_mod.OpTarget._admit
+    real = step_mod.OpTarget.run
 
-    def counted(self: Any, entry: str, ops: tuple[str, ...], *args: Any) -> Any:
+    def counted(self: Any, entry: str, ops: tuple[str, ...], *args: Any, **kw: Any) -> Any:
         admitted.append(ops)
-        return real(self, entry, ops, *args)
-    monkeypatch.setattr(step_mod.OpTarget, "_admit", counted)
+        return real(self, entry, ops, *args, **kw)
+    monkeypatch.setattr(step_mod.OpTarget, "run", counted)
     guarded = _count_guarded(monkeypatch, "attention")
     layer = _layer()
     kinds = [STEP, STEP, dict(decodes=[50], dtype="float32"), STEP]

@@ -198,7 +198,9 @@ class SparseAttention:
 
         ``out`` (optional) may have more rows than the step; only ``[0, T)`` is written.
         """
-        target = self._resolve().target
+        b = self._default      # the names outside any use_backend scope (a step's one read)
+        target = (b if b is not None and (self._explicit is not None or SCOPE.get() is None) else
+                  self._resolve()).target
         if out is None and isinstance(q, torch.Tensor):
             out = torch.empty_like(q, dtype=self.dtype)   # fp8 queries: the output is in the layer's dtype
         if torch.compiler.is_dynamo_compiling():  # one opaque node per op: nothing below is traced
@@ -208,8 +210,8 @@ class SparseAttention:
             torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, st, *args, handle, c.k_scale, c.v_scale, *blocks)
             torch.ops.mm3.attention(q, c.k, c.v, c.index, st, *args, handle, out, c.k_scale, c.v_scale, *blocks)
             return out[:batch.num_tokens]  # type: ignore[index]
-        target.run(_ENTRY, BOTH, caches=caches, batch=batch, topk=target.topk, index_q=index_q, q=q, out=out)
-        T = batch.facts.num_tokens if isinstance(batch, BatchMetadata) else batch.num_tokens
+        target.run(_ENTRY, BOTH, caches, batch, target.topk, index_q, q, out)
+        T = batch.facts.num_tokens     # run admitted the batch: a BatchMetadata
         return out if out.shape[0] == T else out[:T]  # type: ignore[union-attr]
 
     def check_page_ids(self) -> None:

@@ -85,6 +85,10 @@ MAX_PLANS = 64
 _INDEX, _ATTENTION, _SCORES = Op.INDEX_TOPK, Op.ATTENTION, Op.INDEX_SCORES
 # (name, hook) of each op as plain strings: an enum member's value and hash run Python code every call
 _INDEX_HOOK, _ATTENTION_HOOK, _SCORES_HOOK = ((str.__str__(op), op.hook) for op in (_INDEX, _ATTENTION, _SCORES))
+_INDEX_NAME, _ATTENTION_NAME, _SCORES_NAME = _INDEX_HOOK[0], _ATTENTION_HOOK[0], _SCORES_HOOK[0]
+#: the kinds each op passed the guard on, for ``"always"``: none, so every call is guarded
+_NONE_PASSED: dict[str, frozenset[str]] = {_INDEX_NAME: frozenset(), _ATTENTION_NAME: frozenset(),
+                                           _SCORES_NAME: frozenset()}
 
 
 def _wrong_types(entry: str, names: ArgNames, caches: object, batch: object, topk: object) -> InputError:
@@ -224,7 +228,7 @@ class OpTarget:
             raise InputError(f"{entry}: topk: {e}; pass the layer's own top-k storage (layer.topk_buffer.storage) or "
                              f"the logical [H, T, K] view of your memory") from None
 
-    # -- admission --------------------------------------------------------------------------------
+    # -- admission (the cold half: a call whose facts no kept plan matches, or whose counts break one) --
     def _judge(self, entry: str, ops: tuple[str, ...], caches: PagedKVCache, batch: BatchMetadata,
                topk: Optional[TopkBuffer], index_q: Optional[torch.Tensor], q: Optional[torch.Tensor],
                out: Optional[torch.Tensor], names: ArgNames, order: Optional[str]) -> Plan:
@@ -234,14 +238,88 @@ class OpTarget:
                               caches=caches, batch=batch, topk=topk, index_q=index_q, q=q, out=out,
                               layer=self.layer, names=names, order=order))
 
-    def _admit(self, entry: str, ops: tuple[str, ...], caches: PagedKVCache, batch: BatchMetadata,
-               topk: Optional[TopkBuffer], index_q: Optional[torch.Tensor], q: Optional[torch.Tensor],
-               out: Optional[torch.Tensor], names: ArgNames, order: Optional[str]) -> Plan:
-        """The call's plan, and its counts compared with it (a failed comparison runs every rule)."""
+    def _planned(self, key: Optional[tuple[Any, ...]], entry: str, ops: tuple[str, ...], caches: PagedKVCache,
+                 batch: BatchMetadata, topk: Optional[TopkBuffer], index_q: Optional[torch.Tensor],
+                 q: Optional[torch.Tensor], out: Optional[torch.Tensor], names: ArgNames,
+                 order: Optional[str]) -> tuple[Any, ...]:
+        """The plan kept under ``key`` (judged now if none is) and what follows from it
+        (:meth:`_course`), remembered as ``entry``'s last; ``key`` ``None``: an argument of the wrong type,
+        which every rule names."""
+        if key is None:
+            return self._course(None, self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order),
+                                ops, caches, batch)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
+            if len(self.plans) >= MAX_PLANS:
+                self.plans.clear()
+            self.plans[key] = plan
+        course = self._last[entry] = self._course(key, plan, ops, caches, batch)
+        return course
+
+    def _course(self, key: Optional[tuple[Any, ...]], plan: Plan, ops: tuple[str, ...], caches: PagedKVCache,
+                batch: BatchMetadata) -> tuple[Any, ...]:
+        """What a call of these facts does, worked out with its plan (each a function of ``key``): whether its
+        contents are judged on the host, the pages of its caches, the backend that reads its block table first
+        (with whether it reports bad page ids and its own contents check), whether the index op gets the
+        fault word, its ops, and whether the top-k rows go from index op to attention untouched."""
+        reader = ops[0]
+        be, reports, checker = self._attention_reader if reader is _ATTENTION else self._scores_reader \
+            if reader is _SCORES else self._index_reader
+        plain = plan.index_via is None and not plan.sort_written and plan.convert_to is None and not plan.sort_read
+        return (key, plan, on_host(batch), caches.k.shape[0], be, reports, checker,
+                reports and reader is not _ATTENTION, _INDEX in ops, _ATTENTION in ops, _SCORES in ops, plain)
+
+    def _contents_on_host(self, entry: str, caches: PagedKVCache, batch: BatchMetadata, graph: bool,
+                          names: ArgNames, num_pages: int) -> None:
+        """A batch in host memory (every call), or a target's first eager step (its one synchronisation)."""
+        first = self._first or self.sync_contents
+        check_on_host(batch, num_pages, entry=entry, names=names,
+                      scales=(caches.k_scale, caches.v_scale) if first else ())
+        if not graph:
+            self._first = False
+
+    def admit_call(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
+                   topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
+                   q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: bool = False,
+                   names: ArgNames = LAYER_NAMES, order: Optional[str] = None) -> tuple[Plan, Optional[torch.Tensor]]:
+        """Admit a call on this target and judge its contents, as :meth:`run` does before the hooks:
+        ``(plan, page_faults)``. A caller that does an op's work itself (``index_scores`` where no
+        bound backend provides it) calls this, then works."""
+        return self.run(entry, ops, caches, batch, topk, index_q, q, out, graph=graph, names=names, order=order,
+                        hooks=False)
+
+    # -- the step -------------------------------------------------------------------------------
+    @staticmethod
+    def capturing(x: object) -> bool:
+        """Whether ``x``'s stream is being captured in a CUDA graph (what ``run`` asks when not told)."""
+        return isinstance(x, torch.Tensor) and x.is_cuda and capturing(x)
+
+    def run(self, entry: str, ops: tuple[str, ...], caches: PagedKVCache, batch: BatchMetadata,
+            topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
+            q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, *, graph: Optional[bool] = None,
+            names: ArgNames = LAYER_NAMES, order: Optional[str] = None,
+            hooks: bool = True) -> tuple[Plan, Optional[torch.Tensor]]:
+        """Admit the call, judge its contents, run its hooks (``ops``: both, or one) on rows ``[0, T)``;
+        returns ``(plan, page_faults)`` (the word passed a reporting index op, else ``None``).
+
+        ``index_scores`` (alone): ``out`` is the caller's ``[H, >= T, N]`` scores, of which rows ``[0, T)``
+        are written; its backend must exist (:attr:`scorer`). ``graph``: the call is being captured in a
+        CUDA graph (``None``: :meth:`capturing` of the queries says). ``order``: the order the entry point
+        needs of the rows its index op writes and promises of the rows it hands an attention
+        (``"ascending"``, or ``None``: any); the plan says what to sort. ``hooks=False``: admit and judge
+        the contents only (:meth:`admit_call`).
+
+        One function, the steps in the module docstring's order, written out rather than split into
+        helpers: each Python call costs a step about 0.1 us, and a steady step makes none but the hooks'.
+        """
+        if graph is None:
+            x = q if q is not None else index_q
+            graph = isinstance(x, torch.Tensor) and x.is_cuda and capturing(x)
+        # 1. the plan: the facts engine traffic does not change (a row-per-token tensor's rows are a count)
         try:
             bs = batch.facts
             T = bs.num_tokens
-            # the facts engine traffic does not change (a row-per-token tensor's rows are a count)
             si = sq = so = None
             fi = fq = fo = None
             if index_q is not None:
@@ -253,50 +331,32 @@ class OpTarget:
             if out is not None:
                 so = out.shape
                 fo = (out.dtype, out.device, so[1:] if ops[0] is not _SCORES else (so[0], so[2:]), out.stride())
-            key = (entry, names, ops, order, bs.key, caches.facts, None if topk is None else topk.facts, T > 1, fi, fq,
-                   fo)
+            key: Optional[tuple[Any, ...]] = (entry, names, ops, order, bs.key, caches.facts,
+                                              None if topk is None else topk.facts, T > 1, fi, fq, fo)
         except AttributeError:   # an argument of the wrong type: every rule names it
-            return self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
-        last = self._last.get(entry)
-        if last is not None and key == last[0]:   # the last call's facts (most calls): item by item, no hashing
-            plan = last[1]
-        else:
-            plan = self.plans.get(key)
-            if plan is None:
-                plan = self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
-                if len(self.plans) >= MAX_PLANS:
-                    self.plans.clear()
-                self.plans[key] = plan
-            self._last[entry] = (key, plan)
-        # the counts (Plan says which): O(1) int comparisons
+            key = None
+        course = self._last.get(entry)
+        if course is None or key != course[0]:   # the last call's facts (most calls): item by item, no hashing
+            course = self._planned(key, entry, ops, caches, batch, topk, index_q, q, out, names, order)
+        _, plan, host, num_pages, be, reports, checker, word, index, attend, scores, plain = course
+        # 2. the counts (Plan says which): O(1) int comparisons
         nd = bs.num_decodes
         exact = plan.exact_rows
-        if bs.consistent and T <= plan.max_tokens and (not nd or bs.decode_query_len <= plan.max_decode_query_len) \
-                and (si is None or (si[0] == T if exact else si[0] >= T)) \
-                and (sq is None or (sq[0] == T if exact else sq[0] >= T)) \
-                and (so is None or so[1 if ops[0] is _SCORES else 0] >= T) \
-                and (topk is None or T <= topk.num_tokens <= plan.max_topk_rows):
-            return plan
-        # some count breaks a rule (which one, every rule says), or a plan of other counts holds (this call's)
-        return self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
-
-    def _contents(self, entry: str, reader: str, caches: PagedKVCache, batch: BatchMetadata, graph: bool,
-                  names: ArgNames) -> Optional[torch.Tensor]:
-        """Judge the call's contents the cheapest way that still sees them (the module's docstring); returns
-        the word to pass a reporting index op."""
+        if not (bs.consistent and T <= plan.max_tokens and (not nd or bs.decode_query_len <= plan.max_decode_query_len)
+                and (si is None or (si[0] == T if exact else si[0] >= T))
+                and (sq is None or (sq[0] == T if exact else sq[0] >= T))
+                and (so is None or so[1 if scores else 0] >= T)
+                and (topk is None or T <= topk.num_tokens <= plan.max_topk_rows)):
+            # some count breaks a rule (which one, every rule says), or a plan of other counts holds (this call's)
+            plan = self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
+            plain = self._course(key, plan, ops, caches, batch)[-1]
+        # 3. the contents, the cheapest way that still sees them
         flag = self.flag
         if not graph and flag.host_word[0] != NO_FAULT:
             flag.raise_pending()
-        num_pages = caches.k.shape[0]
-        flag.context = (entry, names, num_pages, batch.facts)   # no tensor kept past the step
-        # the op whose backend reads every used block-table entry: the index op, first in a call of two
-        be, reports, checker = self._attention_reader if reader is _ATTENTION else self._scores_reader \
-            if reader is _SCORES else self._index_reader
-        if on_host(batch) or (not graph and (self._first or self.sync_contents)):
-            check_on_host(batch, num_pages, entry=entry, names=names,
-                          scales=(caches.k_scale, caches.v_scale) if self._first or self.sync_contents else ())
-            if not graph:
-                self._first = False
+        flag.context = (entry, names, num_pages, bs)   # no tensor kept past the step
+        if host or (not graph and (self._first or self.sync_contents)):
+            self._contents_on_host(entry, caches, batch, graph, names, num_pages)
         elif checker is not None:      # what the tensors hold now, every call: an engine edits them in place
             try:
                 checker(batch, num_pages, flag.word)
@@ -305,47 +365,21 @@ class OpTarget:
         else:
             # a backend's reporting covers the page ids its kernels load; token slots are judged here
             flag.record(batch, num_pages, graph=graph, pages=not reports or batch.slots is not None)
-        return flag.word if reports and reader is not _ATTENTION else None
-
-    def admit_call(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
-                   topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
-                   q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: bool = False,
-                   names: ArgNames = LAYER_NAMES, order: Optional[str] = None) -> tuple[Plan, Optional[torch.Tensor]]:
-        """Admit a call on this target and judge its contents, as :meth:`run` does before the hooks:
-        ``(plan, page_faults)``. A caller that does an op's work itself (``index_scores`` where no
-        bound backend provides it) calls this, then works."""
-        plan = self._admit(entry, ops, caches, batch, topk, index_q, q, out, names, order)
-        return plan, self._contents(entry, ops[0], caches, batch, graph, names)
-
-    # -- the step -------------------------------------------------------------------------------
-    @staticmethod
-    def capturing(x: object) -> bool:
-        """Whether ``x``'s stream is being captured in a CUDA graph (what ``run`` asks when not told)."""
-        return isinstance(x, torch.Tensor) and x.is_cuda and capturing(x)
-
-    def run(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
-            topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
-            q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: Optional[bool] = None,
-            names: ArgNames = LAYER_NAMES, order: Optional[str] = None) -> None:
-        """Admit the call, judge its contents, run its hooks (``ops``: both, or one) on rows ``[0, T)``.
-
-        ``index_scores`` (alone): ``out`` is the caller's ``[H, >= T, N]`` scores, of which rows ``[0, T)``
-        are written; its backend must exist (:attr:`scorer`). ``graph``: the call is being captured in a
-        CUDA graph (``None``: :meth:`capturing` of the queries says). ``order``: the order the entry point
-        needs of the rows its index op writes and promises of the rows it hands an attention
-        (``"ascending"``, or ``None``: any); the plan says what to sort."""
-        if graph is None:
-            graph = self.capturing(q if q is not None else index_q)
-        plan = self._admit(entry, ops, caches, batch, topk, index_q, q, out, names, order)
-        faults = self._contents(entry, ops[0], caches, batch, graph, names)
-        bs = batch.facts
-        T, kind = bs.num_tokens, bs.kind
-        if _SCORES in ops:
+        faults = flag.word if word else None
+        if not hooks:
+            return plan, faults
+        # 4. the hooks, each unguarded once its kind passed the guard (the policy: the module's docstring)
+        kind = bs.kind
+        # the kinds each op passed the guard on (a kind not among them is guarded now); None: no call is
+        # guarded ("never", or inside CUDA-graph capture); "always": every kind is new
+        guarded = None if graph or self._never else _NONE_PASSED if self._always else self._passed
+        if scores:
             if self.scorer is None:
                 raise InputError(f"{entry}: no bound backend provides index_scores; score the blocks without "
                                  f"one (OpTarget.admit_call, then mm3.integrations.block_scores)")
-            rows = out if out.shape[1] == T else out[:, :T]  # type: ignore[union-attr]
-            self._call(self.scorer, _SCORES_HOOK, (index_q, caches, batch, self.params, rows, faults), kind, graph)
+            rows = out if so[1] == T else out[:, :T]  # type: ignore[index,union-attr]
+            self._call(self.scorer, _SCORES_HOOK, (index_q, caches, batch, self.params, rows, faults),
+                       kind if guarded is not None and kind not in guarded[_SCORES_NAME] else None)
         else:
             assert topk is not None
             if topk.num_tokens == T:
@@ -354,32 +388,47 @@ class OpTarget:
                 sel = self._rows.get(T) or self._rows.setdefault(T, topk.rows(0, T))
             else:
                 sel = topk.rows(0, T)
-            if _INDEX in ops:
-                write = sel if plan.index_via is None else \
+            if index:
+                write = sel if plain or plan.index_via is None else \
                     TopkBuffer.allocate(T, sel.num_heads, sel.topk, plan.index_via, sel.device)
-                self._call(self.indexer, _INDEX_HOOK, (index_q, caches, batch, self.params, write, faults), kind, graph)
-                if write is not sel:
-                    sel.copy_(write)
-                if plan.sort_written:
-                    sort_ascending_(sel)
-            if _ATTENTION in ops:
-                read = sel if plan.convert_to is None else sel.to_layout(plan.convert_to)
-                if plan.sort_read:     # the caller's rows stay as given: a converted copy is sorted, or a new one
+                args = (index_q, caches, batch, self.params, write, faults)
+                if guarded is not None and kind not in guarded[_INDEX_NAME]:
+                    self._call(self.indexer, _INDEX_HOOK, args, kind)
+                else:
+                    try:
+                        self.indexer.calls[_INDEX_NAME](*args)
+                    except Exception as e:
+                        self.indexer.reraise(e, _INDEX_HOOK[1])
+                if not plain:
+                    if write is not sel:
+                        sel.copy_(write)
+                    if plan.sort_written:
+                        sort_ascending_(sel)
+            if attend:
+                read = sel if plain or plan.convert_to is None else sel.to_layout(plan.convert_to)
+                if not plain and plan.sort_read:     # the caller's rows stay as given: a converted copy is sorted, or a new one
                     read = sorted_ascending(read) if read is sel else sort_ascending_(read)
-                o = out if out.shape[0] == T else out[:T]  # type: ignore[union-attr]
-                self._call(self.attention, _ATTENTION_HOOK, (q, caches, read, batch, self.params, o), kind, graph)
-        flag = self.flag
+                args = (q, caches, read, batch, self.params, out if so[0] == T else out[:T])  # type: ignore[index]
+                if guarded is not None and kind not in guarded[_ATTENTION_NAME]:
+                    self._call(self.attention, _ATTENTION_HOOK, args, kind)
+                else:
+                    try:
+                        self.attention.calls[_ATTENTION_NAME](*args)
+                    except Exception as e:
+                        self.attention.reraise(e, _ATTENTION_HOOK[1])
         if faults is not None and not graph and not flag.shared:
             flag.after_step()
+        return plan, faults
 
-    def _call(self, be: "Backend", op: tuple[str, str], args: tuple[Any, ...], kind: str, graph: bool) -> None:
+    def _call(self, be: "Backend", op: tuple[str, str], args: tuple[Any, ...], guard_kind: Optional[str]) -> None:
         """The hook of ``op`` (its name and hook) on ``args`` (the hook spec's order,
-        :mod:`mm3.contract.hookspecs`), through the guard when the policy says so."""
+        :mod:`mm3.contract.hookspecs`); through the guard when ``guard_kind`` names the call's batch kind
+        (which then counts as passed, unless ``"always"``)."""
         name = op[0]
-        if not (graph or self._never) and (self._always or kind not in self._passed[name]):
+        if guard_kind is not None:
             guard.checked_call(be, name, args)
             if not self._always:
-                self._passed[name].add(kind)
+                self._passed[name].add(guard_kind)
             return
         try:
             be.calls[name](*args)
