@@ -86,9 +86,6 @@ _INDEX, _ATTENTION, _SCORES = Op.INDEX_TOPK, Op.ATTENTION, Op.INDEX_SCORES
 # (name, hook) of each op as plain strings: an enum member's value and hash run Python code every call
 _INDEX_HOOK, _ATTENTION_HOOK, _SCORES_HOOK = ((str.__str__(op), op.hook) for op in (_INDEX, _ATTENTION, _SCORES))
 _INDEX_NAME, _ATTENTION_NAME, _SCORES_NAME = _INDEX_HOOK[0], _ATTENTION_HOOK[0], _SCORES_HOOK[0]
-#: the kinds each op passed the guard on, for ``"always"``: none, so every call is guarded
-_NONE_PASSED: dict[str, frozenset[str]] = {_INDEX_NAME: frozenset(), _ATTENTION_NAME: frozenset(),
-                                           _SCORES_NAME: frozenset()}
 
 
 def _wrong_types(entry: str, names: ArgNames, caches: object, batch: object, topk: object) -> InputError:
@@ -267,8 +264,11 @@ class OpTarget:
         be, reports, checker = self._attention_reader if reader is _ATTENTION else self._scores_reader \
             if reader is _SCORES else self._index_reader
         plain = plan.index_via is None and not plan.sort_written and plan.convert_to is None and not plan.sort_read
+        # the batch kinds on which every op of these calls passed the guard (then a call of the kind is not
+        # guarded); made anew with each course, so filled again from the authority, :attr:`_passed`
+        settled: set[str] = set()
         return (key, plan, on_host(batch), caches.k.shape[0], be, reports, checker,
-                reports and reader is not _ATTENTION, _INDEX in ops, _ATTENTION in ops, _SCORES in ops, plain)
+                reports and reader is not _ATTENTION, _INDEX in ops, _ATTENTION in ops, _SCORES in ops, plain, settled)
 
     def _contents_on_host(self, entry: str, caches: PagedKVCache, batch: BatchMetadata, graph: bool,
                           names: ArgNames, num_pages: int) -> None:
@@ -313,32 +313,31 @@ class OpTarget:
         One function, the steps in the module docstring's order, written out rather than split into
         helpers: each Python call costs a step about 0.1 us, and a steady step makes none but the hooks'.
         """
-        if graph is None:
-            x = q if q is not None else index_q
-            graph = isinstance(x, torch.Tensor) and x.is_cuda and capturing(x)
         # 1. the plan: the facts engine traffic does not change (a row-per-token tensor's rows are a count)
         try:
             bs = batch.facts
             T = bs.num_tokens
+            # each tensor's dtype, device and sizes but its rows (unpacked: slicing a torch.Size costs more);
+            # a tensor of other dims fails to unpack, and every rule names it
             si = sq = so = None
             fi = fq = fo = None
             if index_q is not None:
-                si = index_q.shape
-                fi = (index_q.dtype, index_q.device, si[1:])
+                _, i1, i2 = si = index_q.shape
+                fi = (index_q.dtype, index_q.device, i1, i2)
             if q is not None:
-                sq = q.shape
-                fq = (q.dtype, q.device, sq[1:])
+                _, q1, q2 = sq = q.shape
+                fq = (q.dtype, q.device, q1, q2)
             if out is not None:
-                so = out.shape
-                fo = (out.dtype, out.device, so[1:] if ops[0] is not _SCORES else (so[0], so[2:]), out.stride())
+                o0, o1, o2 = so = out.shape
+                fo = (out.dtype, out.device, o1 if ops[0] is not _SCORES else o0, o2, out.stride())
             key: Optional[tuple[Any, ...]] = (entry, names, ops, order, bs.key, caches.facts,
                                               None if topk is None else topk.facts, T > 1, fi, fq, fo)
-        except AttributeError:   # an argument of the wrong type: every rule names it
+        except (AttributeError, ValueError, TypeError):   # an argument of the wrong type or dims: the rules name it
             key = None
         course = self._last.get(entry)
         if course is None or key != course[0]:   # the last call's facts (most calls): item by item, no hashing
             course = self._planned(key, entry, ops, caches, batch, topk, index_q, q, out, names, order)
-        _, plan, host, num_pages, be, reports, checker, word, index, attend, scores, plain = course
+        _, plan, host, num_pages, be, reports, checker, word, index, attend, scores, plain, settled = course
         # 2. the counts (Plan says which): O(1) int comparisons
         nd = bs.num_decodes
         exact = plan.exact_rows
@@ -349,7 +348,10 @@ class OpTarget:
                 and (topk is None or T <= topk.num_tokens <= plan.max_topk_rows)):
             # some count breaks a rule (which one, every rule says), or a plan of other counts holds (this call's)
             plan = self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
-            plain = self._course(key, plan, ops, caches, batch)[-1]
+            plain = self._course(key, plan, ops, caches, batch)[-2]
+        if graph is None:     # the queries are tensors now: the plan's rules say so
+            x = q if q is not None else index_q
+            graph = x.is_cuda and capturing(x)  # type: ignore[union-attr]
         # 3. the contents, the cheapest way that still sees them
         flag = self.flag
         if not graph and flag.host_word[0] != NO_FAULT:
@@ -368,18 +370,16 @@ class OpTarget:
         faults = flag.word if word else None
         if not hooks:
             return plan, faults
-        # 4. the hooks, each unguarded once its kind passed the guard (the policy: the module's docstring)
+        # 4. the hooks: a call is guarded unless captured, "never", or (in "first") its kind has passed
         kind = bs.kind
-        # the kinds each op passed the guard on (a kind not among them is guarded now); None: no call is
-        # guarded ("never", or inside CUDA-graph capture); "always": every kind is new
-        guarded = None if graph or self._never else _NONE_PASSED if self._always else self._passed
+        guarded = not (graph or self._never) and (self._always or kind not in settled)
         if scores:
             if self.scorer is None:
                 raise InputError(f"{entry}: no bound backend provides index_scores; score the blocks without "
                                  f"one (OpTarget.admit_call, then mm3.integrations.block_scores)")
             rows = out if so[1] == T else out[:, :T]  # type: ignore[index,union-attr]
             self._call(self.scorer, _SCORES_HOOK, (index_q, caches, batch, self.params, rows, faults),
-                       kind if guarded is not None and kind not in guarded[_SCORES_NAME] else None)
+                       kind if guarded else None)
         else:
             assert topk is not None
             if topk.num_tokens == T:
@@ -392,7 +392,7 @@ class OpTarget:
                 write = sel if plain or plan.index_via is None else \
                     TopkBuffer.allocate(T, sel.num_heads, sel.topk, plan.index_via, sel.device)
                 args = (index_q, caches, batch, self.params, write, faults)
-                if guarded is not None and kind not in guarded[_INDEX_NAME]:
+                if guarded:
                     self._call(self.indexer, _INDEX_HOOK, args, kind)
                 else:
                     try:
@@ -406,16 +406,18 @@ class OpTarget:
                         sort_ascending_(sel)
             if attend:
                 read = sel if plain or plan.convert_to is None else sel.to_layout(plan.convert_to)
-                if not plain and plan.sort_read:     # the caller's rows stay as given: a converted copy is sorted, or a new one
+                if not plain and plan.sort_read:  # the caller's rows stay as given: a converted copy is sorted
                     read = sorted_ascending(read) if read is sel else sort_ascending_(read)
                 args = (q, caches, read, batch, self.params, out if so[0] == T else out[:T])  # type: ignore[index]
-                if guarded is not None and kind not in guarded[_ATTENTION_NAME]:
+                if guarded:
                     self._call(self.attention, _ATTENTION_HOOK, args, kind)
                 else:
                     try:
                         self.attention.calls[_ATTENTION_NAME](*args)
                     except Exception as e:
                         self.attention.reraise(e, _ATTENTION_HOOK[1])
+        if guarded and not self._always and all(kind in self._passed[str.__str__(op)] for op in ops):
+            settled.add(kind)    # every op of this entry point passed on this kind: its later calls go unguarded
         if faults is not None and not graph and not flag.shared:
             flag.after_step()
         return plan, faults
@@ -425,7 +427,7 @@ class OpTarget:
         :mod:`mm3.contract.hookspecs`); through the guard when ``guard_kind`` names the call's batch kind
         (which then counts as passed, unless ``"always"``)."""
         name = op[0]
-        if guard_kind is not None:
+        if guard_kind is not None and (self._always or guard_kind not in self._passed[name]):
             guard.checked_call(be, name, args)
             if not self._always:
                 self._passed[name].add(guard_kind)

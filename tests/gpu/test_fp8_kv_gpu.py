@@ -165,8 +165,11 @@ def test_e5m2_kv_through_the_layer_eager_and_captured(backend: str, monkeypatch:
     errors = selection_errors(step, block_scores(case.index_q, case.caches, case.batch, p, toks), p)
     assert not errors, "\n".join(errors[:5])
     ref = attention_reference(case.q, case.caches, step, case.batch, p, toks)
-    err = (out[toks].double() - torch.stack([ref[t] for t in toks])).abs()
-    assert err.max().item() <= TOL[0] and err.mean().item() <= TOL[1], (err.max().item(), err.mean().item())
+    exact = torch.stack([ref[t] for t in toks])
+    err = (out[toks].double() - exact).abs()
+    floor = (exact.to(torch.bfloat16).double() - exact).abs().mean().item()   # the output's own rounding
+    assert err.max().item() <= TOL[0] and err.mean().item() <= TOL[1], \
+        (err.max().item(), err.mean().item(), f"bf16 rounding floor {floor:.3g}, ratio {err.mean().item() / floor:.3g}")
 
     dec = build_case(p, decodes=[K8 + 11 * i for i in range(16)], prefills=[], dtype=torch.bfloat16, seed=13,
                      kv_dtype=E5M2, kv_scale="tensor", num_pages=16 * (K16 // 128 + 2) + 64, width=K16 // 128 + 2)
