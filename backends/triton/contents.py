@@ -108,10 +108,13 @@ def _contents_kernel(qsl_ptr, sl_ptr, ctx_ptr, bt_ptr, s_bt_r, s_bt_b, t2r_ptr, 
             page = tl.load(bt_ptr + r * s_bt_r + c * s_bt_b, mask=inside, other=0).to(tl.int64)
             bad = inside & ((page < 0) | (page >= num_pages))
             w = tl.minimum(w, tl.min(tl.where(bad, (r << 32) + c, _code(_NO_FAULT)), axis=0))
-    # the word is host memory mapped into the device, where atomics are not portable: a plain load and
-    # store (tl_utils.load_reported_page's), so of programs that find faults at once any one may win
-    if w < tl.load(word_ptr, volatile=True):
-        tl.store(word_ptr, w)
+    # the word is host memory mapped into the device: a read of it crosses the bus (about a microsecond,
+    # and the programs' reads queue), so only a program that found a fault touches it. Atomics are not
+    # portable there: a plain load and store (tl_utils.load_reported_page's), so of programs that find
+    # faults at once any one may win
+    if w != _NO_FAULT:
+        if w < tl.load(word_ptr, volatile=True):
+            tl.store(word_ptr, w)
 
 
 def check_contents(batch: BatchMetadata, num_pages: int, word: torch.Tensor, cfg: LaunchConfig) -> None:

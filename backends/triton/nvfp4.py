@@ -48,22 +48,23 @@ def load_nvfp4_rows(byte_rows, scale_rows, s_byte, s_scale, D: tl.constexpr, DTY
     apart; ``scale_rows``: ``[R]`` pointers (float8e4nv) to each row's first scale, the next ones
     ``s_scale`` apart. ``row_mask`` (``[R]`` bool, optional): rows where it is False are not read and
     hold zeros (a zero scale, as a masked load gives).
+
+    Each element loads its own byte and scale (a byte serves two elements and a scale sixteen: the
+    repeats hit the cache), so the tile is built in its final shape: no interleave or reshape, whose
+    layouts the compiler must then convert for the dot.
     """
-    offs_b = tl.arange(0, D // 2)
-    offs_g = tl.arange(0, D // GROUP)
+    offs = tl.arange(0, D)
+    byte_at = byte_rows[:, None] + (offs // 2)[None, :] * s_byte
+    scale_at = scale_rows[:, None] + (offs // GROUP)[None, :] * s_scale
     if row_mask is None:
-        packed = tl.load(byte_rows[:, None] + offs_b[None, :] * s_byte)
-        scales = tl.load(scale_rows[:, None] + offs_g[None, :] * s_scale)
+        packed = tl.load(byte_at)
+        scales = tl.load(scale_at)
     else:
-        packed = tl.load(byte_rows[:, None] + offs_b[None, :] * s_byte, mask=row_mask[:, None], other=0)
-        scales = tl.load(scale_rows[:, None] + offs_g[None, :] * s_scale, mask=row_mask[:, None], other=0.0)
-    packed = packed.to(tl.int32)
+        packed = tl.load(byte_at, mask=row_mask[:, None], other=0)
+        scales = tl.load(scale_at, mask=row_mask[:, None], other=0.0)
     # element 2i is byte i's low nibble, 2i + 1 its high one
-    vals = tl.interleave(e2m1_times_4(packed & 15), e2m1_times_4(packed >> 4))
-    R: tl.constexpr = vals.shape[0]
-    factor = scales.to(tl.float32) * 0.25
-    grouped = tl.reshape(vals, [R, D // GROUP, GROUP]) * factor[:, :, None]
-    return tl.reshape(grouped, [R, D]).to(DTYPE)
+    codes = (packed.to(tl.int32) >> ((offs & 1) * 4)[None, :]) & 15
+    return (e2m1_times_4(codes) * (scales.to(tl.float32) * 0.25)).to(DTYPE)
 
 
 def kv_block_scale_args(caches: Any, dummy: torch.Tensor) -> tuple[tuple[Any, ...], bool]:

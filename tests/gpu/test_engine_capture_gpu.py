@@ -4,8 +4,8 @@ An engine warms the model up on a side stream, then captures with
 ``torch.cuda.graph(g)`` (a capture stream of its own, often a memory pool shared
 between graphs), under ``torch.inference_mode()`` with its tensors made there.
 Such a capture of ``mm3.SparseAttention`` must hold the same kernels as a
-capture of the bare plugin hooks (what ``mm3 bench``'s ``hooks`` rows time): no
-torch kernels of mm3's own; its replays must match the fp64 reference with new
+capture of the bare plugin hooks a step calls (its ``check_contents`` launch and
+its two ops): no torch kernels of mm3's own; its replays must match the fp64 reference with new
 inputs refilled in place; and a bad page id in a replayed step must be reported
 by ``check_page_ids()`` without faulting the GPU.
 
@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import mm3
+from mm3.contract.contents import NO_FAULT
 from mm3.contract.hookspecs import Op
 from gpu_reference import POISON_TOPK, assert_step_right, build_case
 
@@ -81,9 +82,14 @@ def test_an_engine_capture_runs_the_plugin_kernels_only(mode: str, shared_pool: 
         def layer_step() -> None:
             layer(case.q, case.index_q, case.caches, case.batch, out=out)
 
+        word = torch.full((1,), NO_FAULT, dtype=torch.int64, device="cuda")
+
         def hooks_step() -> None:
             rows = buf.rows(0, case.batch.num_tokens)
-            idx.invoke(Op.INDEX_TOPK, (case.index_q, case.caches, case.batch, P, rows, None))   # the bare hooks
+            # the bare hooks a step makes: the plugin's one-launch check of the batch's contents, then the ops
+            assert idx.check_contents is not None
+            idx.check_contents(case.batch, case.caches.num_pages, word)
+            idx.invoke(Op.INDEX_TOPK, (case.index_q, case.caches, case.batch, P, rows, None))
             att.invoke(Op.ATTENTION, (case.q, case.caches, rows, case.batch, P, out))
 
         g_hooks = _capture(hooks_step, pool)

@@ -121,7 +121,7 @@ def test_decode_captured_and_replayed_after_pages_move_in_place() -> None:
     moved.idx_k_cache.copy_(ix.view_as(moved.idx_k_cache))
     moved.case.caches.k.copy_(k)
     moved.case.caches.v.copy_(v)
-    moved.case.caches.index.copy_(ix)
+    moved.case.caches.index.copy_(ix.view_as(moved.case.caches.index))   # SGLang's keys keep a head dim of 1
     moved.case.batch.block_table.copy_(table)
     fill_req_to_token(moved.req_to_token, moved.req_slots, table, list(moved.case.batch.seq_lens_host), B)
     _replay_and_check(run, graph, moved)
