@@ -189,7 +189,8 @@ class BatchMetadata:
         ``num_pages`` is given, every block-table entry a request uses is
         checked to lie in ``[0, num_pages)``. ``slots``: a batch of token slots
         (:mod:`mm3.contract.slots`; pass an empty ``[R, 0]`` block table), whose
-        used slots are checked against ``num_pages`` one-token pages.
+        used slots are checked against ``num_pages`` one-token pages. ``device``: built and checked in host
+        memory, then moved, never waiting for the device (a table given there is read back once, to be checked).
         """
         ql = to_int_list("query_lens", query_lens)
         sl = to_int_list("seq_lens", seq_lens)
@@ -227,22 +228,24 @@ class BatchMetadata:
                 tok_pos.extend([-1] * q)
             else:
                 tok_pos.extend(range(s - q, s))
-        i32 = dict(dtype=torch.int32, device=dev)
+        i32, cpu = torch.int32, torch.device("cpu")
         ctx = [max(s - q, 0) if not (r < num_decodes and s == 0) else 0 for r, (q, s) in enumerate(zip(ql, sl))]
-        batch = cls(
-            num_decodes=num_decodes,
-            decode_query_len=decode_query_len,
-            host_lens=(tuple(ql), tuple(sl)),
-            block_size=block_size,
-            query_start_loc=torch.tensor(starts, **i32),
-            seq_lens=torch.tensor(sl, **i32),
-            context_lens=torch.tensor(ctx, **i32),
-            block_table=block_table.to(**i32).contiguous(),
-            token_to_request=torch.tensor(tok_req, **i32),
-            token_positions=torch.tensor(tok_pos, **i32),
-            slots=None if slots is None else slots.to(dev),
-        )
+        # Judged in host memory (a device batch's contents would be read back: a sync); a device table is read
+        # back once and kept, a device slot table judged where it lives (the engine's whole pool), as before.
+        where = dev if dev.type == "cpu" or (slots is not None and slots.table.device.type != "cpu") else cpu
+        there = block_table.to(dtype=i32).contiguous() if where is cpu and block_table.device.type == dev.type \
+            and dev.index in (None, block_table.device.index) else None
+        table = (block_table if there is None else there).to(dtype=i32, device=where).contiguous()
+        batch = cls(num_decodes=num_decodes, decode_query_len=decode_query_len, host_lens=(tuple(ql), tuple(sl)),
+                    block_size=block_size, **{name: torch.tensor(values, dtype=i32, device=where) for name, values in (
+                        ("query_start_loc", starts), ("seq_lens", sl), ("context_lens", ctx),
+                        ("token_to_request", tok_req), ("token_positions", tok_pos))},
+                    block_table=table, slots=None if slots is None else slots.to(where))
         check_on_host(batch, num_pages, entry="BatchMetadata.build", names=BUILD_NAMES)
+        if where is not dev:
+            if there is not None:       # judged: the table given there is the batch's, as it is
+                object.__setattr__(batch, "block_table", there)
+            batch = batch.to(dev)
         for name in (*_HOST_INTS, "facts"):  # cached now: a compiled caller reads them without running Python
             getattr(batch, name)
         return batch
@@ -275,7 +278,7 @@ class BatchMetadata:
         facts = batch_shape(query_start_loc, seq_lens, block_table, token_to_request, token_positions, context_lens,
                             num_decodes, decode_query_len, num_decode_tokens, block_size, max_prefill_query_len,
                             *(slots or (None, None)))
-        batch = cls.__new__(cls)  # the fields set directly: the custom ops assemble a batch per call
+        batch = cls.__new__(cls)  # the fields set directly: the drop-ins assemble a batch per call
         batch.__dict__.update(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
                               query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                               token_to_request=token_to_request, host_lens=None, token_positions=token_positions,
@@ -410,11 +413,14 @@ class BatchMetadata:
         return self
 
     def to(self, device: Union[str, torch.device]) -> "BatchMetadata":
-        """The same batch with its tensors on ``device``."""
-        fields = {f: getattr(self, f).to(device) for f in _TENSORS}
+        """The same batch with its tensors on ``device``; from host memory to a CUDA device without waiting for
+        the device (``non_blocking``: each copy takes the host's buffer before it returns)."""
+        nb = torch.device(device).type == "cuda"
+        fields = {f: (t := getattr(self, f)).to(device, non_blocking=nb and t.is_cpu) for f in _TENSORS}
         moved = BatchMetadata(num_decodes=self.num_decodes, decode_query_len=self.decode_query_len,
                               host_lens=self.host_lens, block_size=self.block_size, **fields,
-                              slots=None if self.slots is None else self.slots.to(device))
+                              slots=None if self.slots is None else type(self.slots)(
+                                  *(t.to(device, non_blocking=nb and t.is_cpu) for t in self.slots)))
         moved.__dict__.update({k: v for k, v in self.__dict__.items() if k in _HOST_INTS})
         return moved
 

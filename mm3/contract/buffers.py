@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Optional, Union, cast, get_args
+from typing import Any, Optional, Union, cast, get_args
 
 import torch
 
@@ -70,6 +70,11 @@ def is_dense_storage(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return stride[2] == 1 and stride[1] == shape[2] and stride[0] >= shape[1] * shape[2]
 
 
+#: the last view :class:`TopkBuffer` wrapped that passed its checks: ``(its shape, strides, dtype and device,
+#: (token_major, facts))``, one tuple swapped whole
+_LAST_VIEW: tuple[Any, Any] = ((), None)
+
+
 class TopkBuffer:
     """An int32 top-k buffer whose memory says its layout.
 
@@ -97,20 +102,36 @@ class TopkBuffer:
     __slots__ = ("_data", "_layout", "facts", "num_tokens")   # the last two worked out when built: a step reads them
 
     def __init__(self, view: torch.Tensor, layout: Optional[str] = None) -> None:
+        global _LAST_VIEW
         if layout is not None:
             raise InputError(
                 "TopkBuffer takes the logical [H, T, K] view of your memory, and reads the layout from its "
                 "strides (a label could contradict the memory: vLLM's MiniMax-M3 bug); for token-major "
                 "[T, H, K] memory pass memory.permute(1, 0, 2), for head-major [H, T, K] memory the tensor itself")
-        if not isinstance(view, torch.Tensor) or view.dim() != 3:
-            got = tuple(view.shape) if isinstance(view, torch.Tensor) else type(view).__name__
-            raise InputError(f"TopkBuffer needs the logical [H, T, K] view (a 3-D int32 tensor), got {got}")
-        token_major = view.shape[0] > 1 and view.shape[1] > 1 and view.stride(0) < view.stride(1)
-        self._data = self._checked(view.permute(1, 0, 2) if token_major else view,
-                                   "token_major" if token_major else "head_major")
+        if not isinstance(view, torch.Tensor):
+            raise InputError(f"TopkBuffer needs the logical [H, T, K] view (a 3-D int32 tensor), got "
+                             f"{type(view).__name__}")
+        # what the checks and the facts read of the view, compared whole with the last view's (wrappers are
+        # made per call: drop-ins and custom ops wrap the caller's memory every step)
+        shape = view.shape
+        key = (shape, view.stride(), view.dtype, view.device)
+        last = _LAST_VIEW
+        if key == last[0]:
+            token_major, facts = last[1]
+            data = view.permute(1, 0, 2) if token_major else view
+        else:
+            if len(shape) != 3:
+                raise InputError(f"TopkBuffer needs the logical [H, T, K] view (a 3-D int32 tensor), got "
+                                 f"{tuple(shape)}")
+            token_major = shape[0] > 1 and shape[1] > 1 and key[1][0] < key[1][1]
+            data = self._checked(view.permute(1, 0, 2) if token_major else view,
+                                 "token_major" if token_major else "head_major")
+            facts = topk_facts(data, "token_major" if token_major else "head_major")
+            _LAST_VIEW = (key, (token_major, facts))
+        self._data = data
         self._layout: TopkLayout = "token_major" if token_major else "head_major"
-        self.facts = topk_facts(self._data, self._layout)
-        self.num_tokens: int = self._data.shape[0 if token_major else 1]   # rows it holds
+        self.facts = facts
+        self.num_tokens: int = shape[1]   # rows it holds: the logical view's token axis
 
     @staticmethod
     def _checked(data: torch.Tensor, layout: str) -> torch.Tensor:

@@ -129,10 +129,19 @@ class PagedKVCache:
         """
         cache = object.__new__(cls)
         facts = cache_facts(k, v, index, k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
-        # the fields set directly (frozen: no __setattr__): the custom ops rewrap their caches every call
-        cache.__dict__.update(k=k, v=v, index=index, k_scale=k_scale, v_scale=v_scale, kv_format=facts.kv_format,
-                              k_block_scale=k_block_scale, v_block_scale=v_block_scale,
-                              index_block_scale=index_block_scale, facts=facts)
+        # the fields set directly, item by item (frozen: no __setattr__): drop-ins rewrap their caches every call
+        # (the custom ops spell the same out inline, mm3.runtime.ops)
+        d = cache.__dict__
+        d["k"] = k
+        d["v"] = v
+        d["index"] = index
+        d["k_scale"] = k_scale
+        d["v_scale"] = v_scale
+        d["k_block_scale"] = k_block_scale
+        d["v_block_scale"] = v_block_scale
+        d["index_block_scale"] = index_block_scale
+        d["kv_format"] = facts.kv_format
+        d["facts"] = facts
         return cache
 
     @classmethod

@@ -14,8 +14,11 @@ are not facts: they are judged on the device (:mod:`mm3.contract.contents`).
 
 :class:`BatchShape` and :class:`CacheFacts` are what a batch and a cache object
 work out about themselves once, when built, so a step reads them instead of
-their tensors. :class:`ArgNames` says how the caller spells each argument, so
-an error names the function and the argument the caller wrote
+their tensors; both are kept by exactly the facts they are worked out from
+(every tensor's shape, dtype and device, compared whole; never a tensor's
+identity), so the wrappers made anew for every call (the custom ops', the
+drop-ins') read them back. :class:`ArgNames` says how the caller spells each
+argument, so an error names the function and the argument the caller wrote
 (``minimax_m3_sparse_attn: output ...``), not mm3's internal names.
 
 Example:
@@ -89,6 +92,8 @@ class CacheFacts(NamedTuple):
 #: CacheFacts by the shapes, dtypes and devices they are made of: one object per value, so a step compares
 #: it with its plan's by identity (an engine's caches keep their facts for the process)
 _CACHE_FACTS: dict[tuple[Any, ...], CacheFacts] = {}
+#: the last caches' key and facts (one tuple, swapped whole), compared before the dict is hashed
+_LAST_CACHE: tuple[tuple[Any, ...], Optional[CacheFacts]] = ((), None)
 
 
 def _scale_key(t: object) -> Optional[tuple[Any, ...]]:
@@ -100,18 +105,23 @@ def cache_facts(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_scale: 
                 index_block_scale: object = None) -> CacheFacts:
     """The facts of a cache's tensors (a scale that is not a tensor has none); kept by exactly what they are
     read from (the custom ops and drop-ins make one per call)."""
+    global _LAST_CACHE
     key: tuple[Any, ...] = (k.shape, k.dtype, k.device, v.shape, v.dtype, v.device, index.shape, index.dtype,
                             index.device)
     if k_scale is not None or v_scale is not None:
         key += (_scale_key(k_scale), _scale_key(v_scale))
     if k_block_scale is not None or v_block_scale is not None or index_block_scale is not None:
         key += ("block", _scale_key(k_block_scale), _scale_key(v_block_scale), _scale_key(index_block_scale))
+    last = _LAST_CACHE
+    if key == last[0]:          # the last call's caches (every layer of an engine has caches of one kind)
+        return last[1]  # type: ignore[return-value]
     got = _CACHE_FACTS.get(key)
     if got is None:
         if len(_CACHE_FACTS) >= 1024:
             _CACHE_FACTS.clear()
         got = _CACHE_FACTS[key] = _cache_facts(k, v, index, k_scale, v_scale, k_block_scale, v_block_scale,
                                                index_block_scale)
+    _LAST_CACHE = (key, got)
     return got
 
 
@@ -196,6 +206,37 @@ class BatchShape(NamedTuple):
 
 
 _KEYS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+#: the last batch's facts and its shape: ``(facts, shape)`` (one tuple, swapped whole: a reader on another thread
+#: sees one pair or the other). The layers of a step, and the two custom ops of each, build their batches of
+#: the same tensors: every one after the first compares its facts with these and reads the shape back
+_LAST_SHAPE: tuple[tuple[Any, ...], Optional[BatchShape]] = ((), None)
+#: the shapes of the batches seen, by their facts (a few hundred bytes each; emptied when full)
+_SHAPES: dict[tuple[Any, ...], BatchShape] = {}
+#: how many items of a batch's facts (:func:`batch_facts_key`) come before a slot table's
+BATCH_KEY_LEN = 23
+
+
+def batch_facts_key(qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torch.Tensor, pos: torch.Tensor,
+                    ctx: Optional[torch.Tensor], num_decodes: int, decode_query_len: int, num_decode_tokens: int,
+                    block_size: int, max_prefill_query_len: int, slot_table: Optional[torch.Tensor] = None,
+                    slot_rows: Optional[torch.Tensor] = None) -> tuple[Any, ...]:
+    """Everything :func:`batch_shape` reads of a batch, as one tuple (compared whole, never by a tensor's
+    identity): each tensor's shape, then their dtypes, then their devices (``None`` for context lengths the
+    batch derives), the five host ints and, for token slots, the slot table's and rows' shape, dtype and
+    device. The custom ops spell the same tuple out inline (:mod:`mm3.runtime.ops`)."""
+    if ctx is None:
+        key: tuple[Any, ...] = (qsl.shape, sl.shape, bt.shape, t2r.shape, pos.shape, None, qsl.dtype, sl.dtype,
+                                bt.dtype, t2r.dtype, pos.dtype, None, qsl.device, sl.device, bt.device, t2r.device,
+                                pos.device, None, num_decodes, decode_query_len, num_decode_tokens, block_size,
+                                max_prefill_query_len)
+    else:
+        key = (qsl.shape, sl.shape, bt.shape, t2r.shape, pos.shape, ctx.shape, qsl.dtype, sl.dtype, bt.dtype,
+               t2r.dtype, pos.dtype, ctx.dtype, qsl.device, sl.device, bt.device, t2r.device, pos.device, ctx.device,
+               num_decodes, decode_query_len, num_decode_tokens, block_size, max_prefill_query_len)
+    if slot_table is not None:
+        key += (slot_table.shape, slot_table.dtype, slot_table.device,
+                slot_rows.shape, slot_rows.dtype, slot_rows.device)  # type: ignore[union-attr]
+    return key
 
 
 def batch_shape(qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torch.Tensor, pos: torch.Tensor,
@@ -203,34 +244,67 @@ def batch_shape(qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: torc
                 block_size: int, max_prefill_query_len: int, slot_table: Optional[torch.Tensor] = None,
                 slot_rows: Optional[torch.Tensor] = None) -> BatchShape:
     """A batch's :class:`BatchShape` from its tensors and host ints (``ctx``: ``None`` when derived;
-    ``slot_table``/``slot_rows``: a batch of token slots); spelled out, not looped: the custom ops assemble
-    a batch per call."""
-    sq, ss, sb, st, sp = qsl.shape, sl.shape, bt.shape, t2r.shape, pos.shape
-    T = sp[0] if len(sp) == 1 else -1
-    R = ss[0] if len(ss) == 1 else -1
-    nd, dql, ndt = num_decodes, decode_query_len, num_decode_tokens
-    key = (block_size, qsl.dtype, qsl.device, len(sq), sl.dtype, sl.device, len(ss), bt.dtype, bt.device, len(sb),
-           t2r.dtype, t2r.device, len(st), pos.dtype, pos.device, len(sp),
-           None if ctx is None else (ctx.dtype, ctx.device, ctx.dim()))
-    slots = slot_table is not None
-    if slots:
-        key += (slot_table.dtype, slot_table.device, slot_table.dim(), slot_rows.dtype,  # type: ignore[union-attr]
-                slot_rows.device, slot_rows.dim())  # type: ignore[union-attr]
-    got = _KEYS.get(key)       # one object per value: a step compares it by identity
+    ``slot_table``/``slot_rows``: a batch of token slots): :func:`shape_of_facts` of their
+    :func:`batch_facts_key`."""
+    return shape_of_facts(batch_facts_key(qsl, sl, bt, t2r, pos, ctx, num_decodes, decode_query_len,
+                                          num_decode_tokens, block_size, max_prefill_query_len, slot_table,
+                                          slot_rows))
+
+
+def shape_of_facts(key: tuple[Any, ...]) -> BatchShape:
+    """The :class:`BatchShape` of a batch of facts ``key`` (:func:`batch_facts_key`): the last one's again when
+    ``key`` equals the last batch's facts (item by item, no hashing), else one of the same facts seen before
+    (an engine's steps come back to the same counts), else worked out from ``key`` alone."""
+    global _LAST_SHAPE
+    last = _LAST_SHAPE
+    if key == last[0]:
+        return last[1]  # type: ignore[return-value]
+    got = _SHAPES.get(key)
     if got is None:
-        if len(_KEYS) >= 1024:
-            _KEYS.clear()
-        got = _KEYS[key] = key
-    consistent = (T >= 0 and R >= 0 and sq[0] == R + 1 and sb[0] == R and st[0] == T
-                  and (ctx is None or ctx.shape[0] == R) and 0 <= nd <= R and (not nd or dql >= 1)
-                  and 0 <= ndt <= min(T, nd * dql))
-    width = sb[1] if len(sb) == 2 else 0
+        if len(_SHAPES) >= 1024:
+            _SHAPES.clear()
+        got = _SHAPES[key] = _work_out(key, last[1])
+    _LAST_SHAPE = (key, got)
+    return got
+
+
+_new_tuple = tuple.__new__
+
+
+def _work_out(key: tuple[Any, ...], last: Optional[BatchShape]) -> BatchShape:
+    """:class:`BatchShape` from the facts alone (:func:`batch_facts_key`'s order); ``last``: the last batch's
+    shape, whose :attr:`~BatchShape.key` (and so whether the block table is in host memory) is this one's too
+    when only counts changed, as from one step of an engine to the next."""
+    sq, ss, sb, st, sp, sc = key[:6]
+    nd, dql, ndt, block_size, mpql = key[18:BATCH_KEY_LEN]
+    dq, db, dt, dp = len(sq), len(sb), len(st), len(sp)
+    T = sp[0] if dp == 1 else -1
+    R = ss[0] if len(ss) == 1 else -1
+    # the facts no engine's traffic changes: the dtypes and devices, the block size, each tensor's dims
+    static = key[6:18] + (block_size, dq, len(ss), db, dt, dp, None if sc is None else len(sc))
+    slots = len(key) > BATCH_KEY_LEN
     if slots:
-        st_shape = slot_table.shape  # type: ignore[union-attr]
-        consistent = consistent and slot_rows.shape == (R,) and len(st_shape) == 2  # type: ignore[union-attr]
-        width = st_shape[1] if len(st_shape) == 2 else 0
-    return BatchShape(got, T, R, nd, dql, batch_kind(R, nd, dql), consistent, bt.is_cpu, block_size,
-                      width, ndt, max_prefill_query_len, "slots" if slots else "pages")
+        sts, std, stv, srs, srd, srv = key[BATCH_KEY_LEN:]
+        static += (std, stv, len(sts), srd, srv, len(srs))
+    if last is not None and static == last.key:
+        static, host = last.key, last.host      # one object per value: a step compares it by identity
+    else:
+        got = _KEYS.get(static)
+        if got is None:
+            if len(_KEYS) >= 1024:
+                _KEYS.clear()
+            got = _KEYS[static] = static
+        static, host = got, key[14].type == "cpu"     # the block table's device
+    consistent = (T >= 0 and R >= 0 and dq == 1 and sq[0] == R + 1 and db >= 1 and sb[0] == R and dt == 1
+                  and st[0] == T and (sc is None or (len(sc) >= 1 and sc[0] == R)) and 0 <= nd <= R
+                  and (not nd or dql >= 1) and 0 <= ndt <= min(T, nd * dql))
+    width = sb[1] if db == 2 else 0
+    if slots:
+        consistent = consistent and srs == (R,) and len(sts) == 2
+        width = sts[1] if len(sts) == 2 else 0
+    # the fields in order, without BatchShape's keyword-taking constructor (a Python function)
+    return _new_tuple(BatchShape, (static, T, R, nd, dql, batch_kind(R, nd, dql), consistent, host, block_size,
+                                   width, ndt, mpql, "slots" if slots else "pages"))
 
 
 class LayerFacts(NamedTuple):

@@ -41,21 +41,24 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
+from mm3.contract import facts as _facts
 from mm3.contract.batch import BatchMetadata
-from mm3.contract.buffers import PagedKVCache
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import InputError
-from mm3.contract.facts import OPS_NAMES
+from mm3.contract.facts import OPS_NAMES, cache_facts, shape_of_facts
 from mm3.contract.hookspecs import Op
 from mm3.runtime.step import OpTarget
 
 __all__ = ["OpTarget", "batch_args", "batch_from_args", "register", "lookup"]
 
-# the live targets by handle: an op names its target by an int (a schema takes no Python object)
-_TARGETS: "weakref.WeakValueDictionary[int, OpTarget]" = weakref.WeakValueDictionary()
+# the live targets by handle: an op names its target by an int (a schema takes no Python object). A plain dict
+# of weak references, each removing its entry when its target dies: an op's lookup is one dict read and one
+# call (a WeakValueDictionary's get runs Python code)
+_TARGETS: "dict[int, weakref.ReferenceType[OpTarget]]" = {}
 _NEXT = itertools.count(1)
 _LOCK = threading.Lock()
 
@@ -64,14 +67,15 @@ def register(target: OpTarget) -> int:
     """Give ``target`` a handle the ops can name it by (its :attr:`~OpTarget.handle`); it stays
     registered while its owner holds it."""
     with _LOCK:
-        target.handle = next(_NEXT)
-        _TARGETS[target.handle] = target
-    return target.handle
+        handle = target.handle = next(_NEXT)
+        _TARGETS[handle] = weakref.ref(target, lambda _, h=handle: _TARGETS.pop(h, None))  # type: ignore[misc]
+    return handle
 
 
 def lookup(handle: int) -> OpTarget:
     """The live target registered under ``handle``; :class:`~mm3.InputError` names a dead or unknown one."""
-    target = _TARGETS.get(handle)
+    ref = _TARGETS.get(handle)
+    target = None if ref is None else ref()
     if target is None:
         raise InputError(f"mm3 op handle {handle} names no live layer; pass layer.op_target.handle of a "
                          f"SparseAttention that is still alive")
@@ -104,12 +108,12 @@ def batch_from_args(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, conte
                     max_prefill_query_len: int, block_size: int) -> BatchMetadata:
     """The inverse of :func:`batch_args` (host lengths are read back only if a backend asks).
 
-    A new batch every call, as the ops build their cache and top-k wrappers anew: nothing they
-    are given is kept past the call. Under ``torch.compile``'s CUDA graphs (``mode="reduce-overhead"``)
-    an argument may live in the graph's memory pool, and a reference kept across steps is an
-    allocation the graph does not own (H200: "6 tensors in the cudagraph pool not tracked as
-    outputs"); and an engine may refill the tensors in place, so host facts read from their
-    contents must be read afresh.
+    A new batch every call (the ops build the same one inline, each tensor's facts read once), as
+    they build their cache and top-k wrappers anew: nothing they are given is kept past the call.
+    Under ``torch.compile``'s CUDA graphs (``mode="reduce-overhead"``) an argument may live in the
+    graph's memory pool, and a reference kept across steps is an allocation the graph does not own
+    (H200: "6 tensors in the cudagraph pool not tracked as outputs"); and an engine may refill the
+    tensors in place, so host facts read from their contents must be read afresh.
     """
     return BatchMetadata.assemble(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
                                   token_positions, num_decodes=num_decodes, decode_query_len=decode_query_len,
@@ -121,9 +125,35 @@ def batch_from_args(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, conte
 _INDEX_ENTRY, _INDEX_OPS = "torch.ops.mm3.index_topk", (Op.INDEX_TOPK,)
 _ATTENTION_ENTRY, _ATTENTION_OPS = "torch.ops.mm3.attention", (Op.ATTENTION,)
 
+_new = object.__new__
+#: whether the current CUDA stream is being captured in a graph (asked of a call whose queries are on a CUDA device)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+#: the facts of the last op call's caches (each tensor's shape, dtype and device, the scales') and what they make,
+#: ``(facts, CacheFacts)``, one tuple swapped whole; the batch's are :func:`~mm3.contract.facts.shape_of_facts`'s.
+#: The two ops of a step, and every layer's, take the same batch and caches of one kind: each call compares its
+#: facts with the last, item by item (never a tensor's identity: an engine refills its tensors in place, and a
+#: tensor kept past its call would be an allocation a CUDA graph's pool does not own), and reads what they make back
+_LAST_CACHES: tuple[tuple[Any, ...], Any] = ((), None)
 
-def _graph(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+def _scale_facts(ks: Optional[torch.Tensor], vs: Optional[torch.Tensor], kb: Optional[torch.Tensor],
+                 vb: Optional[torch.Tensor], ib: Optional[torch.Tensor]) -> tuple[Any, ...]:
+    """The scales' shapes, dtypes and devices (``None`` for a scale not given): fp8's and NVFP4's caches."""
+    return (None if ks is None else (ks.shape, ks.dtype, ks.device),
+            None if vs is None else (vs.shape, vs.dtype, vs.device),
+            None if kb is None else (kb.shape, kb.dtype, kb.device),
+            None if vb is None else (vb.shape, vb.dtype, vb.device),
+            None if ib is None else (ib.shape, ib.dtype, ib.device))
+
+
+def _cache_facts_of(key: tuple[Any, ...], k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                    ks: Optional[torch.Tensor], vs: Optional[torch.Tensor], kb: Optional[torch.Tensor],
+                    vb: Optional[torch.Tensor], ib: Optional[torch.Tensor]) -> Any:
+    """The facts of caches whose ``key`` is not the last call's (:func:`~mm3.contract.facts.cache_facts`)."""
+    global _LAST_CACHES
+    cf = cache_facts(k, v, index, ks, vs, kb, vb, ib)
+    _LAST_CACHES = (key, cf)
+    return cf
 
 
 # Defined with torch.library.Library rather than the custom_op decorator: the decorator's eager
@@ -142,23 +172,72 @@ _LIB.define(f"index_topk(Tensor index_q, {_CACHES}, Tensor(a!) topk, {_BATCH}, {
 _LIB.define(f"attention(Tensor q, {_CACHES}, Tensor topk, {_BATCH}, Tensor(a!) out, {_SCALES}) -> ()")
 
 
-def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
-               topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-               context_lens: torch.Tensor, block_table: torch.Tensor, token_to_request: torch.Tensor,
-               token_positions: torch.Tensor, num_decodes: int, decode_query_len: int, num_decode_tokens: int,
-               max_prefill_query_len: int, block_size: int, handle: int,
+def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, topk: torch.Tensor,
+               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
+               block_table: torch.Tensor, token_to_request: torch.Tensor, token_positions: torch.Tensor,
+               num_decodes: int, decode_query_len: int, num_decode_tokens: int, max_prefill_query_len: int,
+               block_size: int, handle: int,
                k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
                k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
                index_block_scale: Optional[torch.Tensor] = None) -> None:
     """The indexer of the bound backend ``handle``: writes rows ``[0, T)`` of the top-k storage ``topk``."""
-    target = lookup(handle)
-    batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
-                            token_positions, num_decodes, decode_query_len, num_decode_tokens,
-                            max_prefill_query_len, block_size)
-    caches = PagedKVCache.rewrap(k, v, index, k_scale, v_scale, k_block_scale=k_block_scale,
-                                 v_block_scale=v_block_scale, index_block_scale=index_block_scale)
-    target.run(_INDEX_ENTRY, _INDEX_OPS, caches=caches, batch=batch, topk=target.topk_of(topk, _INDEX_ENTRY),
-               index_q=index_q, graph=_graph(index_q), names=OPS_NAMES)
+    # Spelled out in both ops (a call costs a Python frame): the target; the facts of every cache and batch
+    # tensor, each read once, and what they make (the last call's again where they are the last call's); the
+    # caches and batch PagedKVCache.rewrap and BatchMetadata.assemble make, field for field; the top-k buffer
+    # OpTarget.topk_of makes (the owner's when topk is its storage: the very tensor, or its address, shape
+    # and strides; else the caller's memory read through its strides); then the boundary.
+    ref = _TARGETS.get(handle)
+    target = None if ref is None else ref()
+    if target is None:
+        target = lookup(handle)      # raises, naming the handle
+    key: tuple[Any, ...] = (k.shape, k.dtype, k.device, v.shape, v.dtype, v.device, index.shape, index.dtype,
+                            index.device)
+    if k_scale is not None or v_scale is not None or k_block_scale is not None or v_block_scale is not None or \
+            index_block_scale is not None:
+        key += _scale_facts(k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
+    last = _LAST_CACHES
+    cf = last[1] if key == last[0] else _cache_facts_of(key, k, v, index, k_scale, v_scale, k_block_scale,
+                                                        v_block_scale, index_block_scale)
+    qsl, sl, ctx, bt = query_start_loc, seq_lens, context_lens, block_table
+    t2r, pos = token_to_request, token_positions
+    key = (qsl.shape, sl.shape, bt.shape, t2r.shape, pos.shape, ctx.shape, qsl.dtype, sl.dtype, bt.dtype, t2r.dtype,
+           pos.dtype, ctx.dtype, qsl.device, sl.device, bt.device, t2r.device, pos.device, ctx.device, num_decodes,
+           decode_query_len, num_decode_tokens, block_size, max_prefill_query_len)   # batch_facts_key's order
+    last = _facts._LAST_SHAPE
+    shape = last[1] if key == last[0] else shape_of_facts(key)
+    batch = _new(BatchMetadata)      # frozen dataclasses (no __setattr__): their fields set item by item
+    d = batch.__dict__
+    d["num_decodes"] = num_decodes
+    d["decode_query_len"] = decode_query_len
+    d["block_size"] = block_size
+    d["query_start_loc"] = qsl
+    d["seq_lens"] = sl
+    d["context_lens"] = ctx
+    d["block_table"] = bt
+    d["token_to_request"] = t2r
+    d["token_positions"] = pos
+    d["host_lens"] = d["slots"] = None
+    d["num_decode_tokens"] = num_decode_tokens
+    d["max_prefill_query_len"] = max_prefill_query_len
+    d["facts"] = shape
+    caches = _new(PagedKVCache)
+    d = caches.__dict__
+    d["k"] = k
+    d["v"] = v
+    d["index"] = index
+    d["k_scale"] = k_scale
+    d["v_scale"] = v_scale
+    d["k_block_scale"] = k_block_scale
+    d["v_block_scale"] = v_block_scale
+    d["index_block_scale"] = index_block_scale
+    d["kv_format"] = cf.kv_format
+    d["facts"] = cf
+    own = target.topk
+    if own is None or not (topk is (s := own._data) or (
+            topk.data_ptr() == s.data_ptr() and topk.shape == s.shape and topk.stride() == s.stride())):
+        own = target.topk_of(topk, _INDEX_ENTRY)
+    target.run(_INDEX_ENTRY, _INDEX_OPS, caches=caches, batch=batch, topk=own, index_q=index_q,
+               graph=index_q.is_cuda and _capturing(), names=OPS_NAMES)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, topk: torch.Tensor,
@@ -170,14 +249,63 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Te
               k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
               index_block_scale: Optional[torch.Tensor] = None) -> None:
     """The attention of the bound backend ``handle``: reads the top-k storage, writes ``out[:T]``."""
-    target = lookup(handle)
-    batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
-                            token_positions, num_decodes, decode_query_len, num_decode_tokens,
-                            max_prefill_query_len, block_size)
-    caches = PagedKVCache.rewrap(k, v, index, k_scale, v_scale, k_block_scale=k_block_scale,
-                                 v_block_scale=v_block_scale, index_block_scale=index_block_scale)
-    target.run(_ATTENTION_ENTRY, _ATTENTION_OPS, caches=caches, batch=batch,
-               topk=target.topk_of(topk, _ATTENTION_ENTRY), q=q, out=out, graph=_graph(q), names=OPS_NAMES)
+    # Spelled out in both ops (a call costs a Python frame): the target; the facts of every cache and batch
+    # tensor, each read once, and what they make (the last call's again where they are the last call's); the
+    # caches and batch PagedKVCache.rewrap and BatchMetadata.assemble make, field for field; the top-k buffer
+    # OpTarget.topk_of makes (the owner's when topk is its storage: the very tensor, or its address, shape
+    # and strides; else the caller's memory read through its strides); then the boundary.
+    ref = _TARGETS.get(handle)
+    target = None if ref is None else ref()
+    if target is None:
+        target = lookup(handle)      # raises, naming the handle
+    key: tuple[Any, ...] = (k.shape, k.dtype, k.device, v.shape, v.dtype, v.device, index.shape, index.dtype,
+                            index.device)
+    if k_scale is not None or v_scale is not None or k_block_scale is not None or v_block_scale is not None or \
+            index_block_scale is not None:
+        key += _scale_facts(k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
+    last = _LAST_CACHES
+    cf = last[1] if key == last[0] else _cache_facts_of(key, k, v, index, k_scale, v_scale, k_block_scale,
+                                                        v_block_scale, index_block_scale)
+    qsl, sl, ctx, bt = query_start_loc, seq_lens, context_lens, block_table
+    t2r, pos = token_to_request, token_positions
+    key = (qsl.shape, sl.shape, bt.shape, t2r.shape, pos.shape, ctx.shape, qsl.dtype, sl.dtype, bt.dtype, t2r.dtype,
+           pos.dtype, ctx.dtype, qsl.device, sl.device, bt.device, t2r.device, pos.device, ctx.device, num_decodes,
+           decode_query_len, num_decode_tokens, block_size, max_prefill_query_len)   # batch_facts_key's order
+    last = _facts._LAST_SHAPE
+    shape = last[1] if key == last[0] else shape_of_facts(key)
+    batch = _new(BatchMetadata)      # frozen dataclasses (no __setattr__): their fields set item by item
+    d = batch.__dict__
+    d["num_decodes"] = num_decodes
+    d["decode_query_len"] = decode_query_len
+    d["block_size"] = block_size
+    d["query_start_loc"] = qsl
+    d["seq_lens"] = sl
+    d["context_lens"] = ctx
+    d["block_table"] = bt
+    d["token_to_request"] = t2r
+    d["token_positions"] = pos
+    d["host_lens"] = d["slots"] = None
+    d["num_decode_tokens"] = num_decode_tokens
+    d["max_prefill_query_len"] = max_prefill_query_len
+    d["facts"] = shape
+    caches = _new(PagedKVCache)
+    d = caches.__dict__
+    d["k"] = k
+    d["v"] = v
+    d["index"] = index
+    d["k_scale"] = k_scale
+    d["v_scale"] = v_scale
+    d["k_block_scale"] = k_block_scale
+    d["v_block_scale"] = v_block_scale
+    d["index_block_scale"] = index_block_scale
+    d["kv_format"] = cf.kv_format
+    d["facts"] = cf
+    own = target.topk
+    if own is None or not (topk is (s := own._data) or (
+            topk.data_ptr() == s.data_ptr() and topk.shape == s.shape and topk.stride() == s.stride())):
+        own = target.topk_of(topk, _ATTENTION_ENTRY)
+    target.run(_ATTENTION_ENTRY, _ATTENTION_OPS, caches=caches, batch=batch, topk=own, q=q, out=out,
+               graph=q.is_cuda and _capturing(), names=OPS_NAMES)
 
 
 _LIB.impl("index_topk", index_topk, "CompositeExplicitAutograd")
