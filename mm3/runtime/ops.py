@@ -41,15 +41,14 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
-from mm3.contract import facts as _facts
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import InputError
-from mm3.contract.facts import OPS_NAMES, cache_facts, shape_of_facts
+from mm3.contract.facts import OPS_NAMES
 from mm3.contract.hookspecs import Op
 from mm3.runtime.step import OpTarget
 
@@ -125,35 +124,32 @@ def batch_from_args(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, conte
 _INDEX_ENTRY, _INDEX_OPS = "torch.ops.mm3.index_topk", (Op.INDEX_TOPK,)
 _ATTENTION_ENTRY, _ATTENTION_OPS = "torch.ops.mm3.attention", (Op.ATTENTION,)
 
-_new = object.__new__
-#: whether the current CUDA stream is being captured in a graph (asked of a call whose queries are on a CUDA device)
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
-#: the facts of the last op call's caches (each tensor's shape, dtype and device, the scales') and what they make,
-#: ``(facts, CacheFacts)``, one tuple swapped whole; the batch's are :func:`~mm3.contract.facts.shape_of_facts`'s.
-#: The two ops of a step, and every layer's, take the same batch and caches of one kind: each call compares its
-#: facts with the last, item by item (never a tensor's identity: an engine refills its tensors in place, and a
-#: tensor kept past its call would be an allocation a CUDA graph's pool does not own), and reads what they make back
-_LAST_CACHES: tuple[tuple[Any, ...], Any] = ((), None)
 
 
-def _scale_facts(ks: Optional[torch.Tensor], vs: Optional[torch.Tensor], kb: Optional[torch.Tensor],
-                 vb: Optional[torch.Tensor], ib: Optional[torch.Tensor]) -> tuple[Any, ...]:
-    """The scales' shapes, dtypes and devices (``None`` for a scale not given): fp8's and NVFP4's caches."""
-    return (None if ks is None else (ks.shape, ks.dtype, ks.device),
-            None if vs is None else (vs.shape, vs.dtype, vs.device),
-            None if kb is None else (kb.shape, kb.dtype, kb.device),
-            None if vb is None else (vb.shape, vb.dtype, vb.device),
-            None if ib is None else (ib.shape, ib.dtype, ib.device))
-
-
-def _cache_facts_of(key: tuple[Any, ...], k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
-                    ks: Optional[torch.Tensor], vs: Optional[torch.Tensor], kb: Optional[torch.Tensor],
-                    vb: Optional[torch.Tensor], ib: Optional[torch.Tensor]) -> Any:
-    """The facts of caches whose ``key`` is not the last call's (:func:`~mm3.contract.facts.cache_facts`)."""
-    global _LAST_CACHES
-    cf = cache_facts(k, v, index, ks, vs, kb, vb, ib)
-    _LAST_CACHES = (key, cf)
-    return cf
+def _call_parts(handle: int, entry: str, topk: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
+                block_table: torch.Tensor, token_to_request: torch.Tensor, token_positions: torch.Tensor,
+                num_decodes: int, decode_query_len: int, num_decode_tokens: int, max_prefill_query_len: int,
+                block_size: int, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                k_block_scale: Optional[torch.Tensor], v_block_scale: Optional[torch.Tensor],
+                index_block_scale: Optional[torch.Tensor]) -> tuple[OpTarget, PagedKVCache, BatchMetadata, TopkBuffer]:
+    """What an op's call runs on: its target, caches, batch and top-k buffer (the owner's when ``topk`` is its
+    storage: the very tensor, or its address, shape and strides; else the caller's memory read through its
+    strides). Both wrappers are made anew each call and read their facts back from the last call's
+    (:func:`~mm3.contract.facts.cache_facts`, :func:`~mm3.contract.facts.shape_of_facts`)."""
+    ref = _TARGETS.get(handle)
+    target = None if ref is None else ref()
+    if target is None:
+        target = lookup(handle)      # raises, naming the handle
+    caches = PagedKVCache.rewrap(k, v, index, k_scale, v_scale, k_block_scale=k_block_scale,
+                                 v_block_scale=v_block_scale, index_block_scale=index_block_scale)
+    batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request, token_positions,
+                            num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len, block_size)
+    own = target.topk
+    if own is None or not (topk is (s := own.storage) or (
+            topk.data_ptr() == s.data_ptr() and topk.shape == s.shape and topk.stride() == s.stride())):
+        own = target.topk_of(topk, entry)
+    return target, caches, batch, own
 
 
 # Defined with torch.library.Library rather than the custom_op decorator: the decorator's eager
@@ -181,63 +177,11 @@ def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
                k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
                index_block_scale: Optional[torch.Tensor] = None) -> None:
     """The indexer of the bound backend ``handle``: writes rows ``[0, T)`` of the top-k storage ``topk``."""
-    # Spelled out in both ops (a call costs a Python frame): the target; the facts of every cache and batch
-    # tensor, each read once, and what they make (the last call's again where they are the last call's); the
-    # caches and batch PagedKVCache.rewrap and BatchMetadata.assemble make, field for field; the top-k buffer
-    # OpTarget.topk_of makes (the owner's when topk is its storage: the very tensor, or its address, shape
-    # and strides; else the caller's memory read through its strides); then the boundary.
-    ref = _TARGETS.get(handle)
-    target = None if ref is None else ref()
-    if target is None:
-        target = lookup(handle)      # raises, naming the handle
-    key: tuple[Any, ...] = (k.shape, k.dtype, k.device, v.shape, v.dtype, v.device, index.shape, index.dtype,
-                            index.device)
-    if k_scale is not None or v_scale is not None or k_block_scale is not None or v_block_scale is not None or \
-            index_block_scale is not None:
-        key += _scale_facts(k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
-    last = _LAST_CACHES
-    cf = last[1] if key == last[0] else _cache_facts_of(key, k, v, index, k_scale, v_scale, k_block_scale,
-                                                        v_block_scale, index_block_scale)
-    qsl, sl, ctx, bt = query_start_loc, seq_lens, context_lens, block_table
-    t2r, pos = token_to_request, token_positions
-    key = (qsl.shape, sl.shape, bt.shape, t2r.shape, pos.shape, ctx.shape, qsl.dtype, sl.dtype, bt.dtype, t2r.dtype,
-           pos.dtype, ctx.dtype, qsl.device, sl.device, bt.device, t2r.device, pos.device, ctx.device, num_decodes,
-           decode_query_len, num_decode_tokens, block_size, max_prefill_query_len)   # batch_facts_key's order
-    last = _facts._LAST_SHAPE
-    shape = last[1] if key == last[0] else shape_of_facts(key)
-    batch = _new(BatchMetadata)      # frozen dataclasses (no __setattr__): their fields set item by item
-    d = batch.__dict__
-    d["num_decodes"] = num_decodes
-    d["decode_query_len"] = decode_query_len
-    d["block_size"] = block_size
-    d["query_start_loc"] = qsl
-    d["seq_lens"] = sl
-    d["context_lens"] = ctx
-    d["block_table"] = bt
-    d["token_to_request"] = t2r
-    d["token_positions"] = pos
-    d["host_lens"] = d["slots"] = None
-    d["num_decode_tokens"] = num_decode_tokens
-    d["max_prefill_query_len"] = max_prefill_query_len
-    d["facts"] = shape
-    caches = _new(PagedKVCache)
-    d = caches.__dict__
-    d["k"] = k
-    d["v"] = v
-    d["index"] = index
-    d["k_scale"] = k_scale
-    d["v_scale"] = v_scale
-    d["k_block_scale"] = k_block_scale
-    d["v_block_scale"] = v_block_scale
-    d["index_block_scale"] = index_block_scale
-    d["kv_format"] = cf.kv_format
-    d["facts"] = cf
-    own = target.topk
-    if own is None or not (topk is (s := own._data) or (
-            topk.data_ptr() == s.data_ptr() and topk.shape == s.shape and topk.stride() == s.stride())):
-        own = target.topk_of(topk, _INDEX_ENTRY)
-    target.run(_INDEX_ENTRY, _INDEX_OPS, caches=caches, batch=batch, topk=own, index_q=index_q,
-               graph=index_q.is_cuda and _capturing(), names=OPS_NAMES)
+    target, caches, batch, own = _call_parts(
+        handle, _INDEX_ENTRY, topk, k, v, index, query_start_loc, seq_lens, context_lens, block_table,
+        token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len,
+        block_size, k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
+    target.run(_INDEX_ENTRY, _INDEX_OPS, caches=caches, batch=batch, topk=own, index_q=index_q, names=OPS_NAMES)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, topk: torch.Tensor,
@@ -249,63 +193,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Te
               k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
               index_block_scale: Optional[torch.Tensor] = None) -> None:
     """The attention of the bound backend ``handle``: reads the top-k storage, writes ``out[:T]``."""
-    # Spelled out in both ops (a call costs a Python frame): the target; the facts of every cache and batch
-    # tensor, each read once, and what they make (the last call's again where they are the last call's); the
-    # caches and batch PagedKVCache.rewrap and BatchMetadata.assemble make, field for field; the top-k buffer
-    # OpTarget.topk_of makes (the owner's when topk is its storage: the very tensor, or its address, shape
-    # and strides; else the caller's memory read through its strides); then the boundary.
-    ref = _TARGETS.get(handle)
-    target = None if ref is None else ref()
-    if target is None:
-        target = lookup(handle)      # raises, naming the handle
-    key: tuple[Any, ...] = (k.shape, k.dtype, k.device, v.shape, v.dtype, v.device, index.shape, index.dtype,
-                            index.device)
-    if k_scale is not None or v_scale is not None or k_block_scale is not None or v_block_scale is not None or \
-            index_block_scale is not None:
-        key += _scale_facts(k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
-    last = _LAST_CACHES
-    cf = last[1] if key == last[0] else _cache_facts_of(key, k, v, index, k_scale, v_scale, k_block_scale,
-                                                        v_block_scale, index_block_scale)
-    qsl, sl, ctx, bt = query_start_loc, seq_lens, context_lens, block_table
-    t2r, pos = token_to_request, token_positions
-    key = (qsl.shape, sl.shape, bt.shape, t2r.shape, pos.shape, ctx.shape, qsl.dtype, sl.dtype, bt.dtype, t2r.dtype,
-           pos.dtype, ctx.dtype, qsl.device, sl.device, bt.device, t2r.device, pos.device, ctx.device, num_decodes,
-           decode_query_len, num_decode_tokens, block_size, max_prefill_query_len)   # batch_facts_key's order
-    last = _facts._LAST_SHAPE
-    shape = last[1] if key == last[0] else shape_of_facts(key)
-    batch = _new(BatchMetadata)      # frozen dataclasses (no __setattr__): their fields set item by item
-    d = batch.__dict__
-    d["num_decodes"] = num_decodes
-    d["decode_query_len"] = decode_query_len
-    d["block_size"] = block_size
-    d["query_start_loc"] = qsl
-    d["seq_lens"] = sl
-    d["context_lens"] = ctx
-    d["block_table"] = bt
-    d["token_to_request"] = t2r
-    d["token_positions"] = pos
-    d["host_lens"] = d["slots"] = None
-    d["num_decode_tokens"] = num_decode_tokens
-    d["max_prefill_query_len"] = max_prefill_query_len
-    d["facts"] = shape
-    caches = _new(PagedKVCache)
-    d = caches.__dict__
-    d["k"] = k
-    d["v"] = v
-    d["index"] = index
-    d["k_scale"] = k_scale
-    d["v_scale"] = v_scale
-    d["k_block_scale"] = k_block_scale
-    d["v_block_scale"] = v_block_scale
-    d["index_block_scale"] = index_block_scale
-    d["kv_format"] = cf.kv_format
-    d["facts"] = cf
-    own = target.topk
-    if own is None or not (topk is (s := own._data) or (
-            topk.data_ptr() == s.data_ptr() and topk.shape == s.shape and topk.stride() == s.stride())):
-        own = target.topk_of(topk, _ATTENTION_ENTRY)
-    target.run(_ATTENTION_ENTRY, _ATTENTION_OPS, caches=caches, batch=batch, topk=own, q=q, out=out,
-               graph=q.is_cuda and _capturing(), names=OPS_NAMES)
+    target, caches, batch, own = _call_parts(
+        handle, _ATTENTION_ENTRY, topk, k, v, index, query_start_loc, seq_lens, context_lens, block_table,
+        token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len,
+        block_size, k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
+    target.run(_ATTENTION_ENTRY, _ATTENTION_OPS, caches=caches, batch=batch, topk=own, q=q, out=out, names=OPS_NAMES)
 
 
 _LIB.impl("index_topk", index_topk, "CompositeExplicitAutograd")
