@@ -707,6 +707,31 @@ class SglangPrefillRow(SglangDecodeRow):
         return self._extend(s, qsl, sl, self.pool, self._slots(s), self.caches)
 
 
+
+class StubHooksRow(LayerRow):
+    """The stub's hooks alone, called as a layer's step calls them (``check_contents``, ``index_topk``,
+    ``attention``) on the step's batch: what a layer row costs besides mm3's own work, so the layer's row
+    less this one is mm3's host time over the hooks."""
+
+    def __init__(self, setup: Setup) -> None:
+        if setup.backend_name != "stub" or not CONTENTS_HOOK:
+            raise Unavailable("stub backend with a check_contents hook only")
+        super().__init__(setup)
+
+    def _call(self, s: StreamStep, b: Any, caches: mm3.PagedKVCache) -> Call:
+        T, p, stub = s.num_tokens, self.setup.params, self.stub
+        q, iq, out = self.q[:T], self.iq[:T], self.out[:T]
+        rows = self.layer.topk_buffer.rows(0, T)
+        word = torch.zeros(1, dtype=torch.int64)
+        num_pages = caches.k.shape[0]
+        check, index, attend = stub.check_contents, stub.index_topk, stub.attention_forward
+
+        def hooks() -> None:
+            check(b, num_pages, word)
+            index(iq, caches, b, p, rows)
+            attend(q, caches, rows, b, p, out)
+        return hooks if not stub.real else (lambda: self.layer(q, iq, caches, b, out))
+
 #: the rows by name, each made fresh for a run (raising :class:`Unavailable` or ImportError where this
 #: checkout lacks the entry point)
 ROWS: dict[str, Callable[[Setup], Row]] = {
@@ -717,6 +742,7 @@ ROWS: dict[str, Callable[[Setup], Row]] = {
     "tp rank": lambda setup: LayerRow(setup, tp=True),
     "layer, no check_contents hook": lambda setup: _without_contents_hook(setup),
     "sglang decode": lambda setup: _sglang_row(setup),
+    "stub hooks alone (the layer's row less this: mm3's own time)": StubHooksRow,
 }
 
 

@@ -349,9 +349,8 @@ class OpTarget:
             # some count breaks a rule (which one, every rule says), or a plan of other counts holds (this call's)
             plan = self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
             plain = self._course(key, plan, ops, caches, batch)[-2]
-        if graph is None:     # the queries are tensors now: the plan's rules say so
-            x = q if q is not None else index_q
-            graph = x.is_cuda and capturing(x)  # type: ignore[union-attr]
+        if graph is None:
+            graph = self.capturing(q if q is not None else index_q)
         # 3. the contents, the cheapest way that still sees them
         flag = self.flag
         if not graph and flag.host_word[0] != NO_FAULT:
