@@ -63,7 +63,7 @@ from mm3.debug.guard import capturing
 from mm3.integrations import sglang_inputs as si
 from mm3.integrations.no_grad import without_grad
 from mm3.integrations.sglang_inputs import RELEASE
-from mm3.integrations.targets import bind_call
+from mm3.integrations.targets import bind_call, context, memo, remember
 from mm3.integrations.vllm_inputs import kept, stand_in
 from mm3.runtime.selection import requirements_for
 from mm3.runtime.step import BOTH, OpTarget
@@ -90,22 +90,36 @@ def _params(fn: str, *args: Any) -> SparseAttentionParams:
         raise InputError(f"{fn}: {e}") from None
 
 
+#: ``(params, context bound under, target, graph safe)`` by what a call's choice is made of (``params`` by identity,
+#: kept with it: ``_make_params`` hands calls of the same numbers one object); emptied by targets.configure
+_TARGETS: dict[tuple[object, ...], tuple[SparseAttentionParams, tuple[object, ...], OpTarget, bool]] = memo()
+
+
 def _target(fn: str, op: Optional[Op], params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
             kv_dtype: torch.dtype, device: torch.device, graph: bool, batch: Any) -> OpTarget:
     """The bound backends of a call (one choice per requirements serves every function of this module); a
-    captured call of a backend that is not CUDA-graph safe is refused with the reason."""
+    captured call of a backend that is not CUDA-graph safe is refused with the reason. A call like an earlier
+    one, in the same context (backend names, settings, registry), takes its target."""
     addressing = batch.facts.addressing    # token slots: only a backend that declares them is chosen
+    key = (op, id(params), dtype, index_dtype, kv_dtype, device, addressing)
+    got = _TARGETS.get(key)
+    ctx = context()
+    if got is not None and got[0] is params and got[1] == ctx and (got[3] or not graph):
+        return got[2]
     bound = bind_call(("sglang", params, dtype, index_dtype, kv_dtype, device, addressing),
                       lambda: requirements_for(params, dtype, index_dtype, device, kv_dtype=kv_dtype,
                                                addressing=addressing).for_ops(*STEP_OPS), params, device, graph)
     sel = bound.selection
-    for be in ((sel.indexer, sel.attention) if op is None else
-               (sel.indexer if op == Op.INDEX_TOPK else sel.attention,)):
-        if graph and not be.capabilities.cuda_graph_safe:
-            raise BackendUnavailableError(
-                f"{fn}: backend {be.name!r}, selected for this call, is not CUDA-graph safe (it does not declare "
-                f"cuda_graph_safe): run this call outside CUDA-graph capture, or select a backend that is "
-                f"(MM3_BACKEND, mm3.use_backend); its selection:\n{sel.explain()}")
+    unsafe = [be for be in ((sel.indexer, sel.attention) if op is None else
+                            (sel.indexer if op == Op.INDEX_TOPK else sel.attention,))
+              if not be.capabilities.cuda_graph_safe]
+    if graph and unsafe:
+        raise BackendUnavailableError(
+            f"{fn}: backend {unsafe[0].name!r}, selected for this call, is not CUDA-graph safe (it does not declare "
+            f"cuda_graph_safe): run this call outside CUDA-graph capture, or select a backend that is "
+            f"(MM3_BACKEND, mm3.use_backend); its selection:\n{sel.explain()}")
+    if not graph:
+        remember(_TARGETS, key, (params, ctx, bound.target, not unsafe))
     return bound.target
 
 

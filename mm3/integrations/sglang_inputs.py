@@ -35,10 +35,11 @@ from mm3.contract.errors import InputError
 from mm3.contract.facts import ArgNames
 from mm3.contract.slots import TokenSlots
 from mm3.debug.guard import capturing
+from mm3.integrations.vllm_inputs import decode_batch as vllm_decode_batch
 from mm3.integrations.vllm_inputs import kept, stand_in, tensor_arg
 
 __all__ = ["RELEASE", "names", "refuse", "refusals", "one_index_head", "int_arg", "tensor_arg", "positive", "block_table",
-           "uses_slots", "page_rows", "token_slots", "addressing", "record_pages",
+           "uses_slots", "page_rows", "token_slots", "addressing", "pages", "fault_word", "record_pages",
            "on_host", "kv_caches", "index_caches", "decode_batch", "prefill_batch", "topk_arg", "ORDER",
            "widen"]
 
@@ -51,6 +52,8 @@ increase, ``-1`` last (its kernels read the first ``count(ids >= 0)`` entries in
 sorts rows an indexer writes in another order (:mod:`mm3.contract.topk_order`)."""
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: a page check's findings on the device, per row: ``(faulty, fault word)`` (:func:`pages`)
+Faults = tuple[torch.Tensor, torch.Tensor]
 _FNUZ = tuple(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz")) if d is not None)
 
 
@@ -193,17 +196,21 @@ def token_slots(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optiona
 def addressing(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optional[torch.Tensor],
                page_table: Optional[torch.Tensor], seq_lens: torch.Tensor, max_seqlen: Optional[int],
                block_size: int, page_size: Optional[int],
-               num_pages: int) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[TokenSlots]]:
-    """``(block table, fault word, token slots)``: pages (a table of ``block_size``-token pages derived on the
-    device, with the word of its contiguity check), or token slots (an empty block table, no word)."""
+               num_pages: int) -> tuple[torch.Tensor, Optional[Faults], Optional[TokenSlots]]:
+    """``(block table, faults, token slots)``: pages (a table of ``block_size``-token pages derived on the
+    device, with the faults of its contiguity check, :func:`pages`; none for a ``page_table``), or token
+    slots (an empty block table, no faults)."""
     if uses_slots(page_size, block_size):
-        slots = token_slots(fn, req_to_token, slot_ids, page_table, page_size, max_seqlen, seq_lens)  # type: ignore[arg-type]
+        slots = token_slots(fn, req_to_token, slot_ids, page_table, page_size, max_seqlen,  # type: ignore[arg-type]
+                            seq_lens)
         return seq_lens.new_empty((seq_lens.shape[0], 0), dtype=torch.int32), None, slots
     if max_seqlen is None:    # no bound given: every column of the table
         max_seqlen = req_to_token.shape[1] if isinstance(req_to_token, torch.Tensor) else 0
-    bt, word = block_table(fn, req_to_token, slot_ids, page_table, block_size, page_size or block_size, max_seqlen,
-                           seq_lens, num_pages)
-    return bt, word, None
+    if page_table is not None:
+        return block_table(fn, req_to_token, slot_ids, page_table, block_size, page_size or block_size, max_seqlen,
+                           seq_lens, num_pages)[0], None, None
+    bt, faults = pages(fn, req_to_token, slot_ids, block_size, max_seqlen, seq_lens)
+    return bt, faults, None
 
 
 def on_host(t: torch.Tensor) -> bool:
@@ -231,6 +238,26 @@ def block_table(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optiona
         # pages of m blocks: block j of a row is block j % m of page j // m
         return (pt.repeat_interleave(m, dim=1) * m + torch.arange(m, dtype=torch.int32, device=pt.device)
                 .repeat(pt.shape[1])), None
+    bt, faults = pages(fn, req_to_token, slot_ids, B, max_seqlen, seq_lens)
+    return bt, None if faults is None else fault_word(faults)
+
+
+#: what a row without a faulty slot scores in :func:`pages`' search (no position reaches it)
+_NONE = 2 ** 31 - 1
+
+
+def pages(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optional[torch.Tensor], block_size: int,
+          max_seqlen: int, seq_lens: torch.Tensor) -> tuple[torch.Tensor, Optional[Faults]]:
+    """``(block table, faults)`` of ``req_to_token``/``slot_ids`` as pages of ``block_size`` tokens: each row's
+    pages ``req_to_token[slot_ids[b], block_size * j] // block_size`` (int32), ``j < cdiv(max_seqlen,
+    block_size)``, and on the device ``(faulty, word)`` (``[R]`` each): whether row ``b`` uses a slot that
+    is not ``block_size * page + offset`` of its block's page (a misaligned block fails at offset 0), and
+    ``b << 32 | block`` of its first such block (:func:`fault_word`, :func:`record_pages`). A table in host
+    memory is checked at once (``faults`` None). Every call runs this, so it makes few passes over the
+    ``[R, blocks, block_size]`` slots: two subtractions and a cast find the bad slots; each row's first is
+    ``min(where(bad, position, _NONE))``, as one fused multiply-add on kept constants and one reduction;
+    the rest is on ``[R]`` (a bad slot counts below ``seq_len``, int32, which ``_NONE`` never is below)."""
+    R, B = seq_lens.shape[0], block_size
     r2t = tensor_arg(fn, "req_to_token", req_to_token, 2, "[max_reqs, max_context_len]")
     sid = tensor_arg(fn, "slot_ids", slot_ids, 1, "[batch]")
     if r2t.dtype not in (torch.int32, torch.int64) or sid.dtype not in (torch.int32, torch.int64):
@@ -243,64 +270,68 @@ def block_table(fn: str, req_to_token: Optional[torch.Tensor], slot_ids: Optiona
     rows = r2t[:, :width].index_select(0, sid.remainder(max(r2t.shape[0], 1)))
     if rows.shape[1] < width:                                          # a context not a multiple of B
         rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=-1)
-    # Every call, so as few torch ops as the check allows (each is host time, and a launch on a GPU): the
-    # arange-like constants are kept per shape, nothing is widened that compares as it is.
-    dev, host, graph = rows.device, on_host(rows), capturing(rows)
-    offs, pos, col_word = _page_constants(B, cols, rows.dtype, dev, graph)
     blocks = rows.view(R, cols, B)
     page = blocks[:, :, 0].div(B, rounding_mode="floor")
     bt = page if page.dtype == torch.int32 else page.to(torch.int32)
-    # every slot of a used block must be its page's: slot = B * page + offset (a misaligned block fails at 0)
-    bad = ((blocks - offs) != (page * B).unsqueeze(2)) & (pos < seq_lens.view(R, 1, 1))
-    bad_block = bad.any(dim=2)     # [R, cols]: the word's ops below then read one element per block
+    if not (R and cols):
+        return bt, None
+    dev, host, graph = rows.device, on_host(rows), capturing(rows)
+    offs, to_none, none = _page_constants(B, cols, rows.dtype, dev, graph)
+    # slot - B * page - offset != 0 (two subtractions and a cast cost a CPU a third of one comparison)
+    bad = torch.sub(blocks, page.unsqueeze(2), alpha=B).sub_(offs).bool()
+    # each row's first bad position (its slots in order), else _NONE: where(bad, position, _NONE), fused
+    first = torch.addcmul(none, to_none, bad, value=-1).amin(dim=(1, 2))
+    faulty = first < seq_lens          # a bad slot counts where the row's seq_len uses it
     if host:
-        if bool(bad_block.any()):
-            first = rows[:, ::B]
-            r, j = (int(v) for v in bad_block.nonzero()[0])
-            s, i = int(sid[r]), int(bad[r, j].nonzero()[0])
+        if bool(faulty.any()):
+            r = int(faulty.nonzero()[0])
+            j, i = divmod(int(first[r]), B)
+            s = int(sid[r])
             raise InputError(
                 f"{fn}: req_to_token[{s}, {B * j}:{B * (j + 1)}] (request {r}'s block {j}) is not one aligned "
                 f"{B}-slot page: req_to_token[{s}, {B * j + i}] = {int(rows[r, B * j + i])}, expected "
-                f"{B * (int(first[r, j]) // B) + i}; mm3 reads {B}-token pages: serve SGLang with "
+                f"{B * (int(rows[r, B * j]) // B) + i}; mm3 reads {B}-token pages: serve SGLang with "
                 f"--page-size {B}, or pass page_size=1 so mm3 reads req_to_token per token (token slots)")
         return bt, None
-    if not (R and cols):
-        return bt, None
-    # the first bad block's ``request << 32 | block``, else NO_FAULT
-    (req_word,) = kept(("page requests", R, dev), graph, _request_words, R, dev)
-    return bt, torch.where(bad_block, req_word | col_word, NO_FAULT).amin()
+    (req_word,) = kept(("page rows", R, dev), graph, _request_words, R, dev)
+    return bt, (faulty, req_word | first.div(B, rounding_mode="floor"))
+
+
+def fault_word(faults: Faults) -> torch.Tensor:
+    """The least fault word of :func:`pages`' ``faults`` (``NO_FAULT`` when none), a 0-d int64 tensor."""
+    return torch.where(faults[0], faults[1], NO_FAULT).amin()
 
 
 def _page_constants(B: int, cols: int, dtype: torch.dtype, device: torch.device,
                     graph: bool) -> tuple[torch.Tensor, ...]:
-    """What :func:`block_table`'s check compares with: each slot's offset in its page ``[B]``, its position in
-    the row ``[cols, B]``, and each block's part of a fault word ``[cols]``. Views of constants kept for a
-    power of two of blocks: ``cols`` follows the longest context, which changes every step, and a set kept
-    per value would grow with every new one (their sizes add up to twice the largest at most)."""
+    """What :func:`pages` computes with: each slot's offset in its page ``[B]`` (the slots' dtype), ``_NONE``
+    minus each slot's position in the row ``[cols, B]`` and ``_NONE`` ``[1]`` (int32). Views of constants kept
+    for a power of two of blocks: ``cols`` follows the longest context, which changes every step, and a set
+    kept per value would grow with each new one (their sizes add up to twice the largest at most)."""
     cap = 1 << max(cols - 1, 0).bit_length()
-    offs, pos, col_word = kept(("pages", B, cap, dtype, device), graph, _make_page_constants, B, cap, dtype, device)
-    return (offs, pos, col_word) if cols == cap else (offs, pos[:cols], col_word[:cols])
+    offs, to_none, none = kept(("pages", B, cap, dtype, device), graph, _make_page_constants, B, cap, dtype, device)
+    return (offs, to_none, none) if cols == cap else (offs, to_none[:cols], none)
 
 
 def _make_page_constants(B: int, cols: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
     return (torch.arange(B, dtype=dtype, device=device),
-            torch.arange(cols * B, dtype=torch.int32, device=device).view(cols, B),
-            torch.arange(cols, dtype=torch.int64, device=device))
+            (_NONE - torch.arange(cols * B, dtype=torch.int32, device=device)).view(cols, B),
+            torch.full((1,), _NONE, dtype=torch.int32, device=device))
 
 
 def _request_words(R: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Each request's part of a fault word, ``request << 32``, as ``[R, 1]``."""
-    return (torch.arange(R, dtype=torch.int64, device=device).view(R, 1) << 32,)
+    """Each request's part of a fault word, ``request << 32``, as ``[R]``."""
+    return (torch.arange(R, dtype=torch.int64, device=device) << 32,)
 
 
-def record_pages(flag: FaultFlag, word: Optional[torch.Tensor], fn: str, arg_names: ArgNames,
-                 batch: BatchMetadata, num_pages: int, graph: bool) -> None:
-    """Lower ``flag``'s word to ``word`` (no host sync): the fault is raised at the target's next eager call
-    (:func:`mm3.integrations.targets.check_page_ids` after graph replays)."""
-    if word is None:
+def record_pages(flag: FaultFlag, faults: Optional[Faults], fn: str, arg_names: ArgNames, batch: BatchMetadata,
+                 num_pages: int, graph: bool) -> None:
+    """Lower ``flag``'s word to the least of :func:`pages`' ``faults`` (no host sync): the fault is raised at the
+    target's next eager call (:func:`mm3.integrations.targets.check_page_ids` after graph replays)."""
+    if faults is None:
         return
     flag.about(fn, arg_names, num_pages, batch)
-    torch.minimum(flag.word, word, out=flag.word)
+    torch.amin(torch.where(faults[0], faults[1], flag.word), dim=0, keepdim=True, out=flag.word)
     if not graph:
         flag.after_step()
 
@@ -316,12 +347,14 @@ def _make_scale(value: float, heads: int, device: torch.device) -> tuple[torch.T
 
 
 def _pages_of(fn: str, name: str, t: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[slots, ...]`` as ``[slots / B, B, ...]``: a view, whatever the strides."""
-    if t.shape[0] % block_size:
-        raise InputError(f"{fn}: {name} has {t.shape[0]} slots, not a multiple of block_size_k={block_size}: mm3 "
+    """``[slots, ...]`` as ``[slots / B, B, ...]``: a view, whatever the strides (one op)."""
+    n = t.shape[0]
+    if n % block_size:
+        raise InputError(f"{fn}: {name} has {n} slots, not a multiple of block_size_k={block_size}: mm3 "
                          f"reads it as pages of {block_size} tokens (SGLang's pool with --page-size {block_size} "
                          f"holds whole pages)")
-    return t.unflatten(0, (t.shape[0] // block_size, block_size))
+    st = t.stride()
+    return t.as_strided((n // block_size, block_size, *t.shape[1:]), (block_size * st[0], *st), t.storage_offset())
 
 
 def index_caches(fn: str, idx_k_cache: torch.Tensor, heads: int, block_size: int, graph: bool,
@@ -332,7 +365,12 @@ def index_caches(fn: str, idx_k_cache: torch.Tensor, heads: int, block_size: int
     if idx_k_cache.shape[1] != 1:
         raise InputError(f"{fn}: idx_k_cache has {idx_k_cache.shape[1]} heads; MiniMax-M3's index keys have one "
                          f"head, shared by every index head")
-    index = _pages_of(fn, "idx_k_cache", idx_k_cache[:, 0], block_size)
+    n, _, Di = idx_k_cache.shape
+    if n % block_size:
+        _pages_of(fn, "idx_k_cache", idx_k_cache, block_size)      # raises
+    st = idx_k_cache.stride()     # its one head's [pages, B, Di] view, in one op
+    index = idx_k_cache.as_strided((n // block_size, block_size, Di), (block_size * st[0], st[0], st[2]),
+                                   idx_k_cache.storage_offset())
     if kv is None:
         P, B, Di = index.shape
         dev, shape = index.device, (P, B, heads, Di)
@@ -371,8 +409,11 @@ def kv_caches(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: ob
 def decode_batch(seq_lens: torch.Tensor, bt: torch.Tensor, block_size: int,
                  slots: Optional[TokenSlots] = None) -> BatchMetadata:
     """SGLang's decode rows as ``R`` one-token decodes at ``seq_len - 1`` (rows of one request share its
-    pages: speculative verify rows each carry their own ``seq_len``); ``seq_len == 0`` is padding."""
+    pages: speculative verify rows each carry their own ``seq_len``); ``seq_len == 0`` is padding (pages:
+    :func:`~mm3.integrations.vllm_inputs.decode_batch`'s batch, the same)."""
     R, dev = seq_lens.shape[0], seq_lens.device
+    if slots is None:
+        return vllm_decode_batch("SGLang decode", seq_lens, bt, 1, R, block_size, capturing(seq_lens))
     qsl, req = kept(("sglang decode", R, dev), capturing(seq_lens), _decode_constants, R, dev)
     return BatchMetadata.assemble(qsl, seq_lens, None, bt, req, seq_lens - 1, num_decodes=R, decode_query_len=1,
                                   num_decode_tokens=R, max_prefill_query_len=0, block_size=block_size,

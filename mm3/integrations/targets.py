@@ -36,11 +36,11 @@ from mm3.runtime import binding
 from mm3.runtime.binding import Binding
 from mm3.runtime.config import Settings, default_settings
 from mm3.runtime.registry import Registry, default_registry
-from mm3.runtime.scope import current_scope
+from mm3.runtime.scope import SCOPE, current_scope
 from mm3.runtime.selection import Selection, describe_requirements
 
 __all__ = ["Binding", "bind", "bind_call", "configure", "settings", "selections", "check_page_ids", "MAX_CHOICES",
-           "Made"]
+           "Made", "context", "memo", "remember"]
 
 #: choices kept before the cache starts over (one per set of requirements: shapes, dtypes, device)
 MAX_CHOICES = 1024
@@ -48,6 +48,49 @@ MAX_CHOICES = 1024
 _BOUND: dict[tuple[object, ...], Binding] = {}
 _LOCK = threading.Lock()
 _CONFIG: dict[str, Optional[object]] = {"settings": None, "registry": None}
+#: the drop-ins' memos of their calls (:func:`memo`), forgotten with the bound choices
+_MEMOS: list[dict[Any, Any]] = []
+
+
+def memo() -> dict[Any, Any]:
+    """A new dict that is emptied whenever the bound choices are forgotten (:func:`configure`, or the cache
+    starting over): where a drop-in keeps what it worked out for a kind of call, its target among it, so a
+    later call of that kind looks nothing up again that a configuration could change.
+
+    Example:
+        >>> m = memo(); m["call"] = "what it worked out"
+        >>> configure(); m
+        {}
+    """
+    made: dict[Any, Any] = {}
+    _MEMOS.append(made)
+    return made
+
+
+def remember(kept: dict[Any, Any], key: Any, value: Any) -> None:
+    """``kept[key] = value`` in a memo of :func:`memo`, which starts over past :data:`MAX_CHOICES` entries."""
+    if len(kept) >= MAX_CHOICES:
+        kept.clear()
+    kept[key] = value
+
+
+def _forget() -> None:
+    _BOUND.clear()
+    for m in _MEMOS:
+        m.clear()
+
+
+def context() -> tuple[Any, Settings, Registry]:
+    """What a choice depends on besides a call's requirements: ``(use_backend scope, settings, registry)``.
+    A call whose context is the one its memo was bound in (the same objects) may use the memo's target.
+
+    Example:
+        >>> context() == context()
+        True
+    """
+    s, r = _CONFIG["settings"], _CONFIG["registry"]
+    return (SCOPE.get(), s if isinstance(s, Settings) else default_settings(),
+            r if isinstance(r, Registry) else default_registry())
 
 
 def configure(settings: Optional[Settings] = None, registry: Optional[Registry] = None) -> None:
@@ -62,7 +105,7 @@ def configure(settings: Optional[Settings] = None, registry: Optional[Registry] 
     """
     with _LOCK:
         _CONFIG.update(settings=settings, registry=registry)
-        _BOUND.clear()
+        _forget()
 
 
 def settings() -> Settings:
@@ -158,7 +201,7 @@ def bind(params: SparseAttentionParams, requirements: Requirements, device: torc
         got = _BOUND.get(key)
         if got is None:
             if len(_BOUND) >= MAX_CHOICES:
-                _BOUND.clear()
+                _forget()
             got = _BOUND[key] = binding.bind(params, requirements, names, device, settings_, registry)
     return got
 

@@ -41,153 +41,36 @@ call no backend can serve raises selection's explanation
 
 from __future__ import annotations
 
-import functools
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import PagedKVCache
-from mm3.contract.hookspecs import ALL_OPS, Op
-from mm3.contract.errors import BackendUnavailableError, InputError
-from mm3.contract.params import SparseAttentionParams
+from mm3.contract.errors import InputError
 from mm3.debug.guard import capturing
-from mm3.integrations.block_scores import block_scores, score_width, select_topk
+from mm3.integrations.block_scores import score_width, select_topk
 from mm3.integrations.no_grad import without_grad
-from mm3.integrations.targets import Binding, bind_call
-from mm3.integrations.vllm_inputs import (
-    DECODE_NAMES, FP8_DTYPES, VLLM_NAMES, attention_caches, cdiv, check_heads, decode_batch, index_caches, int32_arg,
-    out_rows, prefill_batch, tensor_arg, topk_view,
+from mm3.integrations.targets import context, remember
+from mm3.integrations.vllm_calls import (
+    ATTENTION_KINDS, ATTENTION_OPS, DECODE_INDEX_NAMES, INDEX_KINDS, INDEX_OPS, Kind, attention_params, decode_scores,
+    index_params, params_of, plain, run_attention, run_index, run_scores,
 )
-from mm3.runtime.selection import requirements_for
-from mm3.runtime.step import OpTarget
+from mm3.integrations.vllm_inputs import (
+    DECODE_NAMES, attention_caches, cdiv, check_heads, decode_batch, int32_arg, out_rows, prefill_batch, tensor_arg,
+    topk_view,
+)
 
 __all__ = ["minimax_m3_index_decode", "minimax_m3_index_decode_score", "minimax_m3_index_score",
            "minimax_m3_index_topk", "minimax_m3_sparse_attn", "minimax_m3_sparse_attn_decode", "SPARSE_BLOCK_SIZE"]
 
 SPARSE_BLOCK_SIZE = 128
 """vLLM's sparse block (= KV page) size; :func:`minimax_m3_index_topk` assumes it unless told otherwise."""
-
-
-@functools.lru_cache(maxsize=1024)
-def _index_params(heads: int, index_head_dim: int, block_size: int, topk: int, init_blocks: int,
-                  local_blocks: int) -> SparseAttentionParams:
-    # an index op has no attention: its shapes stand in for the attention's (one query head per KV head)
-    return SparseAttentionParams(num_heads=heads, num_kv_heads=heads, head_dim=index_head_dim, num_index_heads=heads,
-                                 index_head_dim=index_head_dim, block_size=block_size, topk=topk,
-                                 init_blocks=init_blocks, local_blocks=local_blocks)
-
-
-@functools.lru_cache(maxsize=1024)
-def _attention_params(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, topk: int,
-                      scale: float) -> SparseAttentionParams:
-    # an attention op has no indexer: its shapes stand in for the indexer's, no forced blocks
-    return SparseAttentionParams(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                 num_index_heads=num_kv_heads, index_head_dim=head_dim, block_size=block_size,
-                                 topk=topk, init_blocks=0, local_blocks=0, scale=scale)
-
-
-def _params(fn: str, build: Callable[..., SparseAttentionParams], *args: object) -> SparseAttentionParams:
-    try:
-        return build(*args)
-    except InputError as e:
-        raise InputError(f"{fn}: {e}") from None
-
-
-# -- the bound backends --------------------------------------------------------------------------
-def _bound(fn: str, op: Op, params: SparseAttentionParams, dtype: torch.dtype, index_dtype: torch.dtype,
-           kv_dtype: torch.dtype, slot_scales: bool, device: torch.device, decode_query_len: int,
-           graph: bool) -> Binding:
-    """The backends of a call of ``op``; one choice serves its eager and captured calls (as a layer's
-    does), so a captured call of a backend that is not CUDA-graph safe is refused here, with the reason.
-    Every op is selected (block scores too), so one choice serves each of the six functions."""
-    bound = bind_call(("vllm", params, dtype, index_dtype, kv_dtype, slot_scales, device, decode_query_len),
-                      lambda: requirements_for(params, dtype, index_dtype, device, decode_query_len=decode_query_len,
-                                               kv_dtype=kv_dtype, kv_slot_scales=slot_scales).for_ops(*ALL_OPS),
-                      params, device, graph)
-    sel = bound.selection
-    be = sel.indexer if op is Op.INDEX_TOPK else sel.attention if op is Op.ATTENTION else sel.scorer
-    if graph and be is not None and not be.capabilities.cuda_graph_safe:
-        why = " (among the backends that read k_scale/v_scale per token slot)" if slot_scales else ""
-        raise BackendUnavailableError(
-            f"{fn}: backend {be.name!r}{why}, selected for this call, is not CUDA-graph safe (it does not "
-            f"declare cuda_graph_safe): run this call outside CUDA-graph capture, or select a backend that "
-            f"is (MM3_BACKEND, mm3.use_backend); its selection:\n{sel.explain()}")
-    return bound
-
-
-def _index_call(fn: str, op: Op, idx_q: torch.Tensor, index_cache: torch.Tensor, params: SparseAttentionParams,
-                decode_query_len: int, graph: bool) -> tuple[torch.Tensor, PagedKVCache, OpTarget]:
-    """What an index op's call runs on: ``(index queries, caches, target)``."""
-    if idx_q.dtype in FP8_DTYPES:   # mm3's index queries are in the attention dtype: widen (exact)
-        idx_q = idx_q.to(torch.bfloat16)
-    caches = index_caches(index_cache, params.num_kv_heads, idx_q.dtype, graph)
-    target = _bound(fn, op, params, idx_q.dtype, index_cache.dtype, idx_q.dtype, False, idx_q.device,
-                    decode_query_len, graph).target
-    return idx_q, caches, target
-
-
-#: how the index and score functions spell their outputs, for a decode batch and a prefill batch (made once)
-_INDEX_NAMES = (DECODE_NAMES._replace(topk="out"), VLLM_NAMES._replace(topk="out"))
-_SCORE_NAMES = (DECODE_NAMES._replace(out="score_out"), VLLM_NAMES._replace(out="score_out"))
-
-
-def _run_index(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: BatchMetadata, rows: torch.Tensor,
-               params: SparseAttentionParams, max_decode_query_len: int, graph: bool) -> None:
-    idx_q, caches, target = _index_call(fn, Op.INDEX_TOPK, idx_q, index_cache, params, max_decode_query_len, graph)
-    names = _INDEX_NAMES[not batch.num_decodes]
-    target.run(fn, (Op.INDEX_TOPK,), caches=caches, batch=batch, topk=topk_view(fn, "out", rows), index_q=idx_q,
-               graph=graph, names=names)
-
-
-def _run_attention(fn: str, q: torch.Tensor, caches: PagedKVCache, topk_idx: torch.Tensor, batch: BatchMetadata,
-                   output: torch.Tensor, params: SparseAttentionParams, decode_query_len: int, graph: bool) -> None:
-    target = _bound(fn, Op.ATTENTION, params, q.dtype, q.dtype, caches.dtype, caches.slot_scaled, q.device,
-                    decode_query_len, graph).target
-    target.run(fn, (Op.ATTENTION,), caches=caches, batch=batch, topk=topk_view(fn, "topk_idx", topk_idx), q=q,
-               out=output, graph=graph, names=DECODE_NAMES if batch.num_decodes else VLLM_NAMES)
-
-
-def _run_scores(fn: str, idx_q: torch.Tensor, index_cache: torch.Tensor, batch: BatchMetadata, out: torch.Tensor,
-                params: SparseAttentionParams, max_query_len: int, decode_query_len: int, graph: bool) -> None:
-    """``batch``'s block scores into every element of ``out`` (``[H, T, N]``, any strides): the selected
-    backend's ``index_scores``, or, where it has none (its selection's trace says so), mm3's torch scorer
-    on a call admitted at the same boundary."""
-    idx_q, caches, target = _index_call(fn, Op.INDEX_SCORES, idx_q, index_cache, params, decode_query_len, graph)
-    names = _SCORE_NAMES[not batch.num_decodes]
-    call = dict(caches=caches, batch=batch, index_q=idx_q, out=out, graph=graph, names=names)
-    if target.scorer is not None:
-        target.run(fn, (Op.INDEX_SCORES,), **call)  # type: ignore[arg-type]
-        return
-    target.admit_call(fn, (Op.INDEX_SCORES,), **call)  # type: ignore[arg-type]
-    N = out.shape[2]
-    out.copy_(block_scores(idx_q, index_cache, batch, num_blocks=N, max_query_len=max_query_len,
-                           forced=(params.init_blocks, params.local_blocks))[:, :, :N])
-
-
-def _decode_scores(fn: str, idx_q: torch.Tensor, index_kv_cache: torch.Tensor, batch: BatchMetadata,
-                   params: SparseAttentionParams, max_seq_len: int, dql: int, max_dql: int,
-                   score_out: Optional[torch.Tensor], graph: bool) -> torch.Tensor:
-    """The decode scores into columns ``[0, cdiv(max_seq_len, B))`` of ``score_out`` (returned), or into all
-    columns of a new tensor of :func:`~mm3.integrations.block_scores.score_width` of them."""
-    H, T = params.num_kv_heads, batch.num_tokens
-    nblk = cdiv(max_seq_len, index_kv_cache.shape[1])
-    if score_out is None:
-        score_out = out = torch.empty((H, T, score_width(nblk)), dtype=torch.float32, device=idx_q.device)
-    else:
-        tensor_arg(fn, "score_out", score_out, 3, "[num_kv_heads, total_q, >= max_block]")
-        if score_out.shape[0] != H or score_out.shape[1] != T or score_out.shape[2] < nblk:
-            raise InputError(f"{fn}: score_out has shape {tuple(score_out.shape)}, needs [{H}, {T}, >= {nblk}] "
-                             f"(num_kv_heads, total_q, cdiv(max_seq_len, block size))")
-        out = score_out[:, :, :nblk]
-    if T and out.shape[2]:
-        _run_scores(fn, idx_q, index_kv_cache, batch, out, params, dql, max_dql, graph)
-    return score_out
+_new = object.__new__
+_grad_on = torch.is_grad_enabled
 
 
 # -- vLLM's six functions -----------------------------------------------------------------------
 
-@without_grad
 def minimax_m3_index_decode(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, block_table: torch.Tensor,
                             seq_lens: torch.Tensor, max_seq_len: int, topk: int, init_blocks: int,
                             local_blocks: int, num_kv_heads: int, decode_query_len: int,
@@ -201,7 +84,48 @@ def minimax_m3_index_decode(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, b
     (:func:`minimax_m3_index_decode_score`'s). The order of the ids in a row is the
     backend's; ``max_seq_len`` only sizes ``score_out``.
     """
+    if _grad_on():     # as without_grad, without its frame (an engine calls with gradients off)
+        with torch.no_grad():
+            return minimax_m3_index_decode(idx_q, index_kv_cache, block_table, seq_lens, max_seq_len, topk,
+                                           init_blocks, local_blocks, num_kv_heads, decode_query_len,
+                                           max_decode_query_len, out, score_out)
     fn = "minimax_m3_index_decode"
+    try:
+        T, H, Di = idx_q.shape
+        key = (idx_q.dtype, H, Di, index_kv_cache.shape, index_kv_cache.dtype, idx_q.device, index_kv_cache.device,
+               topk, init_blocks, local_blocks, num_kv_heads, decode_query_len, max_decode_query_len)
+        kind = INDEX_KINDS.get(key)
+    except (AttributeError, TypeError, ValueError):    # not a 3-D tensor, an unhashable int: the checked path
+        kind = None
+    if kind is not None and score_out is None and kind.context == context():
+        graph = capturing(idx_q)
+        if kind.graph_safe or not graph:
+            batch = decode_batch(fn, seq_lens, block_table, decode_query_len, T, kind.block_size, graph)
+            if out is None:
+                rows = torch.empty((H, T, topk), dtype=torch.int32, device=idx_q.device)
+            else:
+                try:
+                    Ho, To, Ko = out.shape
+                    fits = Ho == H and To >= T and Ko == topk
+                except (AttributeError, TypeError, ValueError):
+                    fits = False
+                rows = (out if To == T else out[:, :T]) if fits else out_rows(fn, out, H, T, topk, idx_q.device)
+            if T:
+                caches = _new(PagedKVCache)
+                caches.__dict__.update(kind.caches, index=index_kv_cache)
+                kind.target.run(fn, INDEX_OPS, caches=caches, batch=batch, topk=topk_view(fn, "out", rows),
+                                index_q=idx_q.to(torch.bfloat16) if kind.widen else idx_q, graph=graph,
+                                names=DECODE_INDEX_NAMES)
+            return rows
+    return _index_decode(fn, idx_q, index_kv_cache, block_table, seq_lens, max_seq_len, topk, init_blocks,
+                         local_blocks, num_kv_heads, decode_query_len, max_decode_query_len, out, score_out)
+
+
+def _index_decode(fn: str, idx_q: torch.Tensor, index_kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, max_seq_len: int, topk: int, init_blocks: int, local_blocks: int,
+                  num_kv_heads: int, decode_query_len: int, max_decode_query_len: int, out: Optional[torch.Tensor],
+                  score_out: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`minimax_m3_index_decode` checked step by step; a call that runs eagerly keeps its kind."""
     tensor_arg(fn, "idx_q", idx_q, 3, "[total_q, num_kv_heads, index_head_dim]")
     tensor_arg(fn, "index_kv_cache", index_kv_cache, 3, "[num_blocks, block_size, index_head_dim]")
     T, H, Di = idx_q.shape
@@ -212,12 +136,19 @@ def minimax_m3_index_decode(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, b
     B = index_kv_cache.shape[1]
     batch = decode_batch(fn, seq_lens, block_table, decode_query_len, T, B, graph)
     rows = out_rows(fn, out, H, T, topk, idx_q.device)
-    params = _params(fn, _index_params, H, Di, B, topk, init_blocks, local_blocks)
+    params = params_of(fn, index_params, H, Di, B, topk, init_blocks, local_blocks)
     if score_out is not None:
-        _decode_scores(fn, idx_q, index_kv_cache, batch, params, max_seq_len, decode_query_len, max_decode_query_len,
-                       score_out, graph)
+        decode_scores(fn, idx_q, index_kv_cache, batch, params, max_seq_len, decode_query_len, max_decode_query_len,
+                      score_out, graph)
     if T:
-        _run_index(fn, idx_q, index_kv_cache, batch, rows, params, max_decode_query_len, graph)
+        ctx = context()
+        q, caches, bound = run_index(fn, idx_q, index_kv_cache, batch, rows, params, max_decode_query_len, graph)
+        if not graph and plain(topk, init_blocks, local_blocks, num_kv_heads, decode_query_len, max_decode_query_len):
+            kind = Kind(ctx, bound, bound.selection.indexer, B, caches, ("index",))
+            kind.widen = q is not idx_q
+            remember(INDEX_KINDS, (idx_q.dtype, H, Di, index_kv_cache.shape, index_kv_cache.dtype, idx_q.device,
+                                   index_kv_cache.device, topk, init_blocks, local_blocks, num_kv_heads,
+                                   decode_query_len, max_decode_query_len), kind)
     return rows
 
 
@@ -246,9 +177,9 @@ def minimax_m3_index_decode_score(idx_q: torch.Tensor, index_kv_cache: torch.Ten
     B = index_kv_cache.shape[1]
     batch = decode_batch(fn, seq_lens, block_table, decode_query_len, T, B, graph)
     # block scores select nothing: the least top-k the forced blocks allow stands in for one
-    params = _params(fn, _index_params, H, Di, B, max(1, init_blocks + local_blocks), init_blocks, local_blocks)
-    return _decode_scores(fn, idx_q, index_kv_cache, batch, params, max_seq_len, decode_query_len,
-                          max_decode_query_len, score_out, graph)
+    params = params_of(fn, index_params, H, Di, B, max(1, init_blocks + local_blocks), init_blocks, local_blocks)
+    return decode_scores(fn, idx_q, index_kv_cache, batch, params, max_seq_len, decode_query_len,
+                         max_decode_query_len, score_out, graph)
 
 
 @without_grad
@@ -270,8 +201,8 @@ def minimax_m3_index_score(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, bl
     batch = prefill_batch(fn, cu_seqlens_q, seq_lens, block_table, T, max_query_len, B, prefix_lens)
     scores = torch.empty((H, T, score_width(cdiv(max_seq_len, B))), dtype=torch.float32, device=idx_q.device)
     if T:
-        params = _params(fn, _index_params, H, Di, B, 1, 0, 0)
-        _run_scores(fn, idx_q, index_kv_cache, batch, scores, params, max_query_len, 1, capturing(idx_q))
+        params = params_of(fn, index_params, H, Di, B, 1, 0, 0)
+        run_scores(fn, idx_q, index_kv_cache, batch, scores, params, max_query_len, 1, capturing(idx_q))
     return scores
 
 
@@ -329,11 +260,10 @@ def minimax_m3_sparse_attn(q: torch.Tensor, kv_cache: torch.Tensor, topk_idx: to
     batch = prefill_batch(fn, cu_seqlens_q, seq_lens, bt, T, max_query_len, B, prefix_lens)
     if T:
         caches = attention_caches(fn, kv_cache, k_scale, v_scale, q, graph)
-        params = _params(fn, _attention_params, Hq, num_kv_heads, D, B, topk_idx.shape[2], sm_scale)
-        _run_attention(fn, q, caches, topk_idx, batch, output, params, 1, graph)
+        params = params_of(fn, attention_params, Hq, num_kv_heads, D, B, topk_idx.shape[2], sm_scale)
+        run_attention(fn, q, caches, topk_idx, batch, output, params, 1, graph)
 
 
-@without_grad
 def minimax_m3_sparse_attn_decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_idx: torch.Tensor,
                                   block_table: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int,
                                   sm_scale: float, output: torch.Tensor, decode_query_len: int,
@@ -344,7 +274,43 @@ def minimax_m3_sparse_attn_decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_
     The selected backend's attention; arguments as in :func:`minimax_m3_sparse_attn`, the batch as in
     :func:`minimax_m3_index_decode` (``seq_lens.shape[0] * decode_query_len`` tokens).
     """
+    if _grad_on():     # as without_grad, without its frame
+        with torch.no_grad():
+            return minimax_m3_sparse_attn_decode(q, kv_cache, topk_idx, block_table, seq_lens, num_kv_heads, sm_scale,
+                                                 output, decode_query_len, k_scale, v_scale)
     fn = "minimax_m3_sparse_attn_decode"
+    kind = None
+    if k_scale is None and v_scale is None:
+        try:
+            T, Hq, D = q.shape
+            _, _, K = topk_idx.shape
+            kind = ATTENTION_KINDS.get((q.dtype, Hq, D, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, q.device,
+                                         kv_cache.device, K, num_kv_heads, sm_scale, decode_query_len))
+        except (AttributeError, TypeError, ValueError):   # not a tensor of its dims, an unhashable int
+            pass
+    if kind is not None and kind.context == context():
+        graph = capturing(q)
+        if kind.graph_safe or not graph:
+            batch = decode_batch(fn, seq_lens, block_table, decode_query_len, T, kind.block_size, graph)
+            if T:
+                at = kv_cache.storage_offset()
+                caches = _new(PagedKVCache)
+                caches.__dict__.update(kind.caches, k=kv_cache.as_strided(kind.size, kind.stride, at),
+                                       v=kv_cache.as_strided(kind.size, kind.stride, at + kind.v_at))
+                kind.target.run(fn, ATTENTION_OPS, caches=caches, batch=batch,
+                                topk=topk_view(fn, "topk_idx", topk_idx), q=q, out=output, graph=graph,
+                                names=DECODE_NAMES)
+            return
+    _attn_decode(fn, q, kv_cache, topk_idx, block_table, seq_lens, num_kv_heads, sm_scale, output, decode_query_len,
+                 k_scale, v_scale)
+
+
+def _attn_decode(fn: str, q: torch.Tensor, kv_cache: torch.Tensor, topk_idx: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int, sm_scale: float,
+                 output: torch.Tensor, decode_query_len: int, k_scale: Optional[torch.Tensor],
+                 v_scale: Optional[torch.Tensor]) -> None:
+    """:func:`minimax_m3_sparse_attn_decode` checked step by step; a call that runs eagerly, without scales,
+    keeps its kind."""
     tensor_arg(fn, "q", q, 3, "[total_q, num_heads, head_dim]")
     tensor_arg(fn, "kv_cache", kv_cache, 4, "[num_blocks, num_kv_heads, block_size, 2 * head_dim]")
     tensor_arg(fn, "topk_idx", topk_idx, 3, "[num_kv_heads, total_q, topk]")
@@ -355,5 +321,13 @@ def minimax_m3_sparse_attn_decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_
     batch = decode_batch(fn, seq_lens, block_table, decode_query_len, T, B, graph)
     if T:
         caches = attention_caches(fn, kv_cache, k_scale, v_scale, q, graph)
-        params = _params(fn, _attention_params, Hq, num_kv_heads, D, B, topk_idx.shape[2], sm_scale)
-        _run_attention(fn, q, caches, topk_idx, batch, output, params, decode_query_len, graph)
+        params = params_of(fn, attention_params, Hq, num_kv_heads, D, B, topk_idx.shape[2], sm_scale)
+        ctx = context()
+        bound = run_attention(fn, q, caches, topk_idx, batch, output, params, decode_query_len, graph)
+        if not graph and k_scale is None and v_scale is None and plain(num_kv_heads, decode_query_len, sm_scale):
+            kind = Kind(ctx, bound, bound.selection.attention, B, caches, ("k", "v"))
+            kind.size, kind.stride = tuple(caches.k.shape), caches.k.stride()
+            kind.v_at = int(caches.v.storage_offset() - caches.k.storage_offset())
+            remember(ATTENTION_KINDS, (q.dtype, Hq, D, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, q.device,
+                                       kv_cache.device, topk_idx.shape[2], num_kv_heads, sm_scale,
+                                       decode_query_len), kind)

@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -76,11 +76,38 @@ def check_heads(fn: str, name: str, got: int, num_kv_heads: int) -> None:
                          f"index head per KV head")
 
 
-def topk_view(fn: str, name: str, view: torch.Tensor) -> TopkBuffer:
+def topk_view(fn: str, name: str, view: object) -> TopkBuffer:
+    """``view`` (the logical ``[H, T, K]`` view of the caller's top-k memory) as a :class:`~mm3.TopkBuffer`.
+
+    What :class:`~mm3.TopkBuffer` checks of a view (int32, three dims, memory in order), the layout it reads
+    from the strides and the facts it keeps depend on the view's shape, strides, dtype and device alone, and
+    on its token count ``T`` only through ``min(T, 2)`` and, for head-major memory of several heads,
+    ``stride(0) >= T * stride(1)``: so a view is wrapped by ``TopkBuffer`` once per those, and later views
+    as a copy of what that one worked out (that last inequality tested per call)."""
+    t: Any = view
+    key: Optional[tuple[object, ...]]
     try:
-        return TopkBuffer(view)
+        H, T, K = t.shape
+        st = t.stride()
+        key = ("topk", H, T if T < 2 else 2, K, st, t.dtype, t.device)
+        got = _KEPT.get(key)
+    except (AttributeError, TypeError, ValueError):
+        key = got = None
+    if got is not None:
+        layout, facts, rows_apart = got
+        if not rows_apart or st[0] >= T * st[1]:
+            buf = _new(TopkBuffer)
+            buf._data = t.permute(1, 0, 2) if layout == "token_major" else t
+            buf._layout, buf.facts, buf.num_tokens = layout, facts, T
+            return buf
+    try:
+        buf = TopkBuffer(t)
     except InputError as e:
         raise InputError(f"{fn}: {name}: {e}") from None
+    if key is not None:
+        layout = buf.layout
+        _keep(key, (layout, buf.facts, layout == "head_major" and H > 1 and T > 1))
+    return buf
 
 
 def out_rows(fn: str, out: Optional[torch.Tensor], heads: int, num_tokens: int, topk: int,
@@ -98,9 +125,17 @@ def out_rows(fn: str, out: Optional[torch.Tensor], heads: int, num_tokens: int, 
 # -- device-resident constants -----------------------------------------------------------------
 # Kept only when made outside CUDA-graph capture: a tensor filled by a captured kernel holds its
 # values only once the graph replays, so it cannot serve eager calls.
-_KEPT: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = {}
-#: constant tensors kept before the cache starts over (one set per batch size and device)
+_KEPT: dict[tuple[object, ...], Any] = {}
+#: constants and templates kept before the cache starts over (one set per batch size and device)
 MAX_KEPT = 4096
+_I32 = torch.int32
+_new = object.__new__
+
+
+def _keep(key: tuple[object, ...], value: Any) -> None:
+    if len(_KEPT) >= MAX_KEPT:
+        _KEPT.clear()
+    _KEPT[key] = value
 
 
 def kept(key: tuple[object, ...], graph: bool, make: Callable[..., tuple[torch.Tensor, ...]],
@@ -110,16 +145,8 @@ def kept(key: tuple[object, ...], graph: bool, make: Callable[..., tuple[torch.T
     if got is None:
         got = make(*args)
         if not graph:
-            if len(_KEPT) >= MAX_KEPT:
-                _KEPT.clear()
-            _KEPT[key] = got
+            _keep(key, got)
     return got
-
-
-def _decode_constants(R: int, dql: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    i32 = dict(dtype=torch.int32, device=device)
-    return (torch.arange(R + 1, **i32) * dql, torch.arange(R * dql, **i32) // dql,
-            torch.arange(dql, **i32) - dql)
 
 
 def stand_in(dtype: torch.dtype, device: torch.device, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
@@ -137,17 +164,31 @@ def _unit_scale(device: torch.device) -> tuple[torch.Tensor, ...]:
 def decode_batch(fn: str, seq_lens: object, block_table: object, decode_query_len: int, num_tokens: int,
                   block_size: int, graph: bool) -> BatchMetadata:
     """``R = seq_lens.shape[0]`` decodes of ``decode_query_len`` tokens, built on the device (one small kernel,
-    two with draft tokens)."""
-    sl = int32_arg(fn, "seq_lens", seq_lens, 1, "[num_reqs]")
-    bt = int32_arg(fn, "block_table", block_table, 2, "[num_reqs, max_blocks]")
-    R, dql = sl.shape[0], decode_query_len
-    if bt.shape[0] != R:
-        raise InputError(f"{fn}: block_table has {bt.shape[0]} rows for {R} requests (seq_lens)")
-    if not isinstance(dql, int) or dql < 1 or num_tokens != R * dql:
-        raise InputError(f"{fn}: {num_tokens} query tokens for {R} requests of decode_query_len={dql}; a decode "
-                         f"batch holds num_reqs * decode_query_len tokens")
-    dev = sl.device
-    qsl, tok_req, offsets = kept(("decode", R, dql, dev), graph, _decode_constants, R, dql, dev)
+    two with draft tokens).
+
+    Every call of a pair builds one, so the host work is what a new shape needs and no more: the arguments
+    in one test (their messages only when it fails), and the batch as a copy of a template kept per
+    ``(R, decode_query_len, block_size, block-table width, devices)`` (its constants and its facts, which
+    are the same for every batch of that description; the index and the attention call of a step share
+    it), given this call's ``seq_lens``, ``block_table`` and positions."""
+    sl: Any = seq_lens
+    bt: Any = block_table
+    try:
+        (R,) = sl.shape
+        rows, W = bt.shape
+        ok = sl.dtype is _I32 and bt.dtype is _I32
+    except (AttributeError, TypeError, ValueError):
+        ok = False
+    dql = decode_query_len
+    if not (ok and rows == R and type(dql) is int and dql >= 1 and num_tokens == R * dql):
+        R, W = _decode_args(fn, sl, bt, dql, num_tokens)
+    key = ("decode", R, dql, block_size, W, sl.device, bt.device)
+    got = _KEPT.get(key)
+    if got is None:
+        got = _decode_template(sl, bt, R, dql, num_tokens, block_size, graph)
+        if not graph:
+            _keep(key, got)
+    template, offsets = got
     # position of draft i of request r: seq_len - dql + i; below 0 is padding (-1), as vLLM's kernels read it.
     # Each small kernel costs about a microsecond of a captured step (and one of host time): with one query
     # token seq_len - 1 is -1 for a padding request (seq_len 0) already, so one op and no clamp, and the
@@ -155,10 +196,53 @@ def decode_batch(fn: str, seq_lens: object, block_table: object, decode_query_le
     if dql == 1:
         pos = sl - 1
     else:
-        pos = torch.add(sl.unsqueeze(1), offsets).clamp_(min=-1).view(num_tokens)
-    return BatchMetadata.assemble(qsl, sl, None, bt, tok_req, pos, num_decodes=R, decode_query_len=dql,
-                                  num_decode_tokens=num_tokens, max_prefill_query_len=0, block_size=block_size,
+        pos = torch.add(sl.unsqueeze(1), offsets).clamp_(min=-1).view(num_tokens)  # type: ignore[arg-type]
+    batch = _new(BatchMetadata)
+    batch.__dict__.update(template, seq_lens=sl, block_table=bt, token_positions=pos)
+    return batch
+
+
+def _decode_args(fn: str, seq_lens: object, block_table: object, dql: object, num_tokens: int) -> tuple[int, int]:
+    """:func:`decode_batch`'s arguments checked one by one (each message names what is wrong): ``(R, width)``."""
+    sl = int32_arg(fn, "seq_lens", seq_lens, 1, "[num_reqs]")
+    bt = int32_arg(fn, "block_table", block_table, 2, "[num_reqs, max_blocks]")
+    R = sl.shape[0]
+    if bt.shape[0] != R:
+        raise InputError(f"{fn}: block_table has {bt.shape[0]} rows for {R} requests (seq_lens)")
+    if not isinstance(dql, int) or dql < 1 or num_tokens != R * dql:
+        raise InputError(f"{fn}: {num_tokens} query tokens for {R} requests of decode_query_len={dql}; a decode "
+                         f"batch holds num_reqs * decode_query_len tokens")
+    return R, bt.shape[1]
+
+
+def _decode_template(sl: torch.Tensor, bt: torch.Tensor, R: int, dql: int, T: int, block_size: int,
+                     graph: bool) -> tuple[dict[str, object], Optional[torch.Tensor]]:
+    """What every decode batch of this description holds but its ``seq_lens``, ``block_table`` and positions
+    (:meth:`~mm3.BatchMetadata.assemble`'s fields, those three left empty), and the draft offsets."""
+    dev = sl.device
+    if dql == 1:    # views of one kept arange (per power of two of requests): no kernel for a new R
+        (ar,) = kept(("arange", 1 << R.bit_length(), dev), graph, _arange, 1 << R.bit_length(), dev)
+        qsl, tok_req, offsets = ar[:R + 1], ar[:R], None
+    else:
+        qsl = torch.arange(R + 1, dtype=_I32, device=dev) * dql
+        tok_req = torch.arange(T, dtype=_I32, device=dev) // dql
+        offsets = torch.arange(dql, dtype=_I32, device=dev) - dql
+    # the token requests stand in for the positions: what a batch's facts read of them is the same
+    made = BatchMetadata.assemble(qsl, sl, None, bt, tok_req, tok_req, num_decodes=R, decode_query_len=dql,
+                                  num_decode_tokens=T, max_prefill_query_len=0, block_size=block_size,
                                   max_query_len=dql if R else 0)
+    return _emptied(made, ("seq_lens", "block_table", "token_positions")), offsets
+
+
+def _arange(n: int, device: torch.device) -> tuple[torch.Tensor]:
+    return (torch.arange(n, dtype=_I32, device=device),)
+
+
+def _emptied(made: object, per_call: tuple[str, ...]) -> dict[str, object]:
+    """``made``'s fields as a template: the per-call ones emptied (no tensor of a call kept past it)."""
+    template = dict(made.__dict__)
+    template.update(dict.fromkeys(per_call))
+    return template
 
 
 def prefill_batch(fn: str, cu_seqlens_q: object, seq_lens: object, block_table: torch.Tensor, num_tokens: int,
@@ -176,11 +260,22 @@ def prefill_batch(fn: str, cu_seqlens_q: object, seq_lens: object, block_table: 
 # -- caches --------------------------------------------------------------------------------------
 
 def index_caches(index_cache: torch.Tensor, heads: int, dtype: torch.dtype, graph: bool) -> PagedKVCache:
-    P, B, Di = index_cache.shape
-    dev, shape = index_cache.device, (P, B, heads, Di)
-    # an indexer reads the index cache only
-    (kv,) = kept(("stand-in", dtype, dev, shape), graph, stand_in, dtype, dev, shape)
-    return PagedKVCache.rewrap(kv, kv, index_cache)
+    """The caches of an index op: ``index_cache`` with a one-element K/V stand-in (an indexer reads the index
+    cache only), a copy of a template kept per ``index_cache``'s shape, dtype and device."""
+    key = ("index caches", dtype, heads, index_cache.shape, index_cache.dtype, index_cache.device)
+    template = _KEPT.get(key)
+    if template is None:
+        P, B, Di = index_cache.shape
+        dev, shape = index_cache.device, (P, B, heads, Di)
+        (kv,) = kept(("stand-in", dtype, dev, shape), graph, stand_in, dtype, dev, shape)
+        made = PagedKVCache.rewrap(kv, kv, index_cache)
+        if graph:
+            return made
+        template = _emptied(made, ("index",))
+        _keep(key, template)
+    caches = _new(PagedKVCache)
+    caches.__dict__.update(template, index=index_cache)
+    return caches
 
 
 def _scale(fn: str, name: str, scale: object, heads: int, slots: int, device: torch.device) -> torch.Tensor:
@@ -194,6 +289,33 @@ def _scale(fn: str, name: str, scale: object, heads: int, slots: int, device: to
 
 
 def attention_caches(fn: str, kv_cache: torch.Tensor, k_scale: object, v_scale: object, q: torch.Tensor,
+                      graph: bool) -> PagedKVCache:
+    """vLLM's ``[num_blocks, num_kv_heads, B, 2 * head_dim]`` cache as K and V views ``[N, B, H, D]`` (HND
+    pages, no copy), with a stand-in index cache (no attention reads it) and the scales of an fp8 cache.
+
+    Without scales (a 16-bit cache, or fp8 values as stored) the caches are a copy of a template kept per
+    ``kv_cache``'s shape, strides, dtype and device (and ``q``'s dtype), given this call's K and V: two
+    views of ``kv_cache`` at the template's strides."""
+    if k_scale is None and v_scale is None:
+        key = ("kv caches", kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device, q.dtype)
+        got = _KEPT.get(key)
+        if got is None:
+            made = _attention_caches(fn, kv_cache, None, None, q, graph)
+            if graph:
+                return made
+            k = made.k
+            got = (_emptied(made, ("k", "v")), tuple(k.shape), k.stride(), made.v.storage_offset() - k.storage_offset())
+            _keep(key, got)
+        template, size, stride, v_at = got
+        at = kv_cache.storage_offset()
+        caches = _new(PagedKVCache)
+        caches.__dict__.update(template, k=kv_cache.as_strided(size, stride, at),
+                               v=kv_cache.as_strided(size, stride, at + v_at))
+        return caches
+    return _attention_caches(fn, kv_cache, k_scale, v_scale, q, graph)
+
+
+def _attention_caches(fn: str, kv_cache: torch.Tensor, k_scale: object, v_scale: object, q: torch.Tensor,
                       graph: bool) -> PagedKVCache:
     N, H, B, D2 = kv_cache.shape
     if D2 % 2:
