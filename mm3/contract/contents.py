@@ -346,7 +346,7 @@ class FaultFlag:
         #: (else a device word, copied by after_step)
         self.word, self._host, self.shared = _shared_word(self.device)
         #: the word as the host reads it (a step compares it with NO_FAULT before it calls raise_pending)
-        self.host_word = self._host.numpy()
+        self.host_word = memoryview(self._host.numpy())   # an index of it is a Python int (a numpy scalar costs more)
         self._lock = threading.Lock()
         #: what the message of a fault names: the entry, its spelling, the cache's pages and the batch of the
         #: last step that may have lowered the word (a step sets it: one attribute written)

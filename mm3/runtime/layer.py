@@ -43,6 +43,8 @@ from mm3.runtime.step import BOTH, OpTarget
 
 __all__ = ["SparseAttention"]
 
+#: torch.compile's question, read once (two attribute lookups a step need not make)
+_compiling = torch.compiler.is_dynamo_compiling
 _ENTRY = "SparseAttention.forward"
 
 DeviceLike = Union[str, torch.device]
@@ -203,7 +205,7 @@ class SparseAttention:
                   self._resolve()).target
         if out is None and isinstance(q, torch.Tensor):
             out = torch.empty_like(q, dtype=self.dtype)   # fp8 queries: the output is in the layer's dtype
-        if torch.compiler.is_dynamo_compiling():  # one opaque node per op: nothing below is traced
+        if _compiling():  # one opaque node per op: nothing below is traced
             # each op admits its call at run time, held to this layer's promises (its target carries them)
             args, c, handle, st = batch_args(batch), caches, target.handle, target.topk.storage  # type: ignore[union-attr]
             blocks = (c.k_block_scale, c.v_block_scale, c.index_block_scale)     # NVFP4's, else None
