@@ -175,3 +175,18 @@ def test_what_is_not_a_view_is_refused() -> None:
         TopkBuffer(torch.zeros(6, 4, dtype=torch.int32))
     with pytest.raises(InputError, match="not laid out outermost-to-innermost"):
         TopkBuffer(torch.zeros(2, 4, 6, dtype=torch.int32).transpose(1, 2))   # slots not innermost
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_rows_carry_the_facts_their_memory_has(layout: str) -> None:
+    """A rows view takes its buffer's facts where they cannot differ (two or more rows of two or more): each
+    view's facts are what reading its memory gives, for every range, one row included."""
+    from mm3.contract.facts import topk_facts
+
+    buf = TopkBuffer.allocate(64, 2, 16, layout, "cpu")
+    for start, stop in [(0, 1), (0, 2), (0, 37), (5, 64), (0, 64), (63, 64), (7, 7)]:
+        rows = buf.rows(start, stop)
+        assert rows.facts == topk_facts(rows.storage, layout), (start, stop)
+        assert rows.num_tokens == stop - start and rows.layout == layout
+    one = TopkBuffer.allocate(1, 2, 16, layout, "cpu")
+    assert one.rows(0, 1).facts == topk_facts(one.rows(0, 1).storage, layout)

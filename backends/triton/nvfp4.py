@@ -51,7 +51,9 @@ def load_nvfp4_rows(byte_rows, scale_rows, s_byte, s_scale, D: tl.constexpr, DTY
 
     Each element loads its own byte and scale (a byte serves two elements and a scale sixteen: the
     repeats hit the cache), so the tile is built in its final shape: no interleave or reshape, whose
-    layouts the compiler must then convert for the dot.
+    layouts the compiler must then convert for the dot (so built, the attention kernels' tiles came out
+    wrong on an H100 at head dims 32 and 64, though right under the interpreter; the GPU conformance
+    suite's NVFP4 cases hold this). The repeated loads cost time: BENCHMARKS.md's NVFP4 decode row.
     """
     offs = tl.arange(0, D)
     byte_at = byte_rows[:, None] + (offs // 2)[None, :] * s_byte

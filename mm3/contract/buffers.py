@@ -252,9 +252,14 @@ class TopkBuffer:
                 f"top-k buffer rows [{start}, {stop}) out of range: capacity is {self.num_tokens} "
                 f"tokens; allocate a larger buffer (max_num_tokens) for this step")
         # a token range of memory in storage order is in storage order
-        if self._layout == "head_major":
-            return TopkBuffer._checked_before(self._data[:, start:stop], self._layout)
-        return TopkBuffer._checked_before(self._data[start:stop], self._layout)
+        data = self._data[:, start:stop] if self._layout == "head_major" else self._data[start:stop]
+        if stop - start < 2 or self.num_tokens < 2:
+            return TopkBuffer._checked_before(data, self._layout)
+        # its facts are this buffer's: a slice keeps the dtype, device and strides, and the facts count the
+        # token axis as 1 or 2 (reading them again costs about as much as the slice)
+        buf = object.__new__(TopkBuffer)
+        buf._data, buf._layout, buf.facts, buf.num_tokens = data, self._layout, self.facts, stop - start
+        return buf
 
     # -- mutation / conversion -------------------------------------------------------
     def fill_(self, value: int) -> "TopkBuffer":
