@@ -385,3 +385,22 @@ def test_the_page_check_runs_few_torch_ops(_device_tables: None) -> None:
                               "aten.amin.default", "aten.lt.Tensor", "aten.div.Tensor_mode"], computing
     assert computing[-1] in ("aten.__or__.Tensor", "aten.bitwise_or.Tensor"), computing
     assert len(seen.ops) - len(computing) <= 5, seen.ops
+
+
+def test_a_constant_read_inside_capture_outlives_the_store_starting_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A captured graph reads the kept tensors at every replay: once a capture has read an entry, emptying the
+    store when it is full (a churn of shapes) must not free it, and later calls get that very tensor."""
+    monkeypatch.setattr(vllm_inputs, "MAX_KEPT", 8)
+    monkeypatch.setattr(vllm_inputs, "_KEPT", {})
+    monkeypatch.setattr(vllm_inputs, "_PINNED", {})
+
+    def make() -> tuple[torch.Tensor, ...]:
+        return (torch.arange(4, dtype=torch.int32),)
+    eager = vllm_inputs.kept(("test constant",), False, make)
+    captured = vllm_inputs.kept(("test constant",), True, make)       # a capture reads it
+    assert captured is eager
+    loose = vllm_inputs.kept(("test loose",), False, make)              # never read inside capture
+    for i in range(20):                                               # the store fills and starts over
+        vllm_inputs.kept(("churn", i), False, make)
+    assert vllm_inputs.kept(("test constant",), False, make) is eager   # still the tensor the graph reads
+    assert vllm_inputs.kept(("test loose",), False, make) is not loose  # the store did start over

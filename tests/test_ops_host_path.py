@@ -373,3 +373,25 @@ def test_build_on_cuda_never_synchronises() -> None:
     # a table already on the device is used as it is (read back once, to judge it)
     on_dev = _table().to(dev)
     assert mm3.BatchMetadata.build(**LENS, block_table=on_dev, num_pages=12).block_table is on_dev
+
+
+def test_the_layers_storage_seen_as_another_dtype_is_refused() -> None:
+    """The owner's top-k storage is recognised by its address, dtype, shape and strides: the same memory
+    viewed as float32 is not the layer's buffer, and is refused by name."""
+    layer, case = _layer(), _case("decode")
+    wrong = layer.topk_buffer.storage.view(torch.float32)
+    with pytest.raises(mm3.InputError, match="torch.ops.mm3.index_topk: topk: .*int32"):
+        _call(layer, case, False, topk=wrong)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_build_on_cuda_from_pinned_memory_takes_the_table_it_judged() -> None:
+    """A pinned host table moved without waiting would be read when the copy runs, after the caller refilled
+    it for its next step: the batch must hold the table ``build`` judged."""
+    table = _table().pin_memory()
+    want = table.clone()
+    torch.cuda._sleep(10_000_000)            # the stream busy, so a queued copy would run late
+    b = mm3.BatchMetadata.build(**LENS, block_table=table, num_pages=12, device="cuda")
+    table.fill_(7)                           # the caller's next step
+    torch.cuda.synchronize()
+    assert torch.equal(b.block_table.cpu(), want)

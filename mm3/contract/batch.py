@@ -230,8 +230,7 @@ class BatchMetadata:
                 tok_pos.extend(range(s - q, s))
         i32, cpu = torch.int32, torch.device("cpu")
         ctx = [max(s - q, 0) if not (r < num_decodes and s == 0) else 0 for r, (q, s) in enumerate(zip(ql, sl))]
-        # Judged in host memory (a device batch's contents would be read back: a sync); a device table is read
-        # back once and kept, a device slot table judged where it lives (the engine's whole pool), as before.
+        # judged in host memory, never read back (but a device table, once; a device slot pool judged there)
         where = dev if dev.type == "cpu" or (slots is not None and slots.table.device.type != "cpu") else cpu
         there = block_table.to(dtype=i32).contiguous() if where is cpu and block_table.device.type == dev.type \
             and dev.index in (None, block_table.device.index) else None
@@ -413,14 +412,15 @@ class BatchMetadata:
         return self
 
     def to(self, device: Union[str, torch.device]) -> "BatchMetadata":
-        """The same batch with its tensors on ``device``; from host memory to a CUDA device without waiting for
-        the device (``non_blocking``: each copy takes the host's buffer before it returns)."""
-        nb = torch.device(device).type == "cuda"
-        fields = {f: (t := getattr(self, f)).to(device, non_blocking=nb and t.is_cpu) for f in _TENSORS}
+        """The same batch with its tensors on ``device``; from pageable host memory without waiting (a copy from
+        pinned memory waits: it would read the buffer later, when the caller may have refilled it)."""
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=t.is_cpu and not t.is_pinned() and torch.device(device).type == "cuda")
         moved = BatchMetadata(num_decodes=self.num_decodes, decode_query_len=self.decode_query_len,
-                              host_lens=self.host_lens, block_size=self.block_size, **fields,
-                              slots=None if self.slots is None else type(self.slots)(
-                                  *(t.to(device, non_blocking=nb and t.is_cpu) for t in self.slots)))
+                              host_lens=self.host_lens, block_size=self.block_size,
+                              **{f: move(getattr(self, f)) for f in _TENSORS},
+                              slots=None if self.slots is None else type(self.slots)(*map(move, self.slots)))
         moved.__dict__.update({k: v for k, v in self.__dict__.items() if k in _HOST_INTS})
         return moved
 

@@ -129,8 +129,8 @@ class PagedKVCache:
         """
         cache = object.__new__(cls)
         facts = cache_facts(k, v, index, k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
-        # the fields set directly, item by item (frozen: no __setattr__): drop-ins rewrap their caches every call
-        # (the custom ops spell the same out inline, mm3.runtime.ops)
+        # the fields set directly, item by item (frozen: no __setattr__): the custom ops and drop-ins rewrap
+        # their caches every call
         d = cache.__dict__
         d["k"] = k
         d["v"] = v

@@ -223,7 +223,7 @@ def batch_facts_key(qsl: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor, t2r: 
     """Everything :func:`batch_shape` reads of a batch, as one tuple (compared whole, never by a tensor's
     identity): each tensor's shape, then their dtypes, then their devices (``None`` for context lengths the
     batch derives), the five host ints and, for token slots, the slot table's and rows' shape, dtype and
-    device. The custom ops spell the same tuple out inline (:mod:`mm3.runtime.ops`)."""
+    device."""
     if ctx is None:
         key: tuple[Any, ...] = (qsl.shape, sl.shape, bt.shape, t2r.shape, pos.shape, None, qsl.dtype, sl.dtype,
                                 bt.dtype, t2r.dtype, pos.dtype, None, qsl.device, sl.device, bt.device, t2r.device,

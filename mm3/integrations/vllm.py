@@ -90,13 +90,14 @@ def minimax_m3_index_decode(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, b
                                            init_blocks, local_blocks, num_kv_heads, decode_query_len,
                                            max_decode_query_len, out, score_out)
     fn = "minimax_m3_index_decode"
+    key: Optional[tuple[object, ...]]
     try:
         T, H, Di = idx_q.shape
         key = (idx_q.dtype, H, Di, index_kv_cache.shape, index_kv_cache.dtype, idx_q.device, index_kv_cache.device,
                topk, init_blocks, local_blocks, num_kv_heads, decode_query_len, max_decode_query_len)
         kind = INDEX_KINDS.get(key)
     except (AttributeError, TypeError, ValueError):    # not a 3-D tensor, an unhashable int: the checked path
-        kind = None
+        key = kind = None
     if kind is not None and score_out is None and kind.context == context():
         graph = capturing(idx_q)
         if kind.graph_safe or not graph:
@@ -118,14 +119,15 @@ def minimax_m3_index_decode(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, b
                                 names=DECODE_INDEX_NAMES)
             return rows
     return _index_decode(fn, idx_q, index_kv_cache, block_table, seq_lens, max_seq_len, topk, init_blocks,
-                         local_blocks, num_kv_heads, decode_query_len, max_decode_query_len, out, score_out)
+                         local_blocks, num_kv_heads, decode_query_len, max_decode_query_len, out, score_out, key)
 
 
 def _index_decode(fn: str, idx_q: torch.Tensor, index_kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, max_seq_len: int, topk: int, init_blocks: int, local_blocks: int,
                   num_kv_heads: int, decode_query_len: int, max_decode_query_len: int, out: Optional[torch.Tensor],
-                  score_out: Optional[torch.Tensor]) -> torch.Tensor:
-    """:func:`minimax_m3_index_decode` checked step by step; a call that runs eagerly keeps its kind."""
+                  score_out: Optional[torch.Tensor], key: Optional[tuple[object, ...]]) -> torch.Tensor:
+    """:func:`minimax_m3_index_decode` checked step by step; a call that runs eagerly keeps its kind under
+    ``key`` (its host facts, as the caller read them; ``None``: keeps none)."""
     tensor_arg(fn, "idx_q", idx_q, 3, "[total_q, num_kv_heads, index_head_dim]")
     tensor_arg(fn, "index_kv_cache", index_kv_cache, 3, "[num_blocks, block_size, index_head_dim]")
     T, H, Di = idx_q.shape
@@ -143,12 +145,11 @@ def _index_decode(fn: str, idx_q: torch.Tensor, index_kv_cache: torch.Tensor, bl
     if T:
         ctx = context()
         q, caches, bound = run_index(fn, idx_q, index_kv_cache, batch, rows, params, max_decode_query_len, graph)
-        if not graph and plain(topk, init_blocks, local_blocks, num_kv_heads, decode_query_len, max_decode_query_len):
+        if key is not None and not graph and plain(topk, init_blocks, local_blocks, num_kv_heads, decode_query_len,
+                                                   max_decode_query_len):
             kind = Kind(ctx, bound, bound.selection.indexer, B, caches, ("index",))
             kind.widen = q is not idx_q
-            remember(INDEX_KINDS, (idx_q.dtype, H, Di, index_kv_cache.shape, index_kv_cache.dtype, idx_q.device,
-                                   index_kv_cache.device, topk, init_blocks, local_blocks, num_kv_heads,
-                                   decode_query_len, max_decode_query_len), kind)
+            remember(INDEX_KINDS, key, kind)
     return rows
 
 
@@ -279,15 +280,17 @@ def minimax_m3_sparse_attn_decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_
             return minimax_m3_sparse_attn_decode(q, kv_cache, topk_idx, block_table, seq_lens, num_kv_heads, sm_scale,
                                                  output, decode_query_len, k_scale, v_scale)
     fn = "minimax_m3_sparse_attn_decode"
+    key: Optional[tuple[object, ...]] = None
     kind = None
     if k_scale is None and v_scale is None:
         try:
             T, Hq, D = q.shape
             _, _, K = topk_idx.shape
-            kind = ATTENTION_KINDS.get((q.dtype, Hq, D, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, q.device,
-                                         kv_cache.device, K, num_kv_heads, sm_scale, decode_query_len))
+            key = (q.dtype, Hq, D, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, q.device, kv_cache.device, K,
+                   num_kv_heads, sm_scale, decode_query_len)
+            kind = ATTENTION_KINDS.get(key)
         except (AttributeError, TypeError, ValueError):   # not a tensor of its dims, an unhashable int
-            pass
+            key = None
     if kind is not None and kind.context == context():
         graph = capturing(q)
         if kind.graph_safe or not graph:
@@ -302,15 +305,15 @@ def minimax_m3_sparse_attn_decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_
                                 names=DECODE_NAMES)
             return
     _attn_decode(fn, q, kv_cache, topk_idx, block_table, seq_lens, num_kv_heads, sm_scale, output, decode_query_len,
-                 k_scale, v_scale)
+                 k_scale, v_scale, key)
 
 
 def _attn_decode(fn: str, q: torch.Tensor, kv_cache: torch.Tensor, topk_idx: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int, sm_scale: float,
                  output: torch.Tensor, decode_query_len: int, k_scale: Optional[torch.Tensor],
-                 v_scale: Optional[torch.Tensor]) -> None:
+                 v_scale: Optional[torch.Tensor], key: Optional[tuple[object, ...]]) -> None:
     """:func:`minimax_m3_sparse_attn_decode` checked step by step; a call that runs eagerly, without scales,
-    keeps its kind."""
+    keeps its kind under ``key`` (its host facts, as the caller read them; ``None``: keeps none)."""
     tensor_arg(fn, "q", q, 3, "[total_q, num_heads, head_dim]")
     tensor_arg(fn, "kv_cache", kv_cache, 4, "[num_blocks, num_kv_heads, block_size, 2 * head_dim]")
     tensor_arg(fn, "topk_idx", topk_idx, 3, "[num_kv_heads, total_q, topk]")
@@ -324,10 +327,8 @@ def _attn_decode(fn: str, q: torch.Tensor, kv_cache: torch.Tensor, topk_idx: tor
         params = params_of(fn, attention_params, Hq, num_kv_heads, D, B, topk_idx.shape[2], sm_scale)
         ctx = context()
         bound = run_attention(fn, q, caches, topk_idx, batch, output, params, decode_query_len, graph)
-        if not graph and k_scale is None and v_scale is None and plain(num_kv_heads, decode_query_len, sm_scale):
+        if key is not None and not graph and plain(num_kv_heads, decode_query_len, sm_scale):
             kind = Kind(ctx, bound, bound.selection.attention, B, caches, ("k", "v"))
             kind.size, kind.stride = tuple(caches.k.shape), caches.k.stride()
             kind.v_at = int(caches.v.storage_offset() - caches.k.storage_offset())
-            remember(ATTENTION_KINDS, (q.dtype, Hq, D, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, q.device,
-                                       kv_cache.device, topk_idx.shape[2], num_kv_heads, sm_scale,
-                                       decode_query_len), kind)
+            remember(ATTENTION_KINDS, key, kind)

@@ -77,37 +77,12 @@ def check_heads(fn: str, name: str, got: int, num_kv_heads: int) -> None:
 
 
 def topk_view(fn: str, name: str, view: object) -> TopkBuffer:
-    """``view`` (the logical ``[H, T, K]`` view of the caller's top-k memory) as a :class:`~mm3.TopkBuffer`.
-
-    What :class:`~mm3.TopkBuffer` checks of a view (int32, three dims, memory in order), the layout it reads
-    from the strides and the facts it keeps depend on the view's shape, strides, dtype and device alone, and
-    on its token count ``T`` only through ``min(T, 2)`` and, for head-major memory of several heads,
-    ``stride(0) >= T * stride(1)``: so a view is wrapped by ``TopkBuffer`` once per those, and later views
-    as a copy of what that one worked out (that last inequality tested per call)."""
-    t: Any = view
-    key: Optional[tuple[object, ...]]
+    """``view`` (the logical ``[H, T, K]`` view of the caller's top-k memory) as a :class:`~mm3.TopkBuffer`,
+    its errors named as vLLM's argument ``name`` of ``fn``."""
     try:
-        H, T, K = t.shape
-        st = t.stride()
-        key = ("topk", H, T if T < 2 else 2, K, st, t.dtype, t.device)
-        got = _KEPT.get(key)
-    except (AttributeError, TypeError, ValueError):
-        key = got = None
-    if got is not None:
-        layout, facts, rows_apart = got
-        if not rows_apart or st[0] >= T * st[1]:
-            buf = _new(TopkBuffer)
-            buf._data = t.permute(1, 0, 2) if layout == "token_major" else t
-            buf._layout, buf.facts, buf.num_tokens = layout, facts, T
-            return buf
-    try:
-        buf = TopkBuffer(t)
+        return TopkBuffer(view)  # type: ignore[arg-type]
     except InputError as e:
         raise InputError(f"{fn}: {name}: {e}") from None
-    if key is not None:
-        layout = buf.layout
-        _keep(key, (layout, buf.facts, layout == "head_major" and H > 1 and T > 1))
-    return buf
 
 
 def out_rows(fn: str, out: Optional[torch.Tensor], heads: int, num_tokens: int, topk: int,
@@ -124,9 +99,11 @@ def out_rows(fn: str, out: Optional[torch.Tensor], heads: int, num_tokens: int, 
 
 # -- device-resident constants -----------------------------------------------------------------
 # Kept only when made outside CUDA-graph capture: a tensor filled by a captured kernel holds its
-# values only once the graph replays, so it cannot serve eager calls.
+# values only once the graph replays, so it cannot serve eager calls. One read inside capture pins an
+# entry for the process: the graph reads its tensors at every replay, so they must never be freed.
 _KEPT: dict[tuple[object, ...], Any] = {}
-#: constants and templates kept before the cache starts over (one set per batch size and device)
+_PINNED: dict[tuple[object, ...], Any] = {}
+#: constants and templates kept before the cache starts over (the pinned ones stay)
 MAX_KEPT = 4096
 _I32 = torch.int32
 _new = object.__new__
@@ -138,10 +115,20 @@ def _keep(key: tuple[object, ...], value: Any) -> None:
     _KEPT[key] = value
 
 
+def _kept(key: tuple[object, ...], graph: bool) -> Any:
+    """What is kept under ``key`` (``None``: nothing); read inside capture (``graph``), it is pinned."""
+    got = _KEPT.get(key)
+    if got is None:
+        return _PINNED.get(key)
+    if graph:
+        _PINNED[key] = got
+    return got
+
+
 def kept(key: tuple[object, ...], graph: bool, make: Callable[..., tuple[torch.Tensor, ...]],
           *args: object) -> tuple[torch.Tensor, ...]:
     """The constants ``make(*args)`` kept under ``key`` (made anew inside capture, and then not kept)."""
-    got = _KEPT.get(key)
+    got = _kept(key, graph)
     if got is None:
         got = make(*args)
         if not graph:
@@ -183,7 +170,7 @@ def decode_batch(fn: str, seq_lens: object, block_table: object, decode_query_le
     if not (ok and rows == R and type(dql) is int and dql >= 1 and num_tokens == R * dql):
         R, W = _decode_args(fn, sl, bt, dql, num_tokens)
     key = ("decode", R, dql, block_size, W, sl.device, bt.device)
-    got = _KEPT.get(key)
+    got = _kept(key, graph)
     if got is None:
         got = _decode_template(sl, bt, R, dql, num_tokens, block_size, graph)
         if not graph:
@@ -263,7 +250,7 @@ def index_caches(index_cache: torch.Tensor, heads: int, dtype: torch.dtype, grap
     """The caches of an index op: ``index_cache`` with a one-element K/V stand-in (an indexer reads the index
     cache only), a copy of a template kept per ``index_cache``'s shape, dtype and device."""
     key = ("index caches", dtype, heads, index_cache.shape, index_cache.dtype, index_cache.device)
-    template = _KEPT.get(key)
+    template = _kept(key, graph)
     if template is None:
         P, B, Di = index_cache.shape
         dev, shape = index_cache.device, (P, B, heads, Di)
@@ -298,7 +285,7 @@ def attention_caches(fn: str, kv_cache: torch.Tensor, k_scale: object, v_scale: 
     views of ``kv_cache`` at the template's strides."""
     if k_scale is None and v_scale is None:
         key = ("kv caches", kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device, q.dtype)
-        got = _KEPT.get(key)
+        got = _kept(key, graph)
         if got is None:
             made = _attention_caches(fn, kv_cache, None, None, q, graph)
             if graph:

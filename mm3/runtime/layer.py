@@ -200,9 +200,7 @@ class SparseAttention:
 
         ``out`` (optional) may have more rows than the step; only ``[0, T)`` is written.
         """
-        b = self._default      # the names outside any use_backend scope (a step's one read)
-        target = (b if b is not None and (self._explicit is not None or SCOPE.get() is None) else
-                  self._resolve()).target
+        target = self._resolve().target
         if out is None and isinstance(q, torch.Tensor):
             out = torch.empty_like(q, dtype=self.dtype)   # fp8 queries: the output is in the layer's dtype
         if _compiling():  # one opaque node per op: nothing below is traced

@@ -107,8 +107,8 @@ def batch_from_args(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, conte
                     max_prefill_query_len: int, block_size: int) -> BatchMetadata:
     """The inverse of :func:`batch_args` (host lengths are read back only if a backend asks).
 
-    A new batch every call (the ops build the same one inline, each tensor's facts read once), as
-    they build their cache and top-k wrappers anew: nothing they are given is kept past the call.
+    A new batch every call (its facts read back when its tensors' shapes, dtypes and devices and its
+    ints equal the last call's), as the ops build their cache and top-k wrappers anew: nothing they are given is kept past the call.
     Under ``torch.compile``'s CUDA graphs (``mode="reduce-overhead"``) an argument may live in the
     graph's memory pool, and a reference kept across steps is an allocation the graph does not own
     (H200: "6 tensors in the cudagraph pool not tracked as outputs"); and an engine may refill the
@@ -133,10 +133,9 @@ def _call_parts(handle: int, entry: str, topk: torch.Tensor, k: torch.Tensor, v:
                 block_size: int, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                 k_block_scale: Optional[torch.Tensor], v_block_scale: Optional[torch.Tensor],
                 index_block_scale: Optional[torch.Tensor]) -> tuple[OpTarget, PagedKVCache, BatchMetadata, TopkBuffer]:
-    """What an op's call runs on: its target, caches, batch and top-k buffer (the owner's when ``topk`` is its
-    storage: the very tensor, or its address, shape and strides; else the caller's memory read through its
-    strides). Both wrappers are made anew each call and read their facts back from the last call's
-    (:func:`~mm3.contract.facts.cache_facts`, :func:`~mm3.contract.facts.shape_of_facts`)."""
+    """What an op's call runs on: its target, caches, batch and top-k buffer (:meth:`OpTarget.topk_of`). The
+    wrappers are made anew each call; their facts are read back when the tensors' shapes, dtypes and devices
+    equal the last call's (:func:`~mm3.contract.facts.cache_facts`, :func:`~mm3.contract.facts.shape_of_facts`)."""
     ref = _TARGETS.get(handle)
     target = None if ref is None else ref()
     if target is None:
@@ -145,11 +144,7 @@ def _call_parts(handle: int, entry: str, topk: torch.Tensor, k: torch.Tensor, v:
                                  v_block_scale=v_block_scale, index_block_scale=index_block_scale)
     batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request, token_positions,
                             num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len, block_size)
-    own = target.topk
-    if own is None or not (topk is (s := own.storage) or (
-            topk.data_ptr() == s.data_ptr() and topk.shape == s.shape and topk.stride() == s.stride())):
-        own = target.topk_of(topk, entry)
-    return target, caches, batch, own
+    return target, caches, batch, target.topk_of(topk, entry)
 
 
 # Defined with torch.library.Library rather than the custom_op decorator: the decorator's eager

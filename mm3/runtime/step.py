@@ -197,9 +197,10 @@ class OpTarget:
         self._scores_reader = (None, False, None) if scorer is None else \
             (scorer, scorer.capabilities.reports_bad_page_ids, scorer.check_contents)
         self._never, self._always = self.mode == "never", self.mode == "always"
-        #: the facts and plan of the last call of each entry point (most calls repeat them; a step of the
-        #: custom ops calls two entry points in turn, so one slot for both would miss every call)
-        self._last: dict[str, tuple[Any, Plan]] = {}
+        #: the course (:meth:`_course`: its facts, plan and what follows from them) of the last call of each
+        #: entry point (most calls repeat them; a step of the custom ops calls two entry points in turn, so
+        #: one slot for both would miss every call)
+        self._last: dict[str, tuple[Any, ...]] = {}
         #: the batch kinds whose first eager call of each op passed the guard ("first" mode)
         self._passed: dict[str, set[str]] = {_INDEX_HOOK[0]: set(), _ATTENTION_HOOK[0]: set(), _SCORES_HOOK[0]: set()}
         #: the first eager step has not run yet: its contents are read on the host, once
@@ -211,13 +212,14 @@ class OpTarget:
         return {(op, kind) for op, kinds in self._passed.items() for kind in kinds}
 
     def topk_of(self, t: torch.Tensor, entry: str) -> TopkBuffer:
-        """The top-k buffer a custom op was given: the owner's own buffer when ``t`` is its storage (same
-        address, shape and strides), else ``t`` read as the logical ``[H, T, K]`` view of the caller's memory
-        (its strides say the layout). ``entry`` names the op in errors (its argument is ``topk``)."""
+        """The top-k buffer a custom op was given: the owner's own buffer when ``t`` is its storage (itself, or
+        the same address, dtype, shape and strides), else ``t`` read as the logical ``[H, T, K]`` view of the
+        caller's memory (its strides say the layout). ``entry`` names the op in errors (its argument is ``topk``)."""
         own = self.topk
         if own is not None and isinstance(t, torch.Tensor):
             s = own.storage
-            if t.data_ptr() == s.data_ptr() and t.shape == s.shape and t.stride() == s.stride():
+            if t is s or (t.data_ptr() == s.data_ptr() and t.dtype == s.dtype and t.shape == s.shape
+                          and t.stride() == s.stride()):
                 return own
         try:
             return TopkBuffer(t)
