@@ -114,8 +114,8 @@ def _views() -> list[torch.Tensor]:
 
 
 def test_a_topk_view_wraps_as_topk_buffer_does() -> None:
-    for _ in range(2):      # the first of each class through TopkBuffer, the second from what it kept
-        for v in _views():
+    for v in _views():
+        for _ in range(2):  # each view twice: judged, then read back from TopkBuffer's memo of the last view
             mine, ref = vllm_inputs.topk_view("f", "out", v), TopkBuffer(v)
             for slot in TopkBuffer.__slots__:
                 a, b = getattr(mine, slot), getattr(ref, slot)
@@ -125,9 +125,9 @@ def test_a_topk_view_wraps_as_topk_buffer_does() -> None:
                     assert a == b, slot
 
 
-def test_a_kept_topk_class_still_refuses_rows_that_overlap() -> None:
-    """Head-major memory of several heads: whether rows stay apart depends on the token count, tested per
-    call (the kept class was wrapped at a count that fits)."""
+def test_a_view_of_memory_judged_before_still_refuses_rows_that_overlap() -> None:
+    """Head-major memory of several heads: whether rows stay apart depends on the token count, so a view of
+    more tokens of memory wrapped just before (at a count that fits) is judged again, and refused."""
     memory = torch.zeros(2 * 6 * 4, dtype=torch.int32)
     fits = memory.as_strided((2, 3, 4), (12, 4, 1))
     vllm_inputs.topk_view("f", "out", fits)

@@ -102,15 +102,7 @@ def minimax_m3_index_decode(idx_q: torch.Tensor, index_kv_cache: torch.Tensor, b
         graph = capturing(idx_q)
         if kind.graph_safe or not graph:
             batch = decode_batch(fn, seq_lens, block_table, decode_query_len, T, kind.block_size, graph)
-            if out is None:
-                rows = torch.empty((H, T, topk), dtype=torch.int32, device=idx_q.device)
-            else:
-                try:
-                    Ho, To, Ko = out.shape
-                    fits = Ho == H and To >= T and Ko == topk
-                except (AttributeError, TypeError, ValueError):
-                    fits = False
-                rows = (out if To == T else out[:, :T]) if fits else out_rows(fn, out, H, T, topk, idx_q.device)
+            rows = out_rows(fn, out, H, T, topk, idx_q.device)
             if T:
                 caches = _new(PagedKVCache)
                 caches.__dict__.update(kind.caches, index=index_kv_cache)

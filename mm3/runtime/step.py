@@ -86,6 +86,9 @@ _INDEX, _ATTENTION, _SCORES = Op.INDEX_TOPK, Op.ATTENTION, Op.INDEX_SCORES
 # (name, hook) of each op as plain strings: an enum member's value and hash run Python code every call
 _INDEX_HOOK, _ATTENTION_HOOK, _SCORES_HOOK = ((str.__str__(op), op.hook) for op in (_INDEX, _ATTENTION, _SCORES))
 _INDEX_NAME, _ATTENTION_NAME, _SCORES_NAME = _INDEX_HOOK[0], _ATTENTION_HOOK[0], _SCORES_HOOK[0]
+#: the kinds each op has passed the guard on, in "always" mode: none, so every call is guarded
+_NONE_PASSED: dict[str, frozenset[str]] = {_INDEX_NAME: frozenset(), _ATTENTION_NAME: frozenset(),
+                                           _SCORES_NAME: frozenset()}
 
 
 def _wrong_types(entry: str, names: ArgNames, caches: object, batch: object, topk: object) -> InputError:
@@ -266,11 +269,8 @@ class OpTarget:
         be, reports, checker = self._attention_reader if reader is _ATTENTION else self._scores_reader \
             if reader is _SCORES else self._index_reader
         plain = plan.index_via is None and not plan.sort_written and plan.convert_to is None and not plan.sort_read
-        # the batch kinds on which every op of these calls passed the guard (then a call of the kind is not
-        # guarded); made anew with each course, so filled again from the authority, :attr:`_passed`
-        settled: set[str] = set()
         return (key, plan, on_host(batch), caches.k.shape[0], be, reports, checker,
-                reports and reader is not _ATTENTION, _INDEX in ops, _ATTENTION in ops, _SCORES in ops, plain, settled)
+                reports and reader is not _ATTENTION, _INDEX in ops, _ATTENTION in ops, _SCORES in ops, plain)
 
     def _contents_on_host(self, entry: str, caches: PagedKVCache, batch: BatchMetadata, graph: bool,
                           names: ArgNames, num_pages: int) -> None:
@@ -339,7 +339,7 @@ class OpTarget:
         course = self._last.get(entry)
         if course is None or key != course[0]:   # the last call's facts (most calls): item by item, no hashing
             course = self._planned(key, entry, ops, caches, batch, topk, index_q, q, out, names, order)
-        _, plan, host, num_pages, be, reports, checker, word, index, attend, scores, plain, settled = course
+        _, plan, host, num_pages, be, reports, checker, word, index, attend, scores, plain = course
         # 2. the counts (Plan says which): O(1) int comparisons
         nd = bs.num_decodes
         exact = plan.exact_rows
@@ -371,16 +371,16 @@ class OpTarget:
         faults = flag.word if word else None
         if not hooks:
             return plan, faults
-        # 4. the hooks: a call is guarded unless captured, "never", or (in "first") its kind has passed
+        # 4. the hooks: a call is guarded unless captured, "never", or (in "first") its op passed on its kind
         kind = bs.kind
-        guarded = not (graph or self._never) and (self._always or kind not in settled)
+        passed = None if graph or self._never else _NONE_PASSED if self._always else self._passed
         if scores:
             if self.scorer is None:
                 raise InputError(f"{entry}: no bound backend provides index_scores; score the blocks without "
                                  f"one (OpTarget.admit_call, then mm3.integrations.block_scores)")
             rows = out if so[1] == T else out[:, :T]  # type: ignore[index,union-attr]
             self._call(self.scorer, _SCORES_HOOK, (index_q, caches, batch, self.params, rows, faults),
-                       kind if guarded else None)
+                       kind if passed is not None and kind not in passed[_SCORES_NAME] else None)
         else:
             assert topk is not None
             if topk.num_tokens == T:
@@ -393,7 +393,7 @@ class OpTarget:
                 write = sel if plain or plan.index_via is None else \
                     TopkBuffer.allocate(T, sel.num_heads, sel.topk, plan.index_via, sel.device)
                 args = (index_q, caches, batch, self.params, write, faults)
-                if guarded:
+                if passed is not None and kind not in passed[_INDEX_NAME]:
                     self._call(self.indexer, _INDEX_HOOK, args, kind)
                 else:
                     try:
@@ -410,15 +410,13 @@ class OpTarget:
                 if not plain and plan.sort_read:  # the caller's rows stay as given: a converted copy is sorted
                     read = sorted_ascending(read) if read is sel else sort_ascending_(read)
                 args = (q, caches, read, batch, self.params, out if so[0] == T else out[:T])  # type: ignore[index]
-                if guarded:
+                if passed is not None and kind not in passed[_ATTENTION_NAME]:
                     self._call(self.attention, _ATTENTION_HOOK, args, kind)
                 else:
                     try:
                         self.attention.calls[_ATTENTION_NAME](*args)
                     except Exception as e:
                         self.attention.reraise(e, _ATTENTION_HOOK[1])
-        if guarded and not self._always and all(kind in self._passed[str.__str__(op)] for op in ops):
-            settled.add(kind)    # every op of this entry point passed on this kind: its later calls go unguarded
         if faults is not None and not graph and not flag.shared:
             flag.after_step()
         return plan, faults
@@ -428,7 +426,7 @@ class OpTarget:
         :mod:`mm3.contract.hookspecs`); through the guard when ``guard_kind`` names the call's batch kind
         (which then counts as passed, unless ``"always"``)."""
         name = op[0]
-        if guard_kind is not None and (self._always or guard_kind not in self._passed[name]):
+        if guard_kind is not None:
             guard.checked_call(be, name, args)
             if not self._always:
                 self._passed[name].add(guard_kind)
