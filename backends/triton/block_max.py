@@ -62,7 +62,8 @@ def _block_max_scores(q, page_ptr, s_ik_b, s_ik_d, b, pos, row_scale,
         at = block_keys(offs_j, slot_blk, s_col, cols_left, num_slots, SLOTS)
         if INDEX_NVFP4:
             keys = load_nvfp4_rows(page_ptr + key_offsets(at, s_ik_p, s_ik_b, SLOTS),
-                                   scale_page + key_offsets(at, s_is_p, s_is_b, SLOTS), s_ik_d, s_is_d, DI, DOT_DTYPE)
+                                   scale_page + key_offsets(at, s_is_p, s_is_b, SLOTS), s_ik_d, s_is_d, DI, DOT_DTYPE,
+                                   SCALE_PER_ELEMENT=True)
         else:
             keys = tl.load(page_ptr + key_offsets(at, s_ik_p, s_ik_b, SLOTS)[:, None] + offs_d[None, :] * s_ik_d
                            ).to(DOT_DTYPE)

@@ -41,7 +41,8 @@ def e2m1_times_4(codes):
 
 
 @triton.jit
-def load_nvfp4_rows(byte_rows, scale_rows, s_byte, s_scale, D: tl.constexpr, DTYPE: tl.constexpr, row_mask=None):
+def load_nvfp4_rows(byte_rows, scale_rows, s_byte, s_scale, D: tl.constexpr, DTYPE: tl.constexpr, row_mask=None,
+                    SCALE_PER_ELEMENT: tl.constexpr = False):
     """The ``[R, D]`` values of ``R`` NVFP4 rows as ``DTYPE`` (exact in fp16, bf16 and fp32).
 
     ``byte_rows``: ``[R]`` pointers (uint8) to each row's first packed byte, the next ones ``s_byte``
@@ -49,24 +50,36 @@ def load_nvfp4_rows(byte_rows, scale_rows, s_byte, s_scale, D: tl.constexpr, DTY
     ``s_scale`` apart. ``row_mask`` (``[R]`` bool, optional): rows where it is False are not read and
     hold zeros (a zero scale, as a masked load gives).
 
-    Each element loads its own byte and scale (a byte serves two elements and a scale sixteen: the
-    repeats hit the cache), so the tile is built in its final shape: no interleave or reshape, whose
-    layouts the compiler must then convert for the dot (so built, the attention kernels' tiles came out
-    wrong on an H100 at head dims 32 and 64, though right under the interpreter; the GPU conformance
-    suite's NVFP4 cases hold this). The repeated loads cost time: BENCHMARKS.md's NVFP4 decode row.
+    A row's ``D/2`` bytes load once; each byte is spread to its two elements by a broadcast and a
+    reshape. ``SCALE_PER_ELEMENT`` says how the scales reach their sixteen elements: False, the
+    ``D/16`` scales load once and spread the same way; True, each element loads its own scale (the
+    repeats hit the cache). Which is faster depends on the dot the tile feeds (on an H100, spread
+    scales take the decode attention from 620 to 286 us, while the indexer's keys and the prefill's
+    take 725 and 3,390 us with per-element scales, against 979 and 3,550 spread: BENCHMARKS.md), so
+    each caller picks. Never ``tl.interleave`` (a join of the two nibbles): compiled for sm_90 it gave
+    the attention kernels wrong tiles at every head dim, though right under the interpreter; the GPU
+    conformance suite's NVFP4 cases hold this.
     """
     offs = tl.arange(0, D)
-    byte_at = byte_rows[:, None] + (offs // 2)[None, :] * s_byte
-    scale_at = scale_rows[:, None] + (offs // GROUP)[None, :] * s_scale
+    byte_at = byte_rows[:, None] + tl.arange(0, D // 2)[None, :] * s_byte
+    if SCALE_PER_ELEMENT:
+        scale_at = scale_rows[:, None] + (offs // GROUP)[None, :] * s_scale
+    else:
+        scale_at = scale_rows[:, None] + tl.arange(0, D // GROUP)[None, :] * s_scale
     if row_mask is None:
         packed = tl.load(byte_at)
         scales = tl.load(scale_at)
     else:
         packed = tl.load(byte_at, mask=row_mask[:, None], other=0)
         scales = tl.load(scale_at, mask=row_mask[:, None], other=0.0)
+    R: tl.constexpr = packed.shape[0]
     # element 2i is byte i's low nibble, 2i + 1 its high one
-    codes = (packed.to(tl.int32) >> ((offs & 1) * 4)[None, :]) & 15
-    return (e2m1_times_4(codes) * (scales.to(tl.float32) * 0.25)).to(DTYPE)
+    pairs = tl.reshape(tl.broadcast_to(packed.to(tl.int32)[:, :, None], [R, D // 2, 2]), [R, D])
+    codes = (pairs >> ((offs & 1) * 4)[None, :]) & 15
+    factor = scales.to(tl.float32) * 0.25
+    if not SCALE_PER_ELEMENT:
+        factor = tl.reshape(tl.broadcast_to(factor[:, :, None], [R, D // GROUP, GROUP]), [R, D])
+    return (e2m1_times_4(codes) * factor).to(DTYPE)
 
 
 def kv_block_scale_args(caches: Any, dummy: torch.Tensor) -> tuple[tuple[Any, ...], bool]:

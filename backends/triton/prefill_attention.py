@@ -96,9 +96,11 @@ def _run_keys(k_page, v_page, s_kb, s_kd, s_vb, s_vd, kb_page, vb_page, s_kbb, s
     offs_d = tl.arange(0, D)
     if KV_NVFP4:
         keys_t = tl.trans(load_nvfp4_rows(k_page + key_offsets(at, s_kp, s_kb, SLOTS),
-                                          kb_page + key_offsets(at, s_kbp, s_kbb, SLOTS), s_kd, s_kbd, D, DOT_DTYPE))
+                                          kb_page + key_offsets(at, s_kbp, s_kbb, SLOTS), s_kd, s_kbd, D, DOT_DTYPE,
+                                          SCALE_PER_ELEMENT=True))
         vals = load_nvfp4_rows(v_page + key_offsets(at, s_vp, s_vb, SLOTS),
-                               vb_page + key_offsets(at, s_vbp, s_vbb, SLOTS), s_vd, s_vbd, D, DOT_DTYPE)
+                               vb_page + key_offsets(at, s_vbp, s_vbb, SLOTS), s_vd, s_vbd, D, DOT_DTYPE,
+                               SCALE_PER_ELEMENT=True)
     else:
         keys_t = tl.load(k_page + offs_d[:, None] * s_kd + key_offsets(at, s_kp, s_kb, SLOTS)[None, :]).to(DOT_DTYPE)
         vals = tl.load(v_page + key_offsets(at, s_vp, s_vb, SLOTS)[:, None] + offs_d[None, :] * s_vd).to(DOT_DTYPE)
