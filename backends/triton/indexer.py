@@ -157,13 +157,27 @@ def _unpack_ids(key, ID_SPAN: tl.constexpr):
 
 
 @triton.jit
+def _ascending_ids(top, K: tl.constexpr, K_PAD: tl.constexpr, ID_SPAN: tl.constexpr):
+    """The ids of the best ``K`` of ``top`` (``[R, K_PAD]`` keys of :func:`_pack_keys`, best first) in
+    ascending order, ``-1`` after them: the plugin's declared ``topk_order``, so no entry point sorts the
+    rows again (SGLang's functions return them ascending). A 16-wide sort per row, next to the top-k
+    that ranked a row's every block."""
+    ids = _unpack_ids(top, ID_SPAN)
+    slots = tl.arange(0, K_PAD)[None, :]
+    # none (-1) and the slots past K sort last as int32's largest, then read -1 again
+    key = tl.where((slots < K) & (ids >= 0), ids, 2147483647)
+    key = tl.sort(key, 1)
+    return tl.where(key == 2147483647, -1, key)
+
+
+@triton.jit
 def _select_rows(scores_ptr, s_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, r, row0, num_rows,
                  B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr, INIT: tl.constexpr,
                  LOCAL: tl.constexpr, R: tl.constexpr, CACHE: tl.constexpr):
     """Top-k of rows ``row0 .. row0+R-1`` (``(speculative row, index head)`` pairs) of decode request
     ``r``, from their block scores at ``scores_ptr + row * s_row``: the forced init/local blocks
     applied (docs/spec.md §3.4), then one bitonic ``tl.topk`` per row over packed (score, -id) keys.
-    Writes a prefix of ids then ``-1`` (all ``-1`` for a padding token); skips rows past the
+    Writes its ids ascending, then ``-1`` (all ``-1`` for a padding token); skips rows past the
     request's tokens. ``CACHE``: the scores' load cache modifier (``".cg"`` when other programs
     of this launch wrote them)."""
     row = row0 + tl.arange(0, R)
@@ -181,7 +195,7 @@ def _select_rows(scores_ptr, s_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t,
     top = tl.topk(_pack_keys(_forced(S, blocks, nb, INIT, LOCAL), blocks, avail, NB_PAD), K_PAD)
     slots = tl.arange(0, K_PAD)[None, :]
     tl.store(out_ptr + (row % H)[:, None] * s_out_h + tok[:, None] * s_out_t + slots * s_out_k,
-             tl.where(slots < K, _unpack_ids(top, NB_PAD), -1), mask=live[:, None] & (slots < K))
+             _ascending_ids(top, K, K_PAD, NB_PAD), mask=live[:, None] & (slots < K))
 
 
 @triton.jit
@@ -274,11 +288,11 @@ def _prefill_index_kernel(
                 both = tl.reshape(tl.join(best, tl.topk(chunk, K_PAD)), [ROWS, 2 * K_PAD])
                 best = tl.topk(both, K_PAD)
         if SORTED_MERGE:
-            best = tl.flip(best, 1)  # descending, as the stores below expect
+            best = tl.flip(best, 1)  # best first, as the stores and the merge expect
         slots = tl.arange(0, K_PAD)[None, :]
         if SPLITS == 1:
             tl.store(out_ptr + hh[:, None] * s_out_h + tok[:, None] * s_out_t + slots * s_out_k,
-                     _unpack_ids(best, 1 << 30), mask=row_in[:, None] & (slots < K))
+                     _ascending_ids(best, K, K_PAD, 1 << 30), mask=row_in[:, None] & (slots < K))
         else:
             row = (tok - first_token) * H + hh
             tl.store(ws_ptr + tl.program_id(2) * s_ws_s + row[:, None] * s_ws_t + slots, best,
@@ -299,7 +313,7 @@ def _prefill_index_merge_kernel(ws_ptr, s_ws_s, s_ws_t, out_ptr, s_out_h, s_out_
     slots = tl.arange(0, K_PAD)[None, :]
     tok = first_token + rows // H
     tl.store(out_ptr + (rows % H)[:, None] * s_out_h + tok[:, None] * s_out_t + slots * s_out_k,
-             _unpack_ids(best, 1 << 30), mask=ok[:, None] & (slots < K))
+             _ascending_ids(best, K, K_PAD, 1 << 30), mask=ok[:, None] & (slots < K))
 
 
 def sort_width(k: int) -> int:

@@ -141,7 +141,7 @@ class TritonPlatform:
             # "cpu" only so the interpreter path can be probed; the probe says no
             # on CPU unless TRITON_INTERPRET=1
             device_types={"cuda", "cpu"}, ops={"index_topk", "attention", "index_scores"},
-            topk_layout=self.topk_layout, topk_requires_contiguous=False,
+            topk_layout=self.topk_layout, topk_requires_contiguous=False, topk_order="ascending",
             kv_cache_layout=self.kv_cache_layout,
             dtypes={"bfloat16", "float16", "float32"},
             index_cache_dtypes={"bfloat16", "float16", "float32", "float8_e4m3fn", "nvfp4"},

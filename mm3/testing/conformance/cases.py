@@ -273,7 +273,7 @@ def indexer_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any]:
     details["backend_s"] = _timed(ctx.device, lambda: ctx.backend.index_topk(
         case.index_q, case.caches, case.batch, case.params, sel))
     check_spare_rows(full, 0, T, "index_topk")
-    check_selection(case, sel, details)
+    check_selection(case, sel, details, ctx.backend.capabilities.topk_order)
     if spec.step.exact:
         check_exact_selection(case, sel)
     return details
@@ -290,7 +290,7 @@ def indexer_other_layout_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any
     details["backend_s"] = _timed(ctx.device, lambda: ctx.backend.index_topk(
         case.index_q, case.caches, case.batch, p, sel))
     check_spare_rows(full, 0, T, "index_topk")
-    check_selection(case, sel, details)
+    check_selection(case, sel, details, ctx.backend.capabilities.topk_order)
     return details
 
 
@@ -341,7 +341,7 @@ def composed_body(ctx: CaseContext, spec: CaseSpec) -> dict[str, Any]:
     details["attention_s"] = _timed(ctx.device, lambda: ctx.backend.attention_forward(
         case.q, case.caches, given, case.batch, p, out[:T]))
     check_spare_rows(full, 0, T, "index_topk/attention_forward")
-    check_selection(case, sel, details)
+    check_selection(case, sel, details, ctx.backend.capabilities.topk_order)
     check_attention(case, sel.to_layout("head_major"), out, details)
     return details
 

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from mm3.contract.buffers import TopkBuffer
+from mm3.contract.topk_order import is_ascending
 from mm3.testing.conformance.oracle_cache import (
     oracle_attention_cached, oracle_scores_cached, oracle_topk_cached,
 )
@@ -66,7 +67,10 @@ def check_spare_rows(full: TopkBuffer, start: int, stop: int, what: str) -> None
                 {"rows_changed": int((part != SENTINEL).any(dim=-1).sum())})
 
 
-def check_selection(case: Case, sel: TopkBuffer, details: dict[str, Any]) -> None:
+def check_selection(case: Case, sel: TopkBuffer, details: dict[str, Any], order: str = "score") -> None:
+    """``sel`` holds the step's selection (docs/spec.md §3), each row in ``order``: the ``topk_order`` its
+    indexer declares (``"ascending"``: mm3 then sorts nothing, so a row out of order would reach SGLang's
+    callers and ascending readers as it is)."""
     errors = check_topk(sel, case.index_q, case.caches, case.batch, case.params,
                         scores=oracle_scores_cached(case))
     details["topk_rows"] = case.params.num_index_heads * case.batch.num_tokens
@@ -74,6 +78,16 @@ def check_selection(case: Case, sel: TopkBuffer, details: dict[str, Any]) -> Non
     if errors:
         raise CaseFailure(f"{len(errors)} of {details['topk_rows']} top-k rows break docs/spec.md §3; first: "
                           f"{errors[0]}", details)
+    if order != "ascending":
+        return
+    rows = sel.head_major()[:, :case.batch.num_tokens]
+    bad = (~is_ascending(rows)).nonzero()
+    if bad.numel():
+        h, t = int(bad[0, 0]), int(bad[0, 1])
+        raise CaseFailure(f"{bad.shape[0]} top-k rows are not ascending though the indexer declares "
+                          f'topk_order="ascending"; first: head {h}, token {t}: {rows[h, t].tolist()} (valid ids '
+                          f"increasing, then -1; or declare topk_order=\"score\" and mm3 sorts where needed)",
+                          {**details, "unordered_rows": int(bad.shape[0])})
 
 
 def check_exact_selection(case: Case, sel: TopkBuffer) -> None:
