@@ -11,6 +11,9 @@ calls after warm-up, each call timed by its own events):
 * ``dropin``: :func:`mm3.integrations.sglang.minimax_sparse_decode` / ``minimax_sparse_prefill``
   (what SGLang's MiniMax-M3 backend calls after the one-import change; it builds the block table
   and the batch itself);
+* ``dropin_slots``: the same call with ``page_size=1``: mm3 then reads ``req_to_token`` per token (token
+  slots) instead of deriving a block table of 128-token pages and checking them each call; the
+  kernels' cost of that addressing, beside the host work it saves;
 * ``layer``: ``mm3.SparseAttention.forward`` on paged views of the same caches, its batch built
   before timing;
 * ``sglang``: SGLang's own Triton functions of the same name
@@ -24,6 +27,8 @@ Example (on a CPU: the rows once each, eagerly, on tiny shapes, through cpu_ref)
     >>> r = check(device="cpu")
     >>> r["backend"], r["decode_dropin_vs_layer_max_abs"] < 1e-5, r["prefill_dropin_vs_layer_max_abs"] < 1e-5
     ('cpu_ref', True, True)
+    >>> r["decode_slots_vs_layer_max_abs"] < 1e-5, r["prefill_slots_vs_layer_max_abs"] < 1e-5
+    (True, True)
 """
 
 from __future__ import annotations
@@ -137,7 +142,11 @@ def _rows(step: Step, layer: mm3.SparseAttention, sglang: Optional[Any]) -> dict
     def layer_step() -> Fn:
         return lambda: layer(step.q, step.index_q, step.caches, step.batch, out=out)
 
-    rows: dict[str, Callable[[], Fn]] = {"dropin": ours, "layer": layer_step}
+    def ours_on_slots() -> Fn:
+        f, kw = getattr(dropin, fn), {**step.kwargs, "page_size": 1}
+        return lambda: f(*step.args, **kw)
+
+    rows: dict[str, Callable[[], Fn]] = {"dropin": ours, "dropin_slots": ours_on_slots, "layer": layer_step}
     if sglang is not None:
         theirs = getattr(sglang, fn)
         rows["sglang"] = lambda: (lambda: theirs(*step.args, **step.kwargs))
@@ -184,8 +193,8 @@ def measure(tp: int, kind: str, batch: int = 8, context: int = 65536, tokens: in
 
 
 def check(device: str = "cpu", backend: str = "cpu_ref") -> dict[str, Any]:
-    """The drop-in and the layer once each, eagerly, on tiny shapes, decode and prefill: their outputs'
-    largest difference (no timing; SGLang's kernels are not called)."""
+    """The drop-in (on pages and on token slots) and the layer once each, eagerly, on tiny shapes, decode and
+    prefill: their outputs' largest difference (no timing; SGLang's kernels are not called)."""
     p = mm3.SparseAttentionParams(num_heads=8, num_kv_heads=2, head_dim=32, num_index_heads=2, index_head_dim=32,
                                   block_size=16, topk=4, init_blocks=0, local_blocks=1)
     dev = torch.device(device)
@@ -196,12 +205,15 @@ def check(device: str = "cpu", backend: str = "cpu_ref") -> dict[str, Any]:
             layer = mm3.SparseAttention(p, device=dev, dtype=torch.float32, index_dtype=torch.float32,
                                         max_num_tokens=step.batch.num_tokens, backend=backend)
             targets.configure(Settings(backend=backend))
+            f = getattr(dropin, f"minimax_sparse_{kind}")
             try:
-                o = getattr(dropin, f"minimax_sparse_{kind}")(*step.args, **step.kwargs)[1]
+                o = f(*step.args, **step.kwargs)[1]
+                o_slots = f(*step.args, **{**step.kwargs, "page_size": 1})[1]
             finally:
                 targets.configure()
-            ref = layer(step.q, step.index_q, step.caches, step.batch)
-            res[f"{kind}_dropin_vs_layer_max_abs"] = float((o.float() - ref.float()).abs().max())
+            ref = layer(step.q, step.index_q, step.caches, step.batch).float()
+            res[f"{kind}_dropin_vs_layer_max_abs"] = float((o.float() - ref).abs().max())
+            res[f"{kind}_slots_vs_layer_max_abs"] = float((o_slots.float() - ref).abs().max())
             res["backend"] = layer.selection.attention.name
     return res
 
@@ -218,9 +230,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             line = (f"{kind} TP{tp} B{r['batch']} ctx {r['context']} ({r['tokens']} tokens, {r['backend']}"
                     f"{', CUDA graphs' if r['graph'] else ''}, drop-in on {r['dropin_backends']}):")
             print(line)
-            for name in ("dropin", "layer", "sglang"):
+            for name in ("dropin", "dropin_slots", "layer", "sglang"):
                 if f"{name}_us" in r:
-                    print(f"  {name:8s} {r[name + '_us']:10.2f} us per step (median of {args.iters})")
+                    print(f"  {name:12s} {r[name + '_us']:10.2f} us per step (median of {args.iters})")
             print(f"  dropin - layer: {r['dropin_minus_layer_us']:+.2f} us per step")
             for note in r["notes"]:
                 print(f"  note: {note}")
