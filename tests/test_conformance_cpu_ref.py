@@ -114,6 +114,21 @@ def test_suite_catches_out_of_range_ids() -> None:
     assert not any(n.startswith("attention/") for n in failed)
 
 
+def test_suite_catches_rows_out_of_the_declared_order() -> None:
+    """An indexer that declares topk_order="ascending" is taken at its word (nothing sorts its rows for
+    SGLang's callers or an ascending attention), so the suite checks it; one that declares score order
+    promises none."""
+    name = "faulty_unordered_ascending"
+    be = _bind(MockBackend(name, topk_order="ascending", fault="unordered"), name)
+    failed = {r.name: r.message for r in run_conformance(be, **SUBSET).failures}  # type: ignore[arg-type]
+    assert "not ascending" in failed["indexer/mixed_h2:bfloat16"], failed
+    assert any(n.startswith("composed/") and "not ascending" in m for n, m in failed.items()), failed
+    assert not any(n.startswith("attention/") for n in failed), failed
+    name = "unordered_score"
+    be = _bind(MockBackend(name, topk_order="score", fault="unordered"), name)
+    assert run_conformance(be, **SUBSET).passed  # type: ignore[arg-type]
+
+
 def test_suite_catches_writes_past_the_step() -> None:
     failed = _failures("write_past_rows")
     assert "past the step's rows" in failed["buffer/sentinel_rows_h1:bfloat16"]

@@ -188,6 +188,7 @@ def test_with_one_head_the_layout_bug_is_harmless_and_the_guard_agrees() -> None
 # -- each rule, each planted fault --------------------------------------------------------------------
 
 MOCK_FAULTS = {
+    "unordered": ("index_topk", "topk.order"),   # with topk_order="ascending" declared (_mock)
     "out_of_range": ("index_topk", "topk.range"),
     "write_past_rows": ("index_topk", "topk.rows_past_T"),
     "nan_output": ("attention_forward", "attention.nonfinite"),
@@ -206,6 +207,13 @@ OWN_FAULTS = {
 }
 
 
+def _mock(fault: Optional[str], twin_of: Optional[str] = None) -> MockBackend:
+    """MockBackend "faulty" with ``fault`` (None: clean). "unordered" breaks a declared ascending order, so it
+    declares one, and so does its clean twin (``twin_of="unordered"``)."""
+    ascending = "unordered" in (fault, twin_of)
+    return MockBackend("faulty", fault=fault, topk_order="ascending" if ascending else "score")
+
+
 def _run_faulty(plugin: object, name: str, settings: Settings, case: Case) -> torch.Tensor:
     layer = _layer(plugin, name, settings, case)
     # an out buffer with spare rows, as an engine with a persistent output would pass
@@ -218,7 +226,7 @@ def test_guard_names_mock_faults(fault: str) -> None:
     case = _mixed(H=2)
     hook, rule = MOCK_FAULTS[fault]
     with pytest.raises(ContractViolation) as info:
-        _run_faulty(MockBackend("faulty", fault=fault), "faulty", GUARD_ON, case)
+        _run_faulty(_mock(fault), "faulty", GUARD_ON, case)
     e = info.value
     assert (e.backend, e.hook, e.rule) == ("faulty", hook, rule), str(e)
     assert f"'faulty'" in str(e) and hook in str(e) and rule in str(e)
@@ -239,7 +247,7 @@ def test_guard_names_planted_faults(fault: str) -> None:
 SILENT_DAMAGE = {
     "duplicate": "topk", "hole": "topk", "drop_local": "topk", "padding_row": "topk", "out_of_range": "topk",
     "write_topk": "topk", "write_past_rows": "topk past T", "padding_out": "out", "inf_output": "out",
-    "out_past_T": "out past T",
+    "out_past_T": "out past T", "unordered": "topk",
 }
 
 
@@ -261,7 +269,7 @@ def test_the_same_faults_pass_silently_without_the_guard(fault: str) -> None:
     backend without the fault, also unguarded, writes the oracle's answer and leaves the rest untouched)."""
     assert set(SILENT_DAMAGE) == (set(OWN_FAULTS) - {"alloc_meta", "replace_out"}) | (set(MOCK_FAULTS) - {"nan_output"})
     case = _mixed(H=2)
-    make = (lambda f: MockBackend("faulty", fault=f)) if fault in MOCK_FAULTS else (lambda f: Faulty("faulty", f))
+    make = (lambda f: _mock(f, fault)) if fault in MOCK_FAULTS else (lambda f: Faulty("faulty", f))
     clean, faulty = _unguarded_state(make(None), case), _unguarded_state(make(fault), case)
     assert _max_err(clean["out"], case) < 1e-5
     assert (clean["topk past T"] == -1).all() and (clean["out past T"] == 7.0).all()

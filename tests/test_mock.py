@@ -8,6 +8,7 @@ import torch
 import mm3_backends.cpu_ref.plugin as cpu_ref
 from mm3 import SparseAttentionParams, TopkBuffer
 from mm3.contract.errors import InputError, PluginError, UnknownBackendError
+from mm3.contract.topk_order import is_ascending, sorted_ascending
 from mm3.runtime.registry import Registry
 from mm3.testing.factories import make_case
 from mm3.testing.mock import GARBAGE, FAULTS, Call, MockBackend, MockFault
@@ -218,8 +219,23 @@ def test_fault_nan_output() -> None:
     assert out[T - 1].isnan().all() and not out[: T - 1].isnan().any() and (out[T] == 0).all()
 
 
+def test_fault_unordered_keeps_the_delegates_score_order() -> None:
+    """Declared ascending, the mock sorts its delegate's rows; with fault="unordered" it leaves them as ranked."""
+    case = _case(2)
+    T = case.batch.num_tokens
+    rows = {}
+    for fault in (None, "unordered"):
+        be = _bind(MockBackend(f"m_{fault}", topk_order="ascending", fault=fault))
+        buf = TopkBuffer.allocate(T, 2, 4, "head_major")
+        be.index_topk(case.index_q, case.caches, case.batch, case.params, buf)
+        rows[fault] = buf.head_major()
+    assert is_ascending(rows[None]).all() and not is_ascending(rows["unordered"]).all()
+    assert torch.equal(rows[None], sorted_ascending(TopkBuffer(rows["unordered"])).storage)   # the same ids
+
+
 def test_every_fault_is_covered() -> None:
-    assert set(FAULTS) == {"raise", "no_write", "wrong_layout", "out_of_range", "write_past_rows", "nan_output"}
+    assert set(FAULTS) == {"raise", "no_write", "wrong_layout", "out_of_range", "write_past_rows", "nan_output",
+                           "unordered"}
 
 
 def test_registry_rejects_nothing_about_the_mock() -> None:

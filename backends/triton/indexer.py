@@ -160,8 +160,8 @@ def _unpack_ids(key, ID_SPAN: tl.constexpr):
 def _ascending_ids(top, K: tl.constexpr, K_PAD: tl.constexpr, ID_SPAN: tl.constexpr):
     """The ids of the best ``K`` of ``top`` (``[R, K_PAD]`` keys of :func:`_pack_keys`, best first) in
     ascending order, ``-1`` after them: the plugin's declared ``topk_order``, so no entry point sorts the
-    rows again (SGLang's functions return them ascending). A 16-wide sort per row, next to the top-k
-    that ranked a row's every block."""
+    rows again (SGLang's functions return them ascending). A ``K_PAD``-wide sort per row, next to the
+    top-k that ranked a row's every block."""
     ids = _unpack_ids(top, ID_SPAN)
     slots = tl.arange(0, K_PAD)[None, :]
     # none (-1) and the slots past K sort last as int32's largest, then read -1 again
@@ -288,7 +288,7 @@ def _prefill_index_kernel(
                 both = tl.reshape(tl.join(best, tl.topk(chunk, K_PAD)), [ROWS, 2 * K_PAD])
                 best = tl.topk(both, K_PAD)
         if SORTED_MERGE:
-            best = tl.flip(best, 1)  # best first, as the stores and the merge expect
+            best = tl.flip(best, 1)  # best first: _ascending_ids takes the first K
         slots = tl.arange(0, K_PAD)[None, :]
         if SPLITS == 1:
             tl.store(out_ptr + hh[:, None] * s_out_h + tok[:, None] * s_out_t + slots * s_out_k,

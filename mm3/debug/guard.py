@@ -25,6 +25,8 @@ Rules (``ContractViolation.rule``; docs/errors.md has the full table):
 ``topk.prefix``                 exactly ``min(K, nb)`` ids as a prefix, then ``-1``
 ``topk.unique``                 no id twice in a row
 ``topk.forced``                 the forced init/local blocks are all present
+``topk.order``                  an indexer that declares ``topk_order="ascending"`` writes
+                                each row's ids increasing, then ``-1``
 ``topk.rows_past_T``            ``index_topk`` wrote nothing outside its step's rows
 ``attention.input_layout``      a ``topk_requires_contiguous`` backend got a dense buffer
                                 in its layout (else the *caller* broke the contract)
@@ -104,6 +106,7 @@ RULES: dict[str, str] = {
     "topk.prefix": "a row holds exactly min(K, nb) ids as a prefix, then -1",
     "topk.unique": "a row holds each block id at most once",
     "topk.forced": "a row holds every forced init/local block",
+    "topk.order": 'an indexer that declares topk_order="ascending" writes each row ascending, -1 last',
     "topk.rows_past_T": "index_topk writes only the step's rows [0, T) of the buffer",
     "attention.input_layout": "a topk_requires_contiguous backend gets a dense buffer in its layout",
     "attention.topk_written": "attention_forward must not write the top-k buffer",
@@ -240,7 +243,7 @@ def _checked_index(be: Any, index_q: torch.Tensor, caches: PagedKVCache, batch: 
     be.invoke(Op.INDEX_TOPK, args)
 
     hm = step.head_major()
-    codes = row_codes(hm, batch.token_positions, params) if T else None
+    codes = row_codes(hm, batch.token_positions, params, be.capabilities.topk_order == "ascending") if T else None
     any_bad = codes.any() if codes is not None else false_flag(out.device)
     past_rows, bad_rows = torch.stack([fence.changed(), any_bad]).tolist()  # the one host sync
     if bad_rows:

@@ -14,6 +14,7 @@ import torch
 from mm3.contract.batch import BatchMetadata
 from mm3.contract.buffers import TopkBuffer
 from mm3.contract.params import SparseAttentionParams
+from mm3.contract.topk_order import is_ascending
 
 __all__ = ["GUARD_SENTINEL", "ROW_RULES", "TopkRowViolation", "find_topk_violation", "row_codes",
            "describe_row"]
@@ -25,7 +26,8 @@ GUARD_SENTINEL = -0x4D4D33
 # broken rule is the one reported (a row with an id out of range usually also
 # looks like a bad prefix; the range message is the more useful one, and a row
 # still holding the sentinel was simply not written).
-ROW_RULES = ("topk.unwritten", "topk.padding", "topk.range", "topk.prefix", "topk.unique", "topk.forced")
+ROW_RULES = ("topk.unwritten", "topk.padding", "topk.range", "topk.prefix", "topk.unique", "topk.forced",
+             "topk.order")
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,11 @@ class TopkRowViolation:
         return f"{self.rule}: {self.detail}"
 
 
-def row_codes(hm: torch.Tensor, positions: torch.Tensor, params: SparseAttentionParams
-               ) -> torch.Tensor:
-    """``[H, T]`` int8: 0 for a valid row, else 1 + index of its first broken rule in ROW_RULES."""
+def row_codes(hm: torch.Tensor, positions: torch.Tensor, params: SparseAttentionParams,
+              ascending: bool = False) -> torch.Tensor:
+    """``[H, T]`` int8: 0 for a valid row, else 1 + index of its first broken rule in ROW_RULES
+    (``ascending``: the indexer declares ``topk_order="ascending"``, so a row out of that order breaks
+    ``topk.order``)."""
     x = hm.to(torch.int64)
     K = x.shape[-1]
     pos = positions.to(torch.int64)
@@ -72,10 +76,12 @@ def row_codes(hm: torch.Tensor, positions: torch.Tensor, params: SparseAttention
     is_forced = in_range & ((x < a[None, :, None]) | (x >= c[None, :, None]))
     forced_bad = row_real & (is_forced.sum(-1) != n_forced[None, :])
     unwritten = (x == GUARD_SENTINEL).any(-1)
+    order_bad = row_real & ~is_ascending(x) if ascending else torch.zeros_like(unwritten)
 
     codes = torch.zeros(x.shape[:2], dtype=torch.int8, device=x.device)
     # Lowest-priority rule first, so the earliest rule in ROW_RULES wins.
-    for i, bad in reversed(list(enumerate((unwritten, pad_bad, range_bad, prefix_bad, unique_bad, forced_bad)))):
+    for i, bad in reversed(list(enumerate((unwritten, pad_bad, range_bad, prefix_bad, unique_bad, forced_bad,
+                                           order_bad)))):
         codes = torch.where(bad, torch.full_like(codes, i + 1), codes)
     return codes
 
@@ -108,6 +114,8 @@ def describe_row(codes: torch.Tensor, hm: torch.Tensor, batch: BatchMetadata,
             what = f"holds {odd[0]}, outside [0, {nb})"
         elif rule == "topk.prefix":
             what = f"should hold exactly {k} ids" + (f" then {K - k} x -1" if K > k else " (no -1)")
+        elif rule == "topk.order":
+            what = 'is not ascending, though the indexer declares topk_order="ascending" (nothing sorts its rows)'
         elif rule == "topk.unique":
             dup = sorted({v for v in row if v >= 0 and row.count(v) > 1})
             what = f"holds {dup} more than once"

@@ -25,9 +25,11 @@ importing mm3 never imports a backend) and can inject one fault:
                     the buffer it allocated (the step only receives ``rows(0, T)``, so the
                     mock writes through the full buffer it kept)
 ``"nan_output"``    ``attention_forward`` leaves NaN in the last row of ``out[:T]``
+``"unordered"``     ``index_topk`` leaves its delegate's rows in score order, whatever
+                    ``topk_order`` it declares
 ==================  ====================================================================
 
-The top-k order it declares holds: with ``topk_order="ascending"`` its
+The top-k order it declares holds (but with ``fault="unordered"``): with ``topk_order="ascending"`` its
 ``index_topk`` sorts the rows its delegate wrote, and with
 ``topk_order_required="ascending"`` its ``attention_forward`` raises
 ``AssertionError`` on rows handed to it in another order.
@@ -59,7 +61,7 @@ from mm3.contract.topk_order import is_ascending, sort_ascending_
 
 __all__ = ["MockBackend", "MockFault", "Call", "Fault", "FAULTS", "GARBAGE"]
 
-Fault = Literal["raise", "no_write", "wrong_layout", "out_of_range", "write_past_rows", "nan_output"]
+Fault = Literal["raise", "no_write", "wrong_layout", "out_of_range", "write_past_rows", "nan_output", "unordered"]
 FAULTS: tuple[str, ...] = get_args(Fault)
 
 GARBAGE = 12345
@@ -228,7 +230,7 @@ class MockBackend:
                 out.rows(0, T).copy_(scratch)
         else:
             self.resolve_delegate().index_topk(index_q, caches, batch, params, out)  # type: ignore[attr-defined]
-        if self.capabilities.topk_order == "ascending":    # what it declares, whatever order the delegate wrote
+        if self.capabilities.topk_order == "ascending" and self.fault != "unordered":   # what it declares
             sort_ascending_(out.rows(0, T))
         if self.fault == "out_of_range":
             real = (batch.token_positions >= 0).nonzero()
