@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# One device call that checks and measures the whole tree on an H200 (about 9.5 minutes):
-#   source tools/device_env.sh && bash tools/h200_check.sh
+# Checks and measures the whole tree on a GPU, in two device calls of under ten minutes each:
+#   source tools/device_env.sh && SOAK_BUDGET=0 TESTS_CAP=470 PHASES=1 bash tools/h200_check.sh
+#   source tools/device_env.sh && PHASES=2 bash tools/h200_check.sh
 # Phase 1 (correctness, in parallel: none of it is timed): the GPU test suite, the
 # soak, the engine loop. Phase 2 (timings, one at a time on a quiet GPU): the fp8-K/V
-# and prefill bench rows, the first-step cost, the host overhead. Each part has its
+# and prefill bench rows, the first-step cost, the host overhead, both drop-ins beside
+# the layer, the engine stream's host time with the real kernels. Each part has its
 # own time cap so one slow part cannot starve the others; logs go to $OUT.
 # Failures are named as they happen in gpu_failures.txt (a run cut by its cap still says which).
 # Knobs (environment):
 #   PHASES="1" or "2"    one phase only (a full soak needs most of a call by itself:
 #                        about 10,000 steps in 340 s next to the GPU tests)
 #   SOAK_BUDGET=170      seconds of soak (0: no soak); TESTS_CAP=380; TESTS="tests/gpu"; FIRST_STEP_CAP=45
-#                        (the suite alone takes ~300 s and needs more next to a soak: for a full
-#                        pass give it SOAK_BUDGET=0 or TESTS_CAP=450)
+#                        (the suite alone took ~300 s on an H200 and more than 380 s on an H100; next
+#                        to a soak it needs more still: for a full pass give it SOAK_BUDGET=0 TESTS_CAP=470)
 #   BENCH_ONLY, BENCH_VARIANTS, BENCH_PRIORITY=0, BENCH_BUDGET=80, BENCH_CAP=110: the bench rows and the
 #                        launch-config variants timed beside the defaults (benchmarks/variants.py);
 #                        BENCH_ARGS: more `mm3 bench` arguments (e.g. --profile-all: kernel times of every row)
@@ -46,6 +48,9 @@ fi
   cap ${FIRST_STEP_CAP:-45} python3 -m mm3_benchmarks.first_step_cost --device cuda --backend cuda --decodes 64 \
       --context 65536 --prefills 0
   cap 40 python3 benchmarks/host_overhead.py --device cuda --tp 8 --batch 1 --context 4096
+  cap 60 python3 benchmarks/vllm_dropin.py
+  cap 90 python3 benchmarks/sglang_dropin.py
+  cap 90 python3 benchmarks/host_overhead.py --stream --device cuda --steps 200
 } > "$OUT/timings.txt" 2>&1
 rm -f "$OUT"/b/*.png  # at most 8 files come back from the device
 grep -v "^\[ *[0-9]*/" "$OUT/timings.txt" | tail -60
