@@ -65,6 +65,15 @@ QUANT_CASES: dict[str, tuple[str, Step]] = {
                                                      prefills=((11, 11), (7, 100)), index_format=_NVFP4)),
     "index_nvfp4_shared_prefix": ("indexer", Step(H=1, G=4, decodes=(120, 65, 140), prefills=((31, 180),),
                                                   index_format=_NVFP4, pages="shared_prefix")),
+    # at MiniMax-M3's head dims (128): a compiled tile takes other register layouts there than at 32 and 64,
+    # and an unpacking that is right at one head dim can be wrong at another
+    "q8kv4_decode_d128": _att(H=2, G=4, D=128, decodes=(420, 300, 130), padding=1, q8=True, kv_quant=_NVFP4),
+    "kv4_mixed_hnd_d128": _att(H=2, G=4, D=128, dq=2, decodes=(400, 300), prefills=((21, 360),), kv_layout="HND",
+                               kv_quant=_NVFP4),
+    "q8kv4_chunked_prefill_d128": _att(H=1, G=4, D=128, decodes=(520,), prefills=((64, 640), (48, 400)), q8=True,
+                                       kv_quant=_NVFP4),
+    "index_nvfp4_mixed_di128": ("indexer", Step(H=2, G=2, Di=128, decodes=(100, 33), padding=1, empty=1,
+                                                prefills=((20, 20), (37, 150), (5, 40)), index_format=_NVFP4)),
     # all of it at once: fp8 queries, NVFP4 K/V and index keys, the backend's own indexer then attention
     "q8kv4_index_nvfp4": ("composed", Step(H=2, G=4, K=16, dq=2, decodes=(460, 260, 80), padding=1,
                                            prefills=((3, 3), (40, 520)), q8=True, kv_quant=_NVFP4,
