@@ -52,7 +52,7 @@ from mm3.contract import BatchMetadata, SparseAttentionParams, TopkBuffer  # noq
 from mm3.testing.factories import Case, make_case  # noqa: E402
 from mm3_backends.cuda import plugin as cuda_plugin  # noqa: E402
 from mm3_backends.rocm import plugin as rocm_plugin  # noqa: E402
-from mm3_backends.triton import attention, contents, index_scores, indexer, plugin_factory  # noqa: E402
+from mm3_backends.triton import attention, contents, index_scores, indexer, plugin_factory, tl_utils  # noqa: E402
 from mm3_backends.triton.fast_launch import Launch, recording  # noqa: E402
 from mm3_backends.triton.launch import LaunchConfig, override  # noqa: E402
 
@@ -112,10 +112,12 @@ class _Props:
 
 @contextlib.contextmanager
 def _on(platform: Platform) -> Iterator[None]:
-    """The kernels' launchers as they decide on ``platform`` (they read the environment and PyTorch's build)."""
+    """The kernels' launchers as they decide on ``platform`` (they read the environment, whether the kernels
+    were imported for the interpreter, and PyTorch's build)."""
     mp = pytest.MonkeyPatch()
     try:
         mp.setenv("TRITON_INTERPRET", "1" if platform.interpreter else "0")
+        mp.setattr(tl_utils, "_INTERPRETING", platform.interpreter)
         mp.setattr(torch.version, "hip", platform.hip)
         mp.setattr(torch.cuda, "get_device_properties", lambda i: _Props())
         mp.setattr(plugin_factory, "_kernels_interpreted", lambda: platform.interpreter)

@@ -50,9 +50,15 @@ def step_kernel(*per_step: str) -> Any:
     return triton.jit(do_not_specialize=list(per_step))
 
 
+#: TRITON_INTERPRET as this module found it: every kernel module imports this one first, and Triton
+#: decides when it decorates a kernel whether the kernel runs in the interpreter, so the answer holds for
+#: every kernel of the process (and every launch asks: reading the environment costs a microsecond)
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1`` when they were imported)."""
+    return _INTERPRETING
 
 
 if interpreting():
