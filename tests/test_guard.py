@@ -444,3 +444,40 @@ def test_padding_is_read_from_device_positions_after_update_() -> None:
     with pytest.raises(ContractViolation, match="attention.padding") as info:
         checked_call(replay, "attention", (again.q, again.caches, sel, again.batch, p, torch.empty_like(want)))
     assert info.value.token == 1 and T == 3
+
+
+def test_the_gravest_broken_rule_is_reported_though_a_lesser_one_comes_first() -> None:
+    """An indexer declared ascending that writes score order breaks topk.order on nearly every row: an id out of
+    range on a later row is still the one reported (rules rank as ROW_RULES lists them), and every row that
+    breaks a rule is counted."""
+    from mm3.debug.topk_rows import describe_row, row_codes
+
+    case = _mixed(H=2)
+    T = case.batch.num_tokens
+    buf = TopkBuffer.allocate(T, 2, case.params.topk, "head_major")
+    cpu_ref.index_topk(case.index_q, case.caches, case.batch, case.params, buf)      # score order
+    hm = buf.head_major()
+    pos = case.batch.token_positions
+    last = int((pos >= 0).nonzero()[-1, 0])
+    nb = int(pos[last]) // case.params.block_size + 1
+    unordered = row_codes(hm, pos, case.params, True)
+    first_unordered = int((unordered.T != 0).nonzero()[0, 0])
+    assert first_unordered < last, "the case must put an unordered row before the out-of-range one"
+    hm[1, last, 0] = nb                                                    # one past its visible blocks
+    codes = row_codes(hm, pos, case.params, True)
+    v = describe_row(codes, hm, case.batch, case.params)
+    assert (v.rule, v.head, v.token) == ("topk.range", 1, last), v
+    assert v.bad_rows == int((codes != 0).sum()) > 1
+
+
+def test_docs_errors_lists_exactly_the_guards_rules() -> None:
+    """docs/errors.md §2.2's table names every rule of the guard's table and no other, so a rule added to one
+    and not the other fails here."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+    section = text.split("### 2.2 What it checks", 1)[1].split("\n### ", 1)[0]
+    documented = {name for line in section.splitlines() if line.startswith("| `")
+                  for name in re.findall(r"`([a-z]+\.[A-Za-z_]+)`", line.split("|")[1])}
+    assert documented == set(RULES), (sorted(documented - set(RULES)), sorted(set(RULES) - documented))

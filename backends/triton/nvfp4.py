@@ -53,9 +53,8 @@ def load_nvfp4_rows(byte_rows, scale_rows, s_byte, s_scale, D: tl.constexpr, DTY
     A row's ``D/2`` bytes load once; each byte is spread to its two elements by a broadcast and a
     reshape. ``SCALE_PER_ELEMENT`` says how the scales reach their sixteen elements: False, the
     ``D/16`` scales load once and spread the same way; True, each element loads its own scale (the
-    repeats hit the cache). Which is faster depends on the dot the tile feeds (spread for the decode
-    attention, per element for the indexer and the prefill attention, on an H100: BENCHMARKS.md, "The
-    NVFP4 tile"), so each caller picks. Never ``tl.interleave`` (a join of the two nibbles): compiled for sm_90 it gave
+    repeats hit the cache). Which is faster depends on the dot the tile feeds, so each caller picks the
+    faster for its own (BENCHMARKS.md, "The NVFP4 tile", has both timed in every kernel). Never ``tl.interleave`` (a join of the two nibbles): compiled for sm_90 it gave
     the attention kernels wrong tiles at every head dim, though right under the interpreter; the GPU
     conformance suite's NVFP4 cases hold this.
     """

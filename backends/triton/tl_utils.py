@@ -6,13 +6,13 @@ Nothing here asks which GPU vendor runs: the options come from the plugin's
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from . import compat
 from .launch import LaunchConfig
 
 __all__ = ["dot_config", "launch_options", "decode_launch_options", "interpreting", "pdl_enabled", "pdl_prologue",
@@ -50,14 +50,21 @@ def step_kernel(*per_step: str) -> Any:
     return triton.jit(do_not_specialize=list(per_step))
 
 
-#: TRITON_INTERPRET as this module found it: every kernel module imports this one first, and Triton
-#: decides when it decorates a kernel whether the kernel runs in the interpreter, so the answer holds for
-#: every kernel of the process (and every launch asks: reading the environment costs a microsecond)
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+@triton.jit
+def _decorated() -> None:
+    """Nothing: what Triton makes of a function decorated now tells how it decorates the kernels."""
+    pass
+
+
+#: Triton's own decision, taken when it decorated the function above: whether kernels run in its
+#: interpreter (it reads TRITON_INTERPRET then, and the kernel modules are decorated in the same
+#: process with the same setting). Kept, as every launch asks (reading the environment costs a
+#: microsecond, and could disagree with how Triton read it).
+_INTERPRETING = compat.kernel_mode(_decorated) == "interpreted"
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1`` when they were imported)."""
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1`` when they were decorated)."""
     return _INTERPRETING
 
 

@@ -22,7 +22,11 @@ import torch
 
 from mm3.contract.buffers import TopkBuffer
 
-__all__ = ["sort_ascending_", "sorted_ascending", "is_ascending"]
+__all__ = ["sort_ascending_", "sorted_ascending", "is_ascending", "ASCENDING_FIX"]
+
+ASCENDING_FIX = ('write each row\'s valid ids increasing, then -1; or declare topk_order="score", and mm3 sorts the '
+                 'rows where a reader or an entry point needs them ascending')
+"""What an indexer that declares ``topk_order="ascending"`` and writes a row out of that order must change."""
 
 # int32's sign bit, flipped on every id before the sort and back after it: the non-negative ids keep their order
 # and -1 (every negative id) becomes larger than all of them, so one plain sort puts it last

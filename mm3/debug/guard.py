@@ -87,6 +87,7 @@ from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import ContractViolation
 from mm3.contract.hookspecs import Op
 from mm3.contract.params import SparseAttentionParams
+from mm3.contract.topk_order import ASCENDING_FIX
 from mm3.debug.fences import Fence, false_flag, locate, mark_unwritten, still_marked
 from mm3.debug.inputs import finite_inputs
 from mm3.debug.score_rows import describe_score, score_codes
@@ -250,7 +251,7 @@ def _checked_index(be: Any, index_q: torch.Tensor, caches: PagedKVCache, batch: 
         assert codes is not None
         v = describe_row(codes, hm, batch, params)
         raise _violation(be, "index_topk", v.rule, v.detail, head=v.head, token=v.token,
-                         row=v.row, fix=_layout_hint(out))
+                         row=v.row, fix=ASCENDING_FIX if v.rule == "topk.order" else _layout_hint(out))
     if past_rows:
         e, before, after = fence.first_change()
         sh, st, sk = out.strides()

@@ -88,8 +88,12 @@ def row_codes(hm: torch.Tensor, positions: torch.Tensor, params: SparseAttention
 
 def describe_row(codes: torch.Tensor, hm: torch.Tensor, batch: BatchMetadata,
                   params: SparseAttentionParams) -> TopkRowViolation:
-    """The first offending row (lowest token, then head) described in words. Slow path."""
-    bad = (codes.T != 0).nonzero()                                   # token-major order
+    """The first row (lowest token, then head) that breaks the gravest rule broken anywhere (the earliest in
+    ROW_RULES: an indexer that breaks ``topk.order`` on every row must not hide an id out of range on a later
+    one), described in words. Slow path."""
+    broken = codes != 0
+    worst = int(codes[broken].min())
+    bad = (codes.T == worst).nonzero()                               # token-major order
     t, h = int(bad[0, 0]), int(bad[0, 1])
     rule = ROW_RULES[int(codes[h, t]) - 1]
     row = [int(v) for v in hm[h, t].tolist()]
@@ -125,7 +129,7 @@ def describe_row(codes: torch.Tensor, hm: torch.Tensor, batch: BatchMetadata,
             what = (f"lacks forced block(s) {[b for b in forced if b not in row]} "
                     f"(init_blocks={params.init_blocks}, local_blocks={params.local_blocks})")
         detail = f"head {h}, {where}: row {row} {what}"
-    n = int(bad.shape[0])
+    n = int(broken.sum())
     if n > 1:
         detail += f"; {n} of {codes.numel()} (head, token) rows break a rule"
     return TopkRowViolation(rule, h, t, row, detail, n)

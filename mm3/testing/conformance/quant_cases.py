@@ -74,6 +74,9 @@ QUANT_CASES: dict[str, tuple[str, Step]] = {
                                        kv_quant=_NVFP4),
     "index_nvfp4_mixed_di128": ("indexer", Step(H=2, G=2, Di=128, decodes=(100, 33), padding=1, empty=1,
                                                 prefills=((20, 20), (37, 150), (5, 40)), index_format=_NVFP4)),
+    "q8kv4_index_nvfp4_d128": ("composed", Step(H=2, G=4, D=128, Di=128, K=16, dq=2, decodes=(460, 260, 80),
+                                                padding=1, prefills=((3, 3), (40, 520)), q8=True, kv_quant=_NVFP4,
+                                                index_format=_NVFP4)),
     # all of it at once: fp8 queries, NVFP4 K/V and index keys, the backend's own indexer then attention
     "q8kv4_index_nvfp4": ("composed", Step(H=2, G=4, K=16, dq=2, decodes=(460, 260, 80), padding=1,
                                            prefills=((3, 3), (40, 520)), q8=True, kv_quant=_NVFP4,

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from mm3.contract.buffers import TopkBuffer
-from mm3.contract.topk_order import is_ascending
+from mm3.contract.topk_order import ASCENDING_FIX, is_ascending
 from mm3.testing.conformance.oracle_cache import (
     oracle_attention_cached, oracle_scores_cached, oracle_topk_cached,
 )
@@ -85,8 +85,8 @@ def check_selection(case: Case, sel: TopkBuffer, details: dict[str, Any], order:
     if bad.numel():
         h, t = int(bad[0, 0]), int(bad[0, 1])
         raise CaseFailure(f"{bad.shape[0]} top-k rows are not ascending though the indexer declares "
-                          f'topk_order="ascending"; first: head {h}, token {t}: {rows[h, t].tolist()} (valid ids '
-                          f"increasing, then -1; or declare topk_order=\"score\" and mm3 sorts where needed)",
+                          f'topk_order="ascending"; first: head {h}, token {t}: {rows[h, t].tolist()}. Fix: '
+                          f"{ASCENDING_FIX}",
                           {**details, "unordered_rows": int(bad.shape[0])})
 
 
