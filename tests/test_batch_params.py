@@ -121,3 +121,39 @@ def test_bad_params(kwargs: dict, match: str) -> None:
 def test_bad_tp_size() -> None:
     with pytest.raises(InputError, match="tp_size 1, 2, 4 or 8"):
         SparseAttentionParams.minimax_m3(3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_token_decodes_derive_the_tokens_of_the_general_search(seed: int) -> None:
+    """A step of one-token decodes only takes a shorter derivation (no search, no gather): the same positions and
+    requests as the general one (which ignores the decode count), padding decodes (seq_len 0) included, with
+    fewer torch operations."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mm3.contract.contents import derive_tokens
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(seed)
+    R = int(torch.randint(1, 40, (1,), generator=g))
+    sl = torch.randint(1, 5000, (R,), generator=g, dtype=torch.int32)
+    sl[torch.rand(R, generator=g) < 0.2] = 0                              # padding decodes
+    qsl = torch.arange(R + 1, dtype=torch.int32)
+    with Ops() as short:
+        pos, req = derive_tokens(qsl, sl, R, R)
+    with Ops() as general:
+        want_pos, want_req = derive_tokens(qsl, sl, R - 1, R)             # not all decodes: the search
+    assert torch.equal(pos, want_pos) and torch.equal(req, want_req)
+    assert pos.dtype == want_pos.dtype == req.dtype == want_req.dtype == torch.int32
+    assert short.n < general.n, (short.n, general.n)
+    b = BatchMetadata.from_device(qsl, sl, torch.zeros(R, 40, dtype=torch.int32), num_decodes=R, num_tokens=R,
+                                  max_query_len=1, block_size=128)
+    assert torch.equal(b.token_positions, want_pos) and torch.equal(b.token_to_request, want_req)
+    assert b.validate().num_tokens == R

@@ -200,7 +200,8 @@ def derive_context(qsl: torch.Tensor, sl: torch.Tensor, nd: int) -> torch.Tensor
 
 def derive_tokens(qsl: torch.Tensor, sl: torch.Tensor, nd: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(positions, requests)`` of the step's ``T`` tokens as the lengths give them (padding: ``-1``), in
-    ``qsl``'s dtype; five torch operations that compute, no synchronisation.
+    ``qsl``'s dtype; five torch operations that compute, no synchronisation (three for a step of one-token
+    decodes only).
 
     Token ``t`` of request ``r`` sits at ``seq_len[r] - (query_start_loc[r + 1] - t)``; a padding decode
     (``seq_len`` 0) gives a negative position, which is where ``-1`` comes from (so does a request whose
@@ -209,6 +210,10 @@ def derive_tokens(qsl: torch.Tensor, sl: torch.Tensor, nd: int, T: int) -> tuple
     t = torch.arange(T, dtype=qsl.dtype, device=qsl.device)
     if not R:
         return torch.full_like(t, -1), torch.zeros_like(t)
+    if nd == R == T:
+        # one-token decodes only, so query_start_loc is 0..R (rules 1-5 judge that it is): token t is request
+        # t's last position, and the search and gather below would find just that
+        return (sl.to(qsl.dtype) - 1).clamp_(min=-1), t
     # the request of token t: the first whose end is past t, searched among all but the last end, so a
     # token past every end (a batch whose starts end short of T) falls to the last request, never beyond
     req = torch.searchsorted(qsl[1:-1], t, right=True, out_int32=qsl.dtype == torch.int32)
