@@ -108,7 +108,8 @@ def batch_from_args(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, conte
     """The inverse of :func:`batch_args` (host lengths are read back only if a backend asks).
 
     A new batch every call (its facts read back when its tensors' shapes, dtypes and devices and its
-    ints equal the last call's), as the ops build their cache and top-k wrappers anew: nothing they are given is kept past the call.
+    ints equal the last call's), as the ops build their cache and top-k wrappers anew: nothing they
+    are given is kept past the call.
     Under ``torch.compile``'s CUDA graphs (``mode="reduce-overhead"``) an argument may live in the
     graph's memory pool, and a reference kept across steps is an allocation the graph does not own
     (H200: "6 tensors in the cudagraph pool not tracked as outputs"); and an engine may refill the
@@ -125,7 +126,6 @@ _INDEX_ENTRY, _INDEX_OPS = "torch.ops.mm3.index_topk", (Op.INDEX_TOPK,)
 _ATTENTION_ENTRY, _ATTENTION_OPS = "torch.ops.mm3.attention", (Op.ATTENTION,)
 
 
-
 def _call_parts(handle: int, entry: str, topk: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
                 block_table: torch.Tensor, token_to_request: torch.Tensor, token_positions: torch.Tensor,
@@ -136,10 +136,7 @@ def _call_parts(handle: int, entry: str, topk: torch.Tensor, k: torch.Tensor, v:
     """What an op's call runs on: its target, caches, batch and top-k buffer (:meth:`OpTarget.topk_of`). The
     wrappers are made anew each call; their facts are read back when the tensors' shapes, dtypes and devices
     equal the last call's (:func:`~mm3.contract.facts.cache_facts`, :func:`~mm3.contract.facts.shape_of_facts`)."""
-    ref = _TARGETS.get(handle)
-    target = None if ref is None else ref()
-    if target is None:
-        target = lookup(handle)      # raises, naming the handle
+    target = lookup(handle)
     caches = PagedKVCache.rewrap(k, v, index, k_scale, v_scale, k_block_scale=k_block_scale,
                                  v_block_scale=v_block_scale, index_block_scale=index_block_scale)
     batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request, token_positions,

@@ -350,7 +350,7 @@ class OpTarget:
                 and (topk is None or T <= topk.num_tokens <= plan.max_topk_rows)):
             # some count breaks a rule (which one, every rule says), or a plan of other counts holds (this call's)
             plan = self._judge(entry, ops, caches, batch, topk, index_q, q, out, names, order)
-            plain = self._course(key, plan, ops, caches, batch)[-2]
+            plain = self._course(key, plan, ops, caches, batch)[-1]
         if graph is None:
             graph = self.capturing(q if q is not None else index_q)
         # 3. the contents, the cheapest way that still sees them
