@@ -43,9 +43,11 @@ The measures of each row:
   others are launches besides the backend's kernels).
 
 And once: ``from_device``'s host time and torch ops per step. Before a row's stream, it runs one
-small step of each batch kind on caches of its own (``check_contracts="first"`` guards the
-first call of each op and kind, and the guard reads what it checks, by design): the stream then
-measures steady running of new shapes.
+small step of each batch kind on the stream's caches (``check_contracts="first"`` guards the
+first call of each op and kind, and the guard reads what it checks, by design), as an engine's
+warm-up and graph captures run steps on its caches before it serves: the stream then measures
+steady running of new shapes. What a target's first step on new caches or dtypes costs (its plan:
+every rule, once) is :mod:`~mm3_benchmarks.first_step_cost`'s measure, not the stream's.
 
 With ``stub=True`` (on the CPU, the stand-in for a GPU) the backend is :class:`StreamStub`: it
 declares ``reports_bad_page_ids`` (as the Triton backends do), computes through cpu_ref on those
@@ -283,7 +285,10 @@ class StreamStub:
                                    **ADDRESSINGS)
 
     @hookimpl
-    def index_topk(self, index_q: torch.Tensor, caches: Any, batch: Any, params: Any, out: Any) -> None:
+    def index_topk(self, index_q: torch.Tensor, caches: Any, batch: Any, params: Any, out: Any,
+                   page_faults: Optional[torch.Tensor] = None) -> None:
+        # the hook spec's arguments in its order, as the Triton plugins take them (a reporting indexer
+        # gets the fault word): mm3 then calls it directly, with no adapter picking arguments
         self.calls["index_topk"] += 1
         if self.real:
             self._ref.index_topk(index_q=index_q, caches=caches, batch=batch, params=params, out=out)
@@ -422,11 +427,10 @@ class LayerRow:
         self.out = torch.empty_like(self.q)
 
     def prime(self) -> None:
-        small = self.setup.caches(8)
         if self.stub:
             self.stub.real = True
         for s, qsl, sl, bt in _prime_steps(self.setup.params.block_size, self.setup.device):
-            self._call(s, _batch(s, qsl, sl, bt, self.setup.params.block_size), small)()
+            self._call(s, _batch(s, qsl, sl, bt, self.setup.params.block_size), self.caches)()
         if self.stub:
             self.stub.real = False
 
@@ -526,7 +530,7 @@ class VllmDecodeRow:
                 s.random(pages, p.block_size, p.index_head_dim))
 
     def prime(self) -> None:
-        kv, index = self._caches(8)
+        kv, index = self.kv, self.index
         if self.stub:
             self.stub.real = True
         s, _, sl, bt = _prime_steps(self.setup.params.block_size, self.setup.device)[0]
@@ -568,7 +572,7 @@ class VllmPrefillRow(VllmDecodeRow):
         self.topk = torch.empty(T, p.num_kv_heads, p.topk, dtype=torch.int32, device=setup.device).permute(1, 0, 2)
 
     def prime(self) -> None:
-        kv, index = self._caches(8)
+        kv, index = self.kv, self.index
         if self.stub:
             self.stub.real = True
         s, _, sl, bt = _prime_steps(self.setup.params.block_size, self.setup.device)[1]
@@ -652,7 +656,7 @@ class SglangDecodeRow:
         if self.stub:
             self.stub.real = True
         s, _, sl, bt = _prime_steps(self.setup.params.block_size, self.setup.device)[0]
-        self._decode(sl, *self._prime_pool(bt), max(s.decode_lens), self._caches(8))()
+        self._decode(sl, *self._prime_pool(bt), max(s.decode_lens), self.caches)()
         if self.stub:
             self.stub.real = False
 
@@ -683,7 +687,7 @@ class SglangPrefillRow(SglangDecodeRow):
         if self.stub:
             self.stub.real = True
         s, qsl, sl, bt = _prime_steps(self.setup.params.block_size, self.setup.device)[1]
-        self._extend(s, qsl, sl, *self._prime_pool(bt), self._caches(8))()
+        self._extend(s, qsl, sl, *self._prime_pool(bt), self.caches)()
         if self.stub:
             self.stub.real = False
 
@@ -728,7 +732,7 @@ class StubHooksRow(LayerRow):
 
         def hooks() -> None:
             check(b, num_pages, word)
-            index(iq, caches, b, p, rows)
+            index(iq, caches, b, p, rows, word)
             attend(q, caches, rows, b, p, out)
         return hooks if not stub.real else (lambda: self.layer(q, iq, caches, b, out))
 
