@@ -265,3 +265,19 @@ def test_suite_catches_ties_broken_to_the_highest_id_and_says_where() -> None:
     msg = failed["indexer/exact_ties_half_tied:bfloat16"]
     assert "break the exact-tie rule" in msg and "instead of" in msg and "(score " in msg, msg
     assert "score -1e+30" in failed["indexer/exact_ties_nan_pages:bfloat16"]
+
+
+def test_suite_catches_a_judge_that_misses_faults() -> None:
+    """An indexer that declares ``judges_contents`` is taken at its word (the layer then makes no check of the
+    contents before it), so the suite checks its word: a mock that declares it and judges nothing fails the
+    faulty steps and passes the fine ones; a backend without a check_contents hook gets no such cases."""
+    name = "declares_a_judge"
+    be = _bind(MockBackend(name, reports_bad_page_ids=True, judges_contents=True), name)
+    report = run_conformance(be, **SUBSET)  # type: ignore[arg-type]
+    contents = {r.name.split("/")[1].split(":")[0]: r for r in report.results if r.kind == "contents"}
+    failed = sorted(n for n, r in contents.items() if r.status == "fail")
+    assert failed == [f"index_topk_{step}_{fault}" for step in ("decodes", "mixed") for fault in ("page_id",
+                                                                                                "position")]
+    assert "found no fault where mm3's reference finds" in contents["index_topk_mixed_position"].message
+    assert {contents[f"index_topk_{s}_fine"].status for s in ("decodes", "mixed")} == {"pass"}
+    assert not any(n.startswith("check_contents") for n in contents), sorted(contents)

@@ -16,6 +16,7 @@ check can see it), on cpu_ref, which reports no bad contents itself.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional
 
 import pytest
@@ -111,6 +112,8 @@ def _judge_on_device(batch: BatchMetadata, flag: FaultFlag, checker: str) -> Non
     if checker == "torch":
         flag.record(batch, PAGES)          # torch ops on the batch's device, no host read
         return
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton plugins on CPU tensors need the interpreter")
     hook = default_registry().get(checker).check_contents
     assert hook is not None
     flag.about("mm3", LAYER_NAMES, PAGES, batch)     # what the boundary names before it calls the hook
@@ -268,3 +271,142 @@ def test_a_bound_backends_own_calls_report_device_faults_at_check_page_ids(monke
     be.index_topk(case.index_q, case.caches, case.batch, P, rows)      # judged on the device: no wait
     with pytest.raises(InputError, match=r"cpu_ref\.index_topk: request 0, block 1: .*found on the device"):
         be.check_page_ids()
+
+
+# -- the Triton indexer's own judge: a step of decodes is judged in its score launch ------------------------
+
+#: three decodes of one token each (a step of decodes alone: the Triton indexer judges it in its score launch)
+DECODES = dict(qsl=(0, 1, 2, 3), sl=(40, 20, 35), T=3, nd=3, mq=1)
+
+
+def _decodes(qsl: tuple[int, ...] = DECODES["qsl"], sl: tuple[int, ...] = DECODES["sl"], T: int = DECODES["T"],
+             ndt: Optional[int] = None, ctx: Optional[tuple[int, ...]] = None,
+             edit: Optional[Callable[[BatchMetadata], None]] = None, device: str = "cpu") -> BatchMetadata:
+    b = BatchMetadata.from_device(_i32(qsl).to(device), _i32(sl).to(device),
+                                  torch.tensor(TABLE[:3], dtype=torch.int32, device=device), num_decodes=3,
+                                  num_tokens=T, max_query_len=1, block_size=16, num_decode_tokens=ndt,
+                                  context_lens=None if ctx is None else _i32(ctx).to(device))
+    if edit is not None:
+        edit(b)
+    return b
+
+
+# each a step of decodes that breaks a rule (or, the last three, none); what the check_contents hook finds
+# in it, the indexer must find in the same words
+DECODE_STEPS = {
+    "1 query starts at 0": lambda d: _decodes(device=d, qsl=(1, 1, 2, 3)),
+    "3 query starts end at the step's tokens": lambda d: _decodes(device=d, qsl=(0, 1, 2, 2)),
+    "4 a decode holds decode_query_len tokens or none": lambda d: _decodes(device=d, qsl=(0, 2, 3, 3)),
+    "5 the decodes hold num_decode_tokens": lambda d: _decodes(device=d, ndt=2),
+    "9 the blocks fit the table": lambda d: _decodes(device=d, sl=(49, 20, 35)),
+    "10 positions are the lengths'": lambda d: _decodes(device=d, edit=lambda b: b.token_positions.__setitem__(1, 33)),
+    "10 requests are the lengths'": lambda d: _decodes(device=d, edit=lambda b: b.token_to_request.__setitem__(2, 0)),
+    "11 context lengths are the lengths'": lambda d: _decodes(device=d, ctx=(39, 19, 30)),
+    "page ids are pages of the cache":
+        lambda d: _decodes(device=d, edit=lambda b: b.block_table.__setitem__((2, 1), PAGES)),
+    "page ids are not negative": lambda d: _decodes(device=d, edit=lambda b: b.block_table.__setitem__((1, 0), -1)),
+    "fine: plain": lambda d: _decodes(device=d),
+    "fine: a padding decode": lambda d: _decodes(device=d, sl=(40, 0, 35)),
+    "fine: a padding decode of no token": lambda d: _decodes(device=d, qsl=(0, 0, 1, 2), T=2, ndt=2),
+}
+
+
+def _words(batch: BatchMetadata, plugin: str) -> tuple[int, int]:
+    """The fault word of ``batch`` from the plugin's check_contents hook, and from its index_topk hook handed
+    the word (``judges_contents``), each on a word of its own."""
+    from mm3.contract.contents import NO_FAULT
+
+    be = default_registry().get(plugin)
+    assert be.capabilities.judges_contents and be.check_contents is not None
+    g = torch.Generator().manual_seed(3)
+    dev = batch.block_table.device
+    caches = mm3.PagedKVCache(*(torch.randn(*shape, generator=g).bfloat16().to(dev) for shape in (
+        (PAGES, 16, P.num_kv_heads, P.head_dim), (PAGES, 16, P.num_kv_heads, P.head_dim),
+        (PAGES, 16, P.index_head_dim))))
+    index_q = torch.randn(batch.num_tokens, P.num_index_heads, P.index_head_dim, generator=g).bfloat16().to(dev)
+    rows = mm3.TopkBuffer.allocate(batch.num_tokens, P.num_kv_heads, P.topk, be.capabilities.topk_layout, dev)
+    by_hook, by_index = (torch.full((1,), NO_FAULT, dtype=torch.int64, device=dev) for _ in range(2))
+    be.check_contents(batch, PAGES, by_hook)
+    be.calls["index_topk"](index_q, caches, batch, P, rows, by_index)
+    return int(by_hook), int(by_index)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("plugin", ["cuda", "rocm"])
+@pytest.mark.parametrize("name", sorted(DECODE_STEPS))
+def test_the_indexer_judges_a_step_of_decodes_as_the_check_contents_hook_does(name: str, plugin: str,
+                                                                              device: str) -> None:
+    """The same word from both, on CPU tensors (the interpreter) and on a GPU (the compiled kernels)."""
+    from mm3.contract.contents import NO_FAULT
+
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton plugins on CPU tensors need the interpreter")
+    if device == "cuda" and plugin == "rocm":
+        pytest.skip("the rocm plugin's probe takes AMD GPUs only")
+    by_hook, by_index = _words(DECODE_STEPS[name](device), plugin)
+    assert (by_hook == NO_FAULT) == name.startswith("fine"), (name, hex(by_hook))
+    if device == "cuda":   # programs that find faults at once race for the word (a plain store): any may win
+        assert (by_index == NO_FAULT) == (by_hook == NO_FAULT), (name, hex(by_index), hex(by_hook))
+        return
+    assert by_index == by_hook, f"{name}: the indexer found {by_index:#x}, the check_contents hook {by_hook:#x}"
+
+
+
+@pytest.mark.parametrize("step", ["decodes", "mixed", "prefills"])
+def test_the_indexer_judges_each_step_in_one_launch(step: str) -> None:
+    """Handed the word, the indexer judges a step of decodes in its score launch, and any other step in a
+    launch of its own before its kernels (launches recorded, not made: a step with prefills has no score
+    program per request); not handed it, it judges nothing."""
+    from mm3_backends.triton import fast_launch
+
+    batch = {"decodes": lambda: _decodes(), "mixed": _batch,
+             "prefills": lambda: _batch(qsl=(0, 0, 0, 5, 8), sl=(0, 0, 5, 35), T=8, ndt=0)}[step]()
+    be = default_registry().get("cuda")
+    caches = mm3.PagedKVCache(*(torch.zeros(PAGES, 16, P.num_kv_heads, P.head_dim, dtype=torch.bfloat16)
+                                for _ in range(2)), torch.zeros(PAGES, 16, P.index_head_dim, dtype=torch.bfloat16))
+    index_q = torch.zeros(batch.num_tokens, P.num_index_heads, P.index_head_dim, dtype=torch.bfloat16)
+    rows = mm3.TopkBuffer.allocate(batch.num_tokens, P.num_kv_heads, P.topk, be.capabilities.topk_layout)
+    word = torch.zeros(1, dtype=torch.int64)
+    for handed in (word, None):
+        with fast_launch.recording() as launches:
+            be.calls["index_topk"](index_q, caches, batch, P, rows, handed)
+        names = [r.name for r in launches]
+        judged = [r.name for r in launches if r.constexprs.get("JUDGE")]
+        if handed is None:
+            assert "_contents_kernel" not in names and not judged, names
+        elif step == "decodes":
+            assert judged == ["_decode_score_kernel"] and "_contents_kernel" not in names, names
+        else:
+            assert names[0] == "_contents_kernel" and names.count("_contents_kernel") == 1 and not judged, names
+            assert any(a is word for a in launches[0].args)
+
+
+def test_a_step_of_decodes_edited_in_place_is_judged_by_the_indexer_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cuda plugin declares ``judges_contents``: on a device batch (CPU tensors stand in) the layer makes no
+    ``check_contents`` call after its first step, and a position edited in place still raises, found by the
+    indexer's score launch."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton plugins on CPU tensors need the interpreter")
+    monkeypatch.setattr(step_mod, "on_host", lambda batch: False)
+    be = default_registry().get("cuda")
+    assert be.capabilities.judges_contents
+    calls: list[int] = []
+    real = be.check_contents
+    monkeypatch.setattr(be, "check_contents", lambda *a: (calls.append(1), real(*a)))  # type: ignore[misc]
+    case = make_case(P, decodes=[70, 40, 33], prefills=[], dtype="bfloat16", seed=15)
+    b = case.batch
+    batch = BatchMetadata.from_device(b.query_start_loc.clone(), b.seq_lens.clone(), b.block_table.clone(),
+                                      num_decodes=3, num_tokens=3, max_query_len=1, block_size=16)
+    layer = mm3.SparseAttention(P, dtype=torch.bfloat16, max_num_tokens=8, backend="cuda")
+    layer(case.q, case.index_q, case.caches, batch)          # the first step: on the host
+    layer(case.q, case.index_q, case.caches, batch)          # on the device, in the indexer: fine
+    layer.check_page_ids()
+    batch.token_positions[1] = 12                             # the engine's edit: request 1 is at 39
+    layer(case.q, case.index_q, case.caches, batch)
+    with pytest.raises(InputError, match=r"token 1 has a position or request that the lengths do not give.*"
+                                         r"found on the device"):
+        layer.check_page_ids()
+    assert not calls, "the layer called check_contents although its indexer judges the contents"

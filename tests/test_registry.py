@@ -537,3 +537,31 @@ def test_get_unknown_lists_known_names_and_suggests():
         reg.get("cdua")
     msg = str(ei.value)
     assert "cpu_ref" in msg and "cuda" in msg and "did you mean 'cuda'" in msg
+
+
+def test_a_judge_of_contents_without_the_fault_word_is_refused_at_register():
+    """``judges_contents`` without ``reports_bad_page_ids``: its index_topk would never be handed the word, and the
+    layer would judge nothing; the capabilities refuse it, naming the fix."""
+    from mm3.testing.mock import MockBackend
+
+    reg = Registry([], entry_points=False)
+    with pytest.raises(PluginError, match="judges_contents needs reports_bad_page_ids"):
+        reg.register(_Declares(judges_contents=True))
+    assert reg.register(_Declares(judges_contents=True, reports_bad_page_ids=True)).capabilities.judges_contents
+    assert MockBackend("judge", judges_contents=True, reports_bad_page_ids=True).capabilities.judges_contents
+
+
+class _Declares:
+    """A plugin whose capabilities are given (its hooks are never called here)."""
+
+    def __init__(self, **caps: object) -> None:
+        self.caps = caps
+
+    @hookimpl
+    def backend_capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(name="declares", ops={"index_topk"}, device_types={"cpu"},
+                                   topk_layout="head_major", **self.caps)
+
+    @hookimpl
+    def index_topk(self, index_q, caches, batch, params, out, page_faults):  # type: ignore[no-untyped-def]
+        pass

@@ -93,6 +93,7 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
     """Every launch the plugin's hooks make on a mixed M3 step per shape variant (nothing runs: the
     launch layer records them, ``fast_launch.recording``)."""
     from mm3.contract import BatchMetadata, SparseAttentionParams, TopkBuffer
+    from mm3.contract.slots import TokenSlots
     from mm3.testing.factories import as_token_slots, make_case
     from mm3_backends.triton import attention, contents, index_scores, indexer
     from mm3_backends.triton.addressing import block_columns
@@ -159,6 +160,14 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
                 contents.check_contents(batch, case.caches.num_pages, torch.zeros(1, dtype=torch.int64), cfg)
             topk = TopkBuffer.allocate(T, p.num_kv_heads, p.topk, plugin_spec.topk_layout)
             indexer.index_topk(case.index_q, case.caches, case.batch, p, topk, cfg)
+            # a step of decodes alone, judged in its score launch (the layer hands the word: judges_contents)
+            nd = b.num_decodes
+            decodes = BatchMetadata.from_device(b.query_start_loc[:nd + 1], b.seq_lens[:nd], b.block_table[:nd],
+                                                num_decodes=nd, num_tokens=b.num_decode_tokens, max_query_len=dq,
+                                                block_size=p.block_size, decode_query_len=dq,
+                                                slots=None if b.slots is None else TokenSlots.of(b.slots.table, b.slots.rows[:nd]))
+            indexer.index_topk(case.index_q, case.caches, decodes, p, topk.rows(0, decodes.num_tokens), cfg,
+                               torch.zeros(1, dtype=torch.int64), judge=True)
             attention.attention_forward(case.q, case.caches, topk, case.batch, p,
                                         torch.empty_like(case.q, dtype=case.out_dtype), cfg)
             # the block scores, as vLLM's drop-in asks for them: a row of 16-aligned columns

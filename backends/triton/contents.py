@@ -19,6 +19,8 @@ launch captures in a CUDA graph.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -30,10 +32,10 @@ from .fast_launch import launch
 from .launch import LaunchConfig
 from .tl_utils import launch_options, step_kernel
 
-__all__ = ["check_contents"]
+__all__ = ["check_contents", "judge_request", "judge_args", "JudgeArgs", "TILE"]
 
 #: tokens and block-table columns a program reads at a time
-_TILE = 64
+TILE = _TILE = 64
 # a kernel reads only constexpr globals
 _LENGTHS: tl.constexpr = tl.constexpr(1 << 62)        # mm3.contract.contents.LENGTHS
 _NO_FAULT: tl.constexpr = tl.constexpr(2 ** 63 - 1)   # mm3.contract.contents.NO_FAULT
@@ -54,10 +56,21 @@ def _rule(word, bad, rule: tl.constexpr, index):
 def _contents_kernel(qsl_ptr, sl_ptr, ctx_ptr, bt_ptr, s_bt_r, s_bt_b, t2r_ptr, pos_ptr, word_ptr,
                      R, T, nd, dql, ndt, mpq, M, num_pages, st_ptr, s_st_r, s_st_c, st_rows, sr_ptr,
                      B: tl.constexpr, HAS_CTX: tl.constexpr, TILE: tl.constexpr, SLOTS: tl.constexpr = False):
-    """Lower ``word`` to the smallest fault word of request ``program_id(0)``. ``SLOTS``: token slots
+    """Lower ``word`` to the smallest fault word of request ``program_id(0)``."""
+    judge_request(tl.program_id(0), qsl_ptr, sl_ptr, ctx_ptr, bt_ptr, s_bt_r, s_bt_b, t2r_ptr, pos_ptr, word_ptr,
+                  R, T, nd, dql, ndt, mpq, M, num_pages, st_ptr, s_st_r, s_st_c, st_rows, sr_ptr,
+                  B, HAS_CTX, TILE, SLOTS)
+
+
+@triton.jit
+def judge_request(r, qsl_ptr, sl_ptr, ctx_ptr, bt_ptr, s_bt_r, s_bt_b, t2r_ptr, pos_ptr, word_ptr,
+                  R, T, nd, dql, ndt, mpq, M, num_pages, st_ptr, s_st_r, s_st_c, st_rows, sr_ptr,
+                  B: tl.constexpr, HAS_CTX: tl.constexpr, TILE: tl.constexpr, SLOTS: tl.constexpr):
+    """Lower ``word`` to the smallest fault word of request ``r`` (the arguments of :func:`judge_args`;
+    a kernel that judges the batch as it works calls this once per request). ``SLOTS``: token slots
     (``st_ptr`` .. ``sr_ptr``: the slot table, its strides and rows, each request's row; ``M`` its
     columns, ``B`` 1), else dummies never read."""
-    r = tl.program_id(0).to(tl.int64)
+    r = r.to(tl.int64)
     start = tl.load(qsl_ptr + r).to(tl.int64)
     end = tl.load(qsl_ptr + r + 1).to(tl.int64)
     sl = tl.load(sl_ptr + r).to(tl.int64)
@@ -117,24 +130,39 @@ def _contents_kernel(qsl_ptr, sl_ptr, ctx_ptr, bt_ptr, s_bt_r, s_bt_b, t2r_ptr, 
             tl.store(word_ptr, w)
 
 
-def check_contents(batch: BatchMetadata, num_pages: int, word: torch.Tensor, cfg: LaunchConfig) -> None:
-    """Lower ``word`` to the smallest fault word of ``batch``'s contents (mm3's ``check_contents`` hook)."""
-    R, M = batch.block_table.shape
-    T = batch.num_tokens
-    slots, on_slots = slot_args(batch, batch.block_table)
+class JudgeArgs(NamedTuple):
+    """What :func:`judge_request` reads besides the request, for a kernel that judges a batch as it works:
+    ``args`` (runtime arguments, after the request), ``block`` (its ``B``: the block size, or 1 for token
+    slots) and ``has_ctx`` (its ``HAS_CTX``: the batch has context lengths of its own)."""
+
+    args: tuple[Any, ...]
+    block: int
+    has_ctx: bool
+
+
+def judge_args(batch: BatchMetadata, num_pages: int, word: torch.Tensor) -> JudgeArgs:
+    """:func:`judge_request`'s arguments for ``batch`` (every request of it has one), lowering ``word``."""
+    bt = batch.block_table
+    R, M = bt.shape
+    slots, on_slots = slot_args(batch, bt)
     B = batch.block_size
     if on_slots:    # a column per position (docs/spec.md §2.1)
         M, B = slots.width, 1
+    ctx = batch.__dict__.get("context_lens")    # only the batch's own: derived ones are right by construction
+    return JudgeArgs((batch.query_start_loc, batch.seq_lens, batch.seq_lens if ctx is None else ctx, bt, *bt.stride(),
+                      batch.token_to_request, batch.token_positions, word, R, batch.num_tokens, batch.num_decodes,
+                      batch.decode_query_len, batch.num_decode_tokens, batch.max_prefill_query_len, M, num_pages,
+                      slots.table, slots.s_row, slots.s_col, slots.num_rows, slots.rows), B, ctx is not None)
+
+
+def check_contents(batch: BatchMetadata, num_pages: int, word: torch.Tensor, cfg: LaunchConfig) -> None:
+    """Lower ``word`` to the smallest fault word of ``batch``'s contents (mm3's ``check_contents`` hook)."""
+    R = batch.block_table.shape[0]
     if not R:
-        if T:   # tokens but no request: query_start_loc cannot end at T (rule 3 of request 0)
+        if batch.num_tokens:   # tokens but no request: query_start_loc cannot end at T (rule 3 of request 0)
             torch.minimum(word, torch.full_like(word, _LENGTHS.value + (3 << 40)), out=word)
         return
-    ctx = batch.__dict__.get("context_lens")    # only the batch's own: derived ones are right by construction
-    bt = batch.block_table
-    launch(_contents_kernel, (R,),
-           (batch.query_start_loc, batch.seq_lens, batch.seq_lens if ctx is None else ctx, bt, *bt.stride(),
-            batch.token_to_request, batch.token_positions, word, R, T, batch.num_decodes, batch.decode_query_len,
-            batch.num_decode_tokens, batch.max_prefill_query_len, M, num_pages, slots.table, slots.s_row, slots.s_col,
-            slots.num_rows, slots.rows),
-           dict(B=B, HAS_CTX=ctx is not None, TILE=_TILE, **({"SLOTS": True} if on_slots else {})),
+    j = judge_args(batch, num_pages, word)
+    launch(_contents_kernel, (R,), j.args,
+           dict(B=j.block, HAS_CTX=j.has_ctx, TILE=_TILE, **({"SLOTS": True} if batch.slots is not None else {})),
            dict(num_warps=1, **launch_options(cfg)), cfg.algorithms.fast_launch)

@@ -50,6 +50,7 @@ from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .addressing import block_columns, slot_args
 from .block_max import _block_max_scores, _block_page
+from .contents import check_contents, judge_args, judge_request
 from .nvfp4 import index_block_scale_args
 from .plans import decode_index_plan
 from .tiles import load_query_rows, token_rows
@@ -65,18 +66,21 @@ FORCED_INIT = tl.constexpr(1e30)
 FORCED_LOCAL = tl.constexpr(1e29)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["j_R", "j_T", "j_nd", "j_dql", "j_ndt", "j_mpq", "j_M"])
 def _decode_score_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
     qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H, out_ptr, s_out_h, s_out_t, s_out_k, cnt_ptr, ready_ptr,
     is_ptr, s_is_p, s_is_b, s_is_d, st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
+    j_qsl, j_sl, j_ctx, j_bt, j_s_bt_r, j_s_bt_b, j_t2r, j_pos, j_word, j_R, j_T, j_nd, j_dql, j_ndt, j_mpq, j_M,
+    j_pages, j_st, j_s_st_r, j_s_st_c, j_st_rows, j_sr,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
     BPS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     SCALE_Q: tl.constexpr = False, NAN_IN_MAX: tl.constexpr = False, PDL: tl.constexpr = False,
     TOPK_LAST: tl.constexpr = False, K: tl.constexpr = 1, K_PAD: tl.constexpr = 1, NB_PAD: tl.constexpr = 1,
     INIT: tl.constexpr = 0, LOCAL: tl.constexpr = 0, R_TK: tl.constexpr = 1, TK_ROWS: tl.constexpr = 1,
     STREAM: tl.constexpr = False, TRIGGER: tl.constexpr = False, INDEX_NVFP4: tl.constexpr = False,
-    SLOTS: tl.constexpr = False,
+    SLOTS: tl.constexpr = False, JUDGE: tl.constexpr = False, J_B: tl.constexpr = 1, J_CTX: tl.constexpr = False,
+    J_TILE: tl.constexpr = 64,
 ):
     """Scores of ``BPS`` blocks of one request for all its rows: request ``program_id(0)``, split
     ``program_id(1)``. With ``TOPK_LAST`` the request's last score program to finish (:mod:`.arrivals`,
@@ -92,7 +96,11 @@ def _decode_score_kernel(
     its request's split 0 arrived: a waiting attention program never sees an earlier step's flag.
 
     ``SLOTS``: token slots (:mod:`.addressing`; ``st_ptr`` .. ``sr_ptr``: the slot table, its strides,
-    rows and columns, and each request's row of it), else dummies never read."""
+    rows and columns, and each request's row of it), else dummies never read.
+
+    ``JUDGE``: split 0 of each request also judges its contents (``j_*``: :func:`.contents.judge_args`,
+    ``J_B`` its block, ``J_CTX`` its context flag), so a step of decodes needs no launch of its own for
+    them; else ``j_*`` are never read."""
     if STREAM:
         r = tl.program_id(1)
         sp = tl.program_id(0)
@@ -106,6 +114,11 @@ def _decode_score_kernel(
         r = tl.program_id(0)
         sp = tl.program_id(1)
         splits = tl.num_programs(1)
+    if JUDGE:
+        if sp == 0:
+            judge_request(r, j_qsl, j_sl, j_ctx, j_bt, j_s_bt_r, j_s_bt_b, j_t2r, j_pos, j_word, j_R, j_T, j_nd,
+                          j_dql, j_ndt, j_mpq, j_M, j_pages, j_st, j_s_st_r, j_s_st_c, j_st_rows, j_sr,
+                          J_B, J_CTX, J_TILE, SLOTS)
     b0 = sp * BPS
     # rows = (speculative row, index head): every index key is read once for all of them
     tok, hh, row_in, pos, row_ok, nb = token_rows(qsl_ptr, pos_ptr, r, 0, H, ROWS, Q, B)
@@ -330,11 +343,13 @@ def sort_width(k: int) -> int:
 
 def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata,
                params: SparseAttentionParams, out: TopkBuffer, cfg: LaunchConfig,
-               page_faults: Optional[torch.Tensor] = None) -> None:
+               page_faults: Optional[torch.Tensor] = None, judge: bool = False) -> None:
     """Run the indexer for the whole step; writes rows ``[0, batch.num_tokens)`` of ``out``.
 
     ``page_faults``: the word the kernels lower for a bad block-table entry
     (:func:`.tl_utils.load_reported_page`); ``None``: a scratch word nobody reads.
+    ``judge`` (with ``page_faults``): lower it for the batch's contents too (:mod:`.contents`): in the
+    score launch of a step of decodes (split 0 of each request), else in a launch of their own first.
 
     Inputs are assumed validated (see :mod:`.checks`). Decode launches depend
     on shapes only; the prefill launch uses ``batch.max_prefill_query_len``.
@@ -349,7 +364,12 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     slots, on_slots = slot_args(batch, bt)
 
     nd = batch.num_decodes
-    if nd > 0 and batch.num_decode_tokens > 0:
+    decodes = nd > 0 and batch.num_decode_tokens > 0
+    # the score launch judges a batch of decodes alone: it has a program for each of its requests
+    judged = judge and decodes and nd == batch.block_table.shape[0]
+    if judge and not judged and page_faults is not None:
+        check_contents(batch, caches.num_pages, page_faults, cfg)
+    if decodes:
         width = block_columns(batch)
         dev, td = ik.device, batch.num_decode_tokens
         counters = ready = None
@@ -365,11 +385,13 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         qsl, pos = batch.query_start_loc, batch.token_positions
         if not streamed and plan.topk_last:
             counters = arrival_counters(dev, nd, "topk")
-        score_constexprs = plan.score_constexprs if counters is not None else plan.score_constexprs_topk_launched
+        j = judge_args(batch, caches.num_pages, faults)
+        score_constexprs = plan.score_constexprs_judged[counters is not None, j.has_ctx] if judged else \
+            plan.score_constexprs if counters is not None else plan.score_constexprs_topk_launched
         launch(_decode_score_kernel, plan.score_grid,
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults, qsl, pos, ws,
                 ws.stride(0), ws.stride(1), H, out.storage, sh, st, sk, ws if counters is None else counters,
-                ws if ready is None else ready, *iscale, *slots),
+                ws if ready is None else ready, *iscale, *slots, *j.args),
                score_constexprs, plan.score_options, fast)
         offer_ready_flags(dev, out.storage, nd, ready if streamed else None)
         if counters is None:   # no top-k in the score kernel: a launch of its own

@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from .contents import TILE as JUDGE_TILE
 from .launch import LaunchConfig, next_pow2
 from .tl_utils import decode_launch_options, dot_config, pdl_available, pdl_enabled
 
@@ -154,6 +155,9 @@ class DecodeIndexPlan(NamedTuple):
     #: the attention overlaps this indexer (``Algorithms.streamed_decode``): score programs launched
     #: request by request, a ready flag raised per request
     streamed: bool
+    #: the score launch's constexprs when it judges the batch's contents too (:mod:`.contents`), by
+    #: (top-k in the last program, the batch has its own context lengths)
+    score_constexprs_judged: dict[tuple[bool, bool], dict[str, Any]]
 
 
 def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_decode_tokens: int, width: int,
@@ -188,13 +192,16 @@ def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_
         fused = dict(score, TOPK_LAST=True) if topk_last else score
         if streamed:
             fused.update(STREAM=True, TRIGGER=pdl_available())
+        judge = dict(JUDGE=True, J_B=1 if slots else B, J_TILE=JUDGE_TILE)
         return DecodeIndexPlan(
             (splits, nd) if streamed else (nd, splits), fused,
             dict(num_warps=dic.warps, num_stages=dic.num_stages, **dopts),
             (nd, rows),
             dict(B=B, K=K, K_PAD=k_pad, NB_PAD=nb_pad, INIT=init, LOCAL=local, PDL=pdl),
             dict(num_warps=dic.topk_warps, **dopts),
-            rows, topk_last, score, streamed)
+            rows, topk_last, score, streamed,
+            {(last, ctx): dict(fused if last else score, **judge, J_CTX=ctx) for last in (True, False)
+             for ctx in (True, False)})
 
     return _cached(cfg, ("index", nd, Q, H, Hkv, num_decode_tokens, width, K, B, Di, init, local, q_dtype,
                          index_dtype, streamed, capturing, slots), make)

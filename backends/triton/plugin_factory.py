@@ -151,6 +151,7 @@ class TritonPlatform:
             head_dims=SUPPORTED_TILE_SIZES, index_head_dims=SUPPORTED_TILE_SIZES,
             block_sizes=SUPPORTED_TILE_SIZES, max_topk=64, max_gqa_group=64,
             max_decode_query_len=self.max_decode_query_len, cuda_graph_safe=True, reports_bad_page_ids=True,
+            judges_contents=True,
             kv_slot_scales=True, addressings={"pages", "slots"})
 
     def launch_config(self, device: torch.device) -> LaunchConfig:
@@ -226,9 +227,9 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
         # mm3 admitted the call: the arguments, the declared limits (index_q's dtype too) and this
         # plugin's probe on the tensors' device (CPU tensors only under the interpreter)
         indexer, _, _, _ = _kernel_modules()
-        if batch.num_tokens:
+        if batch.num_tokens:   # it judges the contents where it is handed the word (judges_contents)
             indexer.index_topk(index_q, caches, batch, params, out, platform.launch_config(caches.device),
-                               page_faults)
+                               page_faults, judge=page_faults is not None)
 
     @hookimpl
     def attention_forward(q: torch.Tensor, caches: "PagedKVCache", topk: TopkBuffer, batch: "BatchMetadata",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mm3.contract.hookspecs import INDEX_OPS, STEP_OPS, Op
 
@@ -145,6 +145,17 @@ class BackendCapabilities(_Frozen):
         False, description="index_topk clamps every block-table entry it loads into the cache and lowers its "
                            "page_faults word to a bad one it meets (mm3.contract.page_ids), so the layer "
                            "runs no page-id check of its own on device tables")
+    judges_contents: bool = Field(
+        False, description="index_topk, handed the layer's page_faults word, also judges the batch's contents "
+                           "into it (the rules of check_contents, docs/errors.md §2.6), so the layer makes no "
+                           "check_contents call before it; needs reports_bad_page_ids")
+
+    @model_validator(mode="after")
+    def _judging_needs_the_word(self) -> "BackendCapabilities":
+        if self.judges_contents and not self.reports_bad_page_ids:
+            raise ValueError("judges_contents needs reports_bad_page_ids: index_topk is handed the page_faults "
+                             "word only then; declare both, or neither")
+        return self
 
     def accepts_topk(self, layout: str, dense: bool) -> bool:
         """Can this backend's hooks use a top-k buffer in ``layout`` (``dense`` or not) as it is?

@@ -159,7 +159,9 @@ def index_topk(index_q: "torch.Tensor", caches: "PagedKVCache", batch: "BatchMet
     that is not a page id in ``[0, caches.num_pages)``, and
     read such an entry's page as a clamped id, never as an address outside the
     cache. Take the argument only if you declare the capability (a hook may
-    name any subset of its spec's arguments).
+    name any subset of its spec's arguments). A backend that also declares
+    ``judges_contents`` lowers it for the batch's contents too, as
+    :func:`check_contents` does: mm3 then makes no ``check_contents`` call before it.
     """
 
 

@@ -22,9 +22,11 @@ method — reaches a plugin's hook through :meth:`OpTarget.run`:
    * a target's first eager step (or every eager step with
      ``Settings.check_contents_with_sync``): on the host, one synchronisation;
    * otherwise on the device, every call, into the target's :class:`~mm3.contract.contents.FaultFlag`:
-     by the reading backend's ``check_contents`` hook (one launch: the Triton plugins') where it has
-     one, else by :meth:`~mm3.contract.contents.FaultFlag.record` (torch operations; page ids left to
-     the kernels of a backend that reports them, ``reports_bad_page_ids``). Nothing is remembered
+     by the index op's hook itself, handed the word, where its backend declares ``judges_contents``
+     (the Triton plugins: in their score launch); else by the reading backend's ``check_contents``
+     hook (one launch) where it has one, else by :meth:`~mm3.contract.contents.FaultFlag.record` (torch
+     operations; page ids left to the kernels of a backend that reports them,
+     ``reports_bad_page_ids``). Nothing is remembered
      about a batch object: an engine edits its tensors in place. A fault raises at the target's next
      eager step, or at ``check_page_ids()``.
 4. **The hooks**, through the contract guard (:mod:`mm3.debug.guard`) where
@@ -264,12 +266,14 @@ class OpTarget:
         """What a call of these facts does, worked out with its plan (each a function of ``key``): whether its
         contents are judged on the host, the pages of its caches, the backend that reads its block table first
         (with whether it reports bad page ids and its own contents check), whether the index op gets the
-        fault word, its ops, and whether the top-k rows go from index op to attention untouched."""
+        fault word, whether the index op judges the contents there itself, its ops, and whether the top-k rows go
+        from index op to attention untouched."""
         reader = ops[0]
         be, reports, checker = self._attention_reader if reader is _ATTENTION else self._scores_reader \
             if reader is _SCORES else self._index_reader
         plain = plan.index_via is None and not plan.sort_written and plan.convert_to is None and not plan.sort_read
-        return (key, plan, on_host(batch), caches.k.shape[0], be, reports, checker,
+        judged = reader is _INDEX and reports and be.capabilities.judges_contents
+        return (key, plan, on_host(batch), caches.k.shape[0], be, reports, checker, judged,
                 reports and reader is not _ATTENTION, _INDEX in ops, _ATTENTION in ops, _SCORES in ops, plain)
 
     def _contents_on_host(self, entry: str, caches: PagedKVCache, batch: BatchMetadata, graph: bool,
@@ -339,7 +343,7 @@ class OpTarget:
         course = self._last.get(entry)
         if course is None or key != course[0]:   # the last call's facts (most calls): item by item, no hashing
             course = self._planned(key, entry, ops, caches, batch, topk, index_q, q, out, names, order)
-        _, plan, host, num_pages, be, reports, checker, word, index, attend, scores, plain = course
+        _, plan, host, num_pages, be, reports, checker, judged, word, index, attend, scores, plain = course
         # 2. the counts (Plan says which): O(1) int comparisons
         nd = bs.num_decodes
         exact = plan.exact_rows
@@ -360,6 +364,8 @@ class OpTarget:
         flag.context = (entry, names, num_pages, bs)   # no tensor kept past the step
         if host or (not graph and (self._first or self.sync_contents)):
             self._contents_on_host(entry, caches, batch, graph, names, num_pages)
+        elif judged and hooks:
+            pass    # the index op's hook judges them into the word it is handed, in its own launches
         elif checker is not None:      # what the tensors hold now, every call: an engine edits them in place
             try:
                 checker(batch, num_pages, flag.word)

@@ -4,10 +4,11 @@ An engine warms the model up on a side stream, then captures with
 ``torch.cuda.graph(g)`` (a capture stream of its own, often a memory pool shared
 between graphs), under ``torch.inference_mode()`` with its tensors made there.
 Such a capture of ``mm3.SparseAttention`` must hold the same kernels as a
-capture of the bare plugin hooks a step calls (its ``check_contents`` launch and
-its two ops): no torch kernels of mm3's own; its replays must match the fp64 reference with new
-inputs refilled in place; and a bad page id in a replayed step must be reported
-by ``check_page_ids()`` without faulting the GPU.
+capture of the bare plugin hooks a step calls (its two ops, the indexer handed the
+fault word: the plugin judges a step's contents in its index launch, ``judges_contents``):
+no torch kernels of mm3's own; its replays must match the fp64 reference with new
+inputs refilled in place; and a bad page id or position in a replayed step must be
+reported by ``check_page_ids()`` without faulting the GPU.
 
 Run on a CUDA machine (skips elsewhere)::
 
@@ -86,10 +87,9 @@ def test_an_engine_capture_runs_the_plugin_kernels_only(mode: str, shared_pool: 
 
         def hooks_step() -> None:
             rows = buf.rows(0, case.batch.num_tokens)
-            # the bare hooks a step makes: the plugin's one-launch check of the batch's contents, then the ops
-            assert idx.check_contents is not None
-            idx.check_contents(case.batch, case.caches.num_pages, word)
-            idx.invoke(Op.INDEX_TOPK, (case.index_q, case.caches, case.batch, P, rows, None))
+            # the bare hooks a step makes: the ops, the indexer judging the batch's contents into the word
+            assert idx.capabilities.judges_contents
+            idx.invoke(Op.INDEX_TOPK, (case.index_q, case.caches, case.batch, P, rows, word))
             att.invoke(Op.ATTENTION, (case.q, case.caches, rows, case.batch, P, out))
 
         g_hooks = _capture(hooks_step, pool)
@@ -113,3 +113,9 @@ def test_an_engine_capture_runs_the_plugin_kernels_only(mode: str, shared_pool: 
         with pytest.raises(mm3.InputError, match=r"request 0, block 1: batch.block_table\[0, 1\] is not a page id"):
             layer.check_page_ids()
         torch.cuda.synchronize()                                  # the context is still healthy
+        case.batch.block_table.copy_(step2.batch.block_table)
+        case.batch.token_positions[0] -= 1                        # a position its seq_len does not give
+        g_layer.replay()
+        torch.cuda.synchronize()
+        with pytest.raises(mm3.InputError, match=r"token 0 has a position or request that the lengths do not give"):
+            layer.check_page_ids()

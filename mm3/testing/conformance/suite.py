@@ -26,6 +26,7 @@ from mm3.testing.conformance.cases import (
     ATTENTION_STEPS, BODIES, BUFFER_CASES, COMPOSED_STEPS, INDEXER_STEPS, LARGE_STEPS, CaseContext,
     CaseSpec, Step,
 )
+from mm3.testing.conformance.contents_cases import CONTENTS_STEPS, FAULTS, JUDGES, contents_body
 from mm3.testing.conformance.quant_cases import QUANT_CASES
 from mm3.testing.conformance.report import CaseResult, ConformanceReport
 from mm3.testing.conformance.scores import SCORE_STEPS, scores_body
@@ -163,6 +164,17 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
         tail = f"{base_dt}+{idx}" if kind == "composed" else (idx if kind == "indexer" else base_dt)
         add(kind, f"{kind}/{step_name}:{tail}", step, q_dtype_for_index(idx) if kind == "indexer" else base_dt,
             idx, ops)
+
+    # the backend's own judges of a batch's contents: only those it has (most leave the contents to mm3)
+    for judge in JUDGES:
+        if not (be.check_contents is not None if judge == "check_contents" else caps.judges_contents):
+            continue
+        for step_name, step in CONTENTS_STEPS.items():
+            for fault in FAULTS:
+                specs.append(CaseSpec(name=f"contents/{judge}_{step_name}_{fault}:{base_idx}", kind="contents",
+                                      step=step, body=contents_body(judge, fault), ops=frozenset({"index_topk"}),
+                                      dtype=q_dtype_for_index(base_idx), index_dtype=base_idx,
+                                      extra={"judge": judge}, salt=seed))
 
     probe = be.probe(dev)
     planned = []
