@@ -248,14 +248,18 @@ CONTENTS_HOOK = hasattr(import_module("mm3.contract.hookspecs"), "check_contents
 #: the stub reads token slots too, where this checkout has them (SGLang's page_size=1 row)
 ADDRESSINGS: dict[str, Any] = ({"addressings": {"pages", "slots"}} if "addressings" in BackendCapabilities.model_fields
                                else {})
+#: whether this checkout's backends may judge the contents in index_topk (``judges_contents``), as the Triton
+#: plugins then do: the stub with a check_contents hook declares it too
+JUDGES = "judges_contents" in BackendCapabilities.model_fields
 
 
 class StreamStub:
     """A backend whose hooks compute (through cpu_ref) only while :attr:`real`, then return at once.
 
     Declares ``reports_bad_page_ids`` and, where this checkout has the hook, implements
-    ``check_contents`` (returning at once, where a Triton backend makes its one launch), as the
-    production Triton backends do: page ids and contents are its kernels' job. The guarded first
+    ``check_contents`` (returning at once, where a Triton backend makes its one launch) and declares
+    ``judges_contents`` where the checkout has it (its ``index_topk`` judges a batch handed the word),
+    as the production Triton backends do: page ids and contents are its kernels' job. The guarded first
     steps run with ``real`` set, so the guard passes. ``contents_hook=False``: no ``check_contents``,
     so mm3 judges the contents itself (what a backend without the hook gets).
     """
@@ -266,6 +270,7 @@ class StreamStub:
         from mm3_backends.cpu_ref import plugin as cpu_ref
 
         self._ref = cpu_ref
+        self.judges = JUDGES and contents_hook
         #: hook calls so far, by hook name (a test's proof that each step reached the backend)
         self.calls: dict[str, int] = {"index_topk": 0, "attention_forward": 0, "check_contents": 0}
         if not contents_hook:
@@ -282,7 +287,7 @@ class StreamStub:
                                    topk_layout="head_major", max_decode_query_len=8,
                                    kv_cache_dtypes={"bfloat16", "float16", "float32"},
                                    index_cache_dtypes={"bfloat16", "float16", "float32"}, reports_bad_page_ids=True,
-                                   **ADDRESSINGS)
+                                   **ADDRESSINGS, **({"judges_contents": True} if self.judges else {}))
 
     @hookimpl
     def index_topk(self, index_q: torch.Tensor, caches: Any, batch: Any, params: Any, out: Any,
@@ -713,8 +718,8 @@ class SglangPrefillRow(SglangDecodeRow):
 
 
 class StubHooksRow(LayerRow):
-    """The stub's hooks alone, called as a layer's step calls them (``check_contents``, ``index_topk``,
-    ``attention``) on the step's batch: what a layer row costs besides mm3's own work, so the layer's row
+    """The stub's hooks alone, called as a layer's step calls them (``check_contents`` unless the stub
+    judges in ``index_topk``, ``index_topk``, ``attention``) on the step's batch: what a layer row costs besides mm3's own work, so the layer's row
     less this one is mm3's host time over the hooks."""
 
     def __init__(self, setup: Setup) -> None:
@@ -734,7 +739,12 @@ class StubHooksRow(LayerRow):
             check(b, num_pages, word)
             index(iq, caches, b, p, rows, word)
             attend(q, caches, rows, b, p, out)
-        return hooks if not stub.real else (lambda: self.layer(q, iq, caches, b, out))
+
+        def judging_hooks() -> None:   # judges_contents: the index hook judges, handed the word
+            index(iq, caches, b, p, rows, word)
+            attend(q, caches, rows, b, p, out)
+        return (judging_hooks if stub.judges else hooks) if not stub.real else \
+            (lambda: self.layer(q, iq, caches, b, out))
 
 #: the rows by name, each made fresh for a run (raising :class:`Unavailable` or ImportError where this
 #: checkout lacks the entry point)
