@@ -276,8 +276,8 @@ def test_suite_catches_a_judge_that_misses_faults() -> None:
     report = run_conformance(be, **SUBSET)  # type: ignore[arg-type]
     contents = {r.name.split("/")[1].split(":")[0]: r for r in report.results if r.kind == "contents"}
     failed = sorted(n for n, r in contents.items() if r.status == "fail")
-    assert failed == [f"index_topk_{step}_{fault}" for step in ("decodes", "mixed") for fault in ("page_id",
-                                                                                                "position")]
+    assert failed == [f"index_topk_{step}_{fault}" for step in ("decodes", "decodes_slots", "mixed")
+                      for fault in ("page_id", "position")]
     assert "found no fault where mm3's reference finds" in contents["index_topk_mixed_position"].message
     assert {contents[f"index_topk_{s}_fine"].status for s in ("decodes", "mixed")} == {"pass"}
     assert not any(n.startswith("check_contents") for n in contents), sorted(contents)

@@ -28,7 +28,7 @@ from mm3 import BatchMetadata, InputError
 from mm3.contract.contents import FaultFlag, check_on_host
 from mm3.contract.facts import LAYER_NAMES
 from mm3.runtime.registry import default_registry
-from mm3.testing.factories import make_case
+from mm3.testing.factories import Case, make_case
 
 #: pages in the cache the batches below index
 PAGES = 12
@@ -239,9 +239,7 @@ def test_lengths_edited_in_place_on_the_same_batch_object_are_judged_again(
         backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine rewrites seq_lens in place and calls again with the same batch object (no refill call): the
     next step judges what the tensors hold now, on the device, whatever judged them before. cpu_ref judges
-    with mm3's torch operations, the cuda plugin (interpreter) with its own launch."""
-    import os
-
+    with mm3's torch operations, the cuda plugin (interpreter) in its indexer's launches."""
     if backend == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton plugins on CPU tensors need the interpreter")
     monkeypatch.setattr(step_mod, "on_host", lambda batch: False)
@@ -276,7 +274,7 @@ def test_a_bound_backends_own_calls_report_device_faults_at_check_page_ids(monke
 # -- the Triton indexer's own judge: a step of decodes is judged in its score launch ------------------------
 
 #: three decodes of one token each (a step of decodes alone: the Triton indexer judges it in its score launch)
-DECODES = dict(qsl=(0, 1, 2, 3), sl=(40, 20, 35), T=3, nd=3, mq=1)
+DECODES = dict(qsl=(0, 1, 2, 3), sl=(40, 20, 35), T=3)
 
 
 def _decodes(qsl: tuple[int, ...] = DECODES["qsl"], sl: tuple[int, ...] = DECODES["sl"], T: int = DECODES["T"],
@@ -308,25 +306,65 @@ DECODE_STEPS = {
     "fine: plain": lambda d: _decodes(device=d),
     "fine: a padding decode": lambda d: _decodes(device=d, sl=(40, 0, 35)),
     "fine: a padding decode of no token": lambda d: _decodes(device=d, qsl=(0, 0, 1, 2), T=2, ndt=2),
+    # a step without tokens: no kernel scores anything, its contents are judged all the same
+    "page ids in a step without tokens": lambda d: _decodes(device=d, qsl=(0, 0, 0, 0), T=0, ndt=0,
+                                                            edit=lambda b: b.block_table.__setitem__((2, 0), PAGES)),
+    "fine: a step without tokens": lambda d: _decodes(device=d, qsl=(0, 0, 0, 0), T=0, ndt=0),
 }
 
 
-def _words(batch: BatchMetadata, plugin: str) -> tuple[int, int]:
+def _slot_decodes(device: str, edit: Optional[Callable[[Case], None]] = None) -> Case:
+    """Three decodes through token slots (SGLang's page_size=1): a slot table row per request."""
+    from mm3.testing.factories import as_token_slots
+
+    case = as_token_slots(make_case(P, decodes=[70, 40, 33], dtype="bfloat16", seed=8, device=device),
+                          torch.Generator().manual_seed(8))
+    if edit is not None:
+        edit(case)
+    return case
+
+
+def _slot(case: Case, request: int, column: int, value: int) -> None:
+    slots = case.batch.slots
+    assert slots is not None
+    slots.table[int(slots.rows[request]), column] = value
+
+
+SLOT_STEPS = {
+    "fine": lambda d: _slot_decodes(d),
+    "a slot past the cache": lambda d: _slot_decodes(d, lambda c: _slot(c, 1, 5, c.caches.num_pages)),
+    "9 seq_len past the slot table's width": lambda d: _slot_decodes(d, _past_the_width),
+}
+
+
+def _past_the_width(case: Case) -> None:
+    """Request 0's row filled with good slots to the table's last column, its seq_len one past it: rule 9 (a
+    slot table's block is one position) and no bad slot."""
+    slots = case.batch.slots
+    assert slots is not None
+    slots.table[int(slots.rows[0]), int(case.batch.seq_lens[0]):] = 0
+    case.batch.seq_lens[0] = slots.width + 1
+
+
+def _words(batch: BatchMetadata, plugin: str, case: Optional[Case] = None) -> tuple[int, int]:
     """The fault word of ``batch`` from the plugin's check_contents hook, and from its index_topk hook handed
-    the word (``judges_contents``), each on a word of its own."""
+    the word (``judges_contents``), each on a word of its own; on ``case``'s caches and queries, else random
+    ones of ``PAGES`` pages."""
     from mm3.contract.contents import NO_FAULT
 
     be = default_registry().get(plugin)
     assert be.capabilities.judges_contents and be.check_contents is not None
     g = torch.Generator().manual_seed(3)
     dev = batch.block_table.device
-    caches = mm3.PagedKVCache(*(torch.randn(*shape, generator=g).bfloat16().to(dev) for shape in (
-        (PAGES, 16, P.num_kv_heads, P.head_dim), (PAGES, 16, P.num_kv_heads, P.head_dim),
-        (PAGES, 16, P.index_head_dim))))
-    index_q = torch.randn(batch.num_tokens, P.num_index_heads, P.index_head_dim, generator=g).bfloat16().to(dev)
+    caches = case.caches if case is not None else mm3.PagedKVCache(*(
+        torch.randn(*shape, generator=g).bfloat16().to(dev) for shape in (
+            (PAGES, 16, P.num_kv_heads, P.head_dim), (PAGES, 16, P.num_kv_heads, P.head_dim),
+            (PAGES, 16, P.index_head_dim))))
+    index_q = case.index_q if case is not None else \
+        torch.randn(batch.num_tokens, P.num_index_heads, P.index_head_dim, generator=g).bfloat16().to(dev)
     rows = mm3.TopkBuffer.allocate(batch.num_tokens, P.num_kv_heads, P.topk, be.capabilities.topk_layout, dev)
     by_hook, by_index = (torch.full((1,), NO_FAULT, dtype=torch.int64, device=dev) for _ in range(2))
-    be.check_contents(batch, PAGES, by_hook)
+    be.check_contents(batch, caches.num_pages, by_hook)
     be.calls["index_topk"](index_q, caches, batch, P, rows, by_index)
     return int(by_hook), int(by_index)
 
@@ -350,7 +388,6 @@ def test_the_indexer_judges_a_step_of_decodes_as_the_check_contents_hook_does(na
         assert (by_index == NO_FAULT) == (by_hook == NO_FAULT), (name, hex(by_index), hex(by_hook))
         return
     assert by_index == by_hook, f"{name}: the indexer found {by_index:#x}, the check_contents hook {by_hook:#x}"
-
 
 
 @pytest.mark.parametrize("step", ["decodes", "mixed", "prefills"])
@@ -386,8 +423,6 @@ def test_a_step_of_decodes_edited_in_place_is_judged_by_the_indexer_alone(monkey
     """The cuda plugin declares ``judges_contents``: on a device batch (CPU tensors stand in) the layer makes no
     ``check_contents`` call after its first step, and a position edited in place still raises, found by the
     indexer's score launch."""
-    import os
-
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton plugins on CPU tensors need the interpreter")
     monkeypatch.setattr(step_mod, "on_host", lambda batch: False)
@@ -410,3 +445,62 @@ def test_a_step_of_decodes_edited_in_place_is_judged_by_the_indexer_alone(monkey
                                          r"found on the device"):
         layer.check_page_ids()
     assert not calls, "the layer called check_contents although its indexer judges the contents"
+
+
+@pytest.mark.parametrize("name", sorted(SLOT_STEPS))
+def test_the_indexer_judges_a_step_of_decodes_through_token_slots(name: str) -> None:
+    """Token slots: the judge's block is one position (its table has a column per position)."""
+    from mm3.contract.contents import NO_FAULT
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton plugins on CPU tensors need the interpreter")
+    case = SLOT_STEPS[name]("cpu")
+    by_hook, by_index = _words(case.batch, "cuda", case)
+    assert (by_hook == NO_FAULT) == (name == "fine"), (name, hex(by_hook))
+    assert by_index == by_hook, f"{name}: the indexer found {by_index:#x}, the check_contents hook {by_hook:#x}"
+
+
+def test_the_attention_called_alone_still_judges_the_contents(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention op alone (a custom op's or the vLLM drop-in's second call) has no word to hand an indexer:
+    the boundary judges its batch with the plugin's check_contents, so a position edited in place raises."""
+    from mm3.contract.hookspecs import Op
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton plugins on CPU tensors need the interpreter")
+    monkeypatch.setattr(step_mod, "on_host", lambda batch: False)
+    case = make_case(P, decodes=[70, 40, 33], prefills=[], dtype="bfloat16", seed=17)
+    b = case.batch
+    batch = BatchMetadata.from_device(b.query_start_loc.clone(), b.seq_lens.clone(), b.block_table.clone(),
+                                      num_decodes=3, num_tokens=3, max_query_len=1, block_size=16)
+    layer = mm3.SparseAttention(P, dtype=torch.bfloat16, max_num_tokens=8, backend="cuda")
+    out = torch.empty_like(case.q)
+    layer(case.q, case.index_q, case.caches, batch, out=out)       # the first step: on the host
+    target, rows = layer.op_target, layer.topk_buffer.rows(0, 3)
+    target.run("attention alone", (Op.ATTENTION,), case.caches, batch, rows, q=case.q, out=out)
+    layer.check_page_ids()
+    batch.token_positions[2] = 5                                     # request 2 is at 32
+    target.run("attention alone", (Op.ATTENTION,), case.caches, batch, rows, q=case.q, out=out)
+    with pytest.raises(InputError, match=r"token 2 has a position or request that the lengths do not give.*"
+                                         r"found on the device"):
+        layer.check_page_ids()
+
+
+def test_a_bound_backends_own_index_topk_judges_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bound backend's own ``index_topk`` with no word of the caller's hands the hook its flag's word, so a
+    judging indexer judges the step alone (no check_contents launch besides); given the caller's word, the
+    boundary judges into the backend's flag and the hook into the caller's word (launches recorded)."""
+    from mm3_backends.triton import fast_launch
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton plugins on CPU tensors need the interpreter")
+    monkeypatch.setattr(step_mod, "on_host", lambda batch: False)
+    be = default_registry().get("cuda")
+    case = make_case(P, decodes=[70, 40], prefills=[], dtype="bfloat16", seed=19)
+    rows = mm3.TopkBuffer.allocate(2, P.num_kv_heads, P.topk, be.capabilities.topk_layout)
+    with fast_launch.recording():
+        be.index_topk(case.index_q, case.caches, case.batch, P, rows)        # a first call: on the host
+    for word in (None, torch.zeros(1, dtype=torch.int64)):
+        with fast_launch.recording() as launches:
+            be.index_topk(case.index_q, case.caches, case.batch, P, rows, word)
+        names = [r.name for r in launches if r.name == "_contents_kernel" or r.constexprs.get("JUDGE")]
+        assert names == (["_decode_score_kernel"] if word is None else ["_contents_kernel", "_decode_score_kernel"])

@@ -26,7 +26,7 @@ pytestmark = [
 ]
 
 
-ALL_KINDS = ("indexer", "attention", "buffer", "composed", "scores")
+ALL_KINDS = ("indexer", "attention", "buffer", "composed", "scores", "contents")
 # (plugin, attention dtype, index cache dtype, case kinds): between them every attention dtype and
 # every index cache dtype but fp32, in both top-k layouts (cuda writes token-major, rocm head-major).
 # Each run is the quick plan of one dtype pair: every step of its kinds. The bf16 runs take the kinds
@@ -69,11 +69,11 @@ def test_every_case_of_the_authors_formats_runs_on_both_plugins() -> None:
 
 
 def _default_run(case: str) -> bool:
-    """The cases the default run keeps: every indexer case and the composed mixed step (both kernels of a
-    plugin in one step) outside bf16. The rest — the attention and buffer cases, the other composed steps — are the
-    interpreter's slowest minutes and run with ``-m slow`` (CI runs both)."""
+    """The cases the default run keeps: every indexer and contents case and the composed mixed step (both
+    kernels of a plugin in one step) outside bf16. The rest — the attention and buffer cases, the other composed
+    steps — are the interpreter's slowest minutes and run with ``-m slow`` (CI runs both)."""
     kind = case.split("/")[0]
-    return kind == "indexer" or (case.startswith("composed/mixed") and "bfloat16" not in case)
+    return kind in ("indexer", "contents") or (case.startswith("composed/mixed") and "bfloat16" not in case)
 
 
 @pytest.mark.parametrize("backend,dtype,index_dtype,case",

@@ -13,7 +13,8 @@ stride. ``mm3.contract.slots.key_rows`` is the torch statement of the same addre
 
 Every slot is clamped into the cache (a bad entry reads a real row, whose values are wrong but
 whose address is valid, as :func:`.tl_utils.load_page` does for pages); a bad slot is reported
-by the plugin's ``check_contents`` (:mod:`.contents`), which reads every used entry.
+by the plugin's judge of the contents (:mod:`.contents`: its ``check_contents``, or its indexer
+handed the fault word), which reads every used entry.
 """
 
 from __future__ import annotations

@@ -87,7 +87,8 @@ def _block_page(bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr, r, b, st_ptr, s_s
                 sr_ptr, B: tl.constexpr, SLOTS: tl.constexpr):
     """``(page, slot_blk, cols_left)`` of block ``b`` of request ``r``: its page (read and reported,
     :func:`.tl_utils.load_reported_page`) for pages; page 0 and where its slots are
-    (:func:`.addressing.slot_block`) for token slots, whose entries ``check_contents`` reports."""
+    (:func:`.addressing.slot_block`) for token slots, whose entries the judge of the contents reports
+    (:mod:`.contents`)."""
     if SLOTS:
         slot_blk, cols_left = slot_block(st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr, r, b, B)
         return 0, slot_blk, cols_left

@@ -32,10 +32,10 @@ from .fast_launch import launch
 from .launch import LaunchConfig
 from .tl_utils import launch_options, step_kernel
 
-__all__ = ["check_contents", "judge_request", "judge_args", "JudgeArgs", "TILE"]
+__all__ = ["check_contents", "judge_request", "judge_args", "judge_block", "unjudged_args", "JudgeArgs", "TILE"]
 
 #: tokens and block-table columns a program reads at a time
-TILE = _TILE = 64
+TILE = 64
 # a kernel reads only constexpr globals
 _LENGTHS: tl.constexpr = tl.constexpr(1 << 62)        # mm3.contract.contents.LENGTHS
 _NO_FAULT: tl.constexpr = tl.constexpr(2 ** 63 - 1)   # mm3.contract.contents.NO_FAULT
@@ -132,12 +132,18 @@ def judge_request(r, qsl_ptr, sl_ptr, ctx_ptr, bt_ptr, s_bt_r, s_bt_b, t2r_ptr, 
 
 class JudgeArgs(NamedTuple):
     """What :func:`judge_request` reads besides the request, for a kernel that judges a batch as it works:
-    ``args`` (runtime arguments, after the request), ``block`` (its ``B``: the block size, or 1 for token
-    slots) and ``has_ctx`` (its ``HAS_CTX``: the batch has context lengths of its own)."""
+    ``args`` (runtime arguments, after the request), ``has_ctx`` (its ``HAS_CTX``: the batch has context
+    lengths of its own) and ``slots`` (its ``SLOTS``: token slots; its ``B`` is :func:`judge_block`'s)."""
 
     args: tuple[Any, ...]
-    block: int
     has_ctx: bool
+    slots: bool
+
+
+def judge_block(block_size: int, slots: bool) -> int:
+    """:func:`judge_request`'s ``B``: the block size, or 1 for token slots (a column per position,
+    docs/spec.md §2.1)."""
+    return 1 if slots else block_size
 
 
 def judge_args(batch: BatchMetadata, num_pages: int, word: torch.Tensor) -> JudgeArgs:
@@ -145,14 +151,19 @@ def judge_args(batch: BatchMetadata, num_pages: int, word: torch.Tensor) -> Judg
     bt = batch.block_table
     R, M = bt.shape
     slots, on_slots = slot_args(batch, bt)
-    B = batch.block_size
-    if on_slots:    # a column per position (docs/spec.md §2.1)
-        M, B = slots.width, 1
+    if on_slots:
+        M = slots.width
     ctx = batch.__dict__.get("context_lens")    # only the batch's own: derived ones are right by construction
     return JudgeArgs((batch.query_start_loc, batch.seq_lens, batch.seq_lens if ctx is None else ctx, bt, *bt.stride(),
                       batch.token_to_request, batch.token_positions, word, R, batch.num_tokens, batch.num_decodes,
                       batch.decode_query_len, batch.num_decode_tokens, batch.max_prefill_query_len, M, num_pages,
-                      slots.table, slots.s_row, slots.s_col, slots.num_rows, slots.rows), B, ctx is not None)
+                      slots.table, slots.s_row, slots.s_col, slots.num_rows, slots.rows), ctx is not None, on_slots)
+
+
+def unjudged_args(i32: torch.Tensor, word: torch.Tensor) -> tuple[Any, ...]:
+    """Arguments in :func:`judge_args`' places for a launch that does not judge (never read; ``i32`` an int32
+    tensor of the step): no host work per launch beyond the tuple."""
+    return (i32, i32, i32, i32, 0, 0, i32, i32, word, 0, 0, 0, 0, 0, 0, 0, 0, i32, 0, 0, 0, i32)
 
 
 def check_contents(batch: BatchMetadata, num_pages: int, word: torch.Tensor, cfg: LaunchConfig) -> None:
@@ -164,5 +175,6 @@ def check_contents(batch: BatchMetadata, num_pages: int, word: torch.Tensor, cfg
         return
     j = judge_args(batch, num_pages, word)
     launch(_contents_kernel, (R,), j.args,
-           dict(B=j.block, HAS_CTX=j.has_ctx, TILE=_TILE, **({"SLOTS": True} if batch.slots is not None else {})),
+           dict(B=judge_block(batch.block_size, j.slots), HAS_CTX=j.has_ctx, TILE=TILE,
+                **({"SLOTS": True} if j.slots else {})),
            dict(num_warps=1, **launch_options(cfg)), cfg.algorithms.fast_launch)

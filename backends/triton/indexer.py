@@ -50,7 +50,7 @@ from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .addressing import block_columns, slot_args
 from .block_max import _block_max_scores, _block_page
-from .contents import check_contents, judge_args, judge_request
+from .contents import check_contents, judge_args, judge_request, unjudged_args
 from .nvfp4 import index_block_scale_args
 from .plans import decode_index_plan
 from .tiles import load_query_rows, token_rows
@@ -366,8 +366,9 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     nd = batch.num_decodes
     decodes = nd > 0 and batch.num_decode_tokens > 0
     # the score launch judges a batch of decodes alone: it has a program for each of its requests
+    judge = judge and page_faults is not None
     judged = judge and decodes and nd == batch.block_table.shape[0]
-    if judge and not judged and page_faults is not None:
+    if judge and not judged:
         check_contents(batch, caches.num_pages, page_faults, cfg)
     if decodes:
         width = block_columns(batch)
@@ -385,13 +386,16 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         qsl, pos = batch.query_start_loc, batch.token_positions
         if not streamed and plan.topk_last:
             counters = arrival_counters(dev, nd, "topk")
-        j = judge_args(batch, caches.num_pages, faults)
-        score_constexprs = plan.score_constexprs_judged[counters is not None, j.has_ctx] if judged else \
-            plan.score_constexprs if counters is not None else plan.score_constexprs_topk_launched
+        if judged:
+            j = judge_args(batch, caches.num_pages, faults)
+            judge_in, score_constexprs = j.args, plan.score_constexprs_judged[counters is not None, j.has_ctx]
+        else:
+            judge_in = unjudged_args(qsl, faults)
+            score_constexprs = plan.score_constexprs if counters is not None else plan.score_constexprs_topk_launched
         launch(_decode_score_kernel, plan.score_grid,
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults, qsl, pos, ws,
                 ws.stride(0), ws.stride(1), H, out.storage, sh, st, sk, ws if counters is None else counters,
-                ws if ready is None else ready, *iscale, *slots, *j.args),
+                ws if ready is None else ready, *iscale, *slots, *judge_in),
                score_constexprs, plan.score_options, fast)
         offer_ready_flags(dev, out.storage, nd, ready if streamed else None)
         if counters is None:   # no top-k in the score kernel: a launch of its own

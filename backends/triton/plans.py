@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .contents import TILE as JUDGE_TILE
+from .contents import TILE as JUDGE_TILE, judge_block
 from .launch import LaunchConfig, next_pow2
 from .tl_utils import decode_launch_options, dot_config, pdl_available, pdl_enabled
 
@@ -192,7 +192,7 @@ def decode_index_plan(cfg: LaunchConfig, nd: int, Q: int, H: int, Hkv: int, num_
         fused = dict(score, TOPK_LAST=True) if topk_last else score
         if streamed:
             fused.update(STREAM=True, TRIGGER=pdl_available())
-        judge = dict(JUDGE=True, J_B=1 if slots else B, J_TILE=JUDGE_TILE)
+        judge = dict(JUDGE=True, J_B=judge_block(B, slots), J_TILE=JUDGE_TILE)
         return DecodeIndexPlan(
             (splits, nd) if streamed else (nd, splits), fused,
             dict(num_warps=dic.warps, num_stages=dic.num_stages, **dopts),

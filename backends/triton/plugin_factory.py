@@ -226,10 +226,13 @@ def make_hookimpls(platform: TritonPlatform) -> TritonHooks:
                    page_faults: Optional[torch.Tensor] = None) -> None:
         # mm3 admitted the call: the arguments, the declared limits (index_q's dtype too) and this
         # plugin's probe on the tensors' device (CPU tensors only under the interpreter)
-        indexer, _, _, _ = _kernel_modules()
-        if batch.num_tokens:   # it judges the contents where it is handed the word (judges_contents)
+        indexer, _, _, contents = _kernel_modules()
+        # it judges the contents where it is handed the word (judges_contents), a step without tokens too
+        if batch.num_tokens:
             indexer.index_topk(index_q, caches, batch, params, out, platform.launch_config(caches.device),
-                               page_faults, judge=page_faults is not None)
+                               page_faults, judge=True)
+        elif page_faults is not None:
+            contents.check_contents(batch, caches.num_pages, page_faults, platform.launch_config(caches.device))
 
     @hookimpl
     def attention_forward(q: torch.Tensor, caches: "PagedKVCache", topk: TopkBuffer, batch: "BatchMetadata",

@@ -217,8 +217,9 @@ class Backend:
         target = self._target(params, x.device)
         graph = capturing(x)
         tensors = dict(q=x, out=out) if op is Op.ATTENTION else dict(index_q=x, out=out)
+        # with no word of the caller's, the hook gets the target's: a judging index hook judges into it
         plan, faults = target.admit_call(where, (op,), caches=caches, batch=batch, topk=topk, graph=graph,
-                                         **tensors)  # type: ignore[arg-type]
+                                         hands_word=page_faults is None, **tensors)  # type: ignore[arg-type]
         if plan.convert_to or plan.index_via:
             raise InputError(f"{where}: needs a dense {self.capabilities.topk_layout} top-k buffer (it declares "
                              f"topk_requires_contiguous), got {topk!r}; convert it first: "
@@ -244,7 +245,8 @@ class Backend:
         (:mod:`mm3.runtime.step`), then the plugin's hook.
 
         ``page_faults`` reaches a backend that declares ``reports_bad_page_ids`` (default: the word of this
-        backend's own fault flag, raised at its next call).
+        backend's own fault flag, raised at its next call); one that declares ``judges_contents`` lowers it
+        for the batch's contents too (given no word, this call then judges them there alone).
         """
         self._run(Op.INDEX_TOPK, caches, batch, params, out, index_q, None, page_faults)
 

@@ -23,7 +23,8 @@ method — reaches a plugin's hook through :meth:`OpTarget.run`:
      ``Settings.check_contents_with_sync``): on the host, one synchronisation;
    * otherwise on the device, every call, into the target's :class:`~mm3.contract.contents.FaultFlag`:
      by the index op's hook itself, handed the word, where its backend declares ``judges_contents``
-     (the Triton plugins: in their score launch); else by the reading backend's ``check_contents``
+     (the Triton plugins: a step of decodes in their score launch, any other in one launch of its own);
+     else by the reading backend's ``check_contents``
      hook (one launch) where it has one, else by :meth:`~mm3.contract.contents.FaultFlag.record` (torch
      operations; page ids left to the kernels of a backend that reports them,
      ``reports_bad_page_ids``). Nothing is remembered
@@ -288,12 +289,15 @@ class OpTarget:
     def admit_call(self, entry: str, ops: tuple[str, ...], *, caches: PagedKVCache, batch: BatchMetadata,
                    topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
                    q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, graph: bool = False,
-                   names: ArgNames = LAYER_NAMES, order: Optional[str] = None) -> tuple[Plan, Optional[torch.Tensor]]:
+                   names: ArgNames = LAYER_NAMES, order: Optional[str] = None,
+                   hands_word: bool = False) -> tuple[Plan, Optional[torch.Tensor]]:
         """Admit a call on this target and judge its contents, as :meth:`run` does before the hooks:
         ``(plan, page_faults)``. A caller that does an op's work itself (``index_scores`` where no
-        bound backend provides it) calls this, then works."""
+        bound backend provides it) calls this, then works. ``hands_word``: the caller hands the index
+        hook the ``page_faults`` returned, so a backend that ``judges_contents`` judges them there (no
+        ``check_contents`` call now)."""
         return self.run(entry, ops, caches, batch, topk, index_q, q, out, graph=graph, names=names, order=order,
-                        hooks=False)
+                        hooks=False, hands_word=hands_word)
 
     # -- the step -------------------------------------------------------------------------------
     @staticmethod
@@ -305,12 +309,13 @@ class OpTarget:
             topk: Optional[TopkBuffer] = None, index_q: Optional[torch.Tensor] = None,
             q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, *, graph: Optional[bool] = None,
             names: ArgNames = LAYER_NAMES, order: Optional[str] = None,
-            hooks: bool = True) -> tuple[Plan, Optional[torch.Tensor]]:
+            hooks: bool = True, hands_word: bool = False) -> tuple[Plan, Optional[torch.Tensor]]:
         """Admit the call, judge its contents, run its hooks (``ops``: both, or one) on rows ``[0, T)``;
         returns ``(plan, page_faults)`` (the word passed a reporting index op, else ``None``).
 
         ``index_scores`` (alone): ``out`` is the caller's ``[H, >= T, N]`` scores, of which rows ``[0, T)``
-        are written; its backend must exist (:attr:`scorer`). ``graph``: the call is being captured in a
+        are written; its backend must exist (:attr:`scorer`). ``hands_word``: see :meth:`admit_call`.
+        ``graph``: the call is being captured in a
         CUDA graph (``None``: :meth:`capturing` of the queries says). ``order``: the order the entry point
         needs of the rows its index op writes and promises of the rows it hands an attention
         (``"ascending"``, or ``None``: any); the plan says what to sort. ``hooks=False``: admit and judge
@@ -364,7 +369,7 @@ class OpTarget:
         flag.context = (entry, names, num_pages, bs)   # no tensor kept past the step
         if host or (not graph and (self._first or self.sync_contents)):
             self._contents_on_host(entry, caches, batch, graph, names, num_pages)
-        elif judged and hooks:
+        elif judged and (hooks or hands_word):
             pass    # the index op's hook judges them into the word it is handed, in its own launches
         elif checker is not None:      # what the tensors hold now, every call: an engine edits them in place
             try:

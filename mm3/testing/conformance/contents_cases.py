@@ -14,7 +14,7 @@ Example (the cuda plugin judges in both places; cpu_ref in neither):
     >>> from mm3.testing.conformance import plan_cases
     >>> cases = [c for c in plan_cases("cuda") if c.spec.kind == "contents"]
     >>> len(cases), cases[0].name
-    (12, 'contents/check_contents_decodes_fine:bfloat16')
+    (18, 'contents/check_contents_decodes_fine:bfloat16')
     >>> [c for c in plan_cases("cpu_ref") if c.spec.kind == "contents"]
     []
 """
@@ -37,8 +37,10 @@ __all__ = ["CONTENTS_STEPS", "FAULTS", "JUDGES", "contents_body"]
 CONTENTS_STEPS: dict[str, Step] = {
     "decodes": Step(H=2, decodes=(77, 16, 200)),   # a step of decodes alone (a score program per request)
     "mixed": MIXED_H1,
+    # token slots (a backend declaring addressings "slots"): the table has a column per position
+    "decodes_slots": Step(H=2, decodes=(77, 16, 200), addressing="slots"),
 }
-"""The steps each judge sees: decodes alone, and decodes with prefills."""
+"""The steps each judge sees: decodes alone, decodes with prefills, decodes through token slots."""
 
 
 def _position(case: Case) -> None:
@@ -47,8 +49,12 @@ def _position(case: Case) -> None:
 
 
 def _page_id(case: Case) -> None:
-    """Request 0's first block-table entry past the cache: a used entry that is not a page id."""
-    case.batch.block_table[0, 0] = case.caches.num_pages
+    """Request 0's first block-table entry (or slot) past the cache: a used entry that is not a page id."""
+    slots = case.batch.slots
+    if slots is None:
+        case.batch.block_table[0, 0] = case.caches.num_pages
+    else:
+        slots.table[int(slots.rows[0]), 0] = case.caches.num_pages
 
 
 FAULTS: dict[str, Callable[[Case], None]] = {"fine": lambda case: None, "position": _position, "page_id": _page_id}
