@@ -24,12 +24,11 @@ method — reaches a plugin's hook through :meth:`OpTarget.run`:
    * otherwise on the device, every call, into the target's :class:`~mm3.contract.contents.FaultFlag`:
      by the index op's hook itself, handed the word, where its backend declares ``judges_contents``
      (the Triton plugins: a step of decodes in their score launch, any other in one launch of its own);
-     else by the reading backend's ``check_contents``
-     hook (one launch) where it has one, else by :meth:`~mm3.contract.contents.FaultFlag.record` (torch
-     operations; page ids left to the kernels of a backend that reports them,
-     ``reports_bad_page_ids``). Nothing is remembered
-     about a batch object: an engine edits its tensors in place. A fault raises at the target's next
-     eager step, or at ``check_page_ids()``.
+     else by the reading backend's ``check_contents`` hook (one launch) where it has one; else by
+     :meth:`~mm3.contract.contents.FaultFlag.record` (torch operations; page ids left to the kernels
+     of a backend that reports them, ``reports_bad_page_ids``). Nothing is remembered about a batch
+     object: an engine edits its tensors in place. A fault raises at the target's next eager step,
+     or at ``check_page_ids()``.
 4. **The hooks**, through the contract guard (:mod:`mm3.debug.guard`) where
    ``Settings.check_contracts`` says: ``"first"`` guards the first eager call of
    each op and batch kind, ``"always"`` every eager call, ``"never"`` none; a
