@@ -279,11 +279,12 @@ DECODES = dict(qsl=(0, 1, 2, 3), sl=(40, 20, 35), T=3)
 
 def _decodes(qsl: tuple[int, ...] = DECODES["qsl"], sl: tuple[int, ...] = DECODES["sl"], T: int = DECODES["T"],
              ndt: Optional[int] = None, ctx: Optional[tuple[int, ...]] = None,
-             edit: Optional[Callable[[BatchMetadata], None]] = None, device: str = "cpu") -> BatchMetadata:
+             edit: Optional[Callable[[BatchMetadata], None]] = None, device: str = "cpu", dql: int = 1
+             ) -> BatchMetadata:
     b = BatchMetadata.from_device(_i32(qsl).to(device), _i32(sl).to(device),
                                   torch.tensor(TABLE[:3], dtype=torch.int32, device=device), num_decodes=3,
-                                  num_tokens=T, max_query_len=1, block_size=16, num_decode_tokens=ndt,
-                                  context_lens=None if ctx is None else _i32(ctx).to(device))
+                                  num_tokens=T, max_query_len=dql, block_size=16, num_decode_tokens=ndt,
+                                  context_lens=None if ctx is None else _i32(ctx).to(device), decode_query_len=dql)
     if edit is not None:
         edit(b)
     return b
@@ -293,9 +294,13 @@ def _decodes(qsl: tuple[int, ...] = DECODES["qsl"], sl: tuple[int, ...] = DECODE
 # in it, the indexer must find in the same words
 DECODE_STEPS = {
     "1 query starts at 0": lambda d: _decodes(device=d, qsl=(1, 1, 2, 3)),
+    "2 query starts never decrease": lambda d: _decodes(device=d, qsl=(0, 2, 1, 3)),
     "3 query starts end at the step's tokens": lambda d: _decodes(device=d, qsl=(0, 1, 2, 2)),
     "4 a decode holds decode_query_len tokens or none": lambda d: _decodes(device=d, qsl=(0, 2, 3, 3)),
     "5 the decodes hold num_decode_tokens": lambda d: _decodes(device=d, ndt=2),
+    "6 seq_len at least the query length (a draft token each)": lambda d: _decodes(
+        device=d, qsl=(0, 2, 4, 6), sl=(40, 1, 35), T=6, dql=2),
+    "fine: a draft token each": lambda d: _decodes(device=d, qsl=(0, 2, 4, 6), sl=(40, 20, 35), T=6, dql=2),
     "9 the blocks fit the table": lambda d: _decodes(device=d, sl=(49, 20, 35)),
     "10 positions are the lengths'": lambda d: _decodes(device=d, edit=lambda b: b.token_positions.__setitem__(1, 33)),
     "10 requests are the lengths'": lambda d: _decodes(device=d, edit=lambda b: b.token_to_request.__setitem__(2, 0)),
