@@ -719,8 +719,8 @@ class SglangPrefillRow(SglangDecodeRow):
 
 class StubHooksRow(LayerRow):
     """The stub's hooks alone, called as a layer's step calls them (``check_contents`` unless the stub
-    judges in ``index_topk``, ``index_topk``, ``attention``) on the step's batch: what a layer row costs besides mm3's own work, so the layer's row
-    less this one is mm3's host time over the hooks."""
+    judges in ``index_topk``, ``index_topk``, ``attention``) on the step's batch: what a layer row costs
+    besides mm3's own work, so the layer's row less this one is mm3's host time over the hooks."""
 
     def __init__(self, setup: Setup) -> None:
         if setup.backend_name != "stub" or not CONTENTS_HOOK:

@@ -165,7 +165,8 @@ def record_launches(plugin_spec: Any, label: str) -> list[Launch]:
             decodes = BatchMetadata.from_device(b.query_start_loc[:nd + 1], b.seq_lens[:nd], b.block_table[:nd],
                                                 num_decodes=nd, num_tokens=b.num_decode_tokens, max_query_len=dq,
                                                 block_size=p.block_size, decode_query_len=dq,
-                                                slots=None if b.slots is None else TokenSlots.of(b.slots.table, b.slots.rows[:nd]))
+                                                slots=None if b.slots is None else
+                                                TokenSlots.of(b.slots.table, b.slots.rows[:nd]))
             indexer.index_topk(case.index_q, case.caches, decodes, p, topk.rows(0, decodes.num_tokens), cfg,
                                torch.zeros(1, dtype=torch.int64), judge=True)
             attention.attention_forward(case.q, case.caches, topk, case.batch, p,

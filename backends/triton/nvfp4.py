@@ -54,9 +54,10 @@ def load_nvfp4_rows(byte_rows, scale_rows, s_byte, s_scale, D: tl.constexpr, DTY
     reshape. ``SCALE_PER_ELEMENT`` says how the scales reach their sixteen elements: False, the
     ``D/16`` scales load once and spread the same way; True, each element loads its own scale (the
     repeats hit the cache). Which is faster depends on the dot the tile feeds, so each caller picks the
-    faster for its own (BENCHMARKS.md, "The NVFP4 tile", has both timed in every kernel). Never ``tl.interleave`` (a join of the two nibbles): compiled for sm_90 it gave
-    the attention kernels wrong tiles at every head dim, though right under the interpreter; the GPU
-    conformance suite's NVFP4 cases hold this.
+    faster for its own (BENCHMARKS.md, "The NVFP4 tile", has both timed in every kernel). Never
+    ``tl.interleave`` (a join of the two nibbles): compiled for sm_90 it gave the attention kernels
+    wrong tiles at every head dim, though right under the interpreter; the GPU conformance suite's
+    NVFP4 cases hold this.
     """
     offs = tl.arange(0, D)
     byte_at = byte_rows[:, None] + tl.arange(0, D // 2)[None, :] * s_byte

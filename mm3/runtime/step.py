@@ -314,8 +314,8 @@ class OpTarget:
 
         ``index_scores`` (alone): ``out`` is the caller's ``[H, >= T, N]`` scores, of which rows ``[0, T)``
         are written; its backend must exist (:attr:`scorer`). ``hands_word``: see :meth:`admit_call`.
-        ``graph``: the call is being captured in a
-        CUDA graph (``None``: :meth:`capturing` of the queries says). ``order``: the order the entry point
+        ``graph``: the call is being captured in a CUDA graph (``None``: :meth:`capturing` of the queries
+        says). ``order``: the order the entry point
         needs of the rows its index op writes and promises of the rows it hands an attention
         (``"ascending"``, or ``None``: any); the plan says what to sort. ``hooks=False``: admit and judge
         the contents only (:meth:`admit_call`).

@@ -91,10 +91,11 @@ def contents_body(judge: str, fault: str) -> Body:
         details = {"tokens": batch.num_tokens, "want": hex(want), "got": hex(got)}
         if got != want:
             found = "no fault" if got == NO_FAULT else f"fault word {got:#x}"
+            reference = "none" if want == NO_FAULT else f"{want:#x}"
+            made = (FAULTS[fault].__doc__ or "no fault made").rstrip(".")
             raise CaseFailure(
-                f"{judge} found {found} where mm3's reference finds "
-                f"{'none' if want == NO_FAULT else f'{want:#x}'} ({fault}: {(FAULTS[fault].__doc__ or 'no fault').rstrip('.')}); "
-                f"lower the word to the smallest fault word of the rules of docs/errors.md §2.6, as "
+                f"{judge} found {found} where mm3's reference finds {reference} ({fault}: {made}); lower the "
+                f"word to the smallest fault word of the rules of docs/errors.md §2.6, as "
                 f"mm3.contract.contents.lengths_word and pages_word compute it", details)
         return details
 
