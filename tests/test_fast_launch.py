@@ -125,20 +125,28 @@ def test_an_unspecialized_parameter_keeps_the_class_across_values_but_not_across
     assert [c[0] for c in k.calls[5:]] == ["triton", "triton"]
 
 
-def test_the_prefill_kernels_leave_their_per_step_counts_unspecialized() -> None:
-    """The step's offsets and counts (which change every prefill step) are ``do_not_specialize``:
-    without it every step is a new call class and the fast launch never goes direct."""
-    from mm3_backends.triton import attention, indexer, prefill_attention, prefill_plan
+def test_the_kernels_leave_their_per_step_counts_unspecialized() -> None:
+    """The step's offsets and counts (which change every prefill step, and with the decodes of a step) are
+    ``do_not_specialize``: without it every step is a new call class and the fast launch never goes direct.
+    The block table's width is among them (the bound of every block a kernel reads): one binary serves
+    every width."""
+    from mm3_backends.triton import attention, index_scores, indexer, prefill_attention, prefill_plan
     from mm3_backends.triton.compat import unspecialized_params
 
+    judge = {"j_R", "j_T", "j_nd", "j_dql", "j_ndt", "j_mpq", "j_M"}
     per_step = {prefill_plan._pair_count_kernel: {"tok0", "Tc", "first_request", "num_req", "nb_max"},
                 prefill_plan._pair_place_kernel: {"tok0", "Tc", "first_request", "num_req", "nb_max"},
                 prefill_plan._segment_scan_kernel: {"S"},
                 prefill_attention._block_run_kernel: {"nb_max", "num_req"},
                 prefill_attention._merge_slots_kernel: {"tok0", "Tc"},
-                indexer._prefill_index_kernel: {"first_request", "s_ws_s", "first_token"},
+                indexer._prefill_index_kernel: {"first_request", "T", "W", "s_ws_s", "first_token"},
                 indexer._prefill_index_merge_kernel: {"s_ws_s", "num_rows", "first_token"},
-                attention._prefill_attention_kernel: {"first_request"}}
+                attention._prefill_attention_kernel: {"first_request", "tok_lo", "tok_hi", "W"},
+                index_scores._index_scores_kernel: {"first_request", "N", "tok_lo", "tok_hi", "W"},
+                indexer._decode_score_kernel: {"T", "W"} | judge,
+                indexer._decode_topk_kernel: {"T", "W"},
+                attention._decode_attention_kernel: {"W", "num_decodes"},
+                attention._decode_attention_flat_kernel: {"W", "num_decodes"}}
     for kernel, names in per_step.items():
         assert unspecialized_params(kernel) == names, kernel
 

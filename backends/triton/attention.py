@@ -60,7 +60,7 @@ from .arrivals import arrival_counters, claim_ready_flags
 from .fast_launch import launch
 from .launch import LaunchConfig, next_pow2
 from .merge import _merge_kernel, _merge_row_kernel, merge_splits
-from .addressing import block_at, slot_args
+from .addressing import block_at, block_columns, slot_args
 from .block_attend import _attend_block, _attend_block_masked
 from .nvfp4 import kv_block_scale_args
 from .plans import decode_attention_plan
@@ -75,11 +75,11 @@ __all__ = ["attention_forward"]
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["W", "num_decodes"])
 def _decode_attention_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, num_pages, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
-    out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
+    out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, W, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs, num_decodes,
     kb_ptr, s_kbp, s_kbb, s_kbh, s_kbd, vb_ptr, s_vbp, s_vbb, s_vbh, s_vbd,
     st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
@@ -89,14 +89,18 @@ def _decode_attention_kernel(
     KV_NVFP4: tl.constexpr = False, SLOTS: tl.constexpr = False,
 ):
     """``SLOTS``: token slots (:mod:`.addressing`; ``st_ptr`` .. ``sr_ptr``: the slot table, its strides,
-    rows and columns, each request's row of it), else dummies never read."""
+    rows and columns, each request's row of it), else dummies never read.
+
+    The contents are judged on the device while this runs, so whatever they hold stays inside the
+    tensors: a token's request is clamped to a decode of the step (``[0, num_decodes)``) and it sees at
+    most ``W`` blocks (the block table's columns, :func:`.tiles.visible_blocks`)."""
     pdl_prologue(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     num_h = tl.num_programs(1)
     qk_scale = qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED)
-    r = tl.load(tok_req_ptr + t)
+    r = tl.minimum(tl.maximum(tl.load(tok_req_ptr + t), 0), num_decodes - 1)
     pos = tl.load(pos_ptr + t)
     rows = tl.arange(0, G_PAD)
     row_ok = rows < G
@@ -106,7 +110,7 @@ def _decode_attention_kernel(
     acc = tl.zeros([G_PAD, D], tl.float32)
     toks = tl.full([G_PAD], 0, tl.int32) + t
     if pos >= 0:
-        nb = pos // B + 1
+        nb = tl.minimum(pos // B + 1, W)
         q, undo = load_query_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
         qk = score_scale(qk_scale, undo, SCALE_Q)
         pos_rows = tl.full([G_PAD], 0, tl.int32) + pos
@@ -139,11 +143,11 @@ def _decode_attention_kernel(
         tl.store(ws_acc_ptr + (base * G_PAD + rows)[:, None] * D + offs_d[None, :], acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["W", "num_decodes"])
 def _decode_attention_flat_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, num_pages, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
-    out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, num_h, num_items, IPP, qk_scale,
+    out_ptr, s_ot, s_oh, s_od, ws_m_ptr, ws_l_ptr, ws_acc_ptr, G, W, num_h, num_items, IPP, qk_scale,
     ks_ptr, s_ks, vs_ptr, s_vs, cnt_ptr, ready_ptr, num_decodes,
     kb_ptr, s_kbp, s_kbb, s_kbh, s_kbd, vb_ptr, s_vbp, s_vbb, s_vbh, s_vbd,
     st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
@@ -175,7 +179,7 @@ def _decode_attention_flat_kernel(
     multiprocessor may have cached a line of it before it was written). With ``TRIGGER`` it ends
     by waiting for the score kernel to finish, so the stream's next kernel follows both.
 
-    ``SLOTS``: as :func:`_decode_attention_kernel`'s.
+    ``SLOTS``, ``W``, ``num_decodes``: as :func:`_decode_attention_kernel`'s.
     """
     p = tl.program_id(0)
     if STREAM:
@@ -205,7 +209,7 @@ def _decode_attention_flat_kernel(
         m_i = tl.where(first, float("-inf"), m_i)
         l_i = tl.where(first, 0.0, l_i)
         acc = tl.where(first[:, None], 0.0, acc)
-        r = tl.load(tok_req_ptr + t)
+        r = tl.minimum(tl.maximum(tl.load(tok_req_ptr + t), 0), num_decodes - 1)
         pos = tl.load(pos_ptr + t)
         toks = zero_rows + t
         sel_row = sel_ptr + h * s_sel_h + t * s_sel_t
@@ -214,7 +218,7 @@ def _decode_attention_flat_kernel(
         blk = tl.max(tl.where(slots == i, sel, -1), axis=0)
         repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
         # pos < 0 is a padding token: nothing is attended (and pos // B would truncate towards 0)
-        use = (pos >= 0) & (blk >= 0) & (blk <= pos // B) & (repeated == 0)
+        use = (pos >= 0) & (blk >= 0) & (blk <= pos // B) & (blk < W) & (repeated == 0)
         page, slot_blk, cols_left = block_at(bt_ptr, s_bt_r, s_bt_b, num_pages, r, tl.where(use, blk, 0), st_ptr,
                                              s_st_r, s_st_c, st_rows, st_width, sr_ptr, B, SLOTS, mask=use)
         q, undo = load_query_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
@@ -241,11 +245,11 @@ def _decode_attention_flat_kernel(
         grid_wait(TRIGGER)
 
 
-@step_kernel("first_request")
+@step_kernel("first_request", "tok_lo", "tok_hi", "W")
 def _prefill_attention_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, num_pages, qsl_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
-    out_ptr, s_ot, s_oh, s_od, G, first_request, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
+    out_ptr, s_ot, s_oh, s_od, G, first_request, tok_lo, tok_hi, W, qk_scale, ks_ptr, s_ks, vs_ptr, s_vs,
     kb_ptr, s_kbp, s_kbb, s_kbh, s_kbd, vb_ptr, s_vbp, s_vbb, s_vbh, s_vbd,
     st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
     B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
@@ -253,12 +257,13 @@ def _prefill_attention_kernel(
     KV_SCALED: tl.constexpr = False, SLOT_SCALED: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
     SLOTS: tl.constexpr = False,
 ):
-    """``SLOTS``: as :func:`_decode_attention_kernel`'s."""
+    """``SLOTS``: as :func:`_decode_attention_kernel`'s. ``tok_lo``, ``tok_hi``, ``W``: the step's prefill
+    tokens and the block table's columns (:func:`.tiles.token_rows`)."""
     r = first_request + tl.program_id(0)
     h = tl.program_id(2)
     qk_scale = qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED)
-    tok, gi, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, G,
-                                                      ROWS, M, B)
+    tok, gi, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, G, tok_lo, tok_hi,
+                                                      W, ROWS, M, B)
     if tl.max(row_in.to(tl.int32), axis=0) > 0:
         nb_max = tl.max(nb_row, axis=0)
         qh = h * G + gi
@@ -317,7 +322,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
             ws_m = ws_l = ws_acc = out
         so = out.stride()
         head = (*tensors, batch.token_to_request, batch.token_positions, topk.storage, sh, st, sk, out, *so,
-                ws_m, ws_l, ws_acc, G)
+                ws_m, ws_l, ws_acc, G, block_columns(batch))
         constexprs, merge = plan.constexprs, plan.merge
         if plan.flat:
             counters = arrival_counters(q.device, td * Hkv, "merge") if plan.merge_last else None
@@ -336,7 +341,7 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
                     ws_m if ready is None else ready, batch.num_decodes, *blocks),
                    constexprs, options, fast)
         else:
-            launch(_decode_attention_kernel, plan.grid, (*head, qk_scale, *scales, *blocks),
+            launch(_decode_attention_kernel, plan.grid, (*head, qk_scale, *scales, batch.num_decodes, *blocks),
                    constexprs, plan.options, fast)
         if merge and plan.merge_per_row:
             launch(_merge_row_kernel, plan.merge_grid, (out, *so, ws_m, ws_l, ws_acc, G, Hkv),
@@ -361,7 +366,8 @@ def attention_forward(q: torch.Tensor, caches: PagedKVCache, topk: TopkBuffer, b
         m = rows // G
         launch(_prefill_attention_kernel, (npf, triton.cdiv(batch.max_prefill_query_len, m), Hkv),
                (*tensors, batch.query_start_loc, batch.token_positions,
-                topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, qk_scale, *scales, *blocks),
+                topk.storage, sh, st, sk, out, *out.stride(), G, batch.num_decodes, td, batch.num_tokens,
+                block_columns(batch), qk_scale, *scales, *blocks),
                dict(ROWS=rows, M=m, B=B, BN=min(B, tiles.block_n), D=D, K=K, K_PAD=next_pow2(K), DOT_DTYPE=dot_dtype,
                     DOT_PREC=dot_prec, KV_SCALED=kv_scaled, **({"SLOT_SCALED": True} if slot_scaled else {}),
                     **({"KV_NVFP4": True} if kv_nvfp4 else {}), **({"SLOTS": True} if on_slots else {})),

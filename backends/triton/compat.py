@@ -49,7 +49,8 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["INTERNALS", "RELEASES", "Release", "LAUNCH_HEAD", "DIRECT_LAUNCH", "BF16", "SHORTCUTS", "RAW_STREAM",
+__all__ = ["INTERNALS", "RELEASES", "Release", "LAUNCH_HEAD", "DIRECT_LAUNCH", "BF16", "BOUNDS", "SHORTCUTS",
+           "RAW_STREAM",
            "missing", "lookup", "release_for", "installed_version", "release_note", "interpreter_problem",
            "interpreter_module",
            "kernel_mode", "unspecialized_params", "jit_params", "JitParams", "compiled_launch", "launcher_problem",
@@ -61,6 +62,7 @@ LAUNCH_HEAD = 9
 
 DIRECT_LAUNCH = "direct launch"
 BF16 = "bf16 under the interpreter"
+BOUNDS = "bounds checked under the interpreter"
 RAW_STREAM = "raw stream handle"
 #: the interpreter shortcuts of :mod:`.interpreter_speed`, by name
 SHORTCUTS = ("unread overflow checks", "helper calls patched once", "column fold", "numpy sorts")
@@ -83,6 +85,10 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         "InterpreterBuilder.cast_impl", "InterpreterBuilder.create_fp_to_fp", "InterpreterBuilder.binary_op",
         "InterpreterBuilder.unary_op", "InterpreterBuilder.create_dot", "TensorHandle", "_get_np_dtype",
         "_ir.ROUNDING_MODE.RTZ")),
+    BOUNDS: tuple(f"{_INTERP}:{name}" for name in (
+        "GridExecutor._init_args_hst", "GridExecutor.__call__", "InterpreterBuilder.create_masked_load",
+        "InterpreterBuilder.create_masked_store", "InterpreterBuilder.create_atomic_rmw",
+        "InterpreterBuilder.create_atomic_cas", "TensorHandle", "_get_np_dtype")),
     "unread overflow checks": (f"{_INTERP}:interpreter_semantic.binary_op_sanitize_overflow_impl",
                                f"{_INTERP}:interpreter_builder.options"),
     "helper calls patched once": (f"{_INTERP}:GridExecutor.__call__", f"{_INTERP}:_patch_lang",

@@ -27,7 +27,7 @@ import triton.language as tl
 from mm3.plugin import BatchMetadata, PagedKVCache, SparseAttentionParams
 
 from .fast_launch import launch
-from .addressing import slot_args
+from .addressing import block_columns, slot_args
 from .block_max import _block_max_scores, _block_page
 from .indexer import _forced
 from .launch import LaunchConfig, next_pow2
@@ -42,10 +42,10 @@ __all__ = ["index_scores", "COLUMNS"]
 COLUMNS = 16
 
 
-@step_kernel("first_request", "N")
+@step_kernel("first_request", "N", "tok_lo", "tok_hi", "W")
 def _index_scores_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
-    qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_b, H, first_request, N, index_scale,
+    qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_b, H, first_request, N, tok_lo, tok_hi, W, index_scale,
     is_ptr, s_is_p, s_is_b, s_is_d, st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
     CH: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -54,9 +54,11 @@ def _index_scores_kernel(
 ):
     """Scores of tokens ``program_id(1) * M ..`` of request ``first_request + program_id(0)``, columns
     ``program_id(2) * CH ..``: S after docs/spec.md §3.4 where a row sees the block, else ``-inf``.
-    ``SLOTS``: token slots (:mod:`.addressing`; ``st_ptr`` .. ``sr_ptr`` as the indexer's)."""
+    ``SLOTS``: token slots (:mod:`.addressing`; ``st_ptr`` .. ``sr_ptr`` as the indexer's). ``tok_lo``,
+    ``tok_hi``, ``W``: the launch's tokens and the block table's columns (:func:`.tiles.token_rows`)."""
     r = first_request + tl.program_id(0)
-    tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H, ROWS, M, B)
+    tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H, tok_lo, tok_hi,
+                                                      W, ROWS, M, B)
     if tl.max(row_in.to(tl.int32), axis=0) > 0:
         c0 = tl.program_id(2) * CH
         cols = c0 + tl.arange(0, CH)[None, :]
@@ -98,15 +100,17 @@ def index_scores(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetada
     m = rows // H
     nd, npf = batch.num_decodes, batch.num_prefills
     fast = cfg.algorithms.fast_launch
-    # (first request, requests, their longest query, key tile) of the decodes, then of the prefills: each
-    # with the key tile of the indexer kernel that ranks the same scores
-    for first, count, longest, bn in ((0, nd, batch.decode_query_len, cfg.decode_index.block_n),
-                                      (nd, npf, batch.max_prefill_query_len, pic.block_n)):
+    # (first request, requests, their longest query, key tile, tokens) of the decodes, then of the prefills:
+    # each with the key tile of the indexer kernel that ranks the same scores
+    td, width = batch.num_decode_tokens, block_columns(batch)
+    for first, count, longest, bn, lo, hi in ((0, nd, batch.decode_query_len, cfg.decode_index.block_n, 0, td),
+                                              (nd, npf, batch.max_prefill_query_len, pic.block_n, td,
+                                               batch.num_tokens)):
         if count == 0 or longest == 0:
             continue
         launch(_index_scores_kernel, (count, triton.cdiv(longest, m), triton.cdiv(N, COLUMNS)),
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults,
-                batch.query_start_loc, batch.token_positions, out, *out.stride(), H, first, N,
+                batch.query_start_loc, batch.token_positions, out, *out.stride(), H, first, N, lo, hi, width,
                 float(params.index_scale), *iscale, *slots),
                dict(B=B, BN=min(B, bn), DI=Di, ROWS=rows, M=m, CH=COLUMNS, INIT=params.init_blocks,
                     LOCAL=params.local_blocks, DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, SCALE_Q=scale_q,

@@ -53,7 +53,7 @@ from .block_max import _block_max_scores, _block_page
 from .contents import check_contents, judge_args, judge_request, unjudged_args
 from .nvfp4 import index_block_scale_args
 from .plans import decode_index_plan
-from .tiles import load_query_rows, token_rows
+from .tiles import load_query_rows, token_rows, visible_blocks
 from .arrivals import arrival_counters, capture_matters, offer_ready_flags
 from .scratch import scratch
 from .tl_utils import (arrive_last, dot_config, grid_wait, launch_options, pdl_prologue,
@@ -66,10 +66,10 @@ FORCED_INIT = tl.constexpr(1e30)
 FORCED_LOCAL = tl.constexpr(1e29)
 
 
-@triton.jit(do_not_specialize=["j_R", "j_T", "j_nd", "j_dql", "j_ndt", "j_mpq", "j_M"])
+@triton.jit(do_not_specialize=["T", "W", "j_R", "j_T", "j_nd", "j_dql", "j_ndt", "j_mpq", "j_M"])
 def _decode_score_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
-    qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H, out_ptr, s_out_h, s_out_t, s_out_k, cnt_ptr, ready_ptr,
+    qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H, T, W, out_ptr, s_out_h, s_out_t, s_out_k, cnt_ptr, ready_ptr,
     is_ptr, s_is_p, s_is_b, s_is_d, st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
     j_qsl, j_sl, j_ctx, j_bt, j_s_bt_r, j_s_bt_b, j_t2r, j_pos, j_word, j_R, j_T, j_nd, j_dql, j_ndt, j_mpq, j_M,
     j_pages, j_st, j_s_st_r, j_s_st_c, j_st_rows, j_sr,
@@ -100,7 +100,11 @@ def _decode_score_kernel(
 
     ``JUDGE``: split 0 of each request also judges its contents (``j_*``: :func:`.contents.judge_args`,
     ``J_B`` its block, ``J_CTX`` its context flag), so a step of decodes needs no launch of its own for
-    them; else ``j_*`` are never read."""
+    them; else ``j_*`` are never read.
+
+    ``T``: the step's decode tokens, ``W``: the block table's columns. The contents are judged while
+    this runs, so a row is a token only below ``T`` and sees at most ``W`` blocks
+    (:func:`.tiles.token_rows`), whatever the query starts and positions hold."""
     if STREAM:
         r = tl.program_id(1)
         sp = tl.program_id(0)
@@ -121,7 +125,7 @@ def _decode_score_kernel(
                           J_B, J_CTX, J_TILE, SLOTS)
     b0 = sp * BPS
     # rows = (speculative row, index head): every index key is read once for all of them
-    tok, hh, row_in, pos, row_ok, nb = token_rows(qsl_ptr, pos_ptr, r, 0, H, ROWS, Q, B)
+    tok, hh, row_in, pos, row_ok, nb = token_rows(qsl_ptr, pos_ptr, r, 0, H, 0, T, W, ROWS, Q, B)
     nb_req = tl.max(nb, axis=0)
     if b0 < nb_req:
         q, row_scale = load_query_rows(iq_ptr, tok, hh, s_iq_t, s_iq_h, s_iq_d, row_ok, DI, DOT_DTYPE, SCALE_Q)
@@ -138,7 +142,7 @@ def _decode_score_kernel(
         if arrive_last(cnt_ptr, r, splits):
             for row0 in tl.static_range(0, TK_ROWS, R_TK):
                 _select_rows(ws_ptr + r * s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k,
-                             H, r, row0, TK_ROWS, B, K, K_PAD, NB_PAD, INIT, LOCAL, R_TK, ".cg")
+                             H, T, W, r, row0, TK_ROWS, B, K, K_PAD, NB_PAD, INIT, LOCAL, R_TK, ".cg")
             if STREAM:   # every thread's top-k stores, then the flag (release: they come first)
                 tl.debug_barrier()
                 tl.atomic_xchg(ready_ptr + r, 1, sem="release", scope="gpu")
@@ -184,23 +188,23 @@ def _ascending_ids(top, K: tl.constexpr, K_PAD: tl.constexpr, ID_SPAN: tl.conste
 
 
 @triton.jit
-def _select_rows(scores_ptr, s_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, r, row0, num_rows,
+def _select_rows(scores_ptr, s_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, T, W, r, row0, num_rows,
                  B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr, INIT: tl.constexpr,
                  LOCAL: tl.constexpr, R: tl.constexpr, CACHE: tl.constexpr):
     """Top-k of rows ``row0 .. row0+R-1`` (``(speculative row, index head)`` pairs) of decode request
     ``r``, from their block scores at ``scores_ptr + row * s_row``: the forced init/local blocks
     applied (docs/spec.md §3.4), then one bitonic ``tl.topk`` per row over packed (score, -id) keys.
     Writes its ids ascending, then ``-1`` (all ``-1`` for a padding token); skips rows past the
-    request's tokens. ``CACHE``: the scores' load cache modifier (``".cg"`` when other programs
+    request's tokens (and tokens outside ``[0, T)``, the step's decode tokens: a corrupt query start, as
+    :func:`.tiles.token_rows` bounds it). ``CACHE``: the scores' load cache modifier (``".cg"`` when other programs
     of this launch wrote them)."""
     row = row0 + tl.arange(0, R)
     qi = row // H
     start = tl.load(qsl_ptr + r)
-    live = (row < num_rows) & (qi < tl.load(qsl_ptr + r + 1) - start)
     tok = start + qi
+    live = (row < num_rows) & (qi < tl.load(qsl_ptr + r + 1) - start) & (tok >= 0) & (tok < T)
     pos = tl.load(pos_ptr + tok, mask=live, other=-1)
-    # never divide a negative position (Triton truncates where Python floors): nothing is visible
-    nb = tl.where(pos >= 0, pos // B + 1, 0)[:, None]
+    nb = visible_blocks(pos, pos >= 0, W, B)[:, None]
     blocks = tl.arange(0, NB_PAD)[None, :]
     avail = blocks < nb
     S = tl.load(scores_ptr + row[:, None] * s_row + blocks, mask=live[:, None] & avail, other=float("-inf"),
@@ -211,24 +215,25 @@ def _select_rows(scores_ptr, s_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t,
              _ascending_ids(top, K, K_PAD, NB_PAD), mask=live[:, None] & (slots < K))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "W"])
 def _decode_topk_kernel(
-    ws_ptr, s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H,
+    ws_ptr, s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, T, W,
     B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
     INIT: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Top-k of row ``program_id(1)`` of decode request ``program_id(0)`` (:func:`_select_rows`)."""
+    """Top-k of row ``program_id(1)`` of decode request ``program_id(0)`` (:func:`_select_rows`; ``T``,
+    ``W`` as :func:`_decode_score_kernel`'s)."""
     pdl_prologue(PDL)
     r = tl.program_id(0)
     row = tl.program_id(1)
-    _select_rows(ws_ptr + r * s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, r, row,
+    _select_rows(ws_ptr + r * s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, T, W, r, row,
                  row + 1, B, K, K_PAD, NB_PAD, INIT, LOCAL, 1, "")
 
 
-@step_kernel("first_request", "s_ws_s", "first_token")
+@step_kernel("first_request", "T", "W", "s_ws_s", "first_token")
 def _prefill_index_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
-    qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request,
+    qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, first_request, T, W,
     ws_ptr, s_ws_s, s_ws_t, first_token, is_ptr, s_is_p, s_is_b, s_is_d,
     st_ptr, s_st_r, s_st_c, st_rows, st_width, sr_ptr,
     B: tl.constexpr, BN: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
@@ -259,8 +264,8 @@ def _prefill_index_kernel(
     :func:`_prefill_index_merge_kernel`; packed keys make the merged result exactly the
     single-pass one, ties included. ``SLOTS``: as :func:`_decode_score_kernel`'s."""
     r = first_request + tl.program_id(0)
-    tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H,
-                                                      ROWS, M, B)
+    tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H, first_token,
+                                                      T, W, ROWS, M, B)
     if KEY_ROW > 0:
         s_ik_b = KEY_ROW
     if tl.max(row_in.to(tl.int32), axis=0) > 0:
@@ -363,7 +368,7 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     iscale, index_nvfp4 = index_block_scale_args(caches, ik)
     slots, on_slots = slot_args(batch, bt)
 
-    nd = batch.num_decodes
+    nd, T, width = batch.num_decodes, batch.num_tokens, block_columns(batch)
     decodes = nd > 0 and batch.num_decode_tokens > 0
     # the score launch judges a batch of decodes alone: it has a program for each of its requests
     judge = judge and page_faults is not None
@@ -371,7 +376,6 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
     if judge and not judged:
         check_contents(batch, caches.num_pages, page_faults, cfg)
     if decodes:
-        width = block_columns(batch)
         dev, td = ik.device, batch.num_decode_tokens
         counters = ready = None
         streamed = streamed_enabled(cfg, nd, batch.decode_query_len * H)
@@ -394,13 +398,13 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
             score_constexprs = plan.score_constexprs if counters is not None else plan.score_constexprs_topk_launched
         launch(_decode_score_kernel, plan.score_grid,
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults, qsl, pos, ws,
-                ws.stride(0), ws.stride(1), H, out.storage, sh, st, sk, ws if counters is None else counters,
+                ws.stride(0), ws.stride(1), H, td, width, out.storage, sh, st, sk, ws if counters is None else counters,
                 ws if ready is None else ready, *iscale, *slots, *judge_in),
                score_constexprs, plan.score_options, fast)
         offer_ready_flags(dev, out.storage, nd, ready if streamed else None)
         if counters is None:   # no top-k in the score kernel: a launch of its own
             launch(_decode_topk_kernel, plan.topk_grid,
-                   (ws, ws.stride(0), ws.stride(1), qsl, pos, out.storage, sh, st, sk, H),
+                   (ws, ws.stride(0), ws.stride(1), qsl, pos, out.storage, sh, st, sk, H, td, width),
                    plan.topk_constexprs, plan.topk_options, fast)
 
     npf = batch.num_prefills
@@ -414,14 +418,14 @@ def index_topk(index_q: torch.Tensor, caches: PagedKVCache, batch: BatchMetadata
         m = rows // H
         k_pad = sort_width(K)
         tiles = triton.cdiv(batch.max_prefill_query_len, m)
-        splits = cfg.prefill_index_splits(npf * tiles, block_columns(batch))
+        splits = cfg.prefill_index_splits(npf * tiles, width)
         t0, n_rows = batch.num_decode_tokens, batch.num_prefill_tokens * H
         ws = out.storage if splits == 1 else \
             torch.empty((splits, n_rows, k_pad), dtype=torch.int64, device=ik.device)
         fast = cfg.algorithms.fast_launch
         launch(_prefill_index_kernel, (npf, tiles, splits),
                (index_q, *index_q.stride(), ik, *ik.stride(), bt, *bt.stride(), caches.num_pages, faults,
-                batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd,
+                batch.query_start_loc, batch.token_positions, out.storage, sh, st, sk, H, nd, T, width,
                 ws, ws.stride(0), ws.stride(1) if splits > 1 else 0, t0, *iscale, *slots),
                dict(ROWS=rows, M=m, K=K, K_PAD=k_pad, INIT=params.init_blocks, LOCAL=params.local_blocks,
                     BN=min(B, pic.block_n), **common, CH=max(pic.chunk, k_pad), SPLITS=splits,

@@ -17,29 +17,44 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["token_rows", "load_rows", "load_query_rows", "score_scale", "store_rows", "softmax_weights", "store_item"]
+__all__ = ["token_rows", "visible_blocks", "load_rows", "load_query_rows", "score_scale", "store_rows",
+           "softmax_weights", "store_item"]
 
 
 @triton.jit
-def token_rows(qsl_ptr, pos_ptr, r, t0, GROUP, ROWS: tl.constexpr, M: tl.constexpr, B: tl.constexpr):
+def token_rows(qsl_ptr, pos_ptr, r, t0, GROUP, tok_lo, tok_hi, W, ROWS: tl.constexpr, M: tl.constexpr,
+               B: tl.constexpr):
     """Rows of tokens ``t0 .. t0+M-1`` of request ``r``.
 
     Returns ``(tok, sub, row_in, pos, row_ok, nb)``: flat token index, head
     within the group, row holds a token of the request, its position, row holds
     a real (non-padding) token, and its number of visible blocks (0 if padding).
+    The contents are judged on the device while this runs (a fault raises at the
+    next step), so whatever they hold stays inside the tensors: a row is a token
+    only in ``[tok_lo, tok_hi)`` (the launch's tokens: the step's decodes, or its
+    prefills) and sees at most ``W`` blocks (the block table's columns), so a
+    corrupt query start or position addresses no row outside the launch's rows
+    of ``q``, ``out`` and workspaces, and no column past the table.
     """
     start = tl.load(qsl_ptr + r)
     qlen = tl.load(qsl_ptr + r + 1) - start
     rows = tl.arange(0, ROWS)
     mi = rows // GROUP
     sub = rows % GROUP
-    row_in = (mi < M) & (t0 + mi < qlen)
     tok = start + t0 + mi
+    row_in = (mi < M) & (t0 + mi < qlen) & (tok >= tok_lo) & (tok < tok_hi)
     pos = tl.load(pos_ptr + tok, mask=row_in, other=-1)
     row_ok = row_in & (pos >= 0)
-    # never divide a negative position: Triton truncates where Python floors
-    nb = tl.where(row_ok, pos // B + 1, 0)
-    return tok, sub, row_in, pos, row_ok, nb
+    return tok, sub, row_in, pos, row_ok, visible_blocks(pos, row_ok, W, B)
+
+
+@triton.jit
+def visible_blocks(pos, ok, W, B: tl.constexpr):
+    """The blocks a token at ``pos`` sees, ``pos // B + 1``, at most ``W`` (the block table's columns: a
+    position past them is a fault the contents judge reports, and must not make a kernel read past the
+    table); 0 where ``ok`` is False (padding: a negative position is never divided, as Triton truncates
+    where Python floors)."""
+    return tl.where(ok, tl.minimum(pos // B + 1, W), 0)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mm3.contract.errors import InputError
-from mm3.contract.facts import ArgNames, BatchShape, batch_facts_key, batch_kind, batch_shape, shape_of_facts
+from mm3.contract.facts import ArgNames, BatchShape, batch_kind, batch_shape
 from mm3.contract.lengths import IntSeq, check_lengths, check_table, to_int_list
 from mm3.contract.contents import check_on_host, derive_context, derive_tokens
 from mm3.contract.slots import TokenSlots
@@ -274,24 +274,18 @@ class BatchMetadata:
             >>> b.context_lens.tolist()     # a padding decode (seq_len 0) has no context
             [39, 0]
         """
-        facts = shape_of_facts(batch_facts_key(query_start_loc, seq_lens, block_table, token_to_request,
-                                               token_positions, context_lens, num_decodes, decode_query_len,
-                                               num_decode_tokens, block_size, max_prefill_query_len,
-                                               *(slots or (None, None))))
-        batch = cls.__new__(cls)  # the fields set directly: the drop-ins and the custom ops assemble one per call
-        d = batch.__dict__
-        d.update(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
-                 query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
-                 token_to_request=token_to_request, host_lens=None, token_positions=token_positions,
-                 num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len,
-                 slots=slots, facts=facts)
-        # the cached properties, where given
-        if context_lens is not None:
-            d["context_lens"] = context_lens
-        if max_query_len is not None:
-            d["max_query_len"] = max_query_len
-        if max_seq_len is not None:
-            d["max_seq_len"] = max_seq_len
+        facts = batch_shape(query_start_loc, seq_lens, block_table, token_to_request, token_positions, context_lens,
+                            num_decodes, decode_query_len, num_decode_tokens, block_size, max_prefill_query_len,
+                            *(slots or (None, None)))
+        batch = cls.__new__(cls)  # the fields set directly: the drop-ins assemble a batch per call
+        batch.__dict__.update(num_decodes=num_decodes, decode_query_len=decode_query_len, block_size=block_size,
+                              query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+                              token_to_request=token_to_request, host_lens=None, token_positions=token_positions,
+                              num_decode_tokens=num_decode_tokens, max_prefill_query_len=max_prefill_query_len,
+                              slots=slots, facts=facts)
+        for k, v in (("context_lens", context_lens), ("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+            if v is not None:     # the cached properties
+                batch.__dict__[k] = v
         return batch
 
     def __getattr__(self, name: str) -> torch.Tensor:

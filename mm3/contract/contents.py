@@ -124,8 +124,11 @@ def _message(word: int, shape: Optional[BatchShape], num_pages: int, names: ArgN
     if word < LENGTHS:
         r, b = word >> 32, word & 0xFFFFFFFF
         entry = f"{names.block_table}[{r}, {b}]" + ("" if page is None else f" = {page}")
+        # a kernel that reads past a request's blocks (its lengths or positions wrong) reports the entry it read
+        lengths = "" if page is not None else (f" (if request {r}'s seq_len does not reach block {b}, its query "
+                                               f"start, seq_len or positions are what is wrong)")
         return (f"request {r}, block {b}: {entry} is not a page id in [0, {num_pages}) (the cache has {num_pages} "
-                f"pages); every entry a request's seq_len uses must name a page of the cache")
+                f"pages); every entry a request's seq_len uses must name a page of the cache{lengths}")
     rule, index = (word - LENGTHS) >> 40, word & ((1 << 40) - 1)
     # values a device-side report does not carry show as "?"
     facts: dict[str, object] = dict(v=value, q=q, qsl=names.query_start_loc, context_lens=names.context_lens,
