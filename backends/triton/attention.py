@@ -126,7 +126,7 @@ def _decode_attention_kernel(
             repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
             use = (blk >= 0) & (blk < nb) & (repeated == 0)
             page, slot_blk, cols_left = block_at(bt_ptr, s_bt_r, s_bt_b, num_pages, r, tl.where(use, blk, 0), st_ptr,
-                                                 s_st_r, s_st_c, st_rows, st_width, sr_ptr, B, SLOTS)
+                                                 s_st_r, s_st_c, st_rows, st_width, sr_ptr, B, SLOTS, mask=use)
             m_i, l_i, acc = _attend_block_masked(
                 q, m_i, l_i, acc, k_ptr + page * s_kp + h * s_kh, v_ptr + page * s_vp + h * s_vh,
                 s_kb, s_kd, s_vb, s_vd, row_ok & use, pos_rows, blk, use, qk, ks_ptr + h * s_ks + page * B,

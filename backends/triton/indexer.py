@@ -262,7 +262,9 @@ def _prefill_index_kernel(
     tile's visible blocks and writes its top-``K_PAD`` packed keys to ``ws[split, token -
     first_token, head, :]`` (an empty range writes "unavailable" keys) for
     :func:`_prefill_index_merge_kernel`; packed keys make the merged result exactly the
-    single-pass one, ties included. ``SLOTS``: as :func:`_decode_score_kernel`'s."""
+    single-pass one, ties included. ``SLOTS``: as :func:`_decode_score_kernel`'s. ``T``: the step's tokens
+    (a row is a token only in ``[first_token, T)``, the step's prefills), ``W``: the block table's columns
+    (:func:`.tiles.token_rows`)."""
     r = first_request + tl.program_id(0)
     tok, hh, row_in, pos, row_ok, nb_row = token_rows(qsl_ptr, pos_ptr, r, tl.program_id(1) * M, H, first_token,
                                                       T, W, ROWS, M, B)

@@ -66,8 +66,8 @@ _installed: list[bool] = []
 
 def _extent(t: Any) -> tuple[int, int, int]:
     """``(lo, hi, element size)``: the bytes a view reaches, from its sizes and strides."""
-    base = getattr(t, "base", t)   # the interpreter's wrapper of a reinterpreted tensor
-    size = base.element_size()
+    t = getattr(t, "base", t)   # the tensor under the interpreter's wrapper of a reinterpreted one
+    size = t.element_size()
     start = t.data_ptr()
     if t.numel() == 0:
         return start, start, size

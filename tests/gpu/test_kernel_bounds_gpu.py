@@ -26,6 +26,13 @@ from mm3.testing.factories import make_case
 GPU = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
+@pytest.fixture(autouse=True)
+def _allow_rocm_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mm3_backends.rocm import plugin as rocm_plugin
+
+    monkeypatch.setenv(rocm_plugin.ALLOW_NON_ROCM_ENV, "1")   # the rocm plugin's kernels, on this GPU
+
+
 P = mm3.SparseAttentionParams(num_heads=16, num_kv_heads=2, head_dim=128, num_index_heads=2, index_head_dim=128,
                               block_size=128, topk=4)
 
