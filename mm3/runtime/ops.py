@@ -46,7 +46,7 @@ from typing import Optional, Union
 import torch
 
 from mm3.contract.batch import BatchMetadata
-from mm3.contract.buffers import PagedKVCache
+from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import InputError
 from mm3.contract.facts import OPS_NAMES
 from mm3.contract.hookspecs import Op
@@ -126,10 +126,29 @@ _INDEX_ENTRY, _INDEX_OPS = "torch.ops.mm3.index_topk", (Op.INDEX_TOPK,)
 _ATTENTION_ENTRY, _ATTENTION_OPS = "torch.ops.mm3.attention", (Op.ATTENTION,)
 
 
+def _call_parts(handle: int, entry: str, topk: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
+                block_table: torch.Tensor, token_to_request: torch.Tensor, token_positions: torch.Tensor,
+                num_decodes: int, decode_query_len: int, num_decode_tokens: int, max_prefill_query_len: int,
+                block_size: int, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                k_block_scale: Optional[torch.Tensor], v_block_scale: Optional[torch.Tensor],
+                index_block_scale: Optional[torch.Tensor]) -> tuple[OpTarget, PagedKVCache, BatchMetadata, TopkBuffer]:
+    """What an op's call runs on: its target, caches, batch and top-k buffer (:meth:`OpTarget.topk_of`). The
+    wrappers are made anew each call; their facts are read back when the tensors' shapes, dtypes and devices
+    equal the last call's (:func:`~mm3.contract.facts.cache_facts`, :func:`~mm3.contract.facts.shape_of_facts`)."""
+    target = lookup(handle)
+    caches = PagedKVCache.rewrap(k, v, index, k_scale, v_scale, k_block_scale=k_block_scale,
+                                 v_block_scale=v_block_scale, index_block_scale=index_block_scale)
+    batch = batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request, token_positions,
+                            num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len, block_size)
+    return target, caches, batch, target.topk_of(topk, entry)
+
+
 # Defined with torch.library.Library rather than the custom_op decorator: the decorator's eager
 # call runs several Python layers (autograd, ADInplaceOrView, a dynamo-disable wrapper) that cost
-# about 25 us per call on the CPU; a CompositeExplicitAutograd kernel is one dispatcher hop. The fake
-# kernels and the schemas' mutations are what torch.compile needs.
+# about 25 us per call on the CPU; a
+# CompositeExplicitAutograd kernel is one dispatcher hop. The fake kernels and the schemas'
+# mutations are what torch.compile needs.
 _LIB = torch.library.Library("mm3", "DEF")
 _BATCH = ("Tensor query_start_loc, Tensor seq_lens, Tensor context_lens, Tensor block_table, "
           "Tensor token_to_request, Tensor token_positions, SymInt num_decodes, SymInt decode_query_len, "
@@ -150,14 +169,11 @@ def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
                k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
                index_block_scale: Optional[torch.Tensor] = None) -> None:
     """The indexer of the bound backend ``handle``: writes rows ``[0, T)`` of the top-k storage ``topk``."""
-    target = lookup(handle)
-    target.run(_INDEX_ENTRY, _INDEX_OPS,
-               caches=PagedKVCache.rewrap(k, v, index, k_scale, v_scale, k_block_scale=k_block_scale,
-                                          v_block_scale=v_block_scale, index_block_scale=index_block_scale),
-               batch=batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
-                                     token_positions, num_decodes, decode_query_len, num_decode_tokens,
-                                     max_prefill_query_len, block_size),
-               topk=target.topk_of(topk, _INDEX_ENTRY), index_q=index_q, names=OPS_NAMES)
+    target, caches, batch, own = _call_parts(
+        handle, _INDEX_ENTRY, topk, k, v, index, query_start_loc, seq_lens, context_lens, block_table,
+        token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len,
+        block_size, k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
+    target.run(_INDEX_ENTRY, _INDEX_OPS, caches=caches, batch=batch, topk=own, index_q=index_q, names=OPS_NAMES)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, topk: torch.Tensor,
@@ -169,14 +185,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Te
               k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
               index_block_scale: Optional[torch.Tensor] = None) -> None:
     """The attention of the bound backend ``handle``: reads the top-k storage, writes ``out[:T]``."""
-    target = lookup(handle)
-    target.run(_ATTENTION_ENTRY, _ATTENTION_OPS,
-               caches=PagedKVCache.rewrap(k, v, index, k_scale, v_scale, k_block_scale=k_block_scale,
-                                          v_block_scale=v_block_scale, index_block_scale=index_block_scale),
-               batch=batch_from_args(query_start_loc, seq_lens, context_lens, block_table, token_to_request,
-                                     token_positions, num_decodes, decode_query_len, num_decode_tokens,
-                                     max_prefill_query_len, block_size),
-               topk=target.topk_of(topk, _ATTENTION_ENTRY), q=q, out=out, names=OPS_NAMES)
+    target, caches, batch, own = _call_parts(
+        handle, _ATTENTION_ENTRY, topk, k, v, index, query_start_loc, seq_lens, context_lens, block_table,
+        token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len,
+        block_size, k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
+    target.run(_ATTENTION_ENTRY, _ATTENTION_OPS, caches=caches, batch=batch, topk=own, q=q, out=out, names=OPS_NAMES)
 
 
 _LIB.impl("index_topk", index_topk, "CompositeExplicitAutograd")
