@@ -224,3 +224,25 @@ def test_the_bounds_check_sees_an_access_outside_and_masks_it() -> None:
     with checking() as outside:
         shifted_store[(1,)](x, 4, BLOCK=4)
     assert outside == [] and x[4:].tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_the_bounds_check_sees_an_overrun_into_a_neighbouring_argument() -> None:
+    """Two lanes of a store into ``x`` land in ``y``, the next argument in memory: inside a tensor of the
+    launch, but not the one the access addresses (the argument holding most of its lanes)."""
+    import triton
+    import triton.language as tl
+
+    from mm3_backends.triton.interpreter_bounds import checking
+
+    @triton.jit
+    def shifted_pair(x_ptr, y_ptr, shift, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs + shift, 1.0)
+        tl.store(y_ptr + offs, 2.0)
+
+    both = torch.zeros(16)
+    x, y = both[:8], both[8:]
+    with checking() as outside:
+        shifted_pair[(1,)](x, y, 6, BLOCK=4)
+    assert [(v.op, v.nearest, v.lanes, v.offset) for v in outside] == [("store", "x_ptr", 2, 8)]
+    assert y.tolist() == [2.0] * 4 + [0.0] * 4     # the two lanes were masked off: y[0:2] is y's own 2.0

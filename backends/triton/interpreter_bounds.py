@@ -11,10 +11,11 @@ Under ``TRITON_INTERPRET=1``, :func:`checking` makes that observable on a CPU:
 while it is active, every load, store and atomic of an interpreted kernel is
 compared, lane by lane, with the byte extents of the kernel's tensor arguments
 (each view's own extent, from its sizes and strides, not its storage's). A lane
-outside all of them is recorded as a :class:`Violation` and masked off, so the
-run goes on instead of corrupting the process or aborting it. What it cannot
-see: an access that lands inside *another* argument, or in another row of the
-same tensor (wrong, but no crash on a GPU either).
+outside the access's own tensor (the argument holding most of its lanes) is
+recorded as a :class:`Violation` and masked off, so the run goes on instead of
+corrupting the process or aborting it. What it cannot see: an access whose
+every lane lands inside another argument, or one in another row of the same
+tensor (wrong, but no crash on a GPU either).
 
 What it patches is Triton's private interpreter, reached through :mod:`.compat`
 (``compat.INTERNALS[compat.BOUNDS]`` names it, checked per Triton release by
@@ -92,8 +93,10 @@ def _extents(fn: Any, args: Any, kwargs: Any) -> list[tuple[int, int, str, int]]
 
 
 def _inside(op: str, ptrs: Any, mask: Any, nbytes: int) -> Any:
-    """``mask`` with each lane outside the launch's tensors cleared (and recorded); ``mask`` itself when
-    every lane is inside, or when no check is active."""
+    """``mask`` with each lane outside the access's tensor cleared (and recorded); ``mask`` itself when every
+    lane is inside, or when no check is active. An access's tensor is the argument whose extent holds most
+    of its lanes (a pointer block derives from one argument), so a lane that overruns into a neighbouring
+    argument is caught too; an access with no lane inside any argument is all outside."""
     frames = getattr(_state, "frames", None)
     found = getattr(_state, "found", None)
     if not frames or found is None:
@@ -101,20 +104,26 @@ def _inside(op: str, ptrs: Any, mask: Any, nbytes: int) -> Any:
     kernel, extents = frames[-1]
     addr = np.asarray(ptrs).astype(np.uint64, copy=False).astype(np.int64)
     lanes = np.broadcast_to(np.asarray(mask, dtype=bool), addr.shape)
-    ok = np.zeros(addr.shape, dtype=bool)
-    for lo, hi, _, _ in extents:
-        ok |= (addr >= lo) & (addr + nbytes <= hi)
+    if not lanes.any():
+        return mask
+    within = [lanes & (addr >= lo) & (addr + nbytes <= hi) for lo, hi, _, _ in extents]
+    counts = [int(w.sum()) for w in within]
+    best = max(range(len(extents)), key=counts.__getitem__) if extents else -1
+    ok = within[best] if best >= 0 and counts[best] else np.zeros(addr.shape, dtype=bool)
     bad = lanes & ~ok
     if not bad.any():
         return mask
     first = int(addr[bad].flat[0])
     if not extents:
         found.append(Violation(kernel, op, "", int(bad.sum()), first, 0))
-        return lanes & ok
-    _, lo, hi, name, size = min(((0 if lo <= first < hi else min(abs(lo - first), abs(first - hi)), lo, hi, name,
-                                  size) for lo, hi, name, size in extents), key=lambda e: e[0])
+        return ok
+    if counts[best]:
+        lo, hi, name, size = extents[best]
+    else:   # nothing inside: name the argument the first bad address is nearest to
+        lo, hi, name, size = min(extents, key=lambda e: 0 if e[0] <= first < e[1] else min(abs(e[0] - first),
+                                                                                         abs(first - e[1])))
     found.append(Violation(kernel, op, name, int(bad.sum()), (first - lo) // size, (hi - lo) // size))
-    return lanes & ok
+    return ok
 
 
 def _install() -> None:
