@@ -53,6 +53,7 @@ from mm3.testing.factories import Case, make_case  # noqa: E402
 from mm3_backends.cuda import plugin as cuda_plugin  # noqa: E402
 from mm3_backends.rocm import plugin as rocm_plugin  # noqa: E402
 from mm3_backends.triton import attention, contents, index_scores, indexer, plugin_factory, tl_utils  # noqa: E402
+from mm3_backends.triton.addressing import block_columns  # noqa: E402
 from mm3_backends.triton.fast_launch import Launch, recording  # noqa: E402
 from mm3_backends.triton.launch import LaunchConfig, override  # noqa: E402
 
@@ -277,6 +278,22 @@ def check_kernel(step: Step, launch: Launch) -> None:
     p, b = step.case.params, step.case.batch
     c, v, name = launch.constexprs, _named(launch), launch.name
     width = b.block_table.shape[1]
+    # the bounds a kernel holds rows, requests and blocks to (a batch edited wrongly in place stays inside
+    # the tensors: tests/test_kernel_bounds.py); on a valid batch no test of results would see a wrong one
+    T, td, columns = b.num_tokens, b.num_decode_tokens, block_columns(b)
+    if "W" in v:
+        assert v["W"] == columns, f"{name}: W={v['W']}, the table has {columns} columns of blocks"
+    if name in ("_decode_score_kernel", "_decode_topk_kernel"):
+        assert v["T"] == td, f"{name}: T={v['T']}, the step has {td} decode tokens"
+    elif name in ("_decode_attention_kernel", "_decode_attention_flat_kernel"):
+        assert v["num_decodes"] == b.num_decodes
+    elif name == "_prefill_index_kernel":
+        assert (v["first_token"], v["T"]) == (td, T)
+    elif name == "_prefill_attention_kernel":
+        assert (v["tok_lo"], v["tok_hi"]) == (td, T)
+    elif name == "_index_scores_kernel":
+        decodes = b.num_decodes > 0 and v["first_request"] == 0
+        assert (v["tok_lo"], v["tok_hi"]) == ((0, td) if decodes else (td, T))
     if name == "_decode_score_kernel":
         rows = b.decode_query_len * p.num_index_heads
         nd, splits = launch.grid[::-1] if c.get("STREAM") else launch.grid
