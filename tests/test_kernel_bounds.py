@@ -9,8 +9,10 @@ interpreter's bounds check (:mod:`mm3_backends.triton.interpreter_bounds`: every
 compared with the extents of the kernel's tensors) on a batch made as an engine makes it
 (``BatchMetadata.from_device``, its tables treated as device memory) and then edited in place; ``q``,
 ``index_q`` and ``out`` sit inside canary margins. Each case must touch nothing
-outside its tensors, and the fault must still be raised. Every case runs on both plugins and on two
-launch variants (the second takes the kernel paths a GPU takes at other shapes).
+outside its tensors, and the fault must still be raised. The steps: a mixed one, decodes alone (the
+score launch judges them), decodes with a draft token and a padding decode, and the mixed one through
+token slots. Every case runs on both plugins and on two launch variants (the second takes the kernel
+paths a GPU takes at other shapes, the streamed decode among them).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 import mm3
 import mm3.runtime.step as step_mod
 from mm3 import BatchMetadata, InputError
-from mm3.testing.factories import make_case
+from mm3.plugin import TokenSlots
+from mm3.testing.factories import as_token_slots, make_case
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the bounds check runs the kernels in Triton's interpreter")
@@ -109,9 +112,50 @@ DECODES: dict[str, Edit] = {
     "pos_int_max": _put("token_positions", 1, _const(2 ** 31 - 1)),
     "seq_len_huge_derived": _put("seq_lens", 2, _const(10 ** 6), True),
 }
+
+# decodes [40, 20] of two tokens each (one draft), a padding decode (seq_len 0) and a prefill (5, 35):
+# qsl (0, 2, 4, 6, 11), T = 11
+DRAFTS: dict[str, Edit] = {
+    "qsl_end_past_tokens": _qsl((0, 2, 4, 15, 11)),
+    "qsl_draft_start_past_tokens": _qsl((0, 30, 32, 6, 11)),
+    "qsl_decreasing": _qsl((0, 2, 4, 3, 11)),
+    "t2r_draft_past_requests": _put("token_to_request", 1, _const(9)),
+    "pos_draft_far": _put("token_positions", 2, _const(4096)),
+    "pos_draft_int_max": _put("token_positions", 1, _const(2 ** 31 - 1)),
+    "seq_len_padding_huge_derived": _put("seq_lens", 2, _const(10 ** 6), True),
+}
+
+
+def _slot_row(request: int, value: int) -> Edit:
+    def edit(b: BatchMetadata, width: int) -> None:
+        b.slots.rows[request] = value
+    return edit
+
+
+def _slot(request: int, position: int, value: int) -> Edit:
+    def edit(b: BatchMetadata, width: int) -> None:     # the slot of a position the request's seq_len uses
+        b.slots.table[b.slots.rows[request], position] = value
+    return edit
+
+
+# the mixed step through token slots (one-token pages found through a slot table of its own)
+SLOTS: dict[str, Edit] = {
+    "qsl_end_past_tokens": MIXED["qsl_end_past_tokens"],
+    "t2r_decode_past_requests": MIXED["t2r_decode_past_requests"],
+    "t2r_prefill_past_requests": MIXED["t2r_prefill_past_requests"],
+    "pos_decode_far": MIXED["pos_decode_far"],
+    "pos_prefill_far": MIXED["pos_prefill_far"],
+    "slot_row_huge": _slot_row(1, 10 ** 6),
+    "slot_row_negative": _slot_row(2, -4),
+    "slot_huge": _slot(0, 3, 10 ** 6),
+    "slot_negative": _slot(3, 17, -9),
+}
+KINDS = {"mixed": MIXED, "decodes": DECODES, "drafts": DRAFTS, "slots": SLOTS}
+
+
 def _cases() -> list[Any]:
     out = []
-    for kind, edits in (("mixed", MIXED), ("decodes", DECODES)):
+    for kind, edits in KINDS.items():
         for name in edits:
             for backend in ("cuda", "rocm"):
                 for variant in ("default", "other paths"):
@@ -122,13 +166,16 @@ def _cases() -> list[Any]:
 def _other_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel paths a GPU takes at other shapes: the top-k in the last score program, more blocks per
     decode score split than the table has columns, the prefill index split over two programs (and merged),
-    the decode attention's merge in its last program."""
+    the decode attention's merge in its last program, the attention streamed behind the indexer (the
+    cuda plugin's persistent kernel waits on each request's ready flag)."""
+    from mm3_backends.triton import indexer
     from mm3_backends.triton.launch import LaunchConfig
 
     monkeypatch.setattr(LaunchConfig, "use_topk_in_last_program", lambda self, *a, **k: True)
     monkeypatch.setattr(LaunchConfig, "decode_index_blocks_per_split", lambda self, *a, **k: 8)
     monkeypatch.setattr(LaunchConfig, "prefill_index_splits", lambda self, *a, **k: 2)
     monkeypatch.setattr(LaunchConfig, "use_merge_in_last_program", lambda self, *a, **k: True)
+    monkeypatch.setattr(indexer, "streamed_enabled", lambda cfg, *a: cfg.algorithms.decode_attention_flat)
 
 
 def _guarded(like: torch.Tensor, fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,13 +192,21 @@ def _margins_untouched(buf: torch.Tensor) -> bool:
 
 def _device_batch(kind: str) -> tuple[Any, BatchMetadata]:
     """The case and its batch as an engine builds it, from tensors it holds (copies: edited in place)."""
-    spec = dict(decodes=[40, 20], prefills=[(5, 35), (3, 20)]) if kind == "mixed" else dict(decodes=[40, 20, 70])
+    spec: dict[str, Any] = {"mixed": dict(decodes=[40, 20], prefills=[(5, 35), (3, 20)]),
+                            "slots": dict(decodes=[40, 20], prefills=[(5, 35), (3, 20)]),
+                            "decodes": dict(decodes=[40, 20, 70]),
+                            "drafts": dict(decodes=[40, 20], prefills=[(5, 35)], decode_query_len=2,
+                                           padding_decodes=1)}[kind]
     case = make_case(P, dtype="float32", index_dtype="float32", seed=3, **spec)
+    if kind == "slots":
+        case = as_token_slots(case, torch.Generator().manual_seed(3))
     b = case.batch
+    slots = None if b.slots is None else TokenSlots.of(b.slots.table.clone(), b.slots.rows.clone())
     batch = BatchMetadata.from_device(b.query_start_loc.clone(), b.seq_lens.clone(), b.block_table.clone(),
                                       num_decodes=b.num_decodes, num_tokens=b.num_tokens,
                                       max_query_len=b.max_query_len, block_size=P.block_size,
-                                      context_lens=b.context_lens.clone())
+                                      decode_query_len=b.decode_query_len, context_lens=b.context_lens.clone(),
+                                      slots=slots)
     return case, batch
 
 
@@ -166,12 +221,12 @@ def test_a_batch_edited_in_place_is_read_and_written_inside_its_tensors(
     case, batch = _device_batch(kind)
     T = batch.num_tokens
     layer = mm3.SparseAttention(P, dtype=torch.float32, index_dtype=torch.float32, max_num_tokens=T,
-                                backend=backend)
+                                max_decode_query_len=batch.decode_query_len, backend=backend)
     q, q_buf = _guarded(case.q)
     iq, iq_buf = _guarded(case.index_q)
     out, out_buf = _guarded(case.q, fill=False)
     layer(q, iq, case.caches, batch, out=out)      # the first step: judged on the host, once
-    (MIXED if kind == "mixed" else DECODES)[name](batch, batch.block_table.shape[1])
+    KINDS[kind][name](batch, batch.block_table.shape[1])
     with checking() as outside:
         layer(q, iq, case.caches, batch, out=out)  # the faulty step: judged on the device as it runs
     assert outside == [], f"{name}: accesses outside the kernels' tensors: {outside}"
