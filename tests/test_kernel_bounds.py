@@ -257,6 +257,31 @@ def test_the_block_scores_of_a_corrupt_batch_are_written_inside_their_tensor(bac
     assert _margins_untouched(scores_buf) and _margins_untouched(iq_buf)
 
 
+@pytest.mark.parametrize("backend", ["cuda", "rocm"])
+@pytest.mark.parametrize("kind", ["decodes", "mixed"])
+def test_an_attention_handed_a_callers_topk_reads_no_block_past_the_table(backend: str, kind: str) -> None:
+    """The attention called alone (the custom op, the drop-ins' attention functions) reads a top-k its caller
+    wrote: ids far past the table, beside positions far past it, must read no block-table column past the
+    table (the indexer's own ids never go past it, so only this call shows it)."""
+    from importlib import import_module
+
+    from mm3.plugin import TopkBuffer
+    from mm3_backends.triton.interpreter_bounds import checking
+
+    plugin = import_module(f"mm3_backends.{backend}.plugin")
+    case, batch = _device_batch(kind)
+    T, width = batch.num_tokens, batch.block_table.shape[1]
+    ids = torch.randint(0, 1 << 20, (P.num_kv_heads, T, P.topk), generator=torch.Generator().manual_seed(1),
+                        dtype=torch.int32)
+    ids[:, :, 0] = width + 3                         # every row selects a block just past the table, too
+    batch.token_positions.fill_(2 ** 31 - 1)
+    out, out_buf = _guarded(case.q, fill=False)
+    with checking() as outside:
+        plugin.attention_forward(q=case.q, caches=case.caches, topk=TopkBuffer(ids), batch=batch, params=P, out=out)
+    assert outside == [], f"accesses outside the kernels' tensors: {outside}"
+    assert _margins_untouched(out_buf)
+
+
 def test_the_bounds_check_sees_an_access_outside_and_masks_it() -> None:
     """The check itself: a kernel that stores two lanes past its tensor is caught (and the lanes are masked
     off, so the canaries stay), one that stays inside is not."""
