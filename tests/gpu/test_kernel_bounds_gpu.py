@@ -74,7 +74,7 @@ def test_a_corrupt_step_raises_and_leaves_the_device_usable(backend: str, name: 
                                       max_query_len=b.max_query_len, block_size=P.block_size)
     kept = {n: getattr(batch, n).clone() for n in ("query_start_loc", "seq_lens", "token_to_request",
                                                     "token_positions")}
-    layer = mm3.SparseAttention(P, dtype=torch.bfloat16, max_num_tokens=b.num_tokens, backend=backend)
+    layer = mm3.SparseAttention(P, dtype=torch.bfloat16, max_num_tokens=b.num_tokens, backend=backend, device="cuda")
     want = layer(case.q, case.index_q, case.caches, batch).clone()
     EDITS[name](batch)
     layer(case.q, case.index_q, case.caches, batch)
