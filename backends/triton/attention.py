@@ -66,7 +66,8 @@ from .nvfp4 import kv_block_scale_args
 from .plans import decode_attention_plan
 from .prefill_attention import prefill_attention_forward
 from .scratch import scratch_parts
-from .tiles import load_query_rows, load_rows, score_scale, store_item, store_rows, token_rows
+from .tiles import (load_query_rows, load_rows, request_of, score_scale, store_item, store_rows, token_rows,
+                    visible_blocks)
 from .tl_utils import (arrive_last, dot_config, grid_wait, kv_scale, kv_scale_args, launch_options,
                        pdl_prologue, step_kernel)
 
@@ -100,7 +101,7 @@ def _decode_attention_kernel(
     sp = tl.program_id(2)
     num_h = tl.num_programs(1)
     qk_scale = qk_scale * kv_scale(ks_ptr, h, s_ks, KV_SCALED)
-    r = tl.minimum(tl.maximum(tl.load(tok_req_ptr + t), 0), num_decodes - 1)
+    r = request_of(tok_req_ptr + t, None, 0, num_decodes)
     pos = tl.load(pos_ptr + t)
     rows = tl.arange(0, G_PAD)
     row_ok = rows < G
@@ -110,7 +111,7 @@ def _decode_attention_kernel(
     acc = tl.zeros([G_PAD, D], tl.float32)
     toks = tl.full([G_PAD], 0, tl.int32) + t
     if pos >= 0:
-        nb = tl.minimum(pos // B + 1, W)
+        nb = visible_blocks(pos, pos >= 0, W, B)
         q, undo = load_query_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
         qk = score_scale(qk_scale, undo, SCALE_Q)
         pos_rows = tl.full([G_PAD], 0, tl.int32) + pos
@@ -185,7 +186,7 @@ def _decode_attention_flat_kernel(
     if STREAM:
         for item in tl.range(p * IPP, tl.minimum(p * IPP + IPP, num_items)):
             # a token's request, clamped to a request of this step: every flag waited on is raised
-            r = tl.minimum(tl.maximum(tl.load(tok_req_ptr + item // SPLITS // num_h), 0), num_decodes - 1)
+            r = request_of(tok_req_ptr + item // SPLITS // num_h, None, 0, num_decodes)
             up = tl.atomic_add(ready_ptr + r, 0, sem="acquire", scope="gpu")
             while up == 0:
                 up = tl.atomic_add(ready_ptr + r, 0, sem="acquire", scope="gpu")
@@ -209,7 +210,7 @@ def _decode_attention_flat_kernel(
         m_i = tl.where(first, float("-inf"), m_i)
         l_i = tl.where(first, 0.0, l_i)
         acc = tl.where(first[:, None], 0.0, acc)
-        r = tl.minimum(tl.maximum(tl.load(tok_req_ptr + t), 0), num_decodes - 1)
+        r = request_of(tok_req_ptr + t, None, 0, num_decodes)
         pos = tl.load(pos_ptr + t)
         toks = zero_rows + t
         sel_row = sel_ptr + h * s_sel_h + t * s_sel_t
@@ -217,8 +218,8 @@ def _decode_attention_flat_kernel(
         i = sp * KPS + j
         blk = tl.max(tl.where(slots == i, sel, -1), axis=0)
         repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
-        # pos < 0 is a padding token: nothing is attended (and pos // B would truncate towards 0)
-        use = (pos >= 0) & (blk >= 0) & (blk <= pos // B) & (blk < W) & (repeated == 0)
+        # pos < 0 is a padding token: it sees no block, so nothing is attended
+        use = (blk >= 0) & (blk < visible_blocks(pos, pos >= 0, W, B)) & (repeated == 0)
         page, slot_blk, cols_left = block_at(bt_ptr, s_bt_r, s_bt_b, num_pages, r, tl.where(use, blk, 0), st_ptr,
                                              s_st_r, s_st_c, st_rows, st_width, sr_ptr, B, SLOTS, mask=use)
         q, undo = load_query_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)

@@ -20,6 +20,7 @@ from mm3.plugin import BatchMetadata
 
 from .fast_launch import launch
 from .launch import next_pow2
+from .tiles import request_of
 from .tl_utils import load_page, step_kernel
 
 __all__ = ["PLAN_ROWS", "SCAN_KERNEL_MAX", "PairPlan", "plan_pairs"]
@@ -69,15 +70,6 @@ def _plan_rows(tc0, Tc, K: tl.constexpr, K_PAD: tl.constexpr, R: tl.constexpr):
     return tc, slots, (tc[:, None] < Tc) & (slots[None, :] < K)
 
 
-@triton.jit
-def _request_of(req_ptr, mask, first_request, num_req):
-    """Each token's request (``token_to_request``), clamped into the launch's ``[first_request,
-    first_request + num_req)``: the contents are judged on the device while the plan is made, so a
-    corrupt entry must still name a segment of this launch (its counters and the block table's rows)."""
-    req = tl.load(req_ptr, mask=mask, other=first_request)
-    return tl.minimum(tl.maximum(req, first_request), first_request + num_req - 1)
-
-
 @step_kernel("tok0", "Tc", "first_request", "num_req", "nb_max")
 def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, within_ptr, count_ptr,
                        tok0, Tc, first_request, num_req, nb_max, B: tl.constexpr, K: tl.constexpr,
@@ -98,7 +90,7 @@ def _pair_count_kernel(sel_ptr, s_sh, s_st, s_sk, pos_ptr, req_ptr, clean_ptr, w
     ok = (ids >= 0) & (ids < nb[:, None]) & (ids < nb_max) & (repeat == 0) & in_row
     row = (h * Tc + tc[:, None]) * K + slots[None, :]
     tl.store(clean_ptr + row, tl.where(ok, ids, -1), mask=in_row)
-    req = _request_of(req_ptr + t, tc < Tc, first_request, num_req)
+    req = request_of(req_ptr + t, tc < Tc, first_request, num_req)
     seg = (h * num_req + req[:, None] - first_request) * nb_max + ids
     # relaxed: a unique index per pair is all that is needed (the next launch orders the rest); the
     # default acq_rel put a GPU-scope fence behind every atomic
@@ -120,7 +112,7 @@ def _pair_place_kernel(bt_ptr, s_bt_r, s_bt_b, num_pages, req_ptr, clean_ptr, wi
     row = (h * Tc + tc[:, None]) * K + slots[None, :]
     ids = tl.load(clean_ptr + row, mask=in_row, other=-1)
     ok = ids >= 0
-    r = _request_of(req_ptr + tok0 + tc, tc < Tc, first_request, num_req)[:, None] - first_request
+    r = request_of(req_ptr + tok0 + tc, tc < Tc, first_request, num_req)[:, None] - first_request
     seg = (h * num_req + r) * nb_max + ids
     within = tl.load(within_ptr + row, mask=ok, other=0)
     place = tl.load(pair_base_ptr + seg, mask=ok, other=0) + within

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["token_rows", "visible_blocks", "load_rows", "load_query_rows", "score_scale", "store_rows",
+__all__ = ["token_rows", "visible_blocks", "request_of", "load_rows", "load_query_rows", "score_scale", "store_rows",
            "softmax_weights", "store_item"]
 
 
@@ -55,6 +55,19 @@ def visible_blocks(pos, ok, W, B: tl.constexpr):
     table); 0 where ``ok`` is False (padding: a negative position is never divided, as Triton truncates
     where Python floors)."""
     return tl.where(ok, tl.minimum(pos // B + 1, W), 0)
+
+
+@triton.jit
+def request_of(ptr, mask, lo, n):
+    """The request at ``ptr`` (``token_to_request``) clamped into ``[lo, lo + n)``: the requests a launch
+    serves (the step's decodes, or a prefill launch's). The contents are judged on the device while a
+    kernel runs, so a corrupt entry must still name a request of the launch (its rows of the block table,
+    its counters and flags). ``mask`` as for ``tl.load`` (None: unmasked); masked-off lanes give ``lo``."""
+    if mask is None:
+        req = tl.load(ptr)
+    else:
+        req = tl.load(ptr, mask=mask, other=lo)
+    return tl.minimum(tl.maximum(req, lo), lo + n - 1)
 
 
 @triton.jit
