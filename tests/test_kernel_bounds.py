@@ -326,3 +326,30 @@ def test_the_bounds_check_sees_an_overrun_into_a_neighbouring_argument() -> None
         shifted_pair[(1,)](x, y, 6, BLOCK=4)
     assert [(v.op, v.nearest, v.lanes, v.offset) for v in outside] == [("store", "x_ptr", 2, 8)]
     assert y.tolist() == [2.0] * 4 + [0.0] * 4     # the two lanes were masked off: y[0:2] is y's own 2.0
+
+
+def test_the_bounds_check_refuses_to_run_where_kernels_are_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where Triton compiles the kernels (TRITON_INTERPRET unset when it was imported) the check would see no
+    access at all: ``checking()`` raises instead of reporting an empty list."""
+    from mm3_backends.triton import compat
+    from mm3_backends.triton.interpreter_bounds import checking
+
+    monkeypatch.setattr(compat, "kernel_mode", lambda kernel: "compiled")
+    with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1 before Triton is imported"):
+        with checking():
+            pass
+
+
+def test_the_bounds_check_names_the_releases_to_install_where_an_internal_is_missing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Triton that lacks an internal the check patches: the error names it and the releases to install."""
+    from mm3_backends.triton import compat, interpreter_bounds
+
+    monkeypatch.setattr(interpreter_bounds, "_installed", [])      # as in a process that never installed it
+    monkeypatch.setattr(compat, "missing", lambda feature: ["triton.runtime.interpreter:Gone (no Gone)"])
+    with pytest.raises(RuntimeError) as raised:
+        with interpreter_bounds.checking():
+            pass
+    text = str(raised.value)
+    assert "Gone" in text and "Install a Triton release" in text
+    assert all(v in text for r in compat.RELEASES for v in r.read)

@@ -7,7 +7,8 @@ kernels run (docs/errors.md §2.6), so in a faulty step every kernel still runs
 on the faulty query starts, positions, token requests and block table: each
 must stay inside its tensors whatever int32 values they hold.
 
-Under ``TRITON_INTERPRET=1``, :func:`checking` makes that observable on a CPU:
+Under ``TRITON_INTERPRET=1`` (elsewhere it raises), :func:`checking` makes that
+observable on a CPU:
 while it is active, every load, store and atomic of an interpreted kernel is
 compared, lane by lane, with the byte extents of the kernel's tensor arguments
 (each view's own extent, from its sizes and strides, not its storage's). A lane
@@ -43,6 +44,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
+import triton
 
 from . import compat
 
@@ -54,7 +56,8 @@ class Violation(NamedTuple):
 
     kernel: str
     op: str            # "load", "store", "atomic"
-    nearest: str       # the argument whose extent the first bad address is nearest to
+    nearest: str       # the argument holding most of the access's lanes (its own tensor), or where no lane is
+                       # inside any argument, the one the first bad address is nearest to
     lanes: int         # how many lanes of the access were outside
     offset: int        # the first bad address, in elements from the start of ``nearest``'s extent
     elements: int      # the elements of ``nearest``'s extent
@@ -63,6 +66,13 @@ class Violation(NamedTuple):
 _state = threading.local()   # .found: the active list of violations, .frames: per launch, the extents
 _LOCK = threading.Lock()
 _installed: list[bool] = []
+
+
+@triton.jit
+def _decorated() -> None:
+    """Nothing: what Triton made of it when this module was imported tells whether it interprets kernels (it
+    reads TRITON_INTERPRET when it decorates a function, as it did the kernels imported with it)."""
+    pass
 
 
 def _extent(t: Any) -> tuple[int, int, int]:
@@ -133,8 +143,12 @@ def _install() -> None:
             return
         lacking = compat.missing(compat.BOUNDS)
         if lacking:
-            raise RuntimeError(f"the interpreter's bounds check needs Triton internals this Triton lacks: "
-                               f"{'; '.join(lacking)}")
+            checked = " or ".join(v for r in compat.RELEASES for v in r.read)
+            version = compat.installed_version()
+            which = f"Triton {version[0]}.{version[1]}" if version else "the installed Triton"
+            raise RuntimeError(f"the interpreter's bounds check needs Triton internals {which} lacks: "
+                               f"{'; '.join(lacking)}. Install a Triton release mm3_backends.triton was checked "
+                               f"on (Triton {checked}), which has them")
         interp = compat.interpreter_module()
         executor, builder = interp.GridExecutor, interp.InterpreterBuilder
         handle, np_dtype = interp.TensorHandle, interp._get_np_dtype
@@ -190,8 +204,13 @@ def checking() -> Iterator[list[Violation]]:
     """Check every access of the kernels interpreted in this thread while active; yields the list the
     :class:`Violation` s are appended to (empty: every access was inside its kernel's tensors).
 
-    Needs ``TRITON_INTERPRET=1`` (compiled kernels are not interpreted: nothing is checked) and raises
-    ``RuntimeError`` where the installed Triton lacks an internal it patches."""
+    Raises ``RuntimeError`` where Triton compiles kernels instead of interpreting them (it would check
+    nothing: ``TRITON_INTERPRET=1`` must be set before Triton is imported) and where the installed Triton
+    lacks an internal it patches."""
+    if compat.kernel_mode(_decorated) != "interpreted":
+        raise RuntimeError("the interpreter's bounds check sees only kernels Triton interprets, and this process's "
+                           "Triton compiles them: set TRITON_INTERPRET=1 before Triton is imported (it decides "
+                           "when it decorates a kernel)")
     _install()
     found: list[Violation] = []
     outer = getattr(_state, "found", None), getattr(_state, "frames", None)
