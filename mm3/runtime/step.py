@@ -272,7 +272,8 @@ class OpTarget:
         be, reports, checker = self._attention_reader if reader is _ATTENTION else self._scores_reader \
             if reader is _SCORES else self._index_reader
         plain = plan.index_via is None and not plan.sort_written and plan.convert_to is None and not plan.sort_read
-        judged = reader is _INDEX and reports and be.capabilities.judges_contents
+        # (judges_contents implies reports_bad_page_ids: BackendCapabilities refuses one without the other)
+        judged = reader is _INDEX and be.capabilities.judges_contents
         return (key, plan, on_host(batch), caches.k.shape[0], be, reports, checker, judged,
                 reports and reader is not _ATTENTION, _INDEX in ops, _ATTENTION in ops, _SCORES in ops, plain)
 
