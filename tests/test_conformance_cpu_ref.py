@@ -281,3 +281,55 @@ def test_suite_catches_a_judge_that_misses_faults() -> None:
     assert "found no fault where mm3's reference finds" in contents["index_topk_mixed_position"].message
     assert {contents[f"index_topk_{s}_fine"].status for s in ("decodes", "mixed")} == {"pass"}
     assert not any(n.startswith("check_contents") for n in contents), sorted(contents)
+
+
+def test_suite_runs_the_check_contents_cases_of_a_backend_without_index_topk() -> None:
+    """A check_contents hook is called alone, so an attention-only backend that has one gets its cases (and
+    none of index_topk's judge): a hook that lowers the word as mm3's reference does passes every one, one
+    that judges nothing fails each faulty step and passes the fine ones."""
+    import torch
+
+    from mm3.contract.contents import lengths_word, pages_word
+    from mm3.plugin import hookimpl
+
+    class AttentionJudge(MockBackend):
+        def __init__(self, name: str, judges: bool) -> None:
+            super().__init__(name, ops={"attention"}, addressings={"pages", "slots"})
+            self.judges = judges
+
+        @hookimpl
+        def check_contents(self, batch, num_pages, word) -> None:  # type: ignore[no-untyped-def]
+            if self.judges:
+                word.copy_(torch.minimum(word, torch.minimum(lengths_word(batch), pages_word(batch, num_pages))))
+
+    steps = ("decodes", "decodes_slots", "mixed")
+    for name, judges in (("attention_judge", True), ("attention_judge_blind", False)):
+        plan = [c for c in plan_cases(_bind(AttentionJudge(name, judges), name), **SUBSET)  # type: ignore[arg-type]
+                if c.spec.kind == "contents"]
+        assert sorted(c.name.split("/")[1].split(":")[0] for c in plan) == sorted(
+            f"check_contents_{step}_{fault}" for step in steps for fault in ("fine", "page_id", "position"))
+        assert [c.skip for c in plan if c.skip] == []
+        results = {r.name.split("/")[1].split(":")[0]: r for r in (c.run() for c in plan)}
+        failed = sorted(n for n, r in results.items() if r.status != "pass")
+        if judges:
+            assert failed == [], {n: results[n].message for n in failed}
+        else:
+            assert failed == [f"check_contents_{step}_{fault}" for step in steps for fault in ("page_id", "position")]
+            assert all(results[n].status == "fail" for n in failed)
+            assert "found no fault where mm3's reference finds" in results["check_contents_mixed_position"].message
+
+
+def test_a_contents_case_whose_own_step_is_wrong_says_the_suite_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A contents case checks its step against mm3's reference before any backend's word, and says which side
+    is wrong: a 'fine' step the reference finds a fault in, or a fault that left the reference word alone."""
+    from mm3.testing.conformance import contents_cases
+
+    name = "declares_a_judge_too"
+    plan = {c.name.split("/")[1].split(":")[0]: c
+            for c in plan_cases(_bind(MockBackend(name, reports_bad_page_ids=True, judges_contents=True), name),
+                                **SUBSET) if c.spec.kind == "contents"}  # type: ignore[arg-type]
+    monkeypatch.setitem(contents_cases.FAULTS, "fine", contents_cases.FAULTS["page_id"])
+    monkeypatch.setitem(contents_cases.FAULTS, "position", lambda case: None)
+    fine, position = plan["index_topk_mixed_fine"].run(), plan["index_topk_mixed_position"].run()
+    assert fine.failed and "on a step built to be fine: the suite's step builder is wrong" in fine.message
+    assert position.failed and "did not change mm3's reference word" in position.message

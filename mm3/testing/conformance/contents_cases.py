@@ -8,7 +8,8 @@ word must be the one mm3's reference computes (:func:`~mm3.contract.contents.len
 :func:`~mm3.contract.contents.pages_word`), bit for bit. One fault in one place is found by one program,
 so the word is the same on every device (programs that find faults at once may race for it).
 
-The suite plans these cases only for the judges a backend has (most leave the contents to mm3).
+The suite plans these cases only for the judges a backend has (most leave the contents to mm3): a
+``check_contents`` hook's whatever ops the backend provides (it is called alone), ``index_topk``'s with it.
 
 Example (the cuda plugin judges in both places; cpu_ref in neither):
     >>> from mm3.testing.conformance import plan_cases
@@ -72,8 +73,14 @@ def contents_body(judge: str, fault: str) -> Body:
         FAULTS[fault](case)
         batch, pages = case.batch, case.caches.num_pages
         want = int(torch.minimum(lengths_word(batch), pages_word(batch, pages)))
-        if (want == NO_FAULT) != (fault == "fine"):
-            raise AssertionError(f"the suite's {fault!r} step: mm3's reference word is {want:#x}")
+        # the suite's own step, judged by mm3's reference, before any backend's word: which side is wrong
+        if fault == "fine" and want != NO_FAULT:
+            raise AssertionError(f"mm3's reference word reports a fault ({want:#x}) on a step built to be fine: "
+                                 f"the suite's step builder is wrong")
+        if fault != "fine" and want == NO_FAULT:
+            made = (FAULTS[fault].__doc__ or fault).rstrip(".")
+            raise AssertionError(f"the {fault!r} fault made ({made}) did not change mm3's reference word (still no "
+                                 f"fault): the suite's fault maker, or mm3's reference, is wrong")
         word = torch.full((1,), NO_FAULT, dtype=torch.int64, device=ctx.device)
         be = ctx.backend
         if judge == "check_contents":

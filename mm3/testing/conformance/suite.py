@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 import torch
 
 from mm3.contract.errors import InputError
+from mm3.contract.hookspecs import Op
 from mm3.testing.conformance.cases import (
     ATTENTION_STEPS, BODIES, BUFFER_CASES, COMPOSED_STEPS, INDEXER_STEPS, LARGE_STEPS, CaseContext,
     CaseSpec, Step,
@@ -165,14 +166,18 @@ def plan_cases(backend: Union["Backend", str], *, device: Union[str, torch.devic
         add(kind, f"{kind}/{step_name}:{tail}", step, q_dtype_for_index(idx) if kind == "indexer" else base_dt,
             idx, ops)
 
-    # the backend's own judges of a batch's contents: only those it has (most leave the contents to mm3)
+    # the backend's own judges of a batch's contents: only those it has (most leave the contents to mm3). The
+    # check_contents hook is called alone: its cases ask for one op the backend provides (the first of Op's),
+    # whose requirements the step must meet; index_topk's judge is index_topk itself
+    reads = next((op.value for op in Op if be.provides(op.value)), Op.INDEX_TOPK.value)
     for judge in JUDGES:
         if not (be.check_contents is not None if judge == "check_contents" else caps.judges_contents):
             continue
+        judge_ops = frozenset({reads if judge == "check_contents" else Op.INDEX_TOPK.value})
         for step_name, step in CONTENTS_STEPS.items():
             for fault in FAULTS:
                 specs.append(CaseSpec(name=f"contents/{judge}_{step_name}_{fault}:{base_idx}", kind="contents",
-                                      step=step, body=contents_body(judge, fault), ops=frozenset({"index_topk"}),
+                                      step=step, body=contents_body(judge, fault), ops=judge_ops,
                                       dtype=q_dtype_for_index(base_idx), index_dtype=base_idx,
                                       extra={"judge": judge}, salt=seed))
 
