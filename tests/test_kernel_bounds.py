@@ -331,10 +331,10 @@ def test_the_bounds_check_sees_an_overrun_into_a_neighbouring_argument() -> None
 def test_the_bounds_check_refuses_to_run_where_kernels_are_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where Triton compiles the kernels (TRITON_INTERPRET unset when it was imported) the check would see no
     access at all: ``checking()`` raises instead of reporting an empty list."""
-    from mm3_backends.triton import compat
+    from mm3_backends.triton import tl_utils
     from mm3_backends.triton.interpreter_bounds import checking
 
-    monkeypatch.setattr(compat, "kernel_mode", lambda kernel: "compiled")
+    monkeypatch.setattr(tl_utils, "interpreting", lambda: False)
     with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1 before Triton is imported"):
         with checking():
             pass

@@ -44,9 +44,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
-import triton
 
-from . import compat
+from . import compat, tl_utils
 
 __all__ = ["Violation", "checking"]
 
@@ -66,13 +65,6 @@ class Violation(NamedTuple):
 _state = threading.local()   # .found: the active list of violations, .frames: per launch, the extents
 _LOCK = threading.Lock()
 _installed: list[bool] = []
-
-
-@triton.jit
-def _decorated() -> None:
-    """Nothing: what Triton made of it when this module was imported tells whether it interprets kernels (it
-    reads TRITON_INTERPRET when it decorates a function, as it did the kernels imported with it)."""
-    pass
 
 
 def _extent(t: Any) -> tuple[int, int, int]:
@@ -207,7 +199,7 @@ def checking() -> Iterator[list[Violation]]:
     Raises ``RuntimeError`` where Triton compiles kernels instead of interpreting them (it would check
     nothing: ``TRITON_INTERPRET=1`` must be set before Triton is imported) and where the installed Triton
     lacks an internal it patches."""
-    if compat.kernel_mode(_decorated) != "interpreted":
+    if not tl_utils.interpreting():
         raise RuntimeError("the interpreter's bounds check sees only kernels Triton interprets, and this process's "
                            "Triton compiles them: set TRITON_INTERPRET=1 before Triton is imported (it decides "
                            "when it decorates a kernel)")
