@@ -9,7 +9,8 @@ step's time is a replay's over ``layers``. Rows, captured the same way and
 timed in one run:
 
 * ``layer``: ``mm3.SparseAttention.forward`` (what an engine calls);
-* ``ops``: ``torch.ops.mm3.index_topk`` / ``attention`` (what a compiled engine calls);
+* ``step op``: ``torch.ops.mm3.sparse_attention`` (what a compiled layer calls);
+* ``ops``: ``torch.ops.mm3.index_topk`` / ``attention`` (its halves, for an engine that schedules them apart);
 * ``hooks``: the plugin's two hooks on the bound backends, nothing of mm3 around them
   (a diagnostic: the gap between it and ``layer`` is mm3's own device work).
 
@@ -94,6 +95,10 @@ def _kernels(g: torch.cuda.CUDAGraph) -> list[tuple[str, float]]:
     return rows
 
 
+#: the rows, in the order they are timed
+ROWS = ("layer", "step op", "ops", "hooks")
+
+
 def measure(tp: int = 1, batch: int = 1, context: int = 65536, index_dtype: str = "bfloat16",
             kv_dtype: str = "bfloat16", layers: int = 8, replays: int = 50, shared_pool: bool = False,
             inference_mode: bool = True, profile: bool = False, backend: Optional[str] = None) -> dict[str, Any]:
@@ -126,6 +131,11 @@ def measure(tp: int = 1, batch: int = 1, context: int = 65536, index_dtype: str 
                                         c.v_scale)
             return run
 
+        def step_op(s: inputs.StepInputs) -> Fn:
+            args, c, h = batch_args(s.batch), s.caches, target.handle
+            return lambda: torch.ops.mm3.sparse_attention(s.q, s.index_q, c.k, c.v, c.index, buf.storage, *args, h,
+                                                          s.out, c.k_scale, c.v_scale)
+
         def hooks_step(s: inputs.StepInputs) -> Fn:
             rows = buf.rows(0, s.batch.num_tokens)
 
@@ -138,7 +148,7 @@ def measure(tp: int = 1, batch: int = 1, context: int = 65536, index_dtype: str 
                                       kv_dtype=kv_dtype, layers=layers, shared_pool=shared_pool,
                                       inference_mode=inference_mode, backend=layer.selection.attention.name)
         gpool = torch.cuda.graph_pool_handle() if shared_pool else None
-        for name, make in (("layer", layer_step), ("ops", ops_step), ("hooks", hooks_step)):
+        for name, make in zip(ROWS, (layer_step, step_op, ops_step, hooks_step)):
             g = _capture([make(s) for s in sets], gpool)
             result[f"{name}_us"] = median_event_us(g.replay, replays) / layers
             if profile:
@@ -158,10 +168,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"decode TP{r['tp']} B{r['batch']} ctx {r['context']} index {r['index_dtype']} kv {r['kv_dtype']} "
           f"({r['backend']}, {r['layers']} steps per graph, shared pool {r['shared_pool']}, "
           f"inference mode {r['inference_mode']}):")
-    for name in ("layer", "ops", "hooks"):
-        print(f"  {name:6s} {r[name + '_us']:8.1f} us per step")
+    for name in ROWS:
+        print(f"  {name:7s} {r[name + '_us']:8.1f} us per step")
     print(f"  layer - hooks {r['layer_minus_hooks_us']:+.1f} us")
-    for name in ("layer", "ops", "hooks"):
+    for name in ROWS:
         for kname, us in r.get(f"{name}_kernels", []):
             print(f"    [{name}] {us:7.1f} us  {kname[:110]}")
     if args.json:

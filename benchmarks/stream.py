@@ -17,6 +17,8 @@ engine's are.
   ``mm3.runtime.ops.batch_args`` of that batch;
 * ``ops, no-op kernels (the dispatcher's floor)``: the same calls on ops of the same schemas whose kernels
   return at once (no mm3 code): what PyTorch's dispatcher alone costs the ``ops`` row;
+* ``step op (a compiled layer's)``: ``torch.ops.mm3.sparse_attention``, the two in one call, as a compiled
+  ``SparseAttention`` calls it;
 * ``vllm decode``: ``minimax_m3_index_decode`` + ``minimax_m3_sparse_attn_decode`` on the step's
   decodes (the drop-in builds its batch itself, so its time includes that);
 * ``sglang decode``: SGLang's ``minimax_sparse_decode`` on the step's decodes, addressed through a
@@ -472,6 +474,26 @@ class OpsRow(LayerRow):
 _FLOOR: dict[str, Any] = {}
 
 
+class StepOpRow(LayerRow):
+    """``torch.ops.mm3.sparse_attention`` on the layer's handle and top-k storage: what a compiled layer calls."""
+
+    def __init__(self, setup: Setup) -> None:
+        super().__init__(setup)
+        if not hasattr(torch.ops.mm3, "sparse_attention"):
+            raise Unavailable("no torch.ops.mm3.sparse_attention in this checkout")
+
+    def _call(self, s: StreamStep, b: Any, caches: mm3.PagedKVCache) -> Call:
+        from mm3.runtime.ops import batch_args
+
+        T, c = s.num_tokens, caches
+        q, iq, out = self.q[:T], self.iq[:T], self.out[:T]
+        args, h, st = batch_args(b), self.layer.op_target.handle, self.layer.topk_buffer.storage
+
+        def op() -> None:
+            torch.ops.mm3.sparse_attention(q, iq, c.k, c.v, c.index, st, *args, h, out)
+        return op
+
+
 def _floor_ops() -> tuple[Any, Any]:
     """``torch.ops.mm3_floor.index_topk`` / ``.attention``: ops of this checkout's ``torch.ops.mm3`` schemas whose
     kernels return at once (registered once per process): what PyTorch's dispatcher alone costs per call."""
@@ -752,6 +774,7 @@ ROWS: dict[str, Callable[[Setup], Row]] = {
     "layer": LayerRow,
     "ops": OpsRow,
     "ops, no-op kernels (the dispatcher's floor)": OpsFloorRow,
+    "step op (a compiled layer's)": StepOpRow,
     "vllm decode": VllmDecodeRow,
     "tp rank": lambda setup: LayerRow(setup, tp=True),
     "layer, no check_contents hook": lambda setup: _without_contents_hook(setup),

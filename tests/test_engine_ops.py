@@ -41,6 +41,20 @@ def test_ops_are_registered_with_fake_kernels_and_declared_mutations() -> None:
     written = {a.name for a in torch.ops.mm3.attention.default._schema.arguments
                if a.alias_info is not None and a.alias_info.is_write}
     assert written == {"out"}
+    out2 = torch.full_like(case.q, float("nan"))
+    step = torch.ops.mm3.sparse_attention.default
+    torch.library.opcheck(step, (case.q, case.index_q, c.k, c.v, c.index, topk, *args, h, out2))
+    assert {a.name for a in step._schema.arguments if a.alias_info is not None and a.alias_info.is_write} == \
+        {"topk", "out"}
+    # the step op is the two ops in one call (opcheck wrote into copies)
+    torch.ops.mm3.index_topk(case.index_q, c.k, c.v, c.index, topk, *args, h)
+    torch.ops.mm3.attention(case.q, c.k, c.v, c.index, topk, *args, h, out)
+    T = case.batch.num_tokens
+    rows = topk.clone()
+    topk.fill_(-7)
+    step(case.q, case.index_q, c.k, c.v, c.index, topk, *args, h, out2)
+    assert torch.equal(topk[:, :T], rows[:, :T]) and not out.isnan().any()
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
 
 
 def test_op_handle_of_a_dead_layer_is_refused() -> None:
@@ -103,10 +117,10 @@ def test_compiled_model_has_no_graph_break_and_matches_eager() -> None:
             got = compiled(case.q, case.index_q, case.caches, batch)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert len(graphs) == 1, f"compiled {len(graphs)} times for one shape class"
-    # each layer is two opaque nodes: the layer's and the backend's Python were not traced
+    # each layer is one opaque node: the layer's and the backend's Python were not traced
     calls = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     mm3_ops = [str(t) for t in calls if str(t).startswith("mm3.")]
-    assert mm3_ops == ["mm3.index_topk", "mm3.attention"] * 2, calls
+    assert mm3_ops == ["mm3.sparse_attention"] * 2, calls
 
 
 def test_steps_of_other_shape_classes_do_not_recompile_every_time() -> None:

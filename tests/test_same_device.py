@@ -2,8 +2,8 @@
 
 One tensor at a time is moved to the ``meta`` device (everything else on the
 CPU) and the step is called through each entry point that takes that tensor:
-the layer, the custom ops (``torch.ops.mm3.*``) and a bound backend's own op
-methods. Each must raise :class:`~mm3.InputError` naming the tensor as its
+the layer, the custom ops (``torch.ops.mm3.*``: the two, and the step op a
+compiled layer calls) and a bound backend's own op methods. Each must raise :class:`~mm3.InputError` naming the tensor as its
 caller spells it and the device, before any hook runs (a custom op with a
 ``meta`` argument reaches its fake kernel, which refuses it there).
 """
@@ -24,13 +24,14 @@ P = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=16, num_inde
                               block_size=16, topk=4)
 BATCH_TENSORS = ("block_table", "query_start_loc", "seq_lens", "token_positions", "token_to_request")
 TENSORS = BATCH_TENSORS + ("q", "index_q", "out", "topk")
-ENTRIES = ("layer", "custom ops", "bound backend")
+ENTRIES = ("layer", "custom ops", "step op", "bound backend")
 
 #: how each entry point names a tensor in its errors (the layer judges its batch as a whole by seq_lens)
 NAMES = {
     "layer": {**{t: f"batch.{t}" for t in BATCH_TENSORS}, "seq_lens": r"batch(\.seq_lens)?",
               "q": "q", "index_q": "index_q", "out": "out"},
     "custom ops": {**{t: t for t in BATCH_TENSORS}, "q": "q", "index_q": "index_q", "out": "out", "topk": "topk"},
+    "step op": {**{t: t for t in BATCH_TENSORS}, "q": "q", "index_q": "index_q", "out": "out", "topk": "topk"},
     "bound backend": {**{t: f"batch.{t}" for t in BATCH_TENSORS}, "q": "q", "index_q": "index_q", "out": "out",
                       "topk": "the top-k buffer"},
 }
@@ -69,6 +70,11 @@ def _call(entry: str, moved: str, attention: bool = False) -> Callable[[], Any]:
         if attention:
             return lambda: torch.ops.mm3.attention(q, c.k, c.v, c.index, topk, *args, target.handle, out)
         return lambda: torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, topk, *args, target.handle)
+    if entry == "step op":
+        storage = layer.topk_buffer.storage
+        topk = _meta(storage) if moved == "topk" else storage
+        args, target = batch_args(batch), layer.op_target
+        return lambda: torch.ops.mm3.sparse_attention(q, index_q, c.k, c.v, c.index, topk, *args, target.handle, out)
     be = default_registry().get("cpu_ref")
     rows = mm3.TopkBuffer.allocate(batch.num_tokens, P.num_index_heads, P.topk, be.capabilities.topk_layout,
                                    device="meta" if moved == "topk" else "cpu")

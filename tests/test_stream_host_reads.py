@@ -6,7 +6,8 @@ boundary that reads a batch's contents on the host at the first step of each
 shape class reads on nearly every step: a device sync each time on a GPU. Here
 a short engine-like stream (:func:`mm3_benchmarks.stream.engine_stream`: fresh
 ``BatchMetadata.from_device`` batches from an engine's int32 tensors, new
-shapes nearly every step) runs through the layer, the custom ops, vLLM's decode
+shapes nearly every step) runs through the layer, the custom ops (the two, and the step op a
+compiled layer calls), vLLM's decode
 pair and prefill functions, SGLang's decode and prefill entry points, and rank 0
 of a tensor-parallel layer. Each entry
 point's first steps (the first call of each batch kind, on caches of their own)
@@ -41,8 +42,8 @@ from mm3.runtime import step
 from mm3_backends.cpu_ref import plugin as cpu_ref_plugin
 from mm3_benchmarks.host_reads import CountHostReads
 from mm3_benchmarks.stream import (
-    EngineBuffers, LayerRow, OpsRow, Row, Setup, SglangDecodeRow, SglangPrefillRow, VllmDecodeRow, VllmPrefillRow,
-    engine_stream,
+    EngineBuffers, LayerRow, OpsRow, Row, Setup, SglangDecodeRow, SglangPrefillRow, StepOpRow, VllmDecodeRow,
+    VllmPrefillRow, engine_stream,
 )
 
 P = mm3.SparseAttentionParams(num_heads=4, num_kv_heads=2, head_dim=32, num_index_heads=2, index_head_dim=32,
@@ -57,6 +58,7 @@ CPU_REF = os.path.dirname(cpu_ref_plugin.__file__) + os.sep
 ENTRIES: dict[str, Callable[[Setup], Row]] = {
     "layer": LayerRow,
     "custom ops": OpsRow,
+    "step op": StepOpRow,
     "vllm decode pair": VllmDecodeRow,
     "vllm prefill functions": VllmPrefillRow,
     "sglang decode": SglangDecodeRow,
@@ -117,7 +119,7 @@ def test_no_step_after_the_first_reads_the_host(entry: str, backend: str, monkey
             if stub:   # every step reached the backend: nothing was skipped
                 ran = {k: stub.calls[k] - before[k] for k in before}
                 prefills = sum(s.prefill is not None for s in STREAM.steps)
-                want = {"layer": (16, 16), "custom ops": (16, 16), "tp rank": (16, 16), "vllm decode pair": (16, 16),
+                want = {"layer": (16, 16), "custom ops": (16, 16), "step op": (16, 16), "tp rank": (16, 16), "vllm decode pair": (16, 16),
                         "vllm prefill functions": (0, prefills), "sglang decode": (16, 16),
                         "sglang prefill": (prefills, prefills)}[entry.replace(", token slots", "")]
                 assert (ran["index_topk"], ran["attention_forward"]) == want, ran

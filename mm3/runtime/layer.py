@@ -170,7 +170,7 @@ class SparseAttention:
 
     @property
     def op_target(self) -> OpTarget:
-        """What ``torch.ops.mm3.index_topk`` / ``attention`` dispatch to for the current choice
+        """What ``torch.ops.mm3.*`` dispatch to for the current choice
         (pass its ``handle``; :mod:`mm3.runtime.ops`)."""
         return self._resolve().target
 
@@ -203,12 +203,12 @@ class SparseAttention:
         target = self._resolve().target
         if out is None and isinstance(q, torch.Tensor):
             out = torch.empty_like(q, dtype=self.dtype)   # fp8 queries: the output is in the layer's dtype
-        if _compiling():  # one opaque node per op: nothing below is traced
-            # each op admits its call at run time, held to this layer's promises (its target carries them)
+        if _compiling():  # one opaque node for the step: nothing below is traced
+            # the op admits its call at run time, held to this layer's promises (its target carries them)
             args, c, handle, st = batch_args(batch), caches, target.handle, target.topk.storage  # type: ignore[union-attr]
             blocks = (c.k_block_scale, c.v_block_scale, c.index_block_scale)     # NVFP4's, else None
-            torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, st, *args, handle, c.k_scale, c.v_scale, *blocks)
-            torch.ops.mm3.attention(q, c.k, c.v, c.index, st, *args, handle, out, c.k_scale, c.v_scale, *blocks)
+            torch.ops.mm3.sparse_attention(q, index_q, c.k, c.v, c.index, st, *args, handle, out, c.k_scale,
+                                           c.v_scale, *blocks)
             return out[:batch.num_tokens]  # type: ignore[index]
         target.run(_ENTRY, BOTH, caches, batch, target.topk, index_q, q, out)
         T = batch.facts.num_tokens     # run admitted the batch: a BatchMetadata

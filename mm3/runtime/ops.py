@@ -1,4 +1,5 @@
-"""mm3's ops as ``torch.library`` custom ops: ``torch.ops.mm3.index_topk`` and ``torch.ops.mm3.attention``.
+"""mm3's ops as ``torch.library`` custom ops: ``torch.ops.mm3.index_topk``, ``torch.ops.mm3.attention``
+and ``torch.ops.mm3.sparse_attention`` (the two in one call: a layer's whole step).
 
 Engines compile their models: ``torch.compile`` treats each op as one opaque
 node (its fake kernel says what it returns and its schema which arguments it
@@ -9,6 +10,12 @@ backends the op dispatches to (:class:`OpTarget`, registered by
 :class:`~mm3.SparseAttention` when it binds them). Behind the op, the call is
 admitted at the step's boundary like any other (:mod:`mm3.runtime.step`), then
 the bound backend's hook runs.
+
+A compiled :class:`~mm3.SparseAttention` emits ``sparse_attention``: one
+dispatcher hop and one admission per step, and the step's contents judged once
+(by the indexer's launches where its backend ``judges_contents``), as the eager
+layer does. ``index_topk`` and ``attention`` are for an engine that schedules
+the two apart; each call is admitted and its contents judged by itself.
 
 The top-k buffer (written by the indexer) and ``out`` (by the attention) are
 the ops' declared mutations; both are passed whole, the op writes rows
@@ -52,7 +59,7 @@ from mm3.contract.facts import OPS_NAMES
 from mm3.contract.hookspecs import Op
 from mm3.runtime.step import OpTarget
 
-__all__ = ["OpTarget", "batch_args", "batch_from_args", "register", "lookup"]
+__all__ = ["OpTarget", "batch_args", "batch_from_args", "register", "lookup", "sparse_attention"]
 
 # the live targets by handle: an op names its target by an int (a schema takes no Python object). A plain dict
 # of weak references, each removing its entry when its target dies: an op's lookup is one dict read and one
@@ -124,6 +131,7 @@ def batch_from_args(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, conte
 # each op's name in errors and its ops, made once (an enum member's attribute lookup runs Python every call)
 _INDEX_ENTRY, _INDEX_OPS = "torch.ops.mm3.index_topk", (Op.INDEX_TOPK,)
 _ATTENTION_ENTRY, _ATTENTION_OPS = "torch.ops.mm3.attention", (Op.ATTENTION,)
+_STEP_ENTRY, _STEP_OPS = "torch.ops.mm3.sparse_attention", (Op.INDEX_TOPK, Op.ATTENTION)
 
 
 def _call_parts(handle: int, entry: str, topk: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
@@ -158,6 +166,8 @@ _SCALES = ("Tensor? k_scale=None, Tensor? v_scale=None, Tensor? k_block_scale=No
            "Tensor? index_block_scale=None")   # the block scales: NVFP4's (docs/spec.md §1)
 _LIB.define(f"index_topk(Tensor index_q, {_CACHES}, Tensor(a!) topk, {_BATCH}, {_SCALES}) -> ()")
 _LIB.define(f"attention(Tensor q, {_CACHES}, Tensor topk, {_BATCH}, Tensor(a!) out, {_SCALES}) -> ()")
+_LIB.define(f"sparse_attention(Tensor q, Tensor index_q, {_CACHES}, Tensor(a!) topk, {_BATCH}, Tensor(b!) out, "
+            f"{_SCALES}) -> ()")
 
 
 def index_topk(index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, topk: torch.Tensor,
@@ -192,8 +202,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Te
     target.run(_ATTENTION_ENTRY, _ATTENTION_OPS, caches=caches, batch=batch, topk=own, q=q, out=out, names=OPS_NAMES)
 
 
+def sparse_attention(q: torch.Tensor, index_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                     topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                     context_lens: torch.Tensor, block_table: torch.Tensor, token_to_request: torch.Tensor,
+                     token_positions: torch.Tensor, num_decodes: int, decode_query_len: int, num_decode_tokens: int,
+                     max_prefill_query_len: int, block_size: int, handle: int, out: torch.Tensor,
+                     k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                     k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
+                     index_block_scale: Optional[torch.Tensor] = None) -> None:
+    """A layer's step on the bound backends ``handle``: the indexer writes rows ``[0, T)`` of ``topk``, then
+    the attention reads them and writes ``out[:T]`` (what a compiled :class:`~mm3.SparseAttention` calls)."""
+    target, caches, batch, own = _call_parts(
+        handle, _STEP_ENTRY, topk, k, v, index, query_start_loc, seq_lens, context_lens, block_table,
+        token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len,
+        block_size, k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
+    target.run(_STEP_ENTRY, _STEP_OPS, caches=caches, batch=batch, topk=own, index_q=index_q, q=q, out=out,
+               names=OPS_NAMES)
+
+
 _LIB.impl("index_topk", index_topk, "CompositeExplicitAutograd")
 _LIB.impl("attention", attention, "CompositeExplicitAutograd")
+_LIB.impl("sparse_attention", sparse_attention, "CompositeExplicitAutograd")
 
 
 def _meta_argument(entry: str, named: dict[str, object]) -> None:
@@ -236,6 +265,19 @@ def _(q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table
     _meta_argument("torch.ops.mm3.attention", dict(
         q=q, k=k, v=v, index=index, topk=topk, query_start_loc=query_start_loc, seq_lens=seq_lens,
         context_lens=context_lens, block_table=block_table, token_to_request=token_to_request,
+        token_positions=token_positions, out=out, k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
+        v_block_scale=v_block_scale, index_block_scale=index_block_scale))
+    return None
+
+
+@torch.library.register_fake("mm3::sparse_attention", lib=_LIB)
+def _(q, index_q, k, v, index, topk, query_start_loc, seq_lens, context_lens,  # type: ignore[no-untyped-def]
+      block_table, token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
+      max_prefill_query_len, block_size, handle, out, k_scale=None, v_scale=None, k_block_scale=None,
+      v_block_scale=None, index_block_scale=None) -> None:
+    _meta_argument("torch.ops.mm3.sparse_attention", dict(
+        q=q, index_q=index_q, k=k, v=v, index=index, topk=topk, query_start_loc=query_start_loc,
+        seq_lens=seq_lens, context_lens=context_lens, block_table=block_table, token_to_request=token_to_request,
         token_positions=token_positions, out=out, k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
         v_block_scale=v_block_scale, index_block_scale=index_block_scale))
     return None
