@@ -12,7 +12,8 @@ compared with the extents of the kernel's tensors) on a batch made as an engine 
 outside its tensors, and the fault must still be raised. The steps: a mixed one, decodes alone (the
 score launch judges them), decodes with a draft token and a padding decode, and the mixed one through
 token slots. Every case runs on both plugins and on two launch variants (the second takes the kernel
-paths a GPU takes at other shapes, the streamed decode among them).
+paths a GPU takes at other shapes, the streamed decode among them). The edits that move cache addresses
+run again on fp8 and on NVFP4 caches, whose value and scale loads are kernels' code of their own.
 """
 
 from __future__ import annotations
@@ -353,3 +354,53 @@ def test_the_bounds_check_names_the_releases_to_install_where_an_internal_is_mis
     text = str(raised.value)
     assert "Gone" in text and "Install a Triton release" in text
     assert all(v in text for r in compat.RELEASES for v in r.read)
+
+
+#: the quantized caches a layer reads (the plugins' own loads: fp8 values and their per-head scales, NVFP4 block
+#: scales)
+QUANTIZED = {
+    "fp8_kv_fp8_index": dict(kv_dtype=torch.float8_e5m2, index_dtype=torch.float8_e4m3fn),
+    "nvfp4_kv_nvfp4_index": dict(kv_dtype="nvfp4", index_dtype="nvfp4"),
+}
+#: the edits that move the addresses every cache load goes through: pages, positions, query starts, requests
+QUANTIZED_EDITS = {"mixed": ["page_id_huge", "page_id_negative", "pos_prefill_far", "pos_decode_int_max",
+                             "qsl_prefill_start_huge", "t2r_prefill_huge", "seq_len_decode_huge_derived"],
+                   "decodes": ["qsl_start_huge", "pos_huge", "t2r_past_requests", "seq_len_huge_derived"]}
+
+
+def _quantized_case(kind: str, formats: dict[str, Any]) -> tuple[Any, BatchMetadata, mm3.SparseAttention]:
+    """:func:`_device_batch`'s step on quantized caches, and a layer built for them."""
+    spec = {"mixed": dict(decodes=[40, 20], prefills=[(5, 35), (3, 20)]), "decodes": dict(decodes=[40, 20, 70])}[kind]
+    name = lambda d: d if isinstance(d, str) else str(d).removeprefix("torch.")  # noqa: E731
+    case = make_case(P, dtype="bfloat16", seed=3, **spec, kv_dtype=name(formats["kv_dtype"]),
+                     index_dtype=name(formats["index_dtype"]))
+    b = case.batch
+    batch = BatchMetadata.from_device(b.query_start_loc.clone(), b.seq_lens.clone(), b.block_table.clone(),
+                                      num_decodes=b.num_decodes, num_tokens=b.num_tokens,
+                                      max_query_len=b.max_query_len, block_size=P.block_size,
+                                      decode_query_len=b.decode_query_len, context_lens=b.context_lens.clone())
+    return case, batch, formats
+
+
+@pytest.mark.parametrize("backend", ["cuda", "rocm"])
+@pytest.mark.parametrize("formats", list(QUANTIZED))
+@pytest.mark.parametrize("kind, name", [(k, n) for k, names in QUANTIZED_EDITS.items() for n in names])
+def test_quantized_caches_are_read_inside_their_tensors(monkeypatch: pytest.MonkeyPatch, backend: str, formats: str,
+                                                        kind: str, name: str) -> None:
+    """The edits that move cache addresses, on fp8 caches (scaled K/V, an fp8 index) and on NVFP4 caches: their
+    value and scale loads go through the same clamped pages and bounded rows."""
+    from mm3_backends.triton.interpreter_bounds import checking
+
+    monkeypatch.setattr(step_mod, "on_host", lambda batch: False)
+    case, batch, fmt = _quantized_case(kind, QUANTIZED[formats])
+    T = batch.num_tokens
+    layer = mm3.SparseAttention(P, dtype=torch.bfloat16, kv_dtype=fmt["kv_dtype"], index_dtype=fmt["index_dtype"],
+                                max_num_tokens=T, backend=backend)
+    out = torch.zeros_like(case.q)
+    layer(case.q, case.index_q, case.caches, batch, out=out)   # the first step: judged on the host, once
+    KINDS[kind][name](batch, batch.block_table.shape[1])
+    with checking() as outside:
+        layer(case.q, case.index_q, case.caches, batch, out=out)
+    assert outside == [], f"{name}: accesses outside the kernels' tensors: {outside}"
+    with pytest.raises(InputError):
+        layer.check_page_ids()
