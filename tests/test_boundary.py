@@ -3,7 +3,7 @@
 * A target's plans are keyed by the facts engine traffic does not change: a change to one judges every
   rule again, a new token count does not; the rules read nothing but the facts value.
 * Three inputs that used to pass silently raise through every entry point (the layer, the custom
-  ops, the vLLM drop-in, the tensor-parallel layer): a block table rewritten in place after a good
+  ops and the step op, the vLLM drop-in, the tensor-parallel layer): a block table rewritten in place after a good
   step; token-major top-k memory given to the ops (correct, read as the view it is); a
   ``from_device`` batch whose lengths contradict its query starts.
 * Every batch tensor an engine rewrites in place between steps: the next step raises, or reads the
@@ -149,15 +149,24 @@ def _via_ops(layer: Any, case: Any) -> torch.Tensor:
     return out
 
 
+@_entry("step op")
+def _via_step_op(layer: Any, case: Any) -> torch.Tensor:
+    c, args, h = case.caches, batch_args(case.batch), layer.op_target.handle
+    out = torch.full_like(case.q, float("nan"))
+    torch.ops.mm3.sparse_attention(case.q, case.index_q, c.k, c.v, c.index, layer.topk_buffer.storage, *args, h, out)
+    return out
+
+
 def _make(entry: str) -> Any:
     return _tp_layer() if entry == "tensor-parallel layer" else _layer()
 
 
-@pytest.mark.parametrize("entry", ["layer", "tensor-parallel layer", "custom ops"])
+@pytest.mark.parametrize("entry", ["layer", "tensor-parallel layer", "custom ops", "step op"])
 @pytest.mark.parametrize("mode", ["first", "always", "never"])
 def test_a_block_table_rewritten_in_place_raises(entry: str, mode: str) -> None:
     layer = _make(entry) if mode == "first" else _layer(settings=Settings(check_contracts=mode))
-    run = ENTRIES[entry] if mode == "first" else ENTRIES["layer" if entry != "custom ops" else entry]
+    ops = entry in ("custom ops", "step op")
+    run = ENTRIES[entry] if mode == "first" or ops else ENTRIES["layer"]
     case = make_case(P, seed=1, **STEP)
     got = run(layer, case)                                              # a good step
     _close(got, _want(case.q, case.index_q, case.caches, case.batch))
@@ -235,7 +244,7 @@ def _short_seq_batch() -> tuple[Any, mm3.BatchMetadata]:
     return case, bad
 
 
-@pytest.mark.parametrize("entry", ["layer", "tensor-parallel layer", "custom ops"])
+@pytest.mark.parametrize("entry", ["layer", "tensor-parallel layer", "custom ops", "step op"])
 def test_a_from_device_batch_with_contradicting_lengths_raises(entry: str) -> None:
     case, bad = _short_seq_batch()
     assert bad.token_positions.tolist()[:3] == [-1, -1, -1]             # derived as given: no position for them
@@ -281,7 +290,7 @@ REWRITES = ["block_table (bad id)", "block_table (other page)", "seq_lens", "que
             "token_to_request", "context_lens"]
 
 
-@pytest.mark.parametrize("entry", ["layer", "tensor-parallel layer", "custom ops"])
+@pytest.mark.parametrize("entry", ["layer", "tensor-parallel layer", "custom ops", "step op"])
 @pytest.mark.parametrize("what", REWRITES)
 def test_an_in_place_rewrite_raises_or_is_read(entry: str, what: str) -> None:
     layer = _make(entry)
