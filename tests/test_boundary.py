@@ -165,8 +165,8 @@ def _make(entry: str) -> Any:
 @pytest.mark.parametrize("mode", ["first", "always", "never"])
 def test_a_block_table_rewritten_in_place_raises(entry: str, mode: str) -> None:
     layer = _make(entry) if mode == "first" else _layer(settings=Settings(check_contracts=mode))
-    ops = entry in ("custom ops", "step op")
-    run = ENTRIES[entry] if mode == "first" or ops else ENTRIES["layer"]
+    an_op = entry in ("custom ops", "step op")
+    run = ENTRIES[entry] if mode == "first" or an_op else ENTRIES["layer"]
     case = make_case(P, seed=1, **STEP)
     got = run(layer, case)                                              # a good step
     _close(got, _want(case.q, case.index_q, case.caches, case.batch))
