@@ -12,8 +12,9 @@ script measures an older checkout for the "before" column):
 
 * ``layer``: ``layer(q, index_q, caches, batch)`` with a ``BatchMetadata.build`` batch;
 * ``layer, device batch``: the same with a batch of ``BatchMetadata.from_device``;
-* ``ops``: ``torch.ops.mm3.index_topk`` + ``torch.ops.mm3.attention`` (the dispatcher path
-  a compiled graph takes, called eagerly);
+* ``ops``: ``torch.ops.mm3.index_topk`` + ``torch.ops.mm3.attention`` (the dispatcher path of an
+  engine that schedules the two apart, called eagerly; a compiled layer calls ``sparse_attention``, the
+  ``--stream`` rows time it);
 * ``backends``: the two bound ``Backend`` calls (mm3's checks, then the plugin);
 * ``plugin hooks``: the two hook functions, no checks (the kernels' own launch code);
 * ``graph replay``: the step captured in a ``torch.cuda.CUDAGraph`` and replayed (GPU only);
@@ -76,7 +77,7 @@ __all__ = ["measure_host_overhead"]
 
 def _ops_row(layer: "mm3.SparseAttention", q: torch.Tensor, iq: torch.Tensor, c: "mm3.PagedKVCache",
              b: "mm3.BatchMetadata", out: torch.Tensor) -> Callable[[], None]:
-    """The two custom ops of one step, called eagerly (the path a compiled graph takes)."""
+    """The two custom ops of one step, called eagerly (the dispatcher path of an engine that calls them apart)."""
     from mm3.runtime.ops import batch_args
 
     args, h, st = batch_args(b), layer.op_target.handle, layer.topk_buffer.storage

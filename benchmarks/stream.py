@@ -478,9 +478,9 @@ class StepOpRow(LayerRow):
     """``torch.ops.mm3.sparse_attention`` on the layer's handle and top-k storage: what a compiled layer calls."""
 
     def __init__(self, setup: Setup) -> None:
-        super().__init__(setup)
         if not hasattr(torch.ops.mm3, "sparse_attention"):
             raise Unavailable("no torch.ops.mm3.sparse_attention in this checkout")
+        super().__init__(setup)
 
     def _call(self, s: StreamStep, b: Any, caches: mm3.PagedKVCache) -> Call:
         from mm3.runtime.ops import batch_args

@@ -123,6 +123,40 @@ def test_compiled_model_has_no_graph_break_and_matches_eager() -> None:
     assert mm3_ops == ["mm3.sparse_attention"] * 2, calls
 
 
+class _Halves(torch.nn.Module):
+    """A layer's step through its two ops, as an engine that schedules the indexer and the attention apart
+    calls them: the attention reads what the indexer wrote, through the compiled graph's functionalization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = _layer()
+
+    def forward(self, q: torch.Tensor, index_q: torch.Tensor, caches: mm3.PagedKVCache,
+                batch: mm3.BatchMetadata) -> torch.Tensor:
+        t, c = self.layer.op_target, caches
+        args, topk, out = batch_args(batch), t.topk.storage, torch.empty_like(q)  # type: ignore[union-attr]
+        torch.ops.mm3.index_topk(index_q, c.k, c.v, c.index, topk, *args, t.handle)
+        torch.ops.mm3.attention(q, c.k, c.v, c.index, topk, *args, t.handle, out)
+        return out
+
+
+def test_the_two_halves_compile_in_order_and_match_the_layer() -> None:
+    model, graphs = _Halves(), []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        for s, d in ((1, [70, 40]), (2, [33, 80])):
+            case = make_case(P, decodes=d, prefills=[(6, 50)], dtype="float32", seed=s)
+            want = model.layer(case.q, case.index_q, case.caches, case.batch)
+            torch.testing.assert_close(compiled(case.q, case.index_q, case.caches, case.batch), want, rtol=0, atol=0)
+    calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert [c for c in calls if c.startswith("mm3.")] == ["mm3.index_topk", "mm3.attention"], calls
+
+
 def test_steps_of_other_shape_classes_do_not_recompile_every_time() -> None:
     """The ops take the batch's host ints as SymInt: after the first change dynamo makes them
     dynamic instead of compiling again for every new number of decodes or prefill length (an

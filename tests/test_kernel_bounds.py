@@ -368,8 +368,8 @@ QUANTIZED_EDITS = {"mixed": ["page_id_huge", "page_id_negative", "pos_prefill_fa
                    "decodes": ["qsl_start_huge", "pos_huge", "t2r_past_requests", "seq_len_huge_derived"]}
 
 
-def _quantized_case(kind: str, formats: dict[str, Any]) -> tuple[Any, BatchMetadata, mm3.SparseAttention]:
-    """:func:`_device_batch`'s step on quantized caches, and a layer built for them."""
+def _quantized_case(kind: str, formats: dict[str, Any]) -> tuple[Any, BatchMetadata, dict[str, Any]]:
+    """:func:`_device_batch`'s step on quantized caches, and the formats (a layer is built for them)."""
     spec = {"mixed": dict(decodes=[40, 20], prefills=[(5, 35), (3, 20)]), "decodes": dict(decodes=[40, 20, 70])}[kind]
     name = lambda d: d if isinstance(d, str) else str(d).removeprefix("torch.")  # noqa: E731
     case = make_case(P, dtype="bfloat16", seed=3, **spec, kv_dtype=name(formats["kv_dtype"]),

@@ -1,6 +1,6 @@
 """The custom ops' host path, and ``BatchMetadata.build`` on a device.
 
-Each call of ``torch.ops.mm3.index_topk`` / ``.attention`` builds, before the boundary
+Each call of ``torch.ops.mm3.index_topk`` / ``.attention`` / ``.sparse_attention`` builds, before the boundary
 (:meth:`~mm3.runtime.step.OpTarget.run`), the batch, caches and top-k buffer of its arguments,
 reading every tensor's shape, dtype and device once and comparing them, whole, with the last
 call's (:mod:`mm3.runtime.ops`, :func:`mm3.contract.facts.shape_of_facts`):
@@ -18,7 +18,7 @@ the tensors (no device read: on a GPU, no synchronisation), raising what a host 
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import pytest
 import torch
@@ -67,12 +67,16 @@ def _scales(c: mm3.PagedKVCache) -> tuple[Any, ...]:
     return (c.k_scale, c.v_scale, c.k_block_scale, c.v_block_scale, c.index_block_scale)
 
 
-def _call(layer: mm3.SparseAttention, case: Any, attention: bool, topk: Optional[torch.Tensor] = None,
+def _call(layer: mm3.SparseAttention, case: Any, attention: Union[bool, str], topk: Optional[torch.Tensor] = None,
           args: Optional[tuple[Any, ...]] = None, caches: Optional[mm3.PagedKVCache] = None) -> None:
+    """One op of a step: the indexer (``attention`` False), the attention (True) or the step op (``"step"``)."""
     c = caches or case.caches
     st = layer.topk_buffer.storage if topk is None else topk
     a, h = batch_args(case.batch) if args is None else args, layer.op_target.handle
-    if attention:
+    if attention == "step":
+        torch.ops.mm3.sparse_attention(case.q, case.index_q, c.k, c.v, c.index, st, *a, h, torch.zeros_like(case.q),
+                                       *_scales(c))
+    elif attention:
         torch.ops.mm3.attention(case.q, c.k, c.v, c.index, st, *a, h, torch.zeros_like(case.q), *_scales(c))
     else:
         torch.ops.mm3.index_topk(case.index_q, c.k, c.v, c.index, st, *a, h, *_scales(c))
@@ -105,9 +109,9 @@ def _same_fields(g: dict[str, Any], want: object) -> None:
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("step", list(STEPS))
-@pytest.mark.parametrize("attention", [False, True], ids=["index_topk", "attention"])
+@pytest.mark.parametrize("attention", [False, True, "step"], ids=["index_topk", "attention", "sparse_attention"])
 def test_the_ops_hand_the_boundary_what_the_constructors_make(monkeypatch: pytest.MonkeyPatch, kind: str, step: str,
-                                                             attention: bool) -> None:
+                                                             attention: Union[bool, str]) -> None:
     layer, case = _layer(kind), _case(step, kind)
     seen = _recorded(monkeypatch, layer)
     for _ in range(2):      # a call of new facts, then one of the same facts (read back)
@@ -235,6 +239,7 @@ def test_nothing_of_a_call_is_kept_past_it() -> None:
         _call(layer, case, False)
         _call(layer, case, True, topk=torch.full((case.batch.num_tokens, 2, P.topk), -1,
                                                  dtype=torch.int32).permute(1, 0, 2))
+        _call(layer, case, "step")
     for memo in (facts._LAST_SHAPE, facts._LAST_CACHE, buffers._LAST_VIEW):
         assert memo[0] and _tensors_in(memo) == 0
 

@@ -90,7 +90,8 @@ CASES = [pytest.param(entry, moved, id=f"{entry}-{moved}") for entry in ENTRIES 
 @pytest.mark.parametrize("entry,moved", CASES)
 def test_a_tensor_on_another_device_is_refused_by_name(entry: str, moved: str) -> None:
     call = _call(entry, moved)
-    with pytest.raises(mm3.InputError, match=rf"(^|: ){NAMES[entry][moved]} is (\S+ )?on meta\b"):
+    where = r"^torch\.ops\.mm3\.sparse_attention: " if entry == "step op" else "(^|: )"
+    with pytest.raises(mm3.InputError, match=rf"{where}{NAMES[entry][moved]} is (\S+ )?on meta\b"):
         call()
 
 
@@ -110,11 +111,12 @@ def test_custom_ops_on_meta_tensors_alone_propagate_shapes() -> None:
     meta = [_meta(t) for t in (case.index_q, c.k, c.v, c.index, layer.topk_buffer.storage)]
     torch.ops.mm3.index_topk(*meta, *args, layer.op_target.handle)
     torch.ops.mm3.attention(_meta(case.q), *meta[1:], *args, layer.op_target.handle, _meta(case.q))
+    torch.ops.mm3.sparse_attention(_meta(case.q), *meta, *args, layer.op_target.handle, _meta(case.q))
 
 
 @pytest.mark.parametrize("scale", ["k_block_scale", "v_block_scale", "index_block_scale"])
-@pytest.mark.parametrize("attention", [False, True], ids=["indexer", "attention"])
-def test_an_nvfp4_block_scale_on_another_device_is_refused_by_the_custom_ops(scale: str, attention: bool) -> None:
+@pytest.mark.parametrize("attention", [False, True, "step"], ids=["indexer", "attention", "step op"])
+def test_an_nvfp4_block_scale_on_another_device_is_refused_by_the_custom_ops(scale: str, attention: object) -> None:
     """A custom op whose only ``meta`` argument is one of NVFP4's block scales reaches its fake kernel, which
     must refuse it by name: a fake kernel that returned would leave the op's output unwritten, silently."""
     case = make_case(P, decodes=[70, 40], prefills=[(9, 30)], dtype="float32", kv_dtype="nvfp4",
@@ -126,7 +128,10 @@ def test_an_nvfp4_block_scale_on_another_device_is_refused_by_the_custom_ops(sca
               for n in ("k_block_scale", "v_block_scale", "index_block_scale")]
     storage = layer.topk_buffer.storage
     with pytest.raises(mm3.InputError, match=rf": {scale} is on meta\b"):
-        if attention:
+        if attention == "step":
+            torch.ops.mm3.sparse_attention(case.q, case.index_q, c.k, c.v, c.index, storage, *args, target.handle,
+                                           torch.zeros_like(case.q), c.k_scale, c.v_scale, *blocks)
+        elif attention:
             torch.ops.mm3.attention(case.q, c.k, c.v, c.index, storage, *args, target.handle,
                                     torch.zeros_like(case.q), c.k_scale, c.v_scale, *blocks)
         else:

@@ -119,8 +119,9 @@ def test_no_step_after_the_first_reads_the_host(entry: str, backend: str, monkey
             if stub:   # every step reached the backend: nothing was skipped
                 ran = {k: stub.calls[k] - before[k] for k in before}
                 prefills = sum(s.prefill is not None for s in STREAM.steps)
-                want = {"layer": (16, 16), "custom ops": (16, 16), "step op": (16, 16), "tp rank": (16, 16), "vllm decode pair": (16, 16),
-                        "vllm prefill functions": (0, prefills), "sglang decode": (16, 16),
+                want = {"layer": (16, 16), "custom ops": (16, 16), "step op": (16, 16), "tp rank": (16, 16),
+                        "vllm decode pair": (16, 16), "vllm prefill functions": (0, prefills),
+                        "sglang decode": (16, 16),
                         "sglang prefill": (prefills, prefills)}[entry.replace(", token slots", "")]
                 assert (ran["index_topk"], ran["attention_forward"]) == want, ran
     finally:

@@ -57,7 +57,7 @@ from mm3.contract.buffers import PagedKVCache, TopkBuffer
 from mm3.contract.errors import InputError
 from mm3.contract.facts import OPS_NAMES
 from mm3.contract.hookspecs import Op
-from mm3.runtime.step import OpTarget
+from mm3.runtime.step import BOTH, OpTarget
 
 __all__ = ["OpTarget", "batch_args", "batch_from_args", "register", "lookup", "sparse_attention"]
 
@@ -131,7 +131,7 @@ def batch_from_args(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, conte
 # each op's name in errors and its ops, made once (an enum member's attribute lookup runs Python every call)
 _INDEX_ENTRY, _INDEX_OPS = "torch.ops.mm3.index_topk", (Op.INDEX_TOPK,)
 _ATTENTION_ENTRY, _ATTENTION_OPS = "torch.ops.mm3.attention", (Op.ATTENTION,)
-_STEP_ENTRY, _STEP_OPS = "torch.ops.mm3.sparse_attention", (Op.INDEX_TOPK, Op.ATTENTION)
+_STEP_ENTRY = "torch.ops.mm3.sparse_attention"
 
 
 def _call_parts(handle: int, entry: str, topk: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
@@ -216,7 +216,7 @@ def sparse_attention(q: torch.Tensor, index_q: torch.Tensor, k: torch.Tensor, v:
         handle, _STEP_ENTRY, topk, k, v, index, query_start_loc, seq_lens, context_lens, block_table,
         token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens, max_prefill_query_len,
         block_size, k_scale, v_scale, k_block_scale, v_block_scale, index_block_scale)
-    target.run(_STEP_ENTRY, _STEP_OPS, caches=caches, batch=batch, topk=own, index_q=index_q, q=q, out=out,
+    target.run(_STEP_ENTRY, BOTH, caches=caches, batch=batch, topk=own, index_q=index_q, q=q, out=out,
                names=OPS_NAMES)
 
 
@@ -249,7 +249,7 @@ def _(index_q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block
       token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
       max_prefill_query_len, block_size, handle, k_scale=None, v_scale=None, k_block_scale=None,
       v_block_scale=None, index_block_scale=None) -> None:
-    _meta_argument("torch.ops.mm3.index_topk", dict(
+    _meta_argument(_INDEX_ENTRY, dict(
         index_q=index_q, k=k, v=v, index=index, topk=topk, query_start_loc=query_start_loc, seq_lens=seq_lens,
         context_lens=context_lens, block_table=block_table, token_to_request=token_to_request,
         token_positions=token_positions, k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
@@ -262,7 +262,7 @@ def _(q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table
       token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
       max_prefill_query_len, block_size, handle, out, k_scale=None, v_scale=None, k_block_scale=None,
       v_block_scale=None, index_block_scale=None) -> None:
-    _meta_argument("torch.ops.mm3.attention", dict(
+    _meta_argument(_ATTENTION_ENTRY, dict(
         q=q, k=k, v=v, index=index, topk=topk, query_start_loc=query_start_loc, seq_lens=seq_lens,
         context_lens=context_lens, block_table=block_table, token_to_request=token_to_request,
         token_positions=token_positions, out=out, k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
@@ -275,7 +275,7 @@ def _(q, index_q, k, v, index, topk, query_start_loc, seq_lens, context_lens,  #
       block_table, token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
       max_prefill_query_len, block_size, handle, out, k_scale=None, v_scale=None, k_block_scale=None,
       v_block_scale=None, index_block_scale=None) -> None:
-    _meta_argument("torch.ops.mm3.sparse_attention", dict(
+    _meta_argument(_STEP_ENTRY, dict(
         q=q, index_q=index_q, k=k, v=v, index=index, topk=topk, query_start_loc=query_start_loc,
         seq_lens=seq_lens, context_lens=context_lens, block_table=block_table, token_to_request=token_to_request,
         token_positions=token_positions, out=out, k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
