@@ -11,7 +11,7 @@
     smallest fault word it met (a plain load and store: of programs that find
     faults at once any one may win), the word
     :func:`mm3.contract.contents.lengths_word` and ``pages_word`` compute with
-    about forty torch operations: one launch instead, no synchronisation.
+    about sixty torch operations: one launch instead, no synchronisation.
 
 The grid and every argument come from shapes and the batch's host ints, so the
 launch captures in a CUDA graph.

@@ -198,7 +198,7 @@ def check_contents(batch: "BatchMetadata", num_pages: int, word: "torch.Tensor")
     plain load and store, no atomics) to a fault word of :mod:`mm3.contract.contents`
     (``fault_word(request, block)`` for a page id, ``LENGTHS | rule << 40 | index`` for the others),
     the smallest one a program meets. mm3 calls it at every eager call that reads a device batch (an
-    engine edits a batch's tensors in place between steps), instead of its own check of about forty
+    engine edits a batch's tensors in place between steps), instead of its own check of about sixty
     torch operations; ``mm3.contract.contents.lengths_word`` and ``pages_word`` are the reference. A
     backend that declares ``addressings`` "slots" judges a batch of token slots here too (``batch.slots``:
     every slot a used position names, ``slots_word`` the reference).
