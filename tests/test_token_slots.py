@@ -139,6 +139,17 @@ def test_the_layer_runs_token_slots_eagerly_and_the_custom_ops_refuse_them() -> 
         batch_args(slotted.batch)  # type: ignore[attr-defined]
 
 
+def test_a_compiled_layer_refuses_token_slots_with_mm3s_reason() -> None:
+    """The refusal is raised while dynamo traces the layer, which wraps it in an error of its own (under
+    ``fullgraph=True``, ``torch._dynamo.exc.Unsupported``): the message still says what is wrong and what to do."""
+    _, slotted = _cases(11)
+    layer = mm3.SparseAttention(P, dtype=torch.float32, index_dtype=torch.bfloat16, max_decode_query_len=2,
+                                backend="cpu_ref")
+    compiled = torch.compile(layer.forward, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="token slots .*torch.ops.mm3.*run the layer eagerly"):
+        compiled(slotted.q, slotted.index_q, slotted.caches, slotted.batch)  # type: ignore[attr-defined]
+
+
 # -- contents ------------------------------------------------------------------------------------
 NUM_SLOTS = 64
 
