@@ -244,40 +244,17 @@ def _meta_argument(entry: str, named: dict[str, object]) -> None:
                          f"input of the step to one device (tensor.to(device))")
 
 
-@torch.library.register_fake("mm3::index_topk", lib=_LIB)
-def _(index_q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table,  # type: ignore[no-untyped-def]
-      token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
-      max_prefill_query_len, block_size, handle, k_scale=None, v_scale=None, k_block_scale=None,
-      v_block_scale=None, index_block_scale=None) -> None:
-    _meta_argument(_INDEX_ENTRY, dict(
-        index_q=index_q, k=k, v=v, index=index, topk=topk, query_start_loc=query_start_loc, seq_lens=seq_lens,
-        context_lens=context_lens, block_table=block_table, token_to_request=token_to_request,
-        token_positions=token_positions, k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
-        v_block_scale=v_block_scale, index_block_scale=index_block_scale))
-    return None
+def _register_fake(name: str, entry: str) -> None:
+    """The fake kernel of op ``name``: it returns nothing (the op's results are its declared mutations) and
+    refuses a ``meta`` argument of a real call (:func:`_meta_argument`), naming it as the schema does."""
+    names = [a.name for a in getattr(torch.ops.mm3, name).default._schema.arguments]
+
+    def fake(*args: object, **kwargs: object) -> None:
+        _meta_argument(entry, {**dict(zip(names, args)), **kwargs})
+
+    torch.library.register_fake(f"mm3::{name}", fake, lib=_LIB)
 
 
-@torch.library.register_fake("mm3::attention", lib=_LIB)
-def _(q, k, v, index, topk, query_start_loc, seq_lens, context_lens, block_table,  # type: ignore[no-untyped-def]
-      token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
-      max_prefill_query_len, block_size, handle, out, k_scale=None, v_scale=None, k_block_scale=None,
-      v_block_scale=None, index_block_scale=None) -> None:
-    _meta_argument(_ATTENTION_ENTRY, dict(
-        q=q, k=k, v=v, index=index, topk=topk, query_start_loc=query_start_loc, seq_lens=seq_lens,
-        context_lens=context_lens, block_table=block_table, token_to_request=token_to_request,
-        token_positions=token_positions, out=out, k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
-        v_block_scale=v_block_scale, index_block_scale=index_block_scale))
-    return None
-
-
-@torch.library.register_fake("mm3::sparse_attention", lib=_LIB)
-def _(q, index_q, k, v, index, topk, query_start_loc, seq_lens, context_lens,  # type: ignore[no-untyped-def]
-      block_table, token_to_request, token_positions, num_decodes, decode_query_len, num_decode_tokens,
-      max_prefill_query_len, block_size, handle, out, k_scale=None, v_scale=None, k_block_scale=None,
-      v_block_scale=None, index_block_scale=None) -> None:
-    _meta_argument(_STEP_ENTRY, dict(
-        q=q, index_q=index_q, k=k, v=v, index=index, topk=topk, query_start_loc=query_start_loc,
-        seq_lens=seq_lens, context_lens=context_lens, block_table=block_table, token_to_request=token_to_request,
-        token_positions=token_positions, out=out, k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
-        v_block_scale=v_block_scale, index_block_scale=index_block_scale))
-    return None
+for _name, _entry in (("index_topk", _INDEX_ENTRY), ("attention", _ATTENTION_ENTRY),
+                      ("sparse_attention", _STEP_ENTRY)):
+    _register_fake(_name, _entry)
