@@ -461,20 +461,20 @@ class OpsRow(LayerRow):
     def _call(self, s: StreamStep, b: Any, caches: mm3.PagedKVCache) -> Call:
         from mm3.runtime.ops import batch_args
 
-        T, c = s.num_tokens, caches
-        q, iq, out = self.q[:T], self.iq[:T], self.out[:T]
-        args, h, st = batch_args(b), self.layer.op_target.handle, self.layer.topk_buffer.storage
+        T = s.num_tokens
+        return self._ops(self.q[:T], self.iq[:T], self.out[:T], caches, batch_args(b), self.layer.op_target.handle,
+                         self.layer.topk_buffer.storage)
 
+    def _ops(self, q: torch.Tensor, iq: torch.Tensor, out: torch.Tensor, c: mm3.PagedKVCache, args: Any, h: int,
+             st: torch.Tensor) -> Call:
+        """The row's op calls of one step, on the step's tensors and flattened batch."""
         def ops() -> None:
             torch.ops.mm3.index_topk(iq, c.k, c.v, c.index, st, *args, h)
             torch.ops.mm3.attention(q, c.k, c.v, c.index, st, *args, h, out)
         return ops
 
 
-_FLOOR: dict[str, Any] = {}
-
-
-class StepOpRow(LayerRow):
+class StepOpRow(OpsRow):
     """``torch.ops.mm3.sparse_attention`` on the layer's handle and top-k storage: what a compiled layer calls."""
 
     def __init__(self, setup: Setup) -> None:
@@ -482,16 +482,12 @@ class StepOpRow(LayerRow):
             raise Unavailable("no torch.ops.mm3.sparse_attention in this checkout")
         super().__init__(setup)
 
-    def _call(self, s: StreamStep, b: Any, caches: mm3.PagedKVCache) -> Call:
-        from mm3.runtime.ops import batch_args
+    def _ops(self, q: torch.Tensor, iq: torch.Tensor, out: torch.Tensor, c: mm3.PagedKVCache, args: Any, h: int,
+             st: torch.Tensor) -> Call:
+        return lambda: torch.ops.mm3.sparse_attention(q, iq, c.k, c.v, c.index, st, *args, h, out)
 
-        T, c = s.num_tokens, caches
-        q, iq, out = self.q[:T], self.iq[:T], self.out[:T]
-        args, h, st = batch_args(b), self.layer.op_target.handle, self.layer.topk_buffer.storage
 
-        def op() -> None:
-            torch.ops.mm3.sparse_attention(q, iq, c.k, c.v, c.index, st, *args, h, out)
-        return op
+_FLOOR: dict[str, Any] = {}
 
 
 def _floor_ops() -> tuple[Any, Any]:
@@ -510,12 +506,9 @@ class OpsFloorRow(OpsRow):
     """The ops row's calls, same arguments, on ops of the same schemas whose kernels return at once: the
     floor the dispatcher sets under the custom ops (no mm3 code runs)."""
 
-    def _call(self, s: StreamStep, b: Any, caches: mm3.PagedKVCache) -> Call:
-        from mm3.runtime.ops import batch_args
-
-        T, c, (index_topk, attention) = s.num_tokens, caches, _floor_ops()
-        q, iq, out = self.q[:T], self.iq[:T], self.out[:T]
-        args, h, st = batch_args(b), self.layer.op_target.handle, self.layer.topk_buffer.storage
+    def _ops(self, q: torch.Tensor, iq: torch.Tensor, out: torch.Tensor, c: mm3.PagedKVCache, args: Any, h: int,
+             st: torch.Tensor) -> Call:
+        index_topk, attention = _floor_ops()
 
         def ops() -> None:
             index_topk(iq, c.k, c.v, c.index, st, *args, h)
