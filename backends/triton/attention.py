@@ -76,7 +76,7 @@ __all__ = ["attention_forward"]
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["W", "num_decodes"])
+@step_kernel("W", "num_decodes")
 def _decode_attention_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, num_pages, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,
@@ -111,7 +111,7 @@ def _decode_attention_kernel(
     acc = tl.zeros([G_PAD, D], tl.float32)
     toks = tl.full([G_PAD], 0, tl.int32) + t
     if pos >= 0:
-        nb = visible_blocks(pos, pos >= 0, W, B)
+        nb = visible_blocks(pos, True, W, B)
         q, undo = load_query_rows(q_ptr, toks, h * G + rows, s_qt, s_qh, s_qd, row_ok, D, DOT_DTYPE, SCALE_Q)
         qk = score_scale(qk_scale, undo, SCALE_Q)
         pos_rows = tl.full([G_PAD], 0, tl.int32) + pos
@@ -126,6 +126,7 @@ def _decode_attention_kernel(
             blk = tl.load(sel_row + i * s_sel_k, mask=i < K, other=-1)
             repeated = tl.max(((sel == blk) & (slots < i)).to(tl.int32), axis=0)
             use = (blk >= 0) & (blk < nb) & (repeated == 0)
+            # the block is clamped above and the request at the top; mask=use only spares an unused slot's load
             page, slot_blk, cols_left = block_at(bt_ptr, s_bt_r, s_bt_b, num_pages, r, tl.where(use, blk, 0), st_ptr,
                                                  s_st_r, s_st_c, st_rows, st_width, sr_ptr, B, SLOTS, mask=use)
             m_i, l_i, acc = _attend_block_masked(
@@ -144,7 +145,7 @@ def _decode_attention_kernel(
         tl.store(ws_acc_ptr + (base * G_PAD + rows)[:, None] * D + offs_d[None, :], acc)
 
 
-@triton.jit(do_not_specialize=["W", "num_decodes"])
+@step_kernel("W", "num_decodes")
 def _decode_attention_flat_kernel(
     q_ptr, s_qt, s_qh, s_qd, k_ptr, s_kp, s_kb, s_kh, s_kd, v_ptr, s_vp, s_vb, s_vh, s_vd,
     bt_ptr, s_bt_r, s_bt_b, num_pages, tok_req_ptr, pos_ptr, sel_ptr, s_sel_h, s_sel_t, s_sel_k,

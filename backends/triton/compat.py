@@ -51,7 +51,8 @@ import torch
 
 __all__ = ["INTERNALS", "RELEASES", "Release", "LAUNCH_HEAD", "DIRECT_LAUNCH", "BF16", "BOUNDS", "SHORTCUTS",
            "RAW_STREAM",
-           "missing", "lookup", "release_for", "installed_version", "release_note", "interpreter_problem",
+           "missing", "lookup", "release_for", "installed_version", "release_note", "checked_releases",
+           "interpreter_problem",
            "interpreter_module",
            "kernel_mode", "unspecialized_params", "jit_params", "JitParams", "compiled_launch", "launcher_problem",
            "active_driver", "hooks_installed", "hook_holder", "current_raw_stream"]
@@ -161,13 +162,19 @@ def installed_version() -> Optional[tuple[int, int]]:
         return None
 
 
+def checked_releases(sep: str = ", ", interpreting: bool = False) -> str:
+    """The Triton releases :data:`RELEASES` describes, joined by ``sep`` (``interpreting``: those whose
+    interpreter runs the kernels)."""
+    return sep.join(v for r in RELEASES if r.interpreter_runs_kernels or not interpreting for v in r.read)
+
+
 def release_note() -> str:
     """'' when the installed Triton is a release :data:`RELEASES` describes, else a sentence saying so."""
     version = installed_version()
     if version is None or release_for(version) is not None:
         return ""
-    checked = ", ".join(v for r in RELEASES for v in r.read)
-    return (f"Triton {version[0]}.{version[1]} is not a release mm3_backends.triton was checked on ({checked}): "
+    return (f"Triton {version[0]}.{version[1]} is not a release mm3_backends.triton was checked on "
+            f"({checked_releases()}): "
             f"its private internals are looked up before use, and a feature that does not find them is "
             f"turned off with a warning")
 
@@ -178,7 +185,7 @@ def interpreter_problem() -> str:
     row = release_for(version) if version is not None else None
     if row is None or row.interpreter_runs_kernels:
         return ""
-    runs = ", ".join(v for r in RELEASES if r.interpreter_runs_kernels for v in r.read)
+    runs = checked_releases(interpreting=True)
     return (f"Triton {version[0]}.{version[1]}'s interpreter cannot run these kernels (a loop bound computed by a "
             f"reduction is a one-element array there, not a number); run them on a GPU, or under "
             f"TRITON_INTERPRET=1 with Triton {runs}")

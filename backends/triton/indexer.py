@@ -66,7 +66,7 @@ FORCED_INIT = tl.constexpr(1e30)
 FORCED_LOCAL = tl.constexpr(1e29)
 
 
-@triton.jit(do_not_specialize=["T", "W", "j_R", "j_T", "j_nd", "j_dql", "j_ndt", "j_mpq", "j_M"])
+@step_kernel("T", "W", "j_R", "j_T", "j_nd", "j_dql", "j_ndt", "j_mpq", "j_M")
 def _decode_score_kernel(
     iq_ptr, s_iq_t, s_iq_h, s_iq_d, ik_ptr, s_ik_p, s_ik_b, s_ik_d, bt_ptr, s_bt_r, s_bt_b, num_pages, faults_ptr,
     qsl_ptr, pos_ptr, ws_ptr, s_ws_r, s_ws_row, H, T, W, out_ptr, s_out_h, s_out_t, s_out_k, cnt_ptr, ready_ptr,
@@ -215,7 +215,7 @@ def _select_rows(scores_ptr, s_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t,
              _ascending_ids(top, K, K_PAD, NB_PAD), mask=live[:, None] & (slots < K))
 
 
-@triton.jit(do_not_specialize=["T", "W"])
+@step_kernel("T", "W")
 def _decode_topk_kernel(
     ws_ptr, s_ws_r, s_ws_row, qsl_ptr, pos_ptr, out_ptr, s_out_h, s_out_t, s_out_k, H, T, W,
     B: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,

@@ -135,7 +135,7 @@ def _install() -> None:
             return
         lacking = compat.missing(compat.BOUNDS)
         if lacking:
-            checked = " or ".join(v for r in compat.RELEASES for v in r.read)
+            checked = compat.checked_releases(" or ")
             version = compat.installed_version()
             which = f"Triton {version[0]}.{version[1]}" if version else "the installed Triton"
             raise RuntimeError(f"the interpreter's bounds check needs Triton internals {which} lacks: "

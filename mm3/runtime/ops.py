@@ -154,9 +154,8 @@ def _call_parts(handle: int, entry: str, topk: torch.Tensor, k: torch.Tensor, v:
 
 # Defined with torch.library.Library rather than the custom_op decorator: the decorator's eager
 # call runs several Python layers (autograd, ADInplaceOrView, a dynamo-disable wrapper) that cost
-# about 25 us per call on the CPU; a
-# CompositeExplicitAutograd kernel is one dispatcher hop. The fake kernels and the schemas'
-# mutations are what torch.compile needs.
+# about 25 us per call on the CPU; a CompositeExplicitAutograd kernel is one dispatcher hop. The
+# fake kernels and the schemas' mutations are what torch.compile needs.
 _LIB = torch.library.Library("mm3", "DEF")
 _BATCH = ("Tensor query_start_loc, Tensor seq_lens, Tensor context_lens, Tensor block_table, "
           "Tensor token_to_request, Tensor token_positions, SymInt num_decodes, SymInt decode_query_len, "
